@@ -1,0 +1,21 @@
+# Two entry points, each bootstrapping .venv (Python 3.12) on a fresh machine.
+PY312 ?= $(shell PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null || command -v python3.12)
+VENV := .venv
+STAMP := $(VENV)/.installed
+MODEL ?= ../shared/models/stories260k
+
+.PHONY: demo test bootstrap
+
+$(STAMP): pyproject.toml
+	@test -x $(VENV)/bin/python || $(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+bootstrap: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/jaxinfer generate --model $(MODEL) --max-tokens 200 "Once upon a time"
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -x tests
