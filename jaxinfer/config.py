@@ -1,0 +1,230 @@
+"""ModelConfig: one frozen (hashable) record per model, read from a Hugging Face config.json.
+
+Every supported family is the same forward function; the differences are the fields below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.errors import ModelLoadError
+
+# Hugging Face `architectures[0]` -> our family name.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "GPT2LMHeadModel": "gpt2",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    family: str                      # "llama" | "qwen2" | "qwen3" | "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+    norm_kind: str = "rms"           # "rms" | "layer"
+    norm_eps: float = 1e-6
+    position_kind: str = "rope"      # "rope" | "learned"
+    rope_theta: float = 10000.0
+    # Llama-3 style frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
+    rope_llama3: tuple[float, float, float, int] | None = None
+    rope_linear_factor: float = 1.0
+    mlp_kind: str = "swiglu"         # "swiglu" | "gelu"
+    activation: str = "silu"         # "silu" | "gelu_tanh" | "gelu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "float32"           # compute and storage dtype of the parameters
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def jnp_dtype(self):
+        import jax.numpy as jnp
+
+        return jnp.dtype(self.dtype)
+
+    def rope_inv_freq(self) -> np.ndarray:
+        """Inverse frequencies [head_dim // 2] in float32, scaled as the config asks."""
+        # float32 throughout, as transformers computes it, so that angles agree to the last bit.
+        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
+        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
+        inv = inv / np.float32(self.rope_linear_factor)
+        if self.rope_llama3 is not None:
+            factor, low, high, old_len = self.rope_llama3
+            low_wavelen, high_wavelen = old_len / low, old_len / high
+            wavelen = 2 * math.pi / inv
+            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+            smooth = (old_len / wavelen - low) / (high - low)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+            is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            inv = np.where(is_mid, mid, scaled)
+        return inv.astype(np.float32)
+
+    def num_params(self) -> int:
+        d, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        mlp = (3 if self.mlp_kind == "swiglu" else 2) * d * i
+        emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        pos = self.max_position_embeddings * d if self.position_kind == "learned" else 0
+        return L * (attn + mlp) + emb + pos
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
+    return data
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """RoPE settings from either transformers 5 `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    out: dict[str, Any] = {"rope_theta": theta}
+    if kind in (None, "default"):
+        pass
+    elif kind == "llama3":
+        out["rope_llama3"] = (
+            float(params["factor"]),
+            float(params["low_freq_factor"]),
+            float(params["high_freq_factor"]),
+            int(params["original_max_position_embeddings"]),
+        )
+    elif kind == "linear":
+        out["rope_linear_factor"] = float(params["factor"])
+    else:
+        raise ModelLoadError(f"unsupported rope type {kind!r}")
+    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelLoadError("partial rotary embeddings are not supported")
+    return out
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
+    """Build a ModelConfig from the dict of a Hugging Face config.json."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        supported = ", ".join(sorted(ARCHITECTURES))
+        raise ModelLoadError(f"unknown architecture {arch!r} (supported: {supported})")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+    try:
+        if family == "gpt2":
+            d = int(hf["n_embd"])
+            heads = int(hf["n_head"])
+            act = hf.get("activation_function", "gelu_new")
+            return ModelConfig(
+                family=family,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=d,
+                num_layers=int(hf["n_layer"]),
+                num_heads=heads,
+                num_kv_heads=heads,
+                head_dim=d // heads,
+                intermediate_size=int(hf.get("n_inner") or 4 * d),
+                max_position_embeddings=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
+                norm_kind="layer",
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+                position_kind="learned",
+                mlp_kind="gelu",
+                activation={"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}[act],
+                qkv_bias=True,
+                o_bias=True,
+                mlp_bias=True,
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+                dtype=dtype,
+            )
+        heads = int(hf["num_attention_heads"])
+        d = int(hf["hidden_size"])
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r}")
+        if family == "llama" and hf.get("sliding_window") not in (None, 0):
+            if int(hf["sliding_window"]) < int(hf.get("max_position_embeddings", 0)):
+                raise ModelLoadError("sliding-window attention is not supported")
+        return ModelConfig(
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=d,
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or d // heads),
+            intermediate_size=int(hf["intermediate_size"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            norm_kind="rms",
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            o_bias=family == "llama" and bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")),
+            dtype=dtype,
+            **_rope_fields(hf),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks the field {e.args[0]!r} for {arch}") from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"config.json has a bad value: {e}") from None
+
+
+def load_config(model_dir: str | Path, dtype: str = "float32") -> ModelConfig:
+    """Read config.json (and generation_config.json's eos ids, if present) from a model folder."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model folder {model_dir} does not exist")
+    cfg = config_from_hf(_read_json(model_dir / "config.json"), dtype)
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        gen = _read_json(gen_path)
+        eos = tuple(dict.fromkeys(cfg.eos_token_ids + _eos_ids(gen.get("eos_token_id"))))
+        cfg = dataclasses.replace(cfg, eos_token_ids=eos)
+    return cfg

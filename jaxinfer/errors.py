@@ -1,0 +1,13 @@
+"""Errors a user can cause. The CLI prints them as one line and exits with code 2."""
+
+
+class JaxinferError(Exception):
+    """Base class for errors caused by the user's input (a model folder, a prompt, a parameter)."""
+
+
+class ModelLoadError(JaxinferError, ValueError):
+    """A model folder that is missing, incomplete, corrupt or of an unsupported architecture."""
+
+
+class PromptTooLongError(JaxinferError, ValueError):
+    """A prompt that leaves no room in the context window."""

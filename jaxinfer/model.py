@@ -1,0 +1,107 @@
+"""The transformer as pure functions of (config, ops, params, kv cache, step arrays).
+
+One forward function serves every family; the differences are ModelConfig fields. Layers are a
+`lax.scan` over the stacked per-layer parameters, with the KV cache in the carry so that XLA
+updates it in place.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+
+
+def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array:
+    if cfg.norm_kind == "rms":
+        return ops.rms_norm(x, p["scale"], cfg.norm_eps)
+    return ops.layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
+
+
+def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size):
+    positions, slot_mapping, token_seq, page_table = tokens_arrays
+    T = x.shape[0]
+    h = _norm(ops, cfg, x, lp["attn_norm"])
+    qkv = ops.linear(h, lp["wqkv"], lp.get("bqkv"))
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = ops.rms_norm(q, lp["q_norm"], cfg.norm_eps)
+        k = ops.rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    if cos_sin is not None:
+        q = ops.apply_rope(q, *cos_sin)
+        k = ops.apply_rope(k, *cos_sin)
+    kv_k, kv_v = ops.write_kv(kv_k, kv_v, layer, k, v, slot_mapping)
+    attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
+                               page_size, cfg.head_dim ** -0.5)
+    out = ops.linear(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"))
+    return x + out, kv_k, kv_v
+
+
+def _mlp_block(cfg, ops, lp, x):
+    h = _norm(ops, cfg, x, lp["mlp_norm"])
+    if cfg.mlp_kind == "swiglu":
+        h = ops.swiglu(ops.linear(h, lp["w_gate_up"]))
+    else:
+        h = ops.gelu(ops.linear(h, lp["w_up"], lp.get("b_up")), approximate=cfg.activation == "gelu_tanh")
+    return x + ops.linear(h, lp["w_down"], lp.get("b_down"))
+
+
+def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
+                  positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
+                  page_table: jax.Array) -> tuple[KVCache, jax.Array]:
+    """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D]."""
+    x = params["embed"][tokens]
+    if cfg.position_kind == "learned":
+        x = x + params["pos_embed"][positions]
+    cos_sin = None
+    if cfg.position_kind == "rope":
+        cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
+    token_arrays = (positions, slot_mapping, token_seq, page_table)
+
+    def layer_fn(carry, xs):
+        x, kv_k, kv_v = carry
+        lp, layer = xs
+        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, kv.page_size)
+        x = _mlp_block(cfg, ops, lp, x)
+        return (x, kv_k, kv_v), None
+
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), (params["layers"], layers))
+    return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
+
+
+def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> jax.Array:
+    """float32 logits [R, V] for the rows h [R, D]."""
+    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    return ops.logits(h, w)
+
+
+def forward(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
+            positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array,
+            logits_rows: jax.Array) -> tuple[KVCache, jax.Array]:
+    """One forward pass; logits [R, V] only for the token rows `logits_rows` [R]."""
+    kv, h = hidden_states(cfg, ops, params, kv, tokens, positions, slot_mapping, token_seq, page_table)
+    return kv, lm_head(cfg, ops, params, h[logits_rows])
+
+
+def prompt_logits(cfg: ModelConfig, ops: ModuleType, params: dict, token_ids: np.ndarray,
+                  page_size: int = 16) -> jax.Array:
+    """Logits [T, V] of every position of one prompt, through a throwaway cache (tests, research)."""
+    T = len(token_ids)
+    n_pages = -(-T // page_size)
+    kv = KVCache.allocate(cfg, n_pages + 1, page_size)
+    pages = np.arange(1, n_pages + 1, dtype=np.int32)
+    pos = np.arange(T, dtype=np.int32)
+    slots = pages[pos // page_size] * page_size + pos % page_size
+    _, logits = jax.jit(forward, static_argnums=(0, 1))(
+        cfg, ops, params, kv, jnp.asarray(token_ids, jnp.int32), jnp.asarray(pos), jnp.asarray(slots),
+        jnp.zeros(T, jnp.int32), jnp.asarray(pages)[None, :], jnp.asarray(pos))
+    return logits

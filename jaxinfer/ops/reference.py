@@ -1,0 +1,107 @@
+"""The op interface in jax.numpy: the source of truth that Pallas kernels are checked against.
+
+Every op takes and returns arrays in the model's dtype; products and reductions accumulate in
+float32 and round where Hugging Face transformers rounds, so float32 runs match it to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+f32 = jnp.float32
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    h = x.astype(f32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return scale * h.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    h = x.astype(f32)
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    h = (h - mean) * jax.lax.rsqrt(var + eps)
+    return (h * scale.astype(f32) + bias.astype(f32)).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [T, in] @ w[out, in].T (+ b) with float32 accumulation."""
+    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+    if b is not None:
+        y = y + b.astype(f32)
+    return y.astype(x.dtype)
+
+
+def logits(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The lm_head product, kept in float32 for sampling."""
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+
+def swiglu(gate_up: jax.Array) -> jax.Array:
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def gelu(x: jax.Array, approximate: bool) -> jax.Array:
+    return jax.nn.gelu(x, approximate=approximate)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [T, head_dim] in rotate-half layout (the two halves repeat the frequencies)."""
+    freqs = positions.astype(f32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [T, N, hd]; rotate-half RoPE as Hugging Face Llama applies it."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Write k, v [T, KVH, hd] into the caches [L, slots, KVH, hd] of `layer` at slot_mapping [T]."""
+    return k_cache.at[layer, slot_mapping].set(k), v_cache.at[layer, slot_mapping].set(v)
+
+
+def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                    page_table: jax.Array, token_seq: jax.Array, positions: jax.Array,
+                    page_size: int, scale: float, chunk: int = 64) -> jax.Array:
+    """Causal attention of ragged query tokens over their own sequence's pages.
+
+    q [T, H, hd]; caches [L, slots, KVH, hd]; page_table [B, P]; token_seq [T] (row of page_table
+    for each token); positions [T] (a token sees cached positions 0..position). Query tokens are
+    processed in chunks so that the gathered keys stay [chunk, P * page_size, KVH, hd].
+    """
+    T, H, hd = q.shape
+    kvh = k_cache.shape[2]
+    group = H // kvh
+    B, P = page_table.shape
+    ctx = P * page_size
+    slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, ctx)
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+
+    def attend(args):
+        qc, seq, pos = args
+        s = slots[seq]                                   # [Tc, ctx]
+        k, v = k_layer[s], v_layer[s]                    # [Tc, ctx, KVH, hd]
+        qg = qc.reshape(qc.shape[0], kvh, group, hd)
+        scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, preferred_element_type=f32) * scale
+        visible = jnp.arange(ctx)[None, :] <= pos[:, None]
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+        out = jnp.einsum("tkgc,tckd->tkgd", probs, v, preferred_element_type=f32)
+        return out.reshape(qc.shape[0], H, hd).astype(q.dtype)
+
+    if T <= chunk:
+        return attend((q, token_seq, positions))
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    qs = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n, chunk, H, hd)
+    seqs = jnp.pad(token_seq, (0, pad)).reshape(n, chunk)
+    poss = jnp.pad(positions, (0, pad)).reshape(n, chunk)
+    return jax.lax.map(attend, (qs, seqs, poss)).reshape(n * chunk, H, hd)[:T]

@@ -1,0 +1,196 @@
+"""ModelRunner: parameters and KV arrays on the device, one compiled step per shape bucket.
+
+Two jitted step kinds, both with the KV cache and sampler state donated:
+- `mixed`: a ragged batch of T tokens (prompt chunks and single decode tokens) for up to B
+  sequences; samples the next token of the sequences that emit.
+- `decode`: `decode_steps` decode steps for B sequences inside one dispatch (a `lax.scan`
+  carrying tokens, positions and done flags), so the host is off the critical path.
+All buckets are compiled by `warmup()`; afterwards no request triggers a compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from types import ModuleType
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxinfer import model
+from jaxinfer.batch import StepBatch
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
+from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+
+
+@flax.struct.dataclass
+class SamplerState:
+    """Per-sequence penalty state, one row per running-sequence slot plus a scratch row (last)."""
+
+    prompt_mask: jax.Array     # bool [rows, V]: token occurs in the prompt
+    output_counts: jax.Array   # int32 [rows, V]: times the token was generated
+
+    @staticmethod
+    def allocate(rows: int, vocab: int) -> "SamplerState":
+        return SamplerState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32))
+
+
+@flax.struct.dataclass
+class DecodeBatch:
+    """B sequences in the decode phase; each adds one token per inner step."""
+
+    tokens: jax.Array          # int32 [B], last token (its K/V not yet cached)
+    positions: jax.Array       # int32 [B], position of that token
+    page_table: jax.Array      # int32 [B, P]
+    state_row: jax.Array       # int32 [B]
+    step_index: jax.Array      # int32 [B], index of the token to generate next
+    remaining: jax.Array       # int32 [B], tokens it may still generate
+    stop_ids: jax.Array        # int32 [B, S], -1 padded
+    active: jax.Array          # bool [B]
+    sampling: SamplingArrays
+
+
+def _gather_rows(state: SamplerState, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return state.prompt_mask[rows], state.output_counts[rows]
+
+
+def _count(state: SamplerState, rows: jax.Array, tokens: jax.Array, emits: jax.Array) -> SamplerState:
+    scratch = state.output_counts.shape[0] - 1
+    rows = jnp.where(emits, rows, scratch)
+    return state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
+
+
+def mixed_step(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, state: SamplerState,
+               batch: StepBatch) -> tuple[KVCache, SamplerState, jax.Array, jax.Array]:
+    """Prompt chunks and decode tokens together; returns (kv, state, tokens [B], logprobs [B])."""
+    scratch = state.prompt_mask.shape[0] - 1
+    T = batch.tokens.shape[0]
+    # Reset the penalty rows of sequences that start now, then mark their prompt tokens.
+    rows = batch.state_row
+    fresh = batch.first_chunk[:, None]
+    state = state.replace(
+        prompt_mask=state.prompt_mask.at[rows].set(jnp.where(fresh, False, state.prompt_mask[rows])),
+        output_counts=state.output_counts.at[rows].set(jnp.where(fresh, 0, state.output_counts[rows])),
+    )
+    valid = jnp.arange(T) < batch.query_start[-1]
+    is_prompt = valid & (batch.positions < batch.prompt_lens[batch.token_seq])
+    token_rows = jnp.where(is_prompt, rows[batch.token_seq], scratch)
+    state = state.replace(prompt_mask=state.prompt_mask.at[token_rows, batch.tokens].set(True))
+
+    kv, logits = model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
+                               batch.token_seq, batch.page_table, batch.sample_index)
+    pm, oc = _gather_rows(state, rows)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc)
+    state = _count(state, rows, tokens, batch.emits)
+    return kv, state, tokens, logprobs
+
+
+def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, params: dict, kv: KVCache,
+                 state: SamplerState, batch: DecodeBatch):
+    """n_steps decode steps in one dispatch. Returns (kv, state, tokens [n, B], logprobs [n, B], emitted [n, B])."""
+    B = batch.tokens.shape[0]
+    rows = jnp.arange(B, dtype=jnp.int32)
+
+    def one(carry, _):
+        kv, state, tokens, positions, step_index, remaining, active = carry
+        slots = jnp.where(active, slot_of(batch.page_table, positions, kv.page_size), SCRATCH_PAGE * kv.page_size)
+        kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows)
+        pm, oc = _gather_rows(state, batch.state_row)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc)
+        state = _count(state, batch.state_row, new, active)
+        remaining = remaining - active.astype(jnp.int32)
+        stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
+        emitted = active
+        step = active.astype(jnp.int32)
+        carry = (kv, state, jnp.where(active, new, tokens), positions + step, step_index + step,
+                 remaining, active & ~stopped)
+        return carry, (new, logprobs, emitted)
+
+    init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
+    (kv, state, *_), (tokens, logprobs, emitted) = jax.lax.scan(one, init, None, length=n_steps)
+    return kv, state, tokens, logprobs, emitted
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+class ModelRunner:
+    """Owns the device state (params, KV cache, sampler state) and the compiled steps."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
+                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, decode_steps: int = 8):
+        self.cfg, self.params, self.ops = cfg, params, ops
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.pages_per_seq = -(-max_model_len // page_size)
+        self.decode_steps_per_call = decode_steps
+        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.batch_buckets = pow2_buckets(1, max_num_seqs)
+        self.kv = KVCache.allocate(cfg, num_pages, page_size)
+        self.state = SamplerState.allocate(max_num_seqs + 1, cfg.vocab_size)
+        self.scratch_row = max_num_seqs
+        self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, decode_steps), donate_argnums=(1, 2))
+
+    def token_bucket(self, n: int) -> int:
+        return next(b for b in self.token_buckets if b >= n)
+
+    def batch_bucket(self, n: int) -> int:
+        return next(b for b in self.batch_buckets if b >= n)
+
+    def run_mixed(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        self.kv, self.state, tokens, logprobs = self._mixed(self.params, self.kv, self.state, batch)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def run_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self.kv, self.state, tokens, logprobs, emitted = self._decode(self.params, self.kv, self.state, batch)
+        return np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
+
+    # Padded, inert batches: used for warm-up and as the template the engine fills in.
+    def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
+        B, P = self.max_num_seqs, self.pages_per_seq
+        return dict(
+            tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
+            slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
+            page_table=np.full((B, P), SCRATCH_PAGE, np.int32), query_start=np.zeros(B + 1, np.int32),
+            prompt_lens=np.zeros(B, np.int32), sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
+            first_chunk=np.zeros(B, bool), state_row=np.full(B, self.scratch_row, np.int32),
+            step_index=np.zeros(B, np.int32),
+        )
+
+    def empty_decode(self, B: int, n_stop: int = 8) -> dict[str, np.ndarray]:
+        return dict(
+            tokens=np.zeros(B, np.int32), positions=np.zeros(B, np.int32),
+            page_table=np.full((B, self.pages_per_seq), SCRATCH_PAGE, np.int32),
+            state_row=np.full(B, self.scratch_row, np.int32), step_index=np.zeros(B, np.int32),
+            remaining=np.zeros(B, np.int32), stop_ids=np.full((B, n_stop), -1, np.int32),
+            active=np.zeros(B, bool),
+        )
+
+    @staticmethod
+    def sampling_arrays(params: list[SamplingParams], seeds: list[int], pad_to: int) -> SamplingArrays:
+        return SamplingArrays.from_params(params, seeds, pad_to)
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile every bucket now (inert batches touch only the scratch page). Returns seconds."""
+        t0 = time.perf_counter()
+        shapes = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.batch_buckets]
+        for kind, n in tqdm(shapes, desc="compiling steps", unit="shape", disable=not progress, leave=False):
+            if kind == "mixed":
+                arrays = self.empty_mixed(n)
+                samp = self.sampling_arrays([], [], self.max_num_seqs)
+                self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)))
+            else:
+                arrays = self.empty_decode(n)
+                samp = self.sampling_arrays([], [], n)
+                self.run_decode(jax.device_put(DecodeBatch(**arrays, sampling=samp)))
+        return time.perf_counter() - t0

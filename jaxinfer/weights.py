@@ -1,0 +1,207 @@
+"""safetensors -> parameter pytree, through a declarative map per family.
+
+Our tree (per-layer tensors stacked on a leading layer axis, so the forward pass scans over layers):
+    embed [V, D]; pos_embed [P, D] (learned positions); lm_head [V, D] (untied only);
+    final_norm {scale, bias?} [D];
+    layers: attn_norm {scale, bias?} [L, D]; wqkv [L, Q+2K, D]; bqkv [L, Q+2K];
+            q_norm, k_norm [L, hd]; wo [L, D, Q]; bo [L, D]; mlp_norm {scale, bias?} [L, D];
+            w_gate_up [L, 2I, D] (SwiGLU, gate rows first) or w_up [L, I, D], b_up [L, I] (GELU);
+            w_down [L, D, I]; b_down [L, D].
+Linear weights keep the Hugging Face [out, in] layout: decode kernels read one output row per lane
+group. Q/K/V and gate/up are concatenated at load time so each is one projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from tqdm import tqdm
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import ModelLoadError
+
+Shape = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One tensor of our tree, made by concatenating (on axis 0) one or more HF tensors."""
+
+    dest: str                                     # dotted path in our tree
+    sources: tuple[str, ...]                      # HF names; "{i}" marks a per-layer tensor
+    shapes: Callable[[ModelConfig], list[Shape]]  # expected shape of each source, in our layout
+    transpose: bool = False                       # GPT-2 Conv1D stores [in, out]
+    when: Callable[[ModelConfig], bool] = lambda c: True
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.sources[0]
+
+
+def _norm_rules(dest: str, hf: str, has_bias: bool) -> list[Rule]:
+    rules = [Rule(f"{dest}.scale", (f"{hf}.weight",), lambda c: [(c.hidden_size,)])]
+    if has_bias:
+        rules.append(Rule(f"{dest}.bias", (f"{hf}.bias",), lambda c: [(c.hidden_size,)]))
+    return rules
+
+
+def _qkv_shapes(c: ModelConfig) -> list[Shape]:
+    return [(c.q_size, c.hidden_size), (c.kv_size, c.hidden_size), (c.kv_size, c.hidden_size)]
+
+
+_ATT = "model.layers.{i}.self_attn"
+_MLP = "model.layers.{i}.mlp"
+LLAMA_RULES: list[Rule] = [
+    Rule("embed", ("model.embed_tokens.weight",), lambda c: [(c.vocab_size, c.hidden_size)]),
+    Rule("lm_head", ("lm_head.weight",), lambda c: [(c.vocab_size, c.hidden_size)],
+         when=lambda c: not c.tie_embeddings),
+    *_norm_rules("final_norm", "model.norm", False),
+    *_norm_rules("layers.attn_norm", "model.layers.{i}.input_layernorm", False),
+    *_norm_rules("layers.mlp_norm", "model.layers.{i}.post_attention_layernorm", False),
+    Rule("layers.wqkv", (f"{_ATT}.q_proj.weight", f"{_ATT}.k_proj.weight", f"{_ATT}.v_proj.weight"), _qkv_shapes),
+    Rule("layers.bqkv", (f"{_ATT}.q_proj.bias", f"{_ATT}.k_proj.bias", f"{_ATT}.v_proj.bias"),
+         lambda c: [(c.q_size,), (c.kv_size,), (c.kv_size,)], when=lambda c: c.qkv_bias),
+    Rule("layers.q_norm", (f"{_ATT}.q_norm.weight",), lambda c: [(c.head_dim,)], when=lambda c: c.qk_norm),
+    Rule("layers.k_norm", (f"{_ATT}.k_norm.weight",), lambda c: [(c.head_dim,)], when=lambda c: c.qk_norm),
+    Rule("layers.wo", (f"{_ATT}.o_proj.weight",), lambda c: [(c.hidden_size, c.q_size)]),
+    Rule("layers.bo", (f"{_ATT}.o_proj.bias",), lambda c: [(c.hidden_size,)], when=lambda c: c.o_bias),
+    Rule("layers.w_gate_up", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
+         lambda c: [(c.intermediate_size, c.hidden_size)] * 2),
+    Rule("layers.w_down", (f"{_MLP}.down_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)]),
+]
+
+_H = "h.{i}"
+GPT2_RULES: list[Rule] = [
+    Rule("embed", ("wte.weight",), lambda c: [(c.vocab_size, c.hidden_size)]),
+    Rule("pos_embed", ("wpe.weight",), lambda c: [(c.max_position_embeddings, c.hidden_size)]),
+    Rule("lm_head", ("lm_head.weight",), lambda c: [(c.vocab_size, c.hidden_size)],
+         when=lambda c: not c.tie_embeddings),
+    *_norm_rules("final_norm", "ln_f", True),
+    *_norm_rules("layers.attn_norm", f"{_H}.ln_1", True),
+    *_norm_rules("layers.mlp_norm", f"{_H}.ln_2", True),
+    Rule("layers.wqkv", (f"{_H}.attn.c_attn.weight",), lambda c: [(3 * c.hidden_size, c.hidden_size)], transpose=True),
+    Rule("layers.bqkv", (f"{_H}.attn.c_attn.bias",), lambda c: [(3 * c.hidden_size,)]),
+    Rule("layers.wo", (f"{_H}.attn.c_proj.weight",), lambda c: [(c.hidden_size, c.hidden_size)], transpose=True),
+    Rule("layers.bo", (f"{_H}.attn.c_proj.bias",), lambda c: [(c.hidden_size,)]),
+    Rule("layers.w_up", (f"{_H}.mlp.c_fc.weight",), lambda c: [(c.intermediate_size, c.hidden_size)], transpose=True),
+    Rule("layers.b_up", (f"{_H}.mlp.c_fc.bias",), lambda c: [(c.intermediate_size,)]),
+    Rule("layers.w_down", (f"{_H}.mlp.c_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)], transpose=True),
+    Rule("layers.b_down", (f"{_H}.mlp.c_proj.bias",), lambda c: [(c.hidden_size,)]),
+]
+
+RULES: dict[str, list[Rule]] = {"llama": LLAMA_RULES, "qwen2": LLAMA_RULES, "qwen3": LLAMA_RULES, "gpt2": GPT2_RULES}
+# Prefixes a checkpoint may put before the names above (GPT-2 saved by transformers uses "transformer.").
+PREFIXES: dict[str, tuple[str, ...]] = {"gpt2": ("", "transformer."), "llama": ("",), "qwen2": ("",), "qwen3": ("",)}
+
+
+class CheckpointReader:
+    """Name -> numpy array over one or several safetensors files of a model folder."""
+
+    def __init__(self, model_dir: Path):
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from None
+            files = sorted(set(weight_map.values()))
+        elif (model_dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise ModelLoadError(f"{model_dir} holds no model.safetensors (nor model.safetensors.index.json)")
+        self._handles: dict[str, Any] = {}
+        self._where: dict[str, str] = {}
+        for name in files:
+            path = model_dir / name
+            if not path.is_file():
+                raise ModelLoadError(f"{path} is listed in the index but missing")
+            try:
+                handle = safe_open(str(path), framework="np")
+                keys = list(handle.keys())
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelLoadError(f"{path} is not a readable safetensors file ({e})") from None
+            self._check_size(path, handle, keys)
+            self._handles[name] = handle
+            for k in keys:
+                self._where[k] = name
+
+    @staticmethod
+    def _check_size(path: Path, handle: Any, keys: list[str]) -> None:
+        # safetensors maps the file lazily; a truncated file would fail (or crash) only on first read.
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if path.stat().st_size < 8 + header_len + end:
+            raise ModelLoadError(f"{path} is truncated: {path.stat().st_size} bytes, header needs {8 + header_len + end}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, name: str) -> np.ndarray:
+        handle = self._handles[self._where[name]]
+        try:
+            return handle.get_tensor(name)
+        except (SafetensorError, TypeError, ValueError):
+            # numpy has no bfloat16: read raw bytes and view them through ml_dtypes.
+            sl = handle.get_slice(name)
+            dtype = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}[sl.get_dtype()]
+            return np.asarray(sl[:]).view(dtype).reshape(sl.get_shape())
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True) -> dict:
+    """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device."""
+    model_dir = Path(model_dir)
+    reader = CheckpointReader(model_dir)
+    prefixes = PREFIXES[cfg.family]
+    np_dtype = np.dtype(cfg.jnp_dtype)
+
+    def resolve(name: str) -> str:
+        for p in prefixes:
+            if p + name in reader:
+                return p + name
+        raise ModelLoadError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+
+    def read(name: str, shape: Shape, transpose: bool) -> np.ndarray:
+        full = resolve(name)
+        arr = reader.get(full)
+        if transpose and arr.ndim == 2:
+            arr = arr.T
+        if tuple(arr.shape) != tuple(shape):
+            want = shape[::-1] if transpose else shape
+            got = arr.shape[::-1] if transpose else arr.shape
+            raise ModelLoadError(f"{model_dir}: tensor {full!r} has shape {tuple(got)}, expected {tuple(want)}")
+        return arr.astype(np_dtype)
+
+    rules = [r for r in RULES[cfg.family] if r.when(cfg)]
+    tree: dict = {}
+    bar = tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False)
+    for rule in rules:
+        shapes = rule.shapes(cfg)
+        layers = range(cfg.num_layers) if rule.per_layer else [None]
+        stacked = []
+        for i in layers:
+            parts = [read(src.format(i=i), shp, rule.transpose) for src, shp in zip(rule.sources, shapes)]
+            stacked.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+        value = np.stack(stacked) if rule.per_layer else stacked[0]
+        _set(tree, rule.dest, jax.device_put(value))
+        bar.update(1)
+    bar.close()
+    return tree
