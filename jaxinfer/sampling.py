@@ -1,0 +1,327 @@
+"""Sampling: validated per-request `SamplingParams` (host) and batched sampling on device.
+
+Host side, `SamplingParams` is what a user asks for; `__post_init__` checks every field and
+raises `ValueError` naming the field. `SamplingArrays.from_params` packs a step's requests into
+per-row numpy arrays padded to a bucket size; padding rows are greedy and neutral.
+
+Device side, `sample` is a pure, jit-friendly function of arrays only (no Python branching on
+values). Per row, in this order:
+
+1. penalties on the raw logits: repetition (HF/vLLM: a logit of a token seen in the prompt or
+   the output is divided by the penalty when positive, multiplied when negative), then
+   frequency and presence (OpenAI: ``logit -= count * frequency + (count > 0) * presence``,
+   counts over generated tokens only);
+2. greedy rows (temperature == 0) take the argmax of the penalised logits (ties -> lowest id);
+3. other rows: one stable descending sort of the penalised logits, then temperature, top-k,
+   top-p (the smallest prefix of most probable tokens whose probability mass reaches top_p,
+   measured after top-k; the top token is always kept), min-p (drop tokens whose probability is
+   below ``min_p * max_prob``), and a draw with `jax.random.categorical` over what remains; the
+   sorted position is mapped back to a token id through the sort permutation.
+
+The randomness of row b is ``fold_in(key(seed[b]), step_index[b])``, so a request's tokens do
+not depend on which other requests share the batch nor on the row it sits in.
+
+The returned logprob is that of the chosen token under the raw model distribution
+(``log_softmax`` of the unpenalised, untempered logits), as vLLM returns by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.errors import JaxinferError
+
+MAX_LOGPROBS = 20
+_U32_MASK = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- host: validation
+
+
+class SamplingParamsError(JaxinferError, ValueError):
+    """An invalid sampling parameter; the message starts with the field's name."""
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_int(name: str, x) -> int:
+    if not _is_int(x):
+        raise SamplingParamsError(f"{name} must be an int, got {x!r} ({type(x).__name__})")
+    return int(x)
+
+
+def _check_float(name: str, x) -> float:
+    if not _is_real(x):
+        raise SamplingParamsError(f"{name} must be a number, got {x!r} ({type(x).__name__})")
+    x = float(x)
+    if not math.isfinite(x):
+        raise SamplingParamsError(f"{name} must be finite, got {x!r}")
+    return x
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """What one request asks of the sampler; validated on construction.
+
+    ``stop`` and ``stop_token_ids`` are normalised to (fresh) lists, ``[]`` when not given.
+    Numeric fields are normalised to ``int``/``float``.
+    """
+
+    max_tokens: int = 16  # >= 1
+    temperature: float = 1.0  # >= 0; 0 means greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = -1  # -1 or 0 = off, else >= 1
+    min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # > 0; prompt + generated tokens
+    presence_penalty: float = 0.0  # [-2, 2]; generated tokens
+    frequency_penalty: float = 0.0  # [-2, 2]; generated tokens
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return; 0..20
+
+    def __post_init__(self) -> None:
+        self.max_tokens = _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+
+        self.top_k = _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise SamplingParamsError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _check_float(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {v}")
+            setattr(self, name, v)
+
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed)
+
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise SamplingParamsError(f"stop must be a str, a list of str or None, got {type(stop).__name__}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise SamplingParamsError(f"stop must contain only str, got {s!r} ({type(s).__name__})")
+            if not s:
+                raise SamplingParamsError("stop must not contain empty strings")
+        self.stop = stop
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple)):
+            ids = list(ids)
+        else:
+            raise SamplingParamsError(f"stop_token_ids must be a list of int or None, got {type(ids).__name__}")
+        for i in ids:
+            if not _is_int(i):
+                raise SamplingParamsError(f"stop_token_ids must contain only int, got {i!r} ({type(i).__name__})")
+            if i < 0:
+                raise SamplingParamsError(f"stop_token_ids must be >= 0, got {i}")
+        self.stop_token_ids = [int(i) for i in ids]
+
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise SamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
+        self.ignore_eos = bool(self.ignore_eos)
+
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax (temperature == 0)."""
+        return self.temperature == 0.0
+
+
+def seed_to_u32(seed: int) -> int:
+    """The device seed for a host int: its low 32 bits (negative ints in two's complement)."""
+    return int(seed) & _U32_MASK
+
+
+# --------------------------------------------------------------------------- device arrays
+
+
+@flax.struct.dataclass
+class SamplingArrays:
+    """Per-row sampling settings of one step, each of shape [B]."""
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; 0 = off
+    top_p: jax.Array  # f32; 1 = off
+    min_p: jax.Array  # f32; 0 = off
+    repetition_penalty: jax.Array  # f32; 1 = off
+    presence_penalty: jax.Array  # f32
+    frequency_penalty: jax.Array  # f32
+    seed: jax.Array  # uint32
+
+    @staticmethod
+    def from_params(params: Sequence[SamplingParams], seeds: Sequence[int], pad_to: int) -> "SamplingArrays":
+        """Pack ``params`` (one per row) into numpy arrays of length ``pad_to``.
+
+        ``seeds[i]`` is row i's seed (the engine draws one when the request gave none); it is
+        reduced to its low 32 bits. Rows past ``len(params)`` are greedy with neutral penalties.
+        """
+        n = len(params)
+        if len(seeds) != n:
+            raise ValueError(f"seeds must have one entry per params row ({n}), got {len(seeds)}")
+        if not _is_int(pad_to) or pad_to < n:
+            raise ValueError(f"pad_to must be an int >= len(params) ({n}), got {pad_to!r}")
+
+        def col(values, pad, dtype):
+            a = np.full((pad_to,), pad, dtype=dtype)
+            if n:
+                a[:n] = np.asarray(values, dtype=dtype)
+            return a
+
+        for s in seeds:
+            _check_int("seed", s)
+        return SamplingArrays(
+            temperature=col([p.temperature for p in params], 0.0, np.float32),
+            top_k=col([max(p.top_k, 0) for p in params], 0, np.int32),
+            top_p=col([p.top_p for p in params], 1.0, np.float32),
+            min_p=col([p.min_p for p in params], 0.0, np.float32),
+            repetition_penalty=col([p.repetition_penalty for p in params], 1.0, np.float32),
+            presence_penalty=col([p.presence_penalty for p in params], 0.0, np.float32),
+            frequency_penalty=col([p.frequency_penalty for p in params], 0.0, np.float32),
+            seed=col([seed_to_u32(s) for s in seeds], 0, np.uint32),
+        )
+
+
+# --------------------------------------------------------------------------- device: sampling
+
+
+def apply_penalties(
+    logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, output_counts: jax.Array
+) -> jax.Array:
+    """Repetition (prompt + output, HF/vLLM), then frequency and presence (output, OpenAI)."""
+    rep = arrays.repetition_penalty[:, None].astype(jnp.float32)
+    seen = prompt_mask | (output_counts > 0)
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    counts = output_counts.astype(jnp.float32)
+    logits = logits - arrays.frequency_penalty[:, None] * counts
+    logits = logits - arrays.presence_penalty[:, None] * (output_counts > 0).astype(jnp.float32)
+    return logits
+
+
+def _row_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
+    """One PRNG key per row: fold_in(key(seed[b]), step_index[b])."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(
+        seed.astype(jnp.uint32), step_index.astype(jnp.int32)
+    )
+
+
+def _filtered_sorted_logits(sorted_logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Temperature, top-k, top-p, min-p on logits sorted descending; dropped entries -> -inf."""
+    V = sorted_logits.shape[-1]
+    temp = arrays.temperature.astype(jnp.float32)
+    safe_temp = jnp.where(temp > 0, temp, 1.0)[:, None]
+    # Shift by the max before dividing so that a tiny temperature cannot overflow to +inf:
+    # the top entry is exactly 0 and the rest are <= 0 (possibly -inf).
+    scaled = (sorted_logits - sorted_logits[:, :1]) / safe_temp
+    rank = jnp.arange(V, dtype=jnp.int32)[None, :]
+
+    # top-k
+    k = arrays.top_k.astype(jnp.int32)[:, None]
+    keep = (k <= 0) | (rank < k)
+
+    # top-p over the top-k survivors, renormalised
+    e = jnp.where(keep, jnp.exp(scaled), 0.0)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # exclusive prefix sum
+    top_p = arrays.top_p.astype(jnp.float32)[:, None]
+    keep &= (top_p >= 1.0) | (mass_before < top_p)
+
+    # min-p: p_i >= min_p * p_max  <=>  exp(scaled_i) >= min_p (scaled_max == 0)
+    keep &= jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+
+    keep |= rank == 0  # the most probable token always survives
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample(
+    logits: jax.Array,
+    arrays: SamplingArrays,
+    step_index: jax.Array,
+    prompt_mask: jax.Array,
+    output_counts: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row.
+
+    logits [B, V] f32; step_index [B] i32 (index of the token being generated, 0 for the first);
+    prompt_mask [B, V] bool; output_counts [B, V] i32. Returns (tokens [B] i32, logprob [B] f32),
+    the logprob being that of the token under log_softmax of the raw ``logits``.
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    penalised = apply_penalties(logits, arrays, prompt_mask, output_counts)
+
+    greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+
+    # One stable descending sort per row: ties keep the lower token id first.
+    B, V = penalised.shape
+    ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
+    # (+ 0.0 turns -0.0 into +0.0 so that equal logits compare equal in the sort's total order.)
+    neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
+    masked = _filtered_sorted_logits(-neg_sorted, arrays)
+    keys = _row_keys(arrays.seed, step_index)
+    pos = jax.vmap(jax.random.categorical)(keys, masked)
+    sampled_tokens = jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+    tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
+    logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprob
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k largest entries of log_softmax(raw logits) per row: (values [B, k] f32, ids [B, k] i32).
+
+    ``k`` must be static (a Python int); ties list the lower id first.
+    """
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    B = logp.shape[0]
+    if k == 0:
+        return jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
+    values, ids = jax.lax.top_k(logp, k)
+    return values, ids.astype(jnp.int32)
