@@ -47,6 +47,7 @@ class EngineConfig:
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
     seed: int = 0                             # seeds requests that bring none
+    skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
     compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")
 
@@ -88,7 +89,7 @@ class _Sequence:
     seed: int
     max_new: int
     stop_ids: list[int]
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     stopper: StopStringMatcher
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
@@ -123,7 +124,7 @@ class Engine:
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         pages_per_seq = -(-self.max_model_len // config.page_size)
@@ -151,6 +152,8 @@ class Engine:
     # ---- requests ----
     def encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine was started without a tokenizer: give prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
         if any(t < 0 or t >= self.cfg.vocab_size for t in ids):
@@ -162,19 +165,23 @@ class Engine:
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} "
                                      "and at least one token must be generated")
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
-            stop_ids += [t for t in self.tokenizer.eos_token_ids + self.cfg.eos_token_ids if t not in stop_ids]
+            eos = (self.tokenizer.eos_token_ids if self.tokenizer else ()) + self.cfg.eos_token_ids
+            stop_ids += [t for t in dict.fromkeys(eos) if t not in stop_ids]
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(self.cfg.eos_token_ids)} are supported")
         seq = _Sequence(
             request_id=next(self._ids), prompt=text, prompt_ids=ids, params=params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
             max_new=min(params.max_tokens, self.max_model_len - len(ids)), stop_ids=stop_ids,
-            detok=IncrementalDetokenizer(self.tokenizer, ids), stopper=StopStringMatcher(params.stop or []),
+            detok=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
+            stopper=StopStringMatcher(params.stop or []),
         )
         self._waiting.append(seq)
         return seq.request_id
@@ -293,7 +300,7 @@ class Engine:
             accepted.append(tok)
             if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
-            else:
+            elif seq.detok is not None:
                 emitted, hit = seq.stopper.feed(seq.detok.add([tok]))
                 text += emitted
                 if hit:
@@ -302,7 +309,7 @@ class Engine:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:
                 break
-        if seq.finish_reason is not None and not seq.stopper.stopped:
+        if seq.finish_reason is not None and seq.detok is not None and not seq.stopper.stopped:
             emitted, _ = seq.stopper.feed(seq.detok.flush())   # a character left unfinished at the end
             text += emitted + seq.stopper.flush()
         seq.text += text

@@ -123,20 +123,24 @@ class CheckpointReader:
             if not path.is_file():
                 raise ModelLoadError(f"{path} is listed in the index but missing")
             try:
+                self._check_size(path)
                 handle = safe_open(str(path), framework="np")
                 keys = list(handle.keys())
-            except (SafetensorError, OSError, ValueError) as e:
+            except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+                if isinstance(e, ModelLoadError):
+                    raise
                 raise ModelLoadError(f"{path} is not a readable safetensors file ({e})") from None
-            self._check_size(path, handle, keys)
             self._handles[name] = handle
             for k in keys:
                 self._where[k] = name
 
     @staticmethod
-    def _check_size(path: Path, handle: Any, keys: list[str]) -> None:
-        # safetensors maps the file lazily; a truncated file would fail (or crash) only on first read.
+    def _check_size(path: Path) -> None:
+        # Name truncation plainly (safetensors reports it as "incomplete metadata").
         with open(path, "rb") as f:
             header_len = int.from_bytes(f.read(8), "little")
+            if header_len > path.stat().st_size:
+                raise ValueError(f"header length {header_len} exceeds the file")
             header = json.loads(f.read(header_len))
         end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
         if path.stat().st_size < 8 + header_len + end:
@@ -192,16 +196,19 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
 
     rules = [r for r in RULES[cfg.family] if r.when(cfg)]
     tree: dict = {}
-    bar = tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False)
-    for rule in rules:
-        shapes = rule.shapes(cfg)
-        layers = range(cfg.num_layers) if rule.per_layer else [None]
-        stacked = []
-        for i in layers:
-            parts = [read(src.format(i=i), shp, rule.transpose) for src, shp in zip(rule.sources, shapes)]
-            stacked.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
-        value = np.stack(stacked) if rule.per_layer else stacked[0]
-        _set(tree, rule.dest, jax.device_put(value))
-        bar.update(1)
-    bar.close()
+    with tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+        for rule in rules:
+            _set(tree, rule.dest, jax.device_put(_assemble(rule, cfg, read)))
+            bar.update(1)
     return tree
+
+
+def _assemble(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool], np.ndarray]) -> np.ndarray:
+    """Concatenate the rule's sources (per layer, then stacked on a leading layer axis)."""
+    shapes = rule.shapes(cfg)
+    layers = range(cfg.num_layers) if rule.per_layer else [None]
+    stacked = []
+    for i in layers:
+        parts = [read(src.format(i=i), shp, rule.transpose) for src, shp in zip(rule.sources, shapes)]
+        stacked.append(parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0))
+    return np.stack(stacked) if rule.per_layer else stacked[0]

@@ -1,0 +1,109 @@
+"""End to end on the reference path: goldens from transformers, batching invariance, seeds, no recompiles."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import DATA, STORIES
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine import stream
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def stories():
+    # Small budgets so that several prompts need several mixed steps and decode buckets.
+    return LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+
+
+def test_stories_greedy_200_tokens_match_transformers(stories):
+    golden = json.loads((DATA / "golden" / "stories260k.json").read_text())
+    out = stories.generate(golden["prompt"], SamplingParams(max_tokens=200, temperature=0))[0]
+    assert out.prompt_token_ids == golden["prompt_ids"]
+    assert out.token_ids == golden["greedy_ids"]
+    assert out.text == golden["greedy_text"]
+    assert out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"])
+def test_family_greedy_tokens_match_transformers(family):
+    golden = np.load(DATA / "golden" / f"{family}.npz")
+    llm = LLM(DATA / "models" / family, max_num_seqs=4, max_num_batched_tokens=32, decode_steps=4,
+              skip_tokenizer_init=True, progress=False)
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
+    outs = llm.generate(prompts, GREEDY)
+    for i, out in enumerate(outs):
+        assert out.token_ids == golden[f"greedy_{i}"].tolist(), f"{family} prompt {i}"
+
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park to play with a big red ball. They ran and ran until",
+    "One day",
+    "Tim had a toy car. He liked to push it across the floor, and his sister watched him. She said",
+    "Sue",
+]
+
+
+def test_batch_equals_alone_greedy(stories):
+    params = SamplingParams(max_tokens=40, temperature=0)
+    together = stories.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, together):
+        alone = stories.generate(prompt, params)[0]
+        assert out.token_ids == alone.token_ids, prompt
+        assert out.text == alone.text
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(stories):
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234)
+    alone = stories.generate(PROMPTS[0], params)[0]
+    again = stories.generate(PROMPTS[0], params)[0]
+    assert alone.token_ids == again.token_ids
+    others = [SamplingParams(max_tokens=30, temperature=0.7, seed=s) for s in range(len(PROMPTS) - 1)]
+    batch = stories.generate(PROMPTS[1:] + PROMPTS[:1], others + [params])
+    assert batch[-1].token_ids == alone.token_ids
+    other_seed = stories.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=1.0, seed=99))[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_strings_and_stop_tokens(stories):
+    full = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0))[0]
+    assert "Lily" in full.text
+    cut = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0, stop=["Lily"]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index("Lily")]
+    third = full.token_ids[2]
+    by_id = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[third]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:3]
+
+
+def test_streamed_text_equals_final_text(stories):
+    params = SamplingParams(max_tokens=50, temperature=0)
+    pieces = [d.text for d in stream(stories.engine, PROMPTS[2], params)]
+    assert "".join(pieces) == stories.generate(PROMPTS[2], params)[0].text
+    assert len(pieces) > 1
+
+
+def test_no_compilation_after_warmup(stories):
+    events = []
+
+    def listener(event, duration, **kw):
+        if "compile" in event or "trace" in event:
+            events.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        rng = np.random.default_rng(0)
+        for batch_size in (1, 3, 4, 6):
+            prompts = [PROMPTS[i % len(PROMPTS)] * int(rng.integers(1, 4)) for i in range(batch_size)]
+            params = [SamplingParams(max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0, 0.8])),
+                                     top_k=int(rng.choice([-1, 5])), repetition_penalty=1.1, seed=i)
+                      for i in range(batch_size)]
+            stories.generate(prompts, params)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
