@@ -46,6 +46,7 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
+    token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
@@ -136,7 +137,7 @@ class Engine:
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  steps_per_decode=config.decode_steps)
+                                  steps_per_decode=config.decode_steps, token_buckets=config.token_buckets)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0

@@ -127,13 +127,15 @@ class ModelRunner:
     """Owns the device state (params, KV cache, sampler state) and the compiled steps."""
 
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
-                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8):
+                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
+                 token_buckets: list[int] | None = None):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.pages_per_seq = -(-max_model_len // page_size)
         self.steps_per_decode = steps_per_decode
-        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.token_buckets = sorted(set(token_buckets or []) | {max_num_batched_tokens}) if token_buckets else \
+            pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.batch_buckets = pow2_buckets(1, max_num_seqs)
         self.kv = KVCache.allocate(cfg, num_pages, page_size)
         self.state = SamplerState.allocate(max_num_seqs + 1, cfg.vocab_size)
