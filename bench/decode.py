@@ -1,0 +1,199 @@
+"""Batch-1 decode on the GPU against the bandwidth roofline: Pallas path, XLA reference path, transformers.
+
+    PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf]
+                                         [--prompt 1024] [--new 128] [--long qwen3-4b:8192] [--out DIR]
+
+Random bf16 weights at real shapes are written as safetensors (jaxinfer.random_model) and loaded
+through our own loader (and by transformers for the peer). Greedy decode of `--new` tokens after a
+random prompt of `--prompt` tokens. The roofline is the bytes a step must read (every weight but
+the input embedding table, plus the KV rows at the step's context) over the HBM read bandwidth
+measured in this run by a large reduction. Prints one table; writes decode.json and decode.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for the torch peer
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import load_config
+from jaxinfer.engine import Engine
+from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
+
+SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                             "intermediate_size": 128}}  # a smoke test of this script on the CPU
+from jaxinfer.sampling import SamplingParams
+
+
+def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
+    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        r = f(x)
+    r.block_until_ready()
+    dt = (time.perf_counter() - t0) / reps
+    del x
+    return x_bytes(gib) / dt
+
+
+def x_bytes(gib: float) -> float:
+    return gib * 2**30
+
+
+def step_bytes(cfg, context: float) -> float:
+    """Bytes one batch-1 decode step must read: weights (the input embedding is one row) + KV at `context`."""
+    item = 2
+    weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
+    kv = 2 * cfg.num_layers * context * cfg.kv_size
+    return item * (weights + kv)
+
+
+def run_jaxinfer(model_dir: Path, ops: str, prompt: list[int], new: int, steps: int) -> dict:
+    chunk = min(len(prompt), 2048)
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + new + 16,
+                    max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
+                    skip_tokenizer_init=True)
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    out = None
+    for _ in range(2):  # the first request warms up whatever compilation did not
+        engine.stats = {k: 0 for k in engine.stats}
+        rid = engine.add_request(prompt, params)
+        t0 = time.perf_counter()
+        first = None
+        while engine.has_unfinished():
+            engine.step()
+            first = first or time.perf_counter() - t0
+        out = engine.take_finished(rid)
+    s = engine.stats
+    res = dict(step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"], ttft_ms=1e3 * first,
+               tokens=out.token_ids, compile_s=engine.compile_seconds)
+    del engine
+    gc.collect()
+    return res
+
+
+def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            torch.cuda.synchronize()
+            ttft = time.perf_counter() - t0
+            past, tokens = out.past_key_values, [int(tok)]
+            t0 = time.perf_counter()
+            for _ in range(new - 1):
+                out = model(input_ids=tok, past_key_values=past, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(tok))
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+    del model, past, out
+    torch.cuda.empty_cache()
+    return dict(step_ms=1e3 * dt / (new - 1), ttft_ms=1e3 * ttft, tokens=tokens, setup="eager, dynamic cache")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-4b", "llama3-8b"])
+    ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--long", nargs="*", default=["qwen3-4b:8192"])
+    ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+
+    bw = read_bandwidth()
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    cases = [(s, args.prompt) for s in args.shapes] + [(s, int(n)) for s, n in (x.split(":") for x in args.long)]
+    rows = []
+    for shape, ctx in cases:
+        model_dir = Path(args.models) / shape
+        if not (model_dir / "model.safetensors").is_file():
+            t0 = time.perf_counter()
+            write_random_model(model_dir, SHAPES[shape], dtype="bfloat16", seed=0)
+            print(f"# wrote {shape} in {time.perf_counter() - t0:.0f} s", flush=True)
+        cfg = load_config(model_dir, "bfloat16")
+        prompt = np.random.default_rng(0).integers(100, cfg.vocab_size - 100, ctx).tolist()
+        roof_bytes = step_bytes(cfg, ctx + args.new / 2)
+        roof_ms = 1e3 * roof_bytes / bw
+        results = {}
+        for path in args.paths:
+            try:
+                t0 = time.perf_counter()
+                results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
+                    run_jaxinfer(model_dir, path, prompt, args.new, args.steps)
+                results[path]["wall_s"] = time.perf_counter() - t0
+            except Exception as e:  # a path that fails is reported, not fatal to the table
+                results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+            r = results[path]
+            if "step_ms" in r:
+                r.update(tok_s=1e3 / r["step_ms"], roofline_share=roof_ms / r["step_ms"])
+            print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}", flush=True)
+        ref_tokens = results.get("reference", {}).get("tokens")
+        for path, r in results.items():
+            if ref_tokens and "tokens" in r:
+                r["greedy_match_vs_reference"] = int(np.argmin(np.array(r["tokens"]) == np.array(ref_tokens))) \
+                    if r["tokens"] != ref_tokens else len(ref_tokens)
+            rows.append(dict(shape=shape, context=ctx, path=path, roofline_ms=roof_ms, step_bytes=roof_bytes,
+                             **{k: v for k, v in r.items() if k != "tokens"}))
+        gc.collect()
+
+    print(f"\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | same greedy tokens as reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | |")
+            continue
+        print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
+              f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
+              f"{r.get('greedy_match_vs_reference', '-')} |")
+    out = Path(args.out)
+    (out / "decode.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind, rows=rows), indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = [r for r in rows if "step_ms" in r]
+        labels = sorted({f"{r['shape']}@{r['context']}" for r in ok}, key=lambda s: [r for r in ok].index(
+            next(r for r in ok if f"{r['shape']}@{r['context']}" == s)))
+        paths = list(dict.fromkeys(r["path"] for r in ok))
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for i, p in enumerate(paths):
+            vals = [next((100 * r["roofline_share"] for r in ok if r["path"] == p and f"{r['shape']}@{r['context']}" == l), 0)
+                    for l in labels]
+            ax.bar(np.arange(len(labels)) + i * 0.8 / len(paths), vals, 0.8 / len(paths), label=p)
+        ax.set_xticks(np.arange(len(labels)) + 0.4 - 0.4 / len(paths), labels)
+        ax.set_ylabel("% of bandwidth roofline")
+        ax.axhline(90, color="gray", ls="--", lw=0.8)
+        ax.legend()
+        ax.set_title(f"batch-1 decode, bf16, {jax.devices()[0].device_kind}")
+        fig.tight_layout()
+        fig.savefig(out / "decode.png", dpi=120)
+    except Exception as e:
+        print(f"# no plot: {e}")
+
+
+if __name__ == "__main__":
+    main()
