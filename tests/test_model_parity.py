@@ -74,3 +74,19 @@ def test_bfloat16_logits_close_to_float32(family):
     scale = np.abs(want).max()
     assert np.max(np.abs(ours - want)) <= 0.08 * scale
     assert np.mean(np.argmax(ours, -1) == np.argmax(want, -1)) >= 0.75
+
+
+def test_parameter_tree_shapes(family):
+    """The declarative maps give every family the same tree layout (stacked layers, fused QKV / gate-up)."""
+    import chex
+
+    name, cfg, params = family
+    L, D = cfg.num_layers, cfg.hidden_size
+    chex.assert_shape(params["embed"], (cfg.vocab_size, D))
+    chex.assert_shape(params["layers"]["wqkv"], (L, cfg.q_size + 2 * cfg.kv_size, D))
+    chex.assert_shape(params["layers"]["wo"], (L, D, cfg.q_size))
+    chex.assert_shape(params["layers"]["w_down"], (L, D, cfg.intermediate_size))
+    if cfg.mlp_kind == "swiglu":
+        chex.assert_shape(params["layers"]["w_gate_up"], (L, 2 * cfg.intermediate_size, D))
+    assert ("lm_head" in params) == (not cfg.tie_embeddings)
+    chex.assert_tree_all_finite(params)

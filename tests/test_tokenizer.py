@@ -423,8 +423,15 @@ def test_stop_with_detokenizer(toks):
 def test_stop_matches_reference(text, stops, cuts):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in zip(bounds, bounds[1:])]
-    hits = [i for i in (text.find(s) for s in stops) if i != -1]
-    expected = text[: min(hits)] if hits else text
+    # Generation ends at the first delta after which some stop string occurs in the text so far;
+    # the text is cut at the earliest occurrence in *that* text (a longer stop string that would
+    # start earlier but needs later deltas never gets the chance, as in vLLM).
+    expected, hits = text, []
+    for end in bounds[1:]:
+        hits = [i for i in (text[:end].find(s) for s in stops) if i != -1]
+        if hits:
+            expected = text[: min(hits)]
+            break
     out, at, _ = run_stop(stops, deltas)
     assert out == expected
     assert (at is not None) == bool(hits)
