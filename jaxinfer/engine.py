@@ -47,6 +47,7 @@ class EngineConfig:
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
+    unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
@@ -137,7 +138,8 @@ class Engine:
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  steps_per_decode=config.decode_steps, token_buckets=config.token_buckets)
+                                  steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
+                                  unroll_layers=config.unroll_layers)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0

@@ -1,7 +1,8 @@
 """Device side of the paged KV cache: the page arrays and the per-step index arrays.
 
-K and V of every layer live in arrays [L, num_pages * page_size, KVH, hd]: page p holds slots
-p * page_size .. (p + 1) * page_size - 1. Page 0 is the scratch page: padding rows of a step write
+K and V of every layer live in arrays [L, KVH, num_pages * page_size, hd]: page p holds slots
+p * page_size .. (p + 1) * page_size - 1, so one page of one KV head is a contiguous
+[page_size, hd] block (what attention kernels load). Page 0 is the scratch page: padding rows of a step write
 there and padding entries of a page table point there, so no valid page is ever touched by padding.
 """
 
@@ -19,17 +20,17 @@ SCRATCH_PAGE = 0
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array                                   # [L, slots, KVH, hd]
-    v: jax.Array                                   # [L, slots, KVH, hd]
+    k: jax.Array                                   # [L, KVH, slots, hd]
+    v: jax.Array                                   # [L, KVH, slots, hd]
     page_size: int = flax.struct.field(pytree_node=False, default=16)
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1] // self.page_size
+        return self.k.shape[2] // self.page_size
 
     @staticmethod
     def allocate(cfg: ModelConfig, num_pages: int, page_size: int) -> "KVCache":
-        shape = (cfg.num_layers, num_pages * page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
         return KVCache(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype), page_size)
 
 

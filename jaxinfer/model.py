@@ -23,7 +23,7 @@ def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array
     return ops.layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
 
 
-def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size):
+def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size, decode):
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
     h = _norm(ops, cfg, x, lp["attn_norm"])
@@ -39,8 +39,12 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
         q = ops.apply_rope(q, *cos_sin)
         k = ops.apply_rope(k, *cos_sin)
     kv_k, kv_v = ops.write_kv(kv_k, kv_v, layer, k, v, slot_mapping)
-    attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
-                               page_size, cfg.head_dim ** -0.5)
+    if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
+        attn = ops.paged_decode_attention(q, kv_k, kv_v, layer, page_table, positions + 1, page_size,
+                                          cfg.head_dim ** -0.5)
+    else:
+        attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
+                                   page_size, cfg.head_dim ** -0.5)
     out = ops.linear(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"))
     return x + out, kv_k, kv_v
 
@@ -56,8 +60,12 @@ def _mlp_block(cfg, ops, lp, x):
 
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
                   positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
-                  page_table: jax.Array) -> tuple[KVCache, jax.Array]:
-    """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D]."""
+                  page_table: jax.Array, decode: bool = False, unroll: bool = False) -> tuple[KVCache, jax.Array]:
+    """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D].
+
+    decode: token t is the single new token of sequence t (T == B), at position `positions[t]`.
+    unroll: unroll the layer loop (no while loop on the device; longer compile).
+    """
     x = params["embed"][tokens]
     if cfg.position_kind == "learned":
         x = x + params["pos_embed"][positions]
@@ -69,12 +77,13 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     def layer_fn(carry, xs):
         x, kv_k, kv_v = carry
         lp, layer = xs
-        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, kv.page_size)
+        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, kv.page_size,
+                                         decode)
         x = _mlp_block(cfg, ops, lp, x)
         return (x, kv_k, kv_v), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), (params["layers"], layers))
+    (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), (params["layers"], layers), unroll=unroll)
     return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
 
 
@@ -86,9 +95,10 @@ def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> ja
 
 def forward(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
             positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array,
-            logits_rows: jax.Array) -> tuple[KVCache, jax.Array]:
+            logits_rows: jax.Array, decode: bool = False, unroll: bool = False) -> tuple[KVCache, jax.Array]:
     """One forward pass; logits [R, V] only for the token rows `logits_rows` [R]."""
-    kv, h = hidden_states(cfg, ops, params, kv, tokens, positions, slot_mapping, token_seq, page_table)
+    kv, h = hidden_states(cfg, ops, params, kv, tokens, positions, slot_mapping, token_seq, page_table,
+                          decode, unroll)
     return kv, lm_head(cfg, ops, params, h[logits_rows])
 
 

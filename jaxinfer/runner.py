@@ -89,7 +89,7 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, sta
     return kv, state, tokens, logprobs
 
 
-def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, params: dict, kv: KVCache,
+def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, params: dict, kv: KVCache,
                  state: SamplerState, batch: DecodeBatch):
     """n_steps decode steps in one dispatch. Returns (kv, state, tokens [n, B], logprobs [n, B], emitted [n, B])."""
     B = batch.tokens.shape[0]
@@ -98,7 +98,8 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, params: dict, 
     def one(carry, _):
         kv, state, tokens, positions, step_index, remaining, active = carry
         slots = jnp.where(active, slot_of(batch.page_table, positions, kv.page_size), SCRATCH_PAGE * kv.page_size)
-        kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows)
+        kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
+                                   decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
         new, logprobs = sample(logits, batch.sampling, step_index, pm, oc)
         state = _count(state, batch.state_row, new, active)
@@ -128,7 +129,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
-                 token_buckets: list[int] | None = None):
+                 token_buckets: list[int] | None = None, unroll_layers: bool = False):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -141,7 +142,7 @@ class ModelRunner:
         self.state = SamplerState.allocate(max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = max_num_seqs
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers), donate_argnums=(1, 2))
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets if b >= n)

@@ -66,8 +66,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Write k, v [T, KVH, hd] into the caches [L, slots, KVH, hd] of `layer` at slot_mapping [T]."""
-    return k_cache.at[layer, slot_mapping].set(k), v_cache.at[layer, slot_mapping].set(v)
+    """Write k, v [T, KVH, hd] into the caches [L, KVH, slots, hd] of `layer` at slot_mapping [T]."""
+    # Two advanced indices around a slice: numpy puts the indexed dims first, so the target is [T, KVH, hd].
+    return k_cache.at[layer, :, slot_mapping].set(k), v_cache.at[layer, :, slot_mapping].set(v)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
@@ -75,28 +76,28 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
                     page_size: int, scale: float, chunk: int = 64) -> jax.Array:
     """Causal attention of ragged query tokens over their own sequence's pages.
 
-    q [T, H, hd]; caches [L, slots, KVH, hd]; page_table [B, P]; token_seq [T] (row of page_table
+    q [T, H, hd]; caches [L, KVH, slots, hd]; page_table [B, P]; token_seq [T] (row of page_table
     for each token); positions [T] (a token sees cached positions 0..position). Query tokens are
     processed in chunks so that the gathered keys stay [chunk, P * page_size, KVH, hd].
     """
     T, H, hd = q.shape
-    kvh = k_cache.shape[2]
+    kvh = k_cache.shape[1]
     group = H // kvh
     B, P = page_table.shape
     ctx = P * page_size
     slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, ctx)
-    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    k_layer, v_layer = k_cache[layer], v_cache[layer]          # [KVH, slots, hd]
 
     def attend(args):
         qc, seq, pos = args
-        s = slots[seq]                                   # [Tc, ctx]
-        k, v = k_layer[s], v_layer[s]                    # [Tc, ctx, KVH, hd]
+        s = slots[seq]                                          # [Tc, ctx]
+        k, v = k_layer[:, s], v_layer[:, s]                     # [KVH, Tc, ctx, hd]
         qg = qc.reshape(qc.shape[0], kvh, group, hd)
-        scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
+        scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
         visible = jnp.arange(ctx)[None, :] <= pos[:, None]
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("tkgc,tckd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
+        out = jnp.einsum("tkgc,ktcd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
         return out.reshape(qc.shape[0], H, hd).astype(q.dtype)
 
     if T <= chunk:
@@ -107,3 +108,12 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     seqs = jnp.pad(token_seq, (0, pad)).reshape(n, chunk)
     poss = jnp.pad(positions, (0, pad)).reshape(n, chunk)
     return jax.lax.map(attend, (qs, seqs, poss)).reshape(n * chunk, H, hd)[:T]
+
+
+def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                           page_table: jax.Array, context_lens: jax.Array, page_size: int,
+                           scale: float) -> jax.Array:
+    """One query token per sequence (q [B, H, hd]) over that sequence's first context_lens[b] positions."""
+    B = q.shape[0]
+    return paged_attention(q, k_cache, v_cache, layer, page_table, jnp.arange(B, dtype=jnp.int32),
+                           context_lens - 1, page_size, scale, chunk=max(B, 1))
