@@ -26,8 +26,7 @@ def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array
 def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size, decode):
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
-    h = _norm(ops, cfg, x, lp["attn_norm"])
-    qkv = ops.linear(h, lp["wqkv"], lp.get("bqkv"))
+    qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
     q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
     q = q.reshape(T, cfg.num_heads, cfg.head_dim)
     k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
@@ -45,17 +44,25 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
     else:
         attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
                                    page_size, cfg.head_dim ** -0.5)
-    out = ops.linear(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"))
-    return x + out, kv_k, kv_v
+    x = ops.linear_residual(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), x)
+    return x, kv_k, kv_v
+
+
+def _norm_linear(ops, cfg, x, norm_p, w, b):
+    if cfg.norm_kind == "rms":
+        return ops.rms_norm_linear(x, norm_p["scale"], cfg.norm_eps, w, b)
+    return ops.linear(_norm(ops, cfg, x, norm_p), w, b)
 
 
 def _mlp_block(cfg, ops, lp, x):
-    h = _norm(ops, cfg, x, lp["mlp_norm"])
-    if cfg.mlp_kind == "swiglu":
-        h = ops.swiglu(ops.linear(h, lp["w_gate_up"]))
+    if cfg.mlp_kind == "swiglu" and cfg.norm_kind == "rms":
+        h = ops.rms_norm_swiglu(x, lp["mlp_norm"]["scale"], cfg.norm_eps, lp["w_gate_up"])
+    elif cfg.mlp_kind == "swiglu":
+        h = ops.swiglu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_gate_up"], None))
     else:
-        h = ops.gelu(ops.linear(h, lp["w_up"], lp.get("b_up")), approximate=cfg.activation == "gelu_tanh")
-    return x + ops.linear(h, lp["w_down"], lp.get("b_down"))
+        h = ops.gelu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_up"], lp.get("b_up")),
+                     approximate=cfg.activation == "gelu_tanh")
+    return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
 
 
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,

@@ -1,7 +1,8 @@
 """The op interface with Pallas GPU kernels swapped in, op by op, where they measured faster.
 
-Every op not overridden here is the reference op. `interpret=True` (set by `get_ops("pallas-interpret")`)
-runs the kernels in Pallas interpret mode so that this backend is testable on the CPU.
+Ops not overridden here are the reference ops. Composite ops (norm + projection, projection +
+residual) are rebuilt on top of the Pallas `linear` until a fused kernel replaces them.
+`get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ class OpSet(SimpleNamespace):
 def make(interpret: bool = False) -> OpSet:
     from jaxinfer.pallas import gemv
 
+    linear = functools.partial(gemv.linear, interpret=interpret)
+
+    def rms_norm_linear(x, scale, eps, w, b=None):
+        return linear(reference.rms_norm(x, scale, eps), w, b)
+
+    def rms_norm_swiglu(x, scale, eps, w_gate_up):
+        return reference.swiglu(rms_norm_linear(x, scale, eps, w_gate_up))
+
+    def linear_residual(x, w, b, residual):
+        return residual + linear(x, w, b)
+
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
-    ops["linear"] = functools.partial(gemv.linear, interpret=interpret)
+    ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
+               linear_residual=linear_residual)
     return OpSet(**ops, name="pallas-interpret" if interpret else "pallas")

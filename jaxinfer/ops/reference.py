@@ -36,6 +36,21 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def rms_norm_linear(x: jax.Array, scale: jax.Array, eps: float, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """linear(rms_norm(x)): the norm as the prologue of the projection that follows it."""
+    return linear(rms_norm(x, scale, eps), w, b)
+
+
+def rms_norm_swiglu(x: jax.Array, scale: jax.Array, eps: float, w_gate_up: jax.Array) -> jax.Array:
+    """silu(gate) * up of the fused [2I, D] gate/up projection of rms_norm(x): [T, I]."""
+    return swiglu(rms_norm_linear(x, scale, eps, w_gate_up))
+
+
+def linear_residual(x: jax.Array, w: jax.Array, b: jax.Array | None, residual: jax.Array) -> jax.Array:
+    """residual + linear(x): the projection rounds to x.dtype, then the add rounds again (as transformers)."""
+    return residual + linear(x, w, b)
+
+
 def logits(x: jax.Array, w: jax.Array) -> jax.Array:
     """The lm_head product, kept in float32 for sampling."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
