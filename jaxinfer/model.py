@@ -15,6 +15,16 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.ops import LayerWeight
+
+
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
+
+
+def _layer_params(layers: dict, layer: jax.Array) -> dict:
+    """One layer's parameters: matrices stay in their stacked arrays (LayerWeight), small ones are sliced."""
+    return {k: LayerWeight(v, layer) if k in MATRICES else jax.tree.map(lambda a: a[layer], v)
+            for k, v in layers.items()}
 
 
 def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array:
@@ -81,16 +91,16 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
         cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
-    def layer_fn(carry, xs):
+    def layer_fn(carry, layer):
         x, kv_k, kv_v = carry
-        lp, layer = xs
+        lp = _layer_params(params["layers"], layer)
         x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, kv.page_size,
                                          decode)
         x = _mlp_block(cfg, ops, lp, x)
         return (x, kv_k, kv_v), None
 
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), (params["layers"], layers), unroll=unroll)
+    (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), layers, unroll=unroll)
     return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
 
 

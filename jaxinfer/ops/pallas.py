@@ -1,16 +1,17 @@
 """The op interface with Pallas GPU kernels swapped in, op by op, where they measured faster.
 
-Ops not overridden here are the reference ops. Composite ops (norm + projection, projection +
-residual) are rebuilt on top of the Pallas `linear` until a fused kernel replaces them.
+Ops not overridden here are the reference ops. The projections of a decode step (T <= MAX_T tokens)
+run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows it, the
+residual add and SwiGLU in the epilogue, weights read in place from the stacked layer arrays.
+Larger T (prefill) goes to the reference ops until the prefill kernels land.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
-from jaxinfer.ops import reference
+from jaxinfer.ops import LayerWeight, reference
 
 
 class OpSet(SimpleNamespace):
@@ -21,18 +22,36 @@ class OpSet(SimpleNamespace):
 
 
 def make(interpret: bool = False) -> OpSet:
-    from jaxinfer.pallas import gemv
+    from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
-    linear = functools.partial(gemv.linear, interpret=interpret)
+    def _gemv(x, w, **kw):
+        stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerWeight) else (w, 0)
+        n_out, n_in = stacked.shape[-2:]
+        if kw.get("epilogue") == "swiglu":
+            n_out //= 2
+        return fused_gemv(x, stacked, layer, block_in=block_in_for(n_out, n_in, stacked.dtype),
+                          interpret=interpret, **kw)
+
+    def small(x) -> bool:
+        return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
+
+    def linear(x, w, b=None):
+        return _gemv(x, w, b=b) if small(x) else reference.linear(x, w, b)
 
     def rms_norm_linear(x, scale, eps, w, b=None):
-        return linear(reference.rms_norm(x, scale, eps), w, b)
+        if small(x):
+            return _gemv(x, w, scale=scale, eps=eps, b=b)
+        return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
-        return reference.swiglu(rms_norm_linear(x, scale, eps, w_gate_up))
+        if small(x):
+            return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
+        return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def linear_residual(x, w, b, residual):
-        return residual + linear(x, w, b)
+        if small(x):
+            return _gemv(x, w, b=b, residual=residual, epilogue="residual")
+        return reference.linear_residual(x, w, b, residual)
 
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.ops import weight
+
 f32 = jnp.float32
 # float32 products in full float32 (XLA on GPUs would otherwise use TF32); no effect on bf16 inputs.
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -29,8 +31,8 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [T, in] @ w[out, in].T (+ b) with float32 accumulation."""
-    y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
+    """x [T, in] @ w[out, in].T (+ b) with float32 accumulation; w may be a LayerWeight."""
+    y = jax.lax.dot_general(x, weight(w), (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
     if b is not None:
         y = y + b.astype(f32)
     return y.astype(x.dtype)

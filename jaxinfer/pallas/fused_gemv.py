@@ -1,0 +1,118 @@
+"""Decode projections with their neighbours fused in: one kernel per projection, none between.
+
+    y = epilogue( rms_norm(x) @ W[layer].T + b )     epilogue: none | + residual | SwiGLU
+
+The lane mapping is gemv.py's (measured best there): one warp per program, one output row per
+program, the warp's lanes streaming consecutive weights of that row in tiles of `block_in`.
+What is fused:
+- the layer index: W is the stacked [L, out, in] array, read in place (no slice copy);
+- RMSNorm as a prologue, without a second pass over x: rms_norm(x) . w = rsqrt(mean(x^2) + eps) *
+  ((x * scale) . w), and the sum of squares accumulates from the same x tiles the dot loads;
+- the residual add (round the projection to x.dtype, then add, as transformers does);
+- SwiGLU: the program for row r also reads row r + I of the fused [2I, D] gate/up matrix and
+  writes silu(gate) * up.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+f32 = jnp.float32
+MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
+
+
+def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half):
+    refs = list(refs)
+    o_ref = refs.pop()
+    scale_ref = refs.pop(0) if has_scale else None
+    b_ref = refs.pop(0) if has_bias else None
+    res_ref = refs.pop(0) if epilogue == "residual" else None
+    layer = layer_ref[0]
+    row = pl.program_id(0)
+    rows = (row, row + half) if epilogue == "swiglu" else (row,)
+    lanes = jnp.arange(block_in)
+    n_tiles = pl.cdiv(n_in, block_in)
+    accs = [[jnp.zeros((block_in,), f32) for _ in rows] for _ in range(T)]
+    sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
+    for i in range(n_tiles):
+        k0 = i * block_in
+        masked = k0 + block_in > n_in
+        cols = k0 + lanes
+        cmask = cols < n_in if masked else None
+
+        def load(ref_win):
+            if masked:
+                return plgpu.load(ref_win, mask=cmask, other=0)
+            return plgpu.load(ref_win)
+
+        idx = cols if masked else pl.ds(k0, block_in)
+        ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in rows]
+        scale = load(scale_ref.at[idx]).astype(f32) if has_scale else None
+        for t in range(T):
+            xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
+            if has_scale:
+                sumsq[t] = sumsq[t] + xt * xt
+                xt = xt * scale
+            accs[t] = [a + w * xt for a, w in zip(accs[t], ws)]
+    dtype = o_ref.dtype
+    for t in range(T):
+        ys = [jnp.sum(a) for a in accs[t]]
+        if has_scale:
+            inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
+            ys = [y * inv for y in ys]
+        if has_bias:
+            ys = [y + b_ref[r].astype(f32) for y, r in zip(ys, rows)]
+        ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
+        if epilogue == "residual":
+            out = ys[0] + res_ref[jnp.int32(t), row]
+        elif epilogue == "swiglu":
+            gate, up = ys
+            out = (jax.nn.silu(gate.astype(f32)).astype(dtype) * up)
+        else:
+            out = ys[0]
+        o_ref[jnp.int32(t), row] = out.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "interpret"))
+def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
+               eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
+               epilogue: str = "none", block_in: int = 256, interpret: bool = False) -> jax.Array:
+    """x [T, in]; w [L, out, in] (or [out, in]); scale [in] turns on the RMSNorm prologue; b [out];
+    epilogue "residual" adds residual [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up)
+    and returns [T, I]. T <= a few tokens; block_in a power of two."""
+    if w.ndim == 2:
+        w = w[None]
+    T, n_in = x.shape
+    _, n_out, n_in_w = w.shape
+    if n_in_w != n_in:
+        raise ValueError(f"fused_gemv: x {x.shape} and w {w.shape} disagree on `in`")
+    if epilogue not in ("none", "residual", "swiglu"):
+        raise ValueError(f"fused_gemv: unknown epilogue {epilogue!r}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("fused_gemv: a residual goes with epilogue='residual'")
+    half = n_out // 2
+    grid_rows = half if epilogue == "swiglu" else n_out
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    args = [layer, x, w] + [a for a in (scale, b, residual) if a is not None]
+    kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
+                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype),
+        grid=(grid_rows,),
+        interpret=interpret,
+        name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+    )(*args)
+
+
+def block_in_for(n_out: int, n_in: int, dtype) -> int:
+    """gemv.py's measured table (bf16, one row per program); 128 for 4-byte weights."""
+    from jaxinfer.pallas.gemv import choose_config
+
+    return choose_config(1, n_out, n_in, dtype).block_in

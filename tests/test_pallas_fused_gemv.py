@@ -1,0 +1,56 @@
+"""The fused decode GEMV (interpret mode) against its reference twins, at shapes that are not
+multiples of the block, with and without the layer index, bias, RMSNorm prologue and epilogues.
+
+Tolerances: float32 1e-5 relative (the prologue reassociates the norm: (x*scale).w * rsqrt(ms));
+bfloat16 2e-2 relative (the reference rounds the normed x to bf16 before the product, the kernel
+does not; outputs are bf16, ~4e-3 per element).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.ops import LayerWeight, reference
+from jaxinfer.pallas.fused_gemv import fused_gemv
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+SHAPES = [(100, 72, 32), (256, 200, 64), (96, 130, 128)]  # (out, in, block_in)
+
+
+def _rel(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(y))
+    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize("kind", ["plain", "norm", "norm_bias", "residual", "swiglu"])
+def test_fused_gemv_matches_reference(kind, shape, dtype):
+    n_out, n_in, block_in = SHAPES[shape]
+    keys = jax.random.split(jax.random.PRNGKey(hash((kind, shape, str(dtype))) % 2**31), 6)
+    L, layer = 3, 1
+    x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (L, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
+    scale = (1 + 0.2 * jax.random.normal(keys[2], (n_in,), jnp.float32)).astype(dtype)
+    b = jax.random.normal(keys[3], (n_out,), jnp.float32).astype(dtype)
+    res = jax.random.normal(keys[4], (1, n_out), jnp.float32).astype(dtype)
+    lw = LayerWeight(w, jnp.int32(layer))
+    kw = dict(block_in=block_in, interpret=True)
+    if kind == "plain":
+        y, ref = fused_gemv(x, w, layer, **kw), reference.linear(x, lw)
+    elif kind == "norm":
+        y = fused_gemv(x, w, layer, scale=scale, eps=1e-6, **kw)
+        ref = reference.rms_norm_linear(x, scale, 1e-6, lw)
+    elif kind == "norm_bias":
+        y = fused_gemv(x, w, layer, scale=scale, eps=1e-5, b=b, **kw)
+        ref = reference.rms_norm_linear(x, scale, 1e-5, lw, b)
+    elif kind == "residual":
+        y = fused_gemv(x, w, layer, b=b, residual=res, epilogue="residual", **kw)
+        ref = reference.linear_residual(x, lw, b, res)
+    else:
+        y = fused_gemv(x, w, layer, scale=scale, eps=1e-6, epilogue="swiglu", **kw)
+        ref = reference.rms_norm_swiglu(x, scale, 1e-6, lw)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert _rel(y, ref) <= TOL[dtype]
