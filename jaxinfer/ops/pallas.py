@@ -3,12 +3,14 @@
 Ops not overridden here are the reference ops. The projections of a decode step (T <= MAX_T tokens)
 run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows it, the
 residual add and SwiGLU in the epilogue, weights read in place from the stacked layer arrays.
-Larger T (prefill) goes to the reference ops until the prefill kernels land.
+Larger T (prefill) goes to the reference ops until the prefill kernels land. Decode attention is
+the split-sequence kernel of pallas/decode_attention.py.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 from jaxinfer.ops import LayerWeight, reference
@@ -22,6 +24,7 @@ class OpSet(SimpleNamespace):
 
 
 def make(interpret: bool = False) -> OpSet:
+    from jaxinfer.pallas import decode_attention
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
     def _gemv(x, w, **kw):
@@ -55,5 +58,7 @@ def make(interpret: bool = False) -> OpSet:
 
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
-               linear_residual=linear_residual)
+               linear_residual=linear_residual,
+               paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
+                                                        interpret=interpret))
     return OpSet(**ops, name="pallas-interpret" if interpret else "pallas")

@@ -1,0 +1,350 @@
+"""Paged decode attention on the GPU: the split-sequence Pallas kernels against the XLA reference op.
+
+    PYTHONPATH=. python3 bench/kernels_decode_attention.py [--sweep] [--budget 120] [--interpret]
+
+Default mode: for Qwen3-4B and Llama-3-8B (H 32, KVH 8, hd 128: one attention shape) and Qwen3-0.6B
+(16/8/128), bf16, page size 16, contexts 1, 100, 1024, 8192, 32768 and batch 1 and 32, it times the
+configuration the table picks (jaxinfer.pallas.decode_attention.choose_config) and
+reference.paged_decode_attention. Each is timed inside one jit that chains n calls (the output is the
+next call's query, so the calls run one after another, as attention does layer after layer), the layer
+index walking over enough layers that the KV read per call is not served from the 50 MB L2 (where a
+layer is smaller than that: contexts <= 100 at batch 1 stay in L2 whatever we do); many calls of that
+jit, best of 3. The first call's output of each is checked against the reference's before it counts.
+Effective bandwidth = bytes of K and V the batch needs (sum of contexts x KVH x hd x 2 x 2 bytes) /
+time, also as a share of the HBM read ceiling measured in the same run (jnp.sum over 4 GiB of bf16).
+
+--sweep: first, at the 32/8/128 shape, a sweep of SplitConfigs at batch 1, 4, 16, 64 and contexts 100,
+1024, 8192, 32768 (phase A: num_splits x block_k; phase B: the best two with other num_warps /
+num_stages and the jnp merge), printing the best per point: what fills decode_attention._TABLE.
+JSON of everything to $OUT/decode_attention.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.ops import reference
+from jaxinfer.pallas import decode_attention as DA
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+PS = 16
+SHAPES = [("Qwen3-4B/Llama-3-8B", 32, 8, 128), ("Qwen3-0.6B", 16, 8, 128)]
+CONTEXTS = [1, 100, 1024, 8192, 32768]
+BATCHES = [1, 32]
+L2_BYTES = 50e6
+TOL = 2e-2
+INTERPRET = False
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def hbm_read_ceiling(gib=4, calls=20):
+    n = int(gib * 2**30) // 2
+    x = jax.random.uniform(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
+    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    f(x).block_until_ready()
+    best = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = f(x)
+        r.block_until_ready()
+        best.append((time.perf_counter() - t0) / calls)
+    del x
+    return 2 * n / min(best)
+
+
+@dataclasses.dataclass
+class Problem:
+    H: int
+    KVH: int
+    hd: int
+    B: int
+    ctx: int
+    L: int
+    args: tuple  # q, k, v, page_table, context_lens
+
+    @property
+    def kv_bytes(self):
+        return self.B * self.ctx * self.KVH * self.hd * 2 * 2
+
+
+def make_problem(H, KVH, hd, B, ctx, seed=0):
+    P = -(-ctx // PS)
+    per_layer = B * P * PS * KVH * hd * 2 * 2
+    L = int(min(16, max(1, math.ceil(4 * L2_BYTES / per_layer))))
+    if INTERPRET:
+        L = 1
+    n_pages = B * P + 1
+    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shape = (L, KVH, n_pages * PS, hd)
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    q = jax.random.normal(kq, (B, H, hd), jnp.bfloat16)
+    pt = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
+    cl = jnp.full((B,), ctx, jnp.int32)
+    jax.block_until_ready((q, k, v, pt, cl))
+    return Problem(H, KVH, hd, B, ctx, L, (q, k, v, pt, cl))
+
+
+def n_chain(est_s):
+    return int(min(48, max(4, round(400e-6 / max(est_s, 1e-6)))))
+
+
+def build(op, p: Problem, n):
+    """AOT-compile a jit that chains n calls of op (query <- output), layer walking over p.L layers."""
+    scale = p.hd ** -0.5
+
+    def chain(q, k, v, pt, cl):
+        first = None
+        for i in range(n):
+            q = op(q, k, v, jnp.int32(i % p.L), pt, cl, PS, scale)
+            first = q if first is None else first
+        return q, first
+
+    return jax.jit(chain).lower(*p.args).compile()
+
+
+def pallas_op(cfg):
+    def op(q, k, v, layer, pt, cl, ps, scale):
+        return DA.paged_decode_attention(q, k, v, layer, pt, cl, ps, scale, config=cfg, interpret=INTERPRET)
+    return op
+
+
+def rel_err(y, ref):
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    ref = np.asarray(ref.astype(jnp.float32), np.float64)
+    if not np.all(np.isfinite(y)):
+        return float("inf")
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def time_compiled(compiled, p: Problem, n, target_s=0.02):
+    out = compiled(*p.args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*p.args))
+    est = time.perf_counter() - t0
+    calls = int(min(50, max(2, target_s / max(est, 1e-6))))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = compiled(*p.args)
+        jax.block_until_ready(r)
+        best = min(best, (time.perf_counter() - t0) / (calls * n))
+    return best, out[1]
+
+
+def est_time(p: Problem):
+    return max(4e-6, p.kv_bytes / 3.5e12)
+
+
+def cfg_str(c: DA.SplitConfig):
+    return f"S{c.num_splits}/bk{c.block_k}/w{c.num_warps}/s{c.num_stages}" + ("/jnp" if c.merge == "jnp" and
+                                                                          c.num_splits > 1 else "")
+
+
+def run_configs(p: Problem, cfgs, ref_out, pool, deadline):
+    n = n_chain(est_time(p))
+    futs = {pool.submit(build, pallas_op(c), p, n): c for c in cfgs}
+    # Compile everything before timing anything: lowering holds the GIL, and timing while other
+    # configs compiled starved the dispatch thread (the first sweep saw some configs 3-40x slow).
+    cf.wait(futs)
+    rows = []
+    for fut in futs:
+        c = futs[fut]
+        row = {"cfg": dataclasses.asdict(c)}
+        try:
+            compiled = fut.result()
+            if time.time() > deadline:
+                row.update(ok=False, error="skipped: out of time budget")
+            else:
+                t, first = time_compiled(compiled, p, n)
+                err = rel_err(first, ref_out)
+                row.update(us=t * 1e6, tbps=p.kv_bytes / t / 1e12, err=err, ok=err < TOL)
+        except Exception as e:  # noqa: BLE001 - a config that fails is a result too
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        rows.append(row)
+    return rows
+
+
+def time_reference(p: Problem):
+    n = max(2, n_chain(est_time(p) * 4) // 2)  # the reference moves ~4x the bytes: fewer calls per chain
+    compiled = build(reference.paged_decode_attention, p, n)
+    t, first = time_compiled(compiled, p, n)
+    return t, first
+
+
+def phase_a(p: Problem):
+    cfgs = []
+    for bk in (32, 64, 128):
+        n_blocks = -(-p.ctx // bk)
+        for s in (1, 2, 4, 8, 16, 32, 64):
+            if s > n_blocks or p.B * p.KVH * s > 16384:
+                continue
+            cfgs.append(DA.SplitConfig(num_splits=s, block_k=bk, num_warps=4, num_stages=2))
+    return cfgs
+
+
+def phase_b(best):
+    cfgs = []
+    for c in best:
+        for w in (2, 4, 8):
+            for st in (1, 2, 3):
+                if (w, st) != (c.num_warps, c.num_stages):
+                    cfgs.append(dataclasses.replace(c, num_warps=w, num_stages=st))
+        if c.num_splits > 1:
+            cfgs.append(dataclasses.replace(c, merge="jnp"))
+    return list(dict.fromkeys(cfgs))
+
+
+def sweep(results, pool, deadline, t_start):
+    name, H, KVH, hd = SHAPES[0]
+    points = [(1, 32768), (1, 8192), (16, 8192), (64, 8192), (4, 32768), (1, 1024), (16, 32768),
+              (4, 8192), (64, 1024), (16, 1024), (4, 1024), (1, 100), (64, 100), (64, 32768)]
+    if INTERPRET:
+        points = [(1, 100), (2, 300)]
+    out = []
+    for i, (B, ctx) in enumerate(points):
+        if time.time() > deadline:
+            log(f"sweep: out of budget before B={B} ctx={ctx}")
+            break
+        p = make_problem(H, KVH, hd, B, ctx, seed=i)
+        t_ref, ref_out = time_reference(p)
+        share = (deadline - time.time()) / (len(points) - i)
+        rows = run_configs(p, phase_a(p), ref_out, pool, time.time() + 0.65 * share)
+        good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])
+        top = [DA.SplitConfig(**r["cfg"]) for r in good[:2]]
+        rows += run_configs(p, phase_b(top), ref_out, pool, time.time() + 0.35 * share)
+        good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])
+        for r in rows:
+            if not r["ok"] and "skipped" not in r.get("error", ""):
+                log(f"   FAILED {cfg_str(DA.SplitConfig(**r['cfg']))}: {r.get('error') or 'err %.2e' % r['err']}")
+        entry = {"B": B, "ctx": ctx, "kv_bytes": p.kv_bytes, "ref_us": t_ref * 1e6, "configs": rows,
+                 "best": good[0] if good else None}
+        out.append(entry)
+        msg = "; ".join(f"{cfg_str(DA.SplitConfig(**r['cfg']))} {r['us']:.1f}" for r in good[:6])
+        log(f"[{time.time() - t_start:6.1f}s] sweep B={B} ctx={ctx}: ref {t_ref * 1e6:.1f} us; "
+            f"{len(good)}/{len(rows)} ok; best {msg}")
+        del p
+    results["sweep"] = out
+
+
+def table_mode(results, pool, t_start):
+    """The table's choice and the reference at every (shape, batch, context): compile all, then time."""
+    jobs = []
+    for name, H, KVH, hd in SHAPES:
+        for B in BATCHES:
+            for ctx in CONTEXTS:
+                p = make_problem(H, KVH, hd, B, ctx, seed=ctx + B)
+                cfg = DA.choose_config(B, KVH, -(-ctx // PS) * PS)
+                n = n_chain(est_time(p))
+                n_ref = max(2, n_chain(est_time(p) * 4) // 2)
+                fut_jnp = (pool.submit(build, pallas_op(dataclasses.replace(cfg, merge="jnp")), p, n)
+                           if cfg.num_splits > 1 else None)
+                jobs.append((name, p, cfg, n, n_ref, pool.submit(build, pallas_op(cfg), p, n),
+                             pool.submit(build, reference.paged_decode_attention, p, n_ref), fut_jnp))
+    # Every compile finishes before anything is timed: lowering holds the GIL, and a starved
+    # dispatch thread inflated some of the sweep's timings many times over.
+    cf.wait([f for j in jobs for f in j[5:] if f is not None])
+    log(f"[{time.time() - t_start:6.1f}s] table mode: {len(jobs)} points compiled")
+    for name, p, cfg, n, n_ref, fut, fut_ref, fut_jnp in jobs:
+        row = {"model": name, "H": p.H, "KVH": p.KVH, "hd": p.hd, "B": p.B, "ctx": p.ctx,
+               "kv_bytes": p.kv_bytes, "cfg": dataclasses.asdict(cfg)}
+        try:
+            t_ref, ref_out = time_compiled(fut_ref.result(), p, n_ref)
+            row["ref_us"] = t_ref * 1e6
+            t, first = time_compiled(fut.result(), p, n)
+            err = rel_err(first, ref_out)
+            row.update(us=t * 1e6, tbps=p.kv_bytes / t / 1e12, err=err, ok=err < TOL)
+            if fut_jnp is not None:
+                t_j, first_j = time_compiled(fut_jnp.result(), p, n)
+                row.update(jnp_us=t_j * 1e6, jnp_err=rel_err(first_j, ref_out))
+        except Exception as e:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        results["rows"].append(row)
+        log(f"[{time.time() - t_start:6.1f}s] {name} B={p.B} ctx={p.ctx} {cfg_str(cfg)}: "
+            f"{row.get('us', float('nan')):.1f} us (err {row.get('err', float('nan')):.1e}) "
+            f"jnp merge {row.get('jnp_us', float('nan')):.1f} us, "
+            f"ref {row.get('ref_us', float('nan')):.1f} us {row.get('error', '')}")
+    jobs.clear()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-table", action="store_true", help="skip the table's timings (sweep only)")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds for the sweep")
+    ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
+    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+    args = ap.parse_args()
+    global INTERPRET, CONTEXTS, BATCHES
+    INTERPRET = args.interpret
+    if INTERPRET:
+        CONTEXTS, BATCHES = [1, 100], [1, 2]
+    t_start = time.time()
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
+    gib = 0.25 if INTERPRET else 4
+    bw0 = hbm_read_ceiling(gib)
+    log(f"HBM read ceiling {bw0 / 1e12:.3f} TB/s")
+    results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
+               "date": datetime.datetime.now().isoformat(), "rows": []}
+    pool = cf.ThreadPoolExecutor(args.threads)
+    if args.sweep:
+        sweep(results, pool, t_start + args.budget, t_start)
+
+    if not args.no_table:
+        table_mode(results, pool, t_start)
+    pool.shutdown(wait=False, cancel_futures=True)
+    bw1 = hbm_read_ceiling(gib)
+    results["hbm_read_tbps"] = [bw0 / 1e12, bw1 / 1e12]
+    bw = max(bw0, bw1)
+
+    print(f"\nPaged decode attention, bf16, page 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
+          f"ceiling {bw0 / 1e12:.2f} / {bw1 / 1e12:.2f} TB/s (start / end), shares against the larger")
+    hdr = (f"{'shape (H/KVH/hd)':>30} {'ctx':>6} {'B':>3} {'config':>18} {'us':>8} {'TB/s':>5} "
+           f"{'share':>5} {'ref us':>8} {'speedup':>7} {'jnp-merge us':>12}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results["rows"]:
+        shape = f"{r['model']} {r['H']}/{r['KVH']}/{r['hd']}"
+        cfg = cfg_str(DA.SplitConfig(**r["cfg"]))
+        if r.get("ok"):
+            print(f"{shape:>30} {r['ctx']:>6} {r['B']:>3} {cfg:>18} {r['us']:8.1f} {r['tbps']:5.2f} "
+                  f"{r['tbps'] * 1e12 / bw:5.0%} {r['ref_us']:8.1f} {r['ref_us'] / r['us']:6.1f}x "
+                  f"{r['jnp_us'] if 'jnp_us' in r else float('nan'):12.1f}")
+        else:
+            print(f"{shape:>30} {r['ctx']:>6} {r['B']:>3} {cfg:>18} FAILED {r.get('error') or r.get('err')}")
+    if args.sweep:
+        print("\nsweep (32/8/128): best config per point")
+        for e in results.get("sweep", []):
+            b = e["best"]
+            if b:
+                print(f"  B={e['B']:>3} ctx={e['ctx']:>6}: {cfg_str(DA.SplitConfig(**b['cfg'])):>18} "
+                      f"{b['us']:8.1f} us {b['tbps'] * 1e12 / bw:5.0%}  (ref {e['ref_us']:.1f} us)")
+    print(f"total {time.time() - t_start:.0f} s")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "decode_attention.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

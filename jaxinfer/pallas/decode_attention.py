@@ -1,0 +1,269 @@
+"""Paged decode attention, split-sequence ("flash-decoding"), as Pallas Triton kernels.
+
+`paged_decode_attention(q [B, H, hd], k_cache, v_cache [L, KVH, slots, hd], layer, page_table [B, P],
+context_lens [B], page_size, scale) -> [B, H, hd]`: one query token per sequence attending over
+positions 0..context_lens[b]-1 of its own pages (the signature of `reference.paged_decode_attention`).
+
+Kernel 1, grid (B, KVH, num_splits). A program owns one sequence, one KV head and one split of that
+sequence's positions. It holds the `group = H / KVH` query heads of its KV head as one [G, hd] tile
+(G = group padded to a power of two >= 16, the smallest M of a Triton dot; padding rows are masked
+out), so every K/V tile is loaded once for all of them. It walks its split in blocks of `block_k`
+positions: the block's page-table entries are gathered (position p -> page_table[b, p // page_size]),
+then K and V rows are read in place from the cache through those slots (no gather copy), scores
+[G, block_k] = q k^T on the tensor cores, online softmax in float32 (base 2, the scale folded in),
+acc [G, hd] += p v. It writes its normalised partial output and its log2-sum-exp per query head.
+
+Kernel 2, grid (B, H): merges the splits of one query head, [num_splits, hd] in one load, weights
+2^(lse_s - max lse). With one split, kernel 1 writes the final output itself and there is no kernel 2.
+
+Splits are sized at run time from each sequence's own context length: a sequence of n blocks gives
+each split ceil(n / num_splits) blocks, so a short sequence in a wide page table does not leave its
+work to one program. num_splits and block_k (static: the grid and the tile) come from `choose_config`,
+a table keyed by sequence-heads (batch x KVH) and the page table's span (P * page_size, the longest
+context the call can see), filled from measurements on the H200 (bench/kernels_decode_attention.py,
+bench/NOTES.md).
+
+Every block dimension is a power of two and the tails are masked (a block over a non-power-of-two
+dimension gave silently wrong results on the GPU: ../shared/GPU_FACTS.md). Masked positions score a
+large finite negative, never -inf, and a split with no positions writes lse = -1e30 and zeros, so
+padding rows (context 1 on the scratch page), empty splits and masked rows never produce NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+f32 = jnp.float32
+LOG2E = math.log2(math.e)
+NEG = -1e30  # masked score / empty-split lse: finite, so max/exp2 never see -inf - -inf
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    num_splits: int = 1   # programs per (sequence, KV head); power of two
+    block_k: int = 64     # positions per inner step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 2   # Triton software pipelining of the block loop
+    merge: str = "pallas"  # "pallas" (kernel 2) or "jnp" (XLA reduction); unused with one split
+
+    def astuple(self):
+        return dataclasses.astuple(self)
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, group, G, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    layer = plgpu.load(layer_ref.at[jnp.int32(0)])
+    ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), n_pages * page_size)
+
+    rows = jnp.arange(G, dtype=jnp.int32)
+    cols = jnp.arange(D, dtype=jnp.int32)
+    row_mask = rows < group
+    col_mask = cols < hd
+    ragged_rows, ragged_cols = G != group, D != hd
+    if ragged_rows or ragged_cols:
+        q = plgpu.load(q_ref.at[b, h * group + rows[:, None], cols[None, :]],
+                       mask=row_mask[:, None] & col_mask[None, :], other=0)
+    else:
+        q = plgpu.load(q_ref.at[b, pl.ds(h * group, G), pl.ds(0, D)])
+
+    n_blocks = pl.cdiv(ctx, block_k)
+    if num_splits > 1:
+        per_split = pl.cdiv(n_blocks, num_splits)
+        start = s * per_split
+        stop = jnp.minimum(start + per_split, n_blocks)
+    else:
+        start, stop = jnp.int32(0), n_blocks
+    offs = jnp.arange(block_k, dtype=jnp.int32)
+    # float32 operands: full-precision products (the Triton lowering turns DEFAULT into TF32, which
+    # measured 4e-4 relative error on the GPU); bf16 products are exact either way.
+    prec = jax.lax.Precision.HIGHEST if jnp.dtype(q.dtype) == jnp.dtype(f32) else None
+
+    def slots_of(i):
+        """Cache slots of block i's positions, gathered from the page table (slot 0 past ctx)."""
+        pos = i * block_k + offs
+        page_idx = jnp.minimum(pos // page_size, n_pages - 1)
+        page = plgpu.load(pt_ref.at[b, page_idx], mask=pos < ctx, other=0)
+        return page * page_size + pos % page_size
+
+    def body(i, carry):
+        acc, m, l, slot = carry
+        valid = i * block_k + offs < ctx
+        # The next block's page-table entries are loaded now, beside this block's K and V, so the
+        # table lookup is off the loop's latency chain.
+        nxt = slots_of(i + 1)
+        kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        if k.dtype != q.dtype:
+            k = k.astype(q.dtype)
+        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+        sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                     # [G, block_k]
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp2(m - m_new)
+        p = jnp.exp2(sc - m_new[:, None])
+        l = l * alpha + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                                 preferred_element_type=f32)
+        return acc * alpha[:, None] + pv, m_new, l, nxt
+
+    init = (jnp.zeros((G, D), f32), jnp.full((G,), NEG, f32), jnp.zeros((G,), f32), slots_of(start))
+    acc, m, l, _ = jax.lax.fori_loop(start, stop, body, init)
+
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        dst = o_ref.at[b, h * group + rows[:, None], cols[None, :]]
+        plgpu.store(dst, out.astype(o_ref.dtype), mask=out_mask)
+    else:
+        o_ref, lse_ref = out_refs   # [B, H, S, hd] f32, [B, H, S] f32
+        plgpu.store(o_ref.at[b, h * group + rows[:, None], s, cols[None, :]], out, mask=out_mask)
+        lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), NEG)
+        plgpu.store(lse_ref.at[b, h * group + rows, s], lse, mask=row_mask)
+
+
+def _merge_kernel(o_part_ref, lse_ref, o_ref, *, hd, D, num_splits):
+    b = pl.program_id(0)
+    hq = pl.program_id(1)
+    cols = jnp.arange(D, dtype=jnp.int32)
+    if D != hd:
+        col_mask = cols < hd
+        splits = jnp.arange(num_splits, dtype=jnp.int32)
+        o = plgpu.load(o_part_ref.at[b, hq, splits[:, None], cols[None, :]],
+                       mask=col_mask[None, :], other=0)
+    else:
+        o = plgpu.load(o_part_ref.at[b, hq, pl.ds(0, num_splits), pl.ds(0, D)])
+    lse = plgpu.load(lse_ref.at[b, hq, pl.ds(0, num_splits)])                 # [S]
+    w = jnp.exp2(lse - jnp.max(lse))
+    out = jnp.sum(o * w[:, None], axis=0) / jnp.sum(w)
+    if D != hd:
+        plgpu.store(o_ref.at[b, hq, cols], out.astype(o_ref.dtype), mask=col_mask)
+    else:
+        plgpu.store(o_ref.at[b, hq, pl.ds(0, D)], out.astype(o_ref.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "block_k", "num_warps",
+                                             "num_stages", "merge", "interpret"))
+def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
+                                 scale: float, *, num_splits: int = 1, block_k: int = 64,
+                                 num_warps: int = 4, num_stages: int = 2, merge: str = "pallas",
+                                 interpret: bool = False):
+    """The two kernels with an explicit configuration (see SplitConfig)."""
+    B, H, hd = q.shape
+    L, KVH, n_slots, hd_k = k_cache.shape
+    if v_cache.shape != k_cache.shape or hd_k != hd:
+        raise ValueError(f"paged_decode_attention: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    if H % KVH:
+        raise ValueError(f"paged_decode_attention: {H} query heads over {KVH} KV heads")
+    if page_table.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError(f"paged_decode_attention: page_table {page_table.shape}, "
+                         f"context_lens {context_lens.shape}, batch {B}")
+    if not (_is_pow2(num_splits) and _is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"num_splits={num_splits} and block_k={block_k} must be powers of two (block_k >= 16)")
+    if merge not in ("pallas", "jnp"):
+        raise ValueError(f"merge={merge!r}")
+    group = H // KVH
+    G = _pow2_at_least(group, 16)
+    D = _pow2_at_least(hd, 16)
+    n_pages = page_table.shape[1]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    page_table = page_table.astype(jnp.int32)
+    context_lens = context_lens.astype(jnp.int32)
+
+    kernel = functools.partial(
+        _split_kernel, group=group, G=G, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
+        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((B, H, hd), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((B, H, num_splits, hd), f32),
+                     jax.ShapeDtypeStruct((B, H, num_splits), f32))
+    res = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret,
+        name="decode_attention_split",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )(layer, page_table, context_lens, q, k_cache, v_cache)
+    if num_splits == 1:
+        return res
+    o_part, lse = res
+    if merge == "jnp":
+        w = jnp.exp2(lse - jnp.max(lse, axis=2, keepdims=True))
+        out = jnp.sum(o_part * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
+        return out.astype(q.dtype)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, hd=hd, D=D, num_splits=num_splits),
+        out_shape=jax.ShapeDtypeStruct((B, H, hd), q.dtype), grid=(B, H), interpret=interpret,
+        name="decode_attention_merge",
+        compiler_params=plgpu.CompilerParams(num_warps=4 if num_splits * D >= 4096 else 2,
+                                             num_stages=1),
+    )(o_part, lse)
+
+
+# Measured on one H200 (bench/kernels_decode_attention.py --sweep, 2026-11-29, bf16, KVH 8, hd 128, page 16;
+# bench/NOTES.md). Rows (max sequence-heads = batch x KVH, max span, config), first match wins; span =
+# P * page_size, the longest context the page table can hold. The rule the sweep found: about 256-512
+# programs in all (B x KVH x num_splits), one or two blocks per split on short spans; num_warps 4 and
+# num_stages 2 were best or within noise everywhere, and the jnp merge timed the same as kernel 2.
+_BIG = 1 << 62
+_TABLE: list[tuple[int, int, SplitConfig]] = [
+    (8, 128, SplitConfig(1, 64)),        # batch 1: ctx 100 4.1 us (2 splits: 6.9)
+    (8, 1024, SplitConfig(16, 64)),      # ctx 1,024 6.4 us
+    (8, _BIG, SplitConfig(64, 64)),      # ctx 8,192 13.9 us, 32,768 39.4 us (77% of 4.50 TB/s)
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(16, 64)),     # batch 4: ctx 1,024 10.1 us
+    (32, _BIG, SplitConfig(8, 128)),     # batch 4: ctx 8,192 39.4 us, 32,768 135 us (91%)
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(8, 64)),     # batch 16: ctx 1,024 23.3 us
+    (128, _BIG, SplitConfig(4, 64)),     # batch 16: ctx 8,192 131 us, 32,768 505 us (95%)
+    (256, 128, SplitConfig(1, 64)),
+    (256, _BIG, SplitConfig(2, 64)),     # batch 17-32, by the rule (not swept); checked at batch 32:
+                                         # ctx 1,024 40 us (75%), 8,192 260 us (93%), 32,768 1.00 ms (96%)
+    (_BIG, _BIG, SplitConfig(1, 64)),    # batch 64: ctx 100 11.7 us, 1,024 67 us, 8,192 509 us, 32,768 1.98 ms
+]
+
+
+def choose_config(batch: int, kv_heads: int, span: int) -> SplitConfig:
+    """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`."""
+    seq_heads = batch * kv_heads
+    cfg = next(c for max_sh, max_span, c in _TABLE if seq_heads <= max_sh and span <= max_span)
+    # Never more splits than blocks in the span (the extra ones would only be empty programs).
+    s = cfg.num_splits
+    while s > 1 and s * cfg.block_k >= 2 * span:
+        s //= 2
+    return dataclasses.replace(cfg, num_splits=s)
+
+
+def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                           page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float,
+                           *, config: SplitConfig | None = None, interpret: bool = False) -> jax.Array:
+    """`reference.paged_decode_attention` with the split-sequence Pallas kernels.
+
+    q [B, H, hd]; k_cache, v_cache [L, KVH, slots, hd]; layer int32 scalar; page_table [B, P] int32;
+    context_lens [B] int32 (>= 1; 0 gives zeros). Returns [B, H, hd] in q's dtype. `config` overrides the
+    table (tests and benchmarks).
+    """
+    if config is None:
+        config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size)
+    return paged_decode_attention_split(
+        q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
+        num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, merge=config.merge, interpret=interpret)
