@@ -60,9 +60,12 @@ def step_bytes(cfg, context: float) -> float:
     return item * (weights + kv)
 
 
-def run_jaxinfer(model_dir: Path, ops: str, prompt: list[int], new: int, steps: int) -> dict:
+def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int) -> dict:
+    """path: an ops backend ("pallas", "reference"), "-unroll" appended to unroll the layer loop."""
+    ops, unroll = path.removesuffix("-unroll"), path.endswith("-unroll")
     chunk = min(len(prompt), 2048)
-    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + new + 16,
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=unroll, max_num_seqs=1,
+                    max_model_len=len(prompt) + new + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
                     skip_tokenizer_init=True)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)

@@ -299,16 +299,19 @@ def sample(
 
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
 
-    # One stable descending sort per row: ties keep the lower token id first.
-    B, V = penalised.shape
-    ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
-    # (+ 0.0 turns -0.0 into +0.0 so that equal logits compare equal in the sort's total order.)
-    neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
-    masked = _filtered_sorted_logits(-neg_sorted, arrays)
-    keys = _row_keys(arrays.seed, step_index)
-    pos = jax.vmap(jax.random.categorical)(keys, masked)
-    sampled_tokens = jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    def sampled() -> jax.Array:
+        # One stable descending sort per row: ties keep the lower token id first.
+        B, V = penalised.shape
+        ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
+        # (+ 0.0 turns -0.0 into +0.0 so that equal logits compare equal in the sort's total order.)
+        neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
+        masked = _filtered_sorted_logits(-neg_sorted, arrays)
+        keys = _row_keys(arrays.seed, step_index)
+        pos = jax.vmap(jax.random.categorical)(keys, masked)
+        return jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
+    # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k).
+    sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens)
     tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprob
