@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import json
 import os
 import time
@@ -81,10 +82,29 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
         out = engine.take_finished(rid)
     s = engine.stats
     res = dict(step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"], ttft_ms=1e3 * first,
-               tokens=out.token_ids, compile_s=engine.compile_seconds)
+               tokens=out.token_ids, compile_s=engine.compile_seconds,
+               kernels_per_step=count_kernels(engine, steps))
     del engine
     gc.collect()
     return res
+
+
+def count_kernels(engine: Engine, steps: int) -> float:
+    """Kernel launches per decode step in the compiled decode dispatch (B = 1): fusions, custom calls
+    (Pallas kernels, cuBLAS) and other kernel-producing ops outside fused computations, over `steps`."""
+    from jaxinfer.runner import DecodeBatch
+    from jaxinfer.sampling import SamplingArrays
+
+    r = engine.runner
+    batch = DecodeBatch(**r.empty_decode(1), sampling=SamplingArrays.from_params([], [], 1))
+    text = r._decode.lower(r.params, r.kv, r.state, batch).compile().as_text()
+    launches, in_fused = 0, False
+    for line in text.splitlines():
+        if line and not line.startswith(" "):
+            in_fused = "fused" in line.split("(")[0] or "region" in line.split("(")[0]
+        elif not in_fused and re.search(r"= \S+ (fusion|custom-call|gather|scatter|sort|copy|reduce)\(", line):
+            launches += 1
+    return launches / steps
 
 
 def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:
@@ -120,7 +140,8 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=128)
-    ap.add_argument("--long", nargs="*", default=["qwen3-4b:8192"])
+    ap.add_argument("--long", nargs="*", default=["qwen3-4b:8192"], help="more cases as shape:context")
+    ap.add_argument("--hf-for", nargs="*", default=None, help="shapes to run the transformers peer on (default all)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -142,6 +163,8 @@ def main() -> None:
         roof_ms = 1e3 * roof_bytes / bw
         results = {}
         for path in args.paths:
+            if path == "hf" and args.hf_for is not None and shape not in args.hf_for:
+                continue
             try:
                 t0 = time.perf_counter()
                 results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
@@ -153,7 +176,8 @@ def main() -> None:
             if "step_ms" in r:
                 r.update(tok_s=1e3 / r["step_ms"], roofline_share=roof_ms / r["step_ms"])
             print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}", flush=True)
-        ref_tokens = results.get("reference", {}).get("tokens")
+        ref_tokens = next((r["tokens"] for p, r in results.items() if p.startswith("reference") and "tokens" in r),
+                          None)
         for path, r in results.items():
             if ref_tokens and "tokens" in r:
                 r["greedy_match_vs_reference"] = int(np.argmin(np.array(r["tokens"]) == np.array(ref_tokens))) \
@@ -162,15 +186,16 @@ def main() -> None:
                              **{k: v for k, v in r.items() if k != "tokens"}))
         gc.collect()
 
-    print(f"\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | same greedy tokens as reference |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
+          "kernels per step | greedy tokens equal to reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | |")
+            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | |")
             continue
         print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
               f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
-              f"{r.get('greedy_match_vs_reference', '-')} |")
+              f"{r.get('kernels_per_step', '-')} | {r.get('greedy_match_vs_reference', '-')} |")
     out = Path(args.out)
     (out / "decode.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind, rows=rows), indent=1))
     try:

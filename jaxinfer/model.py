@@ -18,13 +18,10 @@ from jaxinfer.kv_cache import KVCache
 from jaxinfer.ops import LayerWeight
 
 
-MATRICES = ("wqkv", "wo", "w_gate_up", "w_up", "w_down")
-
-
 def _layer_params(layers: dict, layer: jax.Array) -> dict:
-    """One layer's parameters: matrices stay in their stacked arrays (LayerWeight), small ones are sliced."""
-    return {k: LayerWeight(v, layer) if k in MATRICES else jax.tree.map(lambda a: a[layer], v)
-            for k, v in layers.items()}
+    """One layer's parameters, each left in its stacked [L, ...] array with the layer index
+    (LayerWeight), so that kernels read them in place instead of XLA copying out a slice."""
+    return jax.tree.map(lambda a: LayerWeight(a, layer), layers)
 
 
 def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array:
@@ -37,17 +34,8 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
-    q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q = ops.rms_norm(q, lp["q_norm"], cfg.norm_eps)
-        k = ops.rms_norm(k, lp["k_norm"], cfg.norm_eps)
-    if cos_sin is not None:
-        q = ops.apply_rope(q, *cos_sin)
-        k = ops.apply_rope(k, *cos_sin)
-    kv_k, kv_v = ops.write_kv(kv_k, kv_v, layer, k, v, slot_mapping)
+    q, kv_k, kv_v = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
+                                       kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
     if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
         attn = ops.paged_decode_attention(q, kv_k, kv_v, layer, page_table, positions + 1, page_size,
                                           cfg.head_dim ** -0.5)

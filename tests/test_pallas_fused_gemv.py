@@ -33,24 +33,24 @@ def test_fused_gemv_matches_reference(kind, shape, dtype):
     L, layer = 3, 1
     x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(dtype)
     w = (jax.random.normal(keys[1], (L, n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
-    scale = (1 + 0.2 * jax.random.normal(keys[2], (n_in,), jnp.float32)).astype(dtype)
-    b = jax.random.normal(keys[3], (n_out,), jnp.float32).astype(dtype)
+    scale = (1 + 0.2 * jax.random.normal(keys[2], (L, n_in), jnp.float32)).astype(dtype)
+    b = jax.random.normal(keys[3], (L, n_out), jnp.float32).astype(dtype)
     res = jax.random.normal(keys[4], (1, n_out), jnp.float32).astype(dtype)
-    lw = LayerWeight(w, jnp.int32(layer))
+    lw, ls, lb = (LayerWeight(a, jnp.int32(layer)) for a in (w, scale, b))
     kw = dict(block_in=block_in, interpret=True)
     if kind == "plain":
         y, ref = fused_gemv(x, w, layer, **kw), reference.linear(x, lw)
     elif kind == "norm":
         y = fused_gemv(x, w, layer, scale=scale, eps=1e-6, **kw)
-        ref = reference.rms_norm_linear(x, scale, 1e-6, lw)
+        ref = reference.rms_norm_linear(x, ls, 1e-6, lw)
     elif kind == "norm_bias":
         y = fused_gemv(x, w, layer, scale=scale, eps=1e-5, b=b, **kw)
-        ref = reference.rms_norm_linear(x, scale, 1e-5, lw, b)
+        ref = reference.rms_norm_linear(x, ls, 1e-5, lw, lb)
     elif kind == "residual":
         y = fused_gemv(x, w, layer, b=b, residual=res, epilogue="residual", **kw)
-        ref = reference.linear_residual(x, lw, b, res)
+        ref = reference.linear_residual(x, lw, lb, res)
     else:
         y = fused_gemv(x, w, layer, scale=scale, eps=1e-6, epilogue="swiglu", **kw)
-        ref = reference.rms_norm_swiglu(x, scale, 1e-6, lw)
+        ref = reference.rms_norm_swiglu(x, ls, 1e-6, lw)
     assert y.shape == ref.shape and y.dtype == ref.dtype
     assert _rel(y, ref) <= TOL[dtype]

@@ -24,15 +24,21 @@ class OpSet(SimpleNamespace):
 
 
 def make(interpret: bool = False) -> OpSet:
-    from jaxinfer.pallas import decode_attention
+    from jaxinfer.pallas import decode_attention, rope_kv_write
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
-    def _gemv(x, w, **kw):
-        stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerWeight) else (w, 0)
+    def _gemv(x, w, scale=None, b=None, **kw):
+        # Per-layer parameters come stacked with one layer index; others count as a one-layer stack.
+        if isinstance(w, LayerWeight):
+            stacked, layer = w.stacked, w.layer
+            scale, b = (None if a is None else a.stacked for a in (scale, b))
+        else:
+            stacked, layer = w[None], 0
+            scale, b = (None if a is None else a[None] for a in (scale, b))
         n_out, n_in = stacked.shape[-2:]
         if kw.get("epilogue") == "swiglu":
             n_out //= 2
-        return fused_gemv(x, stacked, layer, block_in=block_in_for(n_out, n_in, stacked.dtype),
+        return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
                           interpret=interpret, **kw)
 
     def small(x) -> bool:
@@ -56,9 +62,17 @@ def make(interpret: bool = False) -> OpSet:
             return _gemv(x, w, b=b, residual=residual, epilogue="residual")
         return reference.linear_residual(x, w, b, residual)
 
+    def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,
+                       num_kv_heads):
+        cos, sin = cos_sin if cos_sin is not None else (None, None)
+        qn, kn = (None, None) if q_norm is None else (q_norm.stacked, k_norm.stacked)
+        return rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping,
+                                            num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                            interpret=interpret)
+
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
-               linear_residual=linear_residual,
+               linear_residual=linear_residual, qkv_rope_write=qkv_rope_write,
                paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
                                                         interpret=interpret))
     return OpSet(**ops, name="pallas-interpret" if interpret else "pallas")

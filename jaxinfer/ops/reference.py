@@ -19,7 +19,7 @@ HIGHEST = jax.lax.Precision.HIGHEST
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     h = x.astype(f32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return scale * h.astype(x.dtype)
+    return weight(scale) * h.astype(x.dtype)
 
 
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
@@ -27,14 +27,14 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     mean = jnp.mean(h, axis=-1, keepdims=True)
     var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
     h = (h - mean) * jax.lax.rsqrt(var + eps)
-    return (h * scale.astype(f32) + bias.astype(f32)).astype(x.dtype)
+    return (h * weight(scale).astype(f32) + weight(bias).astype(f32)).astype(x.dtype)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     """x [T, in] @ w[out, in].T (+ b) with float32 accumulation; w may be a LayerWeight."""
     y = jax.lax.dot_general(x, weight(w), (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
     if b is not None:
-        y = y + b.astype(f32)
+        y = y + weight(b).astype(f32)
     return y.astype(x.dtype)
 
 
@@ -86,6 +86,24 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Ar
     """Write k, v [T, KVH, hd] into the caches [L, KVH, slots, hd] of `layer` at slot_mapping [T]."""
     # Two advanced indices around a slice: numpy puts the indexed dims first, so the target is [T, KVH, hd].
     return k_cache.at[layer, :, slot_mapping].set(k), v_cache.at[layer, :, slot_mapping].set(v)
+
+
+def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, q_norm, k_norm, eps: float,
+                   k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array,
+                   num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Everything between the QKV projection and attention: split qkv [T, (H + 2K) * hd] into heads,
+    RMSNorm q and k per head (q_norm/k_norm, or None), RoPE (cos_sin, or None), write k and v to
+    the caches at slot_mapping. Returns (q [T, H, hd], k_cache, v_cache)."""
+    T = qkv.shape[0]
+    hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    q, k, v = jnp.split(qkv, [num_heads * hd, (num_heads + num_kv_heads) * hd], axis=-1)
+    q, k, v = q.reshape(T, num_heads, hd), k.reshape(T, num_kv_heads, hd), v.reshape(T, num_kv_heads, hd)
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    if cos_sin is not None:
+        q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
+    k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
+    return q, k_cache, v_cache
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,

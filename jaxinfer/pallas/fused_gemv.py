@@ -52,7 +52,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
 
         idx = cols if masked else pl.ds(k0, block_in)
         ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in rows]
-        scale = load(scale_ref.at[idx]).astype(f32) if has_scale else None
+        scale = load(scale_ref.at[layer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
             if has_scale:
@@ -66,7 +66,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
             ys = [y * inv for y in ys]
         if has_bias:
-            ys = [y + b_ref[r].astype(f32) for y, r in zip(ys, rows)]
+            ys = [y + b_ref[layer, r].astype(f32) for y, r in zip(ys, rows)]
         ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
         if epilogue == "residual":
             out = ys[0] + res_ref[jnp.int32(t), row]
@@ -82,11 +82,12 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, interpret: bool = False) -> jax.Array:
-    """x [T, in]; w [L, out, in] (or [out, in]); scale [in] turns on the RMSNorm prologue; b [out];
-    epilogue "residual" adds residual [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up)
-    and returns [T, I]. T <= a few tokens; block_in a power of two."""
+    """x [T, in]; w [L, out, in]; scale [L, in] turns on the RMSNorm prologue; b [L, out] (all read at
+    `layer`; 2-D w, 1-D scale and b are taken as one layer); epilogue "residual" adds residual
+    [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
+    T <= a few tokens; block_in a power of two."""
     if w.ndim == 2:
-        w = w[None]
+        w, scale, b = w[None], None if scale is None else scale[None], None if b is None else b[None]
     T, n_in = x.shape
     _, n_out, n_in_w = w.shape
     if n_in_w != n_in:
