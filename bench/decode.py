@@ -101,7 +101,7 @@ def count_kernels(engine: Engine, steps: int) -> float:
     launches, in_fused = 0, False
     for line in text.splitlines():
         if line and not line.startswith(" "):
-            in_fused = "fused" in line.split("(")[0] or "region" in line.split("(")[0]
+            in_fused = "fused" in line.split("(")[0]
         elif not in_fused and re.search(r"= \S+ (fusion|custom-call|gather|scatter|sort|copy|reduce)\(", line):
             launches += 1
     return launches / steps
