@@ -22,10 +22,8 @@ class StepBatch:
     # per sequence [B]
     page_table: jax.Array      # int32 [B, P]
     query_start: jax.Array     # int32 [B + 1], first token row of each sequence
-    prompt_lens: jax.Array     # int32, tokens of the prompt (the rest of the sequence was generated)
     sample_index: jax.Array    # int32, token row whose logits are sampled
     emits: jax.Array           # bool, this step produces the sequence's next token
-    first_chunk: jax.Array     # bool, this step starts the sequence (its penalty state is reset)
     state_row: jax.Array       # int32, row of the sequence in the sampler state
     step_index: jax.Array      # int32, index of the token being generated (for the seeded PRNG)
     sampling: SamplingArrays

@@ -1,11 +1,11 @@
 """LLM (offline API) and Engine (the schedule -> step -> update loop).
 
-The engine keeps every running sequence's tokens, pages and sampler row on the host, builds one
-padded step at a time, and hands the compiled step to the ModelRunner:
-- while any sequence still has prompt tokens to process, a *mixed* step carries prompt chunks
-  (under a token budget) together with one decode token for each sequence already generating;
-- otherwise a *decode* dispatch runs several decode steps on the device at once.
-A sequence is admitted only when a sampler row and the pages for its whole length are free.
+The scheduler (serve/scheduler.py) decides what the next step computes; the engine turns that
+plan into padded step arrays, runs the compiled step on the ModelRunner, and turns sampled tokens
+into text (incremental detokenization, stop tokens and strings, finish reasons):
+- a *mixed* step carries prompt chunks (under a token budget) together with one decode token for
+  each sequence already generating;
+- a *decode* dispatch runs several decode steps on the device at once.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import dataclasses
 import itertools
 import os
 import random
+import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
 
@@ -28,6 +28,7 @@ from jaxinfer.errors import JaxinferError, PromptTooLongError
 from jaxinfer.kv_cache import bytes_per_page, slots_for
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
+from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
 from jaxinfer.sampling import SamplingArrays, SamplingParams
 from jaxinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -48,6 +49,9 @@ class EngineConfig:
     decode_steps: int = 8                     # decode steps per dispatch
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
     unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
+    max_logprobs: int = 20                    # top logprobs computed per sampled token
+    enable_prefix_caching: bool = True
+    gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
@@ -69,6 +73,7 @@ class RequestOutput:
     logprobs: list[float]
     finish_reason: str | None     # "stop" | "length" | None while running
     finished: bool
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclasses.dataclass
@@ -80,40 +85,14 @@ class StreamDelta:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
-
-
-@dataclasses.dataclass
-class _Sequence:
-    request_id: int
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    max_new: int
-    stop_ids: list[int]
-    detok: IncrementalDetokenizer | None
-    stopper: StopStringMatcher
-    output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    text: str = ""
-    pages: list[int] = dataclasses.field(default_factory=list)
-    row: int = -1
-    num_computed: int = 0          # tokens whose K/V are in the cache
-    finish_reason: str | None = None
-    arrived: float = dataclasses.field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None   # per new token, when params.logprobs asked
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
-    @property
-    def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_ids)
-
-    def output(self) -> RequestOutput:
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, self.text, list(self.output_ids),
-                             list(self.logprobs), self.finish_reason, self.finish_reason is not None)
+def _output(seq: Sequence) -> RequestOutput:
+    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, seq.text, list(seq.output_ids),
+                         list(seq.logprobs), seq.finish_reason, seq.finish_reason is not None,
+                         list(seq.top_logprobs) if seq.params.logprobs is not None else None)
 
 
 class Engine:
@@ -129,28 +108,50 @@ class Engine:
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
-        pages_per_seq = -(-self.max_model_len // config.page_size)
-        num_pages = config.num_pages or config.max_num_seqs * pages_per_seq + 1
-        if num_pages - 1 < pages_per_seq:
-            raise ValueError(f"num_pages={num_pages} cannot hold one sequence of max_model_len={self.max_model_len}")
         params = load_params(model_dir, self.cfg, progress=config.progress)
+        num_pages = self._num_pages()
         self.runner = ModelRunner(self.cfg, params, get_ops(config.ops), num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
-                                  unroll_layers=config.unroll_layers)
+                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = self.runner.warmup(progress=config.progress)
-        self._free_rows = list(range(config.max_num_seqs))
-        self._waiting: deque[_Sequence] = deque()
-        self._running: list[_Sequence] = []
-        self._finished: dict[int, _Sequence] = {}
+        if config.progress:
+            print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
+                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**30:.2f} GiB); "
+                  f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s]", file=sys.stderr)
+        self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.decode_steps, on_start=self._on_start,
+                                   prefix_caching=config.enable_prefix_caching)
+        self._finished: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
+
+    def _num_pages(self) -> int:
+        """Pages for the KV pool: as configured; else a fraction of the device memory left after the
+        weights (on devices that report it); else enough for max_num_seqs full-length sequences."""
+        c = self.config
+        pages_per_seq = -(-self.max_model_len // c.page_size)
+        num_pages = c.num_pages
+        stats = jax.devices()[0].memory_stats() if num_pages is None else None
+        if num_pages is None and stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
+            # Leave room for the activations of the largest step.
+            free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
+            num_pages = int(free // bytes_per_page(self.cfg, c.page_size))
+        num_pages = num_pages or c.max_num_seqs * pages_per_seq + 1
+        if num_pages - 1 < pages_per_seq:
+            raise ValueError(f"the KV pool ({num_pages} pages) cannot hold one sequence of "
+                             f"max_model_len={self.max_model_len}")
+        return num_pages
+
+    def _on_start(self, seq: Sequence) -> None:
+        self.runner.start_sequence(seq.row, seq.prompt_ids, seq.output_ids)
 
     # ---- requests ----
     def encode(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -170,6 +171,8 @@ class Engine:
             raise ValueError("prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs: at most {self.config.max_logprobs} are served, got {params.logprobs}")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} "
                                      "and at least one token must be generated")
@@ -179,96 +182,82 @@ class Engine:
             stop_ids += [t for t in dict.fromkeys(eos) if t not in stop_ids]
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"stop_token_ids: at most {MAX_STOP_IDS - len(self.cfg.eos_token_ids)} are supported")
-        seq = _Sequence(
+        seq = Sequence(
             request_id=next(self._ids), prompt=text, prompt_ids=ids, params=params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
             max_new=min(params.max_tokens, self.max_model_len - len(ids)), stop_ids=stop_ids,
             detok=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
             stopper=StopStringMatcher(params.stop or []),
         )
-        self._waiting.append(seq)
+        self.scheduler.add(seq)
         return seq.request_id
 
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running)
+        return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self.scheduler.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.scheduler.waiting)
 
-    # ---- scheduling ----
-    def _admit(self) -> None:
-        while self._waiting and self._free_rows:
-            seq = self._waiting[0]
-            need = -(-(len(seq.prompt_ids) + seq.max_new) // self.config.page_size)
-            if need > self.pages.num_free:
-                break
-            self._waiting.popleft()
-            seq.pages = self.pages.allocate(need)
-            seq.row = self._free_rows.pop()
-            self._running.append(seq)
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.pages.hit_rate
 
+    # ---- steps ----
     def step(self) -> list[StreamDelta]:
         """Run one dispatch (a mixed step or a multi-step decode) and return what it produced."""
-        self._admit()
-        if not self._running:
+        plan = self.scheduler.schedule()
+        if plan is None:
             return []
-        if any(s.prefilling for s in self._running):
-            return self._mixed_step()
-        return self._decode_step()
+        if plan.kind == "mixed":
+            deltas = self._mixed_step(plan.chunks)
+        else:
+            deltas = self._decode_step([s for s, _ in plan.chunks])
+        for seq, _ in plan.chunks:
+            if seq.finish_reason is None:
+                self.scheduler.register_blocks(seq)
+            else:
+                self.scheduler.release(seq)
+                self._finished[seq.request_id] = seq
+        return deltas
 
-    def _mixed_step(self) -> list[StreamDelta]:
-        r = self.runner
-        budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[_Sequence, int]] = []          # (sequence, tokens this step)
-        for seq in self._running:                         # decodes first: one token each
-            if not seq.prefilling:
-                chosen.append((seq, 1))
-        budget -= len(chosen)
-        for seq in self._running:
-            if seq.prefilling and budget > 0:
-                n = min(len(seq.prompt_ids) - seq.num_computed, budget)
-                chosen.append((seq, n))
-                budget -= n
-        total = sum(n for _, n in chosen)
+    def _mixed_step(self, chunks: list[tuple[Sequence, int]]) -> list[StreamDelta]:
+        r, ps = self.runner, self.config.page_size
+        total = sum(n for _, n in chunks)
         a = r.empty_mixed(r.token_bucket(total))
         t = 0
-        for b, (seq, n) in enumerate(chosen):
+        for b, (seq, n) in enumerate(chunks):
             start = seq.num_computed
             a["tokens"][t:t + n] = seq.tokens[start:start + n]
             a["positions"][t:t + n] = np.arange(start, start + n)
-            a["slot_mapping"][t:t + n] = slots_for(seq.pages, start, start + n, self.config.page_size)
+            a["slot_mapping"][t:t + n] = slots_for(seq.pages, start, start + n, ps)
             a["token_seq"][t:t + n] = b
             a["page_table"][b, :len(seq.pages)] = seq.pages
-            a["prompt_lens"][b] = len(seq.prompt_ids)
             a["sample_index"][b] = t + n - 1
             a["emits"][b] = start + n >= len(seq.tokens)
-            a["first_chunk"][b] = start == 0
             a["state_row"][b] = seq.row
             a["step_index"][b] = len(seq.output_ids)
             t += n
             a["query_start"][b + 1:] = t
-        sampling = SamplingArrays.from_params([s.params for s, _ in chosen], [s.seed for s, _ in chosen],
+        sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks],
                                               r.max_num_seqs)
         t0 = time.perf_counter()
-        tokens, logprobs = r.run_mixed(jax.device_put(StepBatch(**a, sampling=sampling)))
-        elapsed = time.perf_counter() - t0
+        tokens, logprobs, top_v, top_i = r.run_mixed(jax.device_put(StepBatch(**a, sampling=sampling)))
         self.stats["prefill_tokens"] += total
-        self.stats["prefill_seconds"] += elapsed
+        self.stats["prefill_seconds"] += time.perf_counter() - t0
         deltas = []
-        for b, (seq, n) in enumerate(chosen):
+        for b, (seq, n) in enumerate(chunks):
             seq.num_computed += n
             if a["emits"][b]:
-                deltas.append(self._append(seq, [int(tokens[b])], [float(logprobs[b])]))
-        return self._retire(deltas)
+                deltas.append(self._append(seq, tokens[b:b + 1], logprobs[b:b + 1], top_v[b:b + 1], top_i[b:b + 1]))
+        return deltas
 
-    def _decode_step(self) -> list[StreamDelta]:
+    def _decode_step(self, seqs: list[Sequence]) -> list[StreamDelta]:
         r = self.runner
-        seqs = self._running
         B = r.batch_bucket(len(seqs))
         a = r.empty_decode(B, MAX_STOP_IDS)
         for b, seq in enumerate(seqs):
@@ -282,25 +271,28 @@ class Engine:
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
         t0 = time.perf_counter()
-        tokens, logprobs, emitted = r.run_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)))
+        tokens, logprobs, emitted, top_v, top_i = r.run_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)))
         self.stats["decode_seconds"] += time.perf_counter() - t0
         self.stats["decode_tokens"] += int(emitted.sum())
         deltas = []
         for b, seq in enumerate(seqs):
-            rows = np.nonzero(emitted[:, b])[0]
-            seq.num_computed += len(rows)
-            deltas.append(self._append(seq, tokens[rows, b].tolist(), logprobs[rows, b].tolist()))
-        return self._retire(deltas)
+            steps = np.nonzero(emitted[:, b])[0]
+            seq.num_computed += len(steps)
+            deltas.append(self._append(seq, tokens[steps, b], logprobs[steps, b], top_v[steps, b], top_i[steps, b]))
+        return deltas
 
     # ---- results ----
-    def _append(self, seq: _Sequence, new_ids: list[int], new_logprobs: list[float]) -> StreamDelta:
+    def _append(self, seq: Sequence, new_ids, new_logprobs, top_values, top_ids) -> StreamDelta:
         if seq.first_token_at is None:
             seq.first_token_at = time.perf_counter()
-        text, accepted = "", []
-        for tok, lp in zip(new_ids, new_logprobs):
+        k = seq.params.logprobs
+        text, accepted, lps, tops = "", [], [], []
+        for j, tok in enumerate(int(t) for t in new_ids):
             seq.output_ids.append(tok)
-            seq.logprobs.append(lp)
             accepted.append(tok)
+            lps.append(float(new_logprobs[j]))
+            if k is not None:
+                tops.append([(int(i), float(v)) for i, v in zip(top_ids[j][:k], top_values[j][:k])])
             if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif seq.detok is not None:
@@ -316,28 +308,20 @@ class Engine:
             emitted, _ = seq.stopper.feed(seq.detok.flush())   # a character left unfinished at the end
             text += emitted + seq.stopper.flush()
         seq.text += text
-        return StreamDelta(seq.request_id, text, accepted, seq.finish_reason is not None, seq.finish_reason)
-
-    def _retire(self, deltas: list[StreamDelta]) -> list[StreamDelta]:
-        for seq in [s for s in self._running if s.finish_reason is not None]:
-            self._running.remove(seq)
-            self.pages.release(seq.pages)
-            self._free_rows.append(seq.row)
-            self._finished[seq.request_id] = seq
-        return deltas
+        seq.logprobs += lps
+        seq.top_logprobs += tops
+        return StreamDelta(seq.request_id, text, accepted, seq.finish_reason is not None, seq.finish_reason,
+                           lps, tops if k is not None else None)
 
     def take_finished(self, request_id: int) -> RequestOutput:
-        return self._finished.pop(request_id).output()
+        return _output(self._finished.pop(request_id))
 
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is and free its pages at once."""
-        for seq in list(self._waiting):
-            if seq.request_id == request_id:
-                self._waiting.remove(seq)
-        for seq in list(self._running):
-            if seq.request_id == request_id:
-                seq.finish_reason = "abort"
-        self._retire([])
+        s = self.scheduler
+        for seq in [q for q in list(s.waiting) + list(s.running) if q.request_id == request_id]:
+            seq.finish_reason = seq.finish_reason or "abort"
+            s.release(seq)
         self._finished.pop(request_id, None)
 
 

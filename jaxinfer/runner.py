@@ -24,7 +24,7 @@ from jaxinfer import model
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+from jaxinfer.sampling import SamplingArrays, SamplingParams, sample, top_logprobs
 
 
 @flax.struct.dataclass
@@ -64,34 +64,37 @@ def _count(state: SamplerState, rows: jax.Array, tokens: jax.Array, emits: jax.A
     return state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
 
 
-def mixed_step(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch) -> tuple[KVCache, SamplerState, jax.Array, jax.Array]:
-    """Prompt chunks and decode tokens together; returns (kv, state, tokens [B], logprobs [B])."""
-    scratch = state.prompt_mask.shape[0] - 1
-    T = batch.tokens.shape[0]
-    # Reset the penalty rows of sequences that start now, then mark their prompt tokens.
-    rows = batch.state_row
-    fresh = batch.first_chunk[:, None]
-    state = state.replace(
-        prompt_mask=state.prompt_mask.at[rows].set(jnp.where(fresh, False, state.prompt_mask[rows])),
-        output_counts=state.output_counts.at[rows].set(jnp.where(fresh, 0, state.output_counts[rows])),
-    )
-    valid = jnp.arange(T) < batch.query_start[-1]
-    is_prompt = valid & (batch.positions < batch.prompt_lens[batch.token_seq])
-    token_rows = jnp.where(is_prompt, rows[batch.token_seq], scratch)
-    state = state.replace(prompt_mask=state.prompt_mask.at[token_rows, batch.tokens].set(True))
+def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt: jax.Array,
+             n_total: jax.Array) -> SamplerState:
+    """Start a sequence's penalty row: token_ids [N] (padded) holds its prompt (the first n_prompt)
+    and what it already generated (up to n_total, after a preemption)."""
+    pos = jnp.arange(token_ids.shape[0])
+    vocab = state.prompt_mask.shape[1]
+    prompt_ids = jnp.where(pos < n_prompt, token_ids, vocab)                     # vocab: dropped
+    output_ids = jnp.where((pos >= n_prompt) & (pos < n_total), token_ids, vocab)
+    mask = jnp.zeros((vocab,), bool).at[prompt_ids].set(True, mode="drop")
+    counts = jnp.zeros((vocab,), jnp.int32).at[output_ids].add(1, mode="drop")
+    return state.replace(prompt_mask=state.prompt_mask.at[row].set(mask),
+                         output_counts=state.output_counts.at[row].set(counts))
 
+
+def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
+               batch: StepBatch):
+    """Prompt chunks and decode tokens together.
+    Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top])."""
     kv, logits = model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index)
+    rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
     tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc)
     state = _count(state, rows, tokens, batch.emits)
-    return kv, state, tokens, logprobs
+    return (kv, state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
-def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, params: dict, kv: KVCache,
-                 state: SamplerState, batch: DecodeBatch):
-    """n_steps decode steps in one dispatch. Returns (kv, state, tokens [n, B], logprobs [n, B], emitted [n, B])."""
+def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, params: dict,
+                 kv: KVCache, state: SamplerState, batch: DecodeBatch):
+    """n_steps decode steps in one dispatch. Returns (kv, state, tokens [n, B], logprobs [n, B],
+    emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top])."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -109,11 +112,11 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         step = active.astype(jnp.int32)
         carry = (kv, state, jnp.where(active, new, tokens), positions + step, step_index + step,
                  remaining, active & ~stopped)
-        return carry, (new, logprobs, emitted)
+        return carry, (new, logprobs, emitted, *top_logprobs(logits, n_top))
 
     init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
-    (kv, state, *_), (tokens, logprobs, emitted) = jax.lax.scan(one, init, None, length=n_steps)
-    return kv, state, tokens, logprobs, emitted
+    (kv, state, *_), outs = jax.lax.scan(one, init, None, length=n_steps)
+    return (kv, state, *outs)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -129,7 +132,7 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
-                 token_buckets: list[int] | None = None, unroll_layers: bool = False):
+                 token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -141,8 +144,12 @@ class ModelRunner:
         self.kv = KVCache.allocate(cfg, num_pages, page_size)
         self.state = SamplerState.allocate(max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = max_num_seqs
-        self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers), donate_argnums=(1, 2))
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
+        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers, max_logprobs),
+                               donate_argnums=(1, 2))
+        self._init_row = jax.jit(init_row, donate_argnums=(0,))
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets if b >= n)
@@ -150,13 +157,22 @@ class ModelRunner:
     def batch_bucket(self, n: int) -> int:
         return next(b for b in self.batch_buckets if b >= n)
 
-    def run_mixed(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
-        self.kv, self.state, tokens, logprobs = self._mixed(self.params, self.kv, self.state, batch)
-        return np.asarray(tokens), np.asarray(logprobs)
+    def start_sequence(self, row: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Reset the sampler row of a sequence that (re)enters the batch."""
+        ids = np.zeros(self.max_model_len, np.int32)
+        tokens = (prompt_ids + output_ids)[: self.max_model_len]
+        ids[: len(tokens)] = tokens
+        self.state = self._init_row(self.state, np.int32(row), ids, np.int32(len(prompt_ids)), np.int32(len(tokens)))
 
-    def run_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        self.kv, self.state, tokens, logprobs, emitted = self._decode(self.params, self.kv, self.state, batch)
-        return np.asarray(tokens), np.asarray(logprobs), np.asarray(emitted)
+    def run_mixed(self, batch: StepBatch) -> tuple[np.ndarray, ...]:
+        """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy)."""
+        self.kv, self.state, *out = self._mixed(self.params, self.kv, self.state, batch)
+        return tuple(np.asarray(o) for o in out)
+
+    def run_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, ...]:
+        """-> tokens, logprobs, emitted [n, B], top values, top ids [n, B, K] (numpy)."""
+        self.kv, self.state, *out = self._decode(self.params, self.kv, self.state, batch)
+        return tuple(np.asarray(o) for o in out)
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
@@ -165,8 +181,8 @@ class ModelRunner:
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
             page_table=np.full((B, P), SCRATCH_PAGE, np.int32), query_start=np.zeros(B + 1, np.int32),
-            prompt_lens=np.zeros(B, np.int32), sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
-            first_chunk=np.zeros(B, bool), state_row=np.full(B, self.scratch_row, np.int32),
+            sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
+            state_row=np.full(B, self.scratch_row, np.int32),
             step_index=np.zeros(B, np.int32),
         )
 
@@ -187,6 +203,7 @@ class ModelRunner:
         """Compile every bucket now (inert batches touch only the scratch page). Returns seconds."""
         t0 = time.perf_counter()
         shapes = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.batch_buckets]
+        self.start_sequence(self.scratch_row, [0], [])
         for kind, n in tqdm(shapes, desc="compiling steps", unit="shape", disable=not progress, leave=False):
             if kind == "mixed":
                 arrays = self.empty_mixed(n)

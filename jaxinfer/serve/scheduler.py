@@ -1,0 +1,191 @@
+"""The scheduler: which sequences run, which tokens each one computes in the next step, which pages
+hold them.
+
+- Continuous batching: sequences join (from the waiting queue, oldest first) whenever a sampler row
+  and the pages for their prompt are free, and leave as soon as they finish.
+- Mixed steps: while any running sequence has prompt tokens left, a step carries one decode token
+  for every generating sequence plus prompt chunks under the token budget, so a long prompt
+  never stalls the others. Otherwise the step is a multi-step decode dispatch.
+- Prefix caching: a sequence joining takes the cached pages of the longest prefix of its full
+  blocks (never its last token, whose logits are needed) and computes only the rest; every block
+  it completes is registered for later sequences (paging.py).
+- Pages are taken as sequences grow. When none are left, the youngest running sequence is
+  preempted: its pages are released (they stay cached), and it goes back to the front of the
+  waiting queue to be recomputed later, ending with the same tokens it would have had.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections import deque
+from typing import Any, Callable
+
+from jaxinfer.paging import OutOfPages, PageAllocator, block_hashes
+from jaxinfer.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """Host state of one request."""
+
+    request_id: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int
+    stop_ids: list[int]
+    detok: Any = None                 # IncrementalDetokenizer, or None without a tokenizer
+    stopper: Any = None               # StopStringMatcher
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    text: str = ""
+    pages: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)   # of its registered full blocks
+    row: int = -1                     # sampler-state row while running
+    num_computed: int = 0             # tokens whose K/V are in the cache
+    admitted: int = -1                # admission order (the youngest is preempted first)
+    preemptions: int = 0
+    finish_reason: str | None = None
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        """True while tokens other than the last generated one still lack K/V (prompt, or a recompute)."""
+        return self.num_computed < len(self.tokens) - (1 if self.output_ids else 0)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The next step: `mixed` with (sequence, tokens to compute) pairs, or `decode` of `steps` steps."""
+
+    kind: str
+    chunks: list[tuple[Sequence, int]]
+
+
+class Scheduler:
+    def __init__(self, pages: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 decode_steps: int, on_start: Callable[[Sequence], None], prefix_caching: bool = True):
+        self.pages = pages
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_steps = decode_steps
+        self.on_start = on_start          # called when a sequence (re)joins: reset its sampler row
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_rows = list(range(max_num_seqs))[::-1]
+        self._order = itertools.count()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- admission ----
+    def _admit(self) -> None:
+        ps = self.page_size
+        while self.waiting and self.free_rows:
+            seq = self.waiting[0]
+            tokens = seq.tokens
+            hashes = block_hashes(tokens[: (len(tokens) - 1) // ps * ps], ps) if self.prefix_caching else []
+            cached = self.pages.lookup(hashes)
+            need = -(-len(tokens) // ps) - len(cached)
+            if need > self.pages.num_free:
+                self.pages.release(cached)
+                break
+            self.waiting.popleft()
+            seq.pages, seq.hashes = cached, hashes[: len(cached)]
+            seq.num_computed = len(cached) * ps
+            seq.row = self.free_rows.pop()
+            seq.admitted = next(self._order)
+            self.running.append(seq)
+            self.on_start(seq)
+
+    # ---- pages ----
+    def _preempt(self, seq: Sequence) -> None:
+        self.pages.release(seq.pages)
+        seq.pages, seq.hashes, seq.num_computed = [], [], 0
+        self.free_rows.append(seq.row)
+        seq.row = -1
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
+        """Hold pages for the sequence's first n_tokens, preempting younger sequences if needed.
+        False when `seq` itself had to be preempted."""
+        need = -(-n_tokens // self.page_size) - len(seq.pages)
+        while need > self.pages.num_free:
+            victim = max(self.running, key=lambda s: s.admitted)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages += self.pages.allocate(need)
+        return True
+
+    def register_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's newly completed full blocks in the prefix cache."""
+        full = seq.num_computed // self.page_size
+        if self.prefix_caching and full > len(seq.hashes):
+            prev = seq.hashes[-1] if seq.hashes else None
+            new = block_hashes(seq.tokens[: full * self.page_size], self.page_size, len(seq.hashes), prev)
+            for i, h in enumerate(new, start=len(seq.hashes)):
+                self.pages.register(seq.pages[i], h)
+            seq.hashes += new
+
+    def release(self, seq: Sequence) -> None:
+        """A finished or aborted sequence leaves."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pages.release(seq.pages)
+            self.free_rows.append(seq.row)
+            seq.pages, seq.row = [], -1
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # ---- the next step ----
+    def schedule(self) -> Plan | None:
+        self._admit()
+        if not self.running:
+            return None
+        if any(s.prefilling for s in self.running):
+            return self._mixed()
+        return self._decode()
+
+    def _mixed(self) -> Plan | None:
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in sorted(self.running, key=lambda s: s.admitted):   # decodes first, oldest first
+            if not seq.prefilling and budget > 0 and seq in self.running:
+                if self._reserve(seq, len(seq.tokens)):
+                    chunks.append((seq, 1))
+                    budget -= 1
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq.prefilling and budget > 0 and seq in self.running:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                if self._reserve(seq, seq.num_computed + n):
+                    chunks.append((seq, n))
+                    budget -= n
+        chunks = [(s, n) for s, n in chunks if s in self.running]   # drop any preempted after being chosen
+        return Plan("mixed", chunks) if chunks else self.schedule()
+
+    def _decode(self) -> Plan | None:
+        for seq in sorted(self.running, key=lambda s: s.admitted):
+            if seq in self.running:
+                last = min(len(seq.tokens) - 1 + self.decode_steps, len(seq.prompt_ids) + seq.max_new)
+                self._reserve(seq, last)
+        seqs = sorted(self.running, key=lambda s: s.admitted)
+        return Plan("decode", [(s, 1) for s in seqs]) if seqs else self.schedule()

@@ -1,0 +1,89 @@
+"""Continuous batching on stories260k: many concurrent requests give each request's output alone,
+also with prefix-cache hits and with forced preemption; no compilation under a random workload."""
+
+import random
+
+import jax
+import pytest
+
+from conftest import STORIES
+from jaxinfer.engine import Engine
+from jaxinfer.sampling import SamplingParams
+
+WORDS = "once upon a time there was a little girl named lily she liked to play in the park with her dog".split()
+
+
+def _prompts(n, seed, prefix=""):
+    rng = random.Random(seed)
+    return [prefix + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
+def _params(n, seed, sampled=False):
+    rng = random.Random(seed)
+    if not sampled:
+        return [SamplingParams(max_tokens=rng.randint(1, 40), temperature=0) for _ in range(n)]
+    return [SamplingParams(max_tokens=rng.randint(1, 40), temperature=0.9, top_p=0.95, seed=i,
+                           repetition_penalty=1.2, frequency_penalty=0.3) for i in range(n)]
+
+
+def _run(engine, prompts, params):
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return [engine.take_finished(i).token_ids for i in ids]
+
+
+def _engine(**kw):
+    opts = dict(max_num_seqs=16, max_num_batched_tokens=64, progress=False)
+    return Engine(STORIES, **{**opts, **kw})
+
+
+@pytest.fixture(scope="module")
+def alone_engine():
+    return _engine(max_num_seqs=1, enable_prefix_caching=False)
+
+
+def _alone(engine, prompts, params):
+    return [_run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+
+
+def test_64_concurrent_greedy_equal_alone(alone_engine):
+    prompts, params = _prompts(64, 1), _params(64, 1)
+    engine = _engine(enable_prefix_caching=False)
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_prefix_cache_hits_give_the_same_output(alone_engine):
+    system = "once upon a time there was a little girl named lily. she liked to play in the park with her dog. " * 2
+    prompts, params = _prompts(64, 2, prefix=system), _params(64, 2)
+    engine = _engine()
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.prefix_cache_hit_rate > 0.5
+    assert engine.pages.num_free == engine.pages.capacity   # cached pages nobody holds count as free
+    engine.pages.check()
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling-with-penalties"])
+def test_preemption_gives_the_same_output(alone_engine, sampled):
+    prompts, params = _prompts(64, 3), _params(64, 3, sampled)
+    # 12 usable pages of 16 tokens: two or three sequences at a time, so the pool runs out constantly.
+    engine = _engine(num_pages=13, max_model_len=128)
+    out = _run(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert out == _alone(alone_engine, prompts, params)
+    assert engine.pages.num_free == engine.pages.capacity
+
+
+def test_no_compilation_under_random_workload():
+    engine = _engine(num_pages=20, max_model_len=256)
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        for round_ in range(3):
+            _run(engine, _prompts(20, 10 + round_, prefix="lily " * round_), _params(20, 10 + round_, round_ == 1))
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    assert engine.scheduler.num_preemptions > 0
