@@ -107,3 +107,21 @@ def test_no_compilation_after_warmup(stories):
     finally:
         jax.monitoring.clear_event_listeners()
     assert events == []
+
+
+def test_chunked_prefill_equals_one_shot():
+    """A prompt longer than the token budget is prefilled chunk by chunk; the first sampled token's
+    logprob and top logprobs (i.e. the last position's logits) equal a one-shot prefill's."""
+    prompt = PROMPTS[4] * 3
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=10)
+    outs = []
+    for budget in (16, 512):
+        llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=budget, progress=False)
+        outs.append(llm.generate(prompt, params)[0])
+    chunked, one_shot = outs
+    assert len(chunked.prompt_token_ids) > 100           # several 16-token chunks
+    assert chunked.token_ids == one_shot.token_ids
+    np.testing.assert_allclose(chunked.logprobs, one_shot.logprobs, atol=1e-5)
+    for a, b in zip(chunked.top_logprobs, one_shot.top_logprobs):
+        assert [i for i, _ in a] == [i for i, _ in b]
+        np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
