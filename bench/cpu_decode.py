@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import time
 
 import jax
 

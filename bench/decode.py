@@ -186,7 +186,7 @@ def main() -> None:
                              **{k: v for k, v in r.items() if k != "tokens"}))
         gc.collect()
 
-    print(f"\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
+    print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
           "kernels per step | greedy tokens equal to reference |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

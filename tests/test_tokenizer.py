@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import unicodedata
-from pathlib import Path
 
 import pytest
 from conftest import DATA, SHARED, STORIES, TOKENIZERS

@@ -6,7 +6,6 @@ Run on the H200: PYTHONPATH=. python3 -m pytest -q tests/gpu  (stories260k copie
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 from jaxinfer.engine import Engine
