@@ -23,9 +23,9 @@ from pathlib import Path
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for the torch peer
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from bench.ceilings import hbm_read_ceiling
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
 from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
@@ -34,23 +34,6 @@ SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64
                              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                              "intermediate_size": 128}}  # a smoke test of this script on the CPU
 from jaxinfer.sampling import SamplingParams
-
-
-def read_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        r = f(x)
-    r.block_until_ready()
-    dt = (time.perf_counter() - t0) / reps
-    del x
-    return x_bytes(gib) / dt
-
-
-def x_bytes(gib: float) -> float:
-    return gib * 2**30
 
 
 def step_bytes(cfg, context: float) -> float:
@@ -147,7 +130,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
 
-    bw = read_bandwidth()
+    bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)  # small on a CPU smoke run
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     cases = [(s, args.prompt) for s in args.shapes] + [(s, int(n)) for s, n in (x.split(":") for x in args.long)]
     rows = []

@@ -34,6 +34,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+
+from bench.ceilings import hbm_read_ceiling
 import numpy as np
 
 from jaxinfer.ops import reference
@@ -48,22 +50,6 @@ TOL = 1e-2
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def hbm_read_ceiling(gib=4, calls=20):
-    n = gib * 2**30 // 2
-    x = jax.random.uniform(jax.random.PRNGKey(0), (n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    best = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = f(x)
-        r.block_until_ready()
-        best.append((time.perf_counter() - t0) / calls)
-    del x
-    return 2 * n / min(best)
 
 
 @dataclasses.dataclass
