@@ -19,8 +19,9 @@ from jaxinfer.engine import Engine
 from jaxinfer.sampling import SamplingParams
 
 
-def measure(model: str, new_tokens: int, steps: int, repeats: int = 5) -> tuple[float, float]:
-    engine = Engine(model, max_num_seqs=1, decode_steps=steps, max_num_batched_tokens=64, progress=False)
+def measure(model: str, new_tokens: int, steps: int, overlap: bool = True, repeats: int = 5) -> tuple[float, float]:
+    engine = Engine(model, max_num_seqs=1, decode_steps=steps, max_num_batched_tokens=64, progress=False,
+                    overlap_decode=overlap)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.add_request("Once upon a time", params)  # warm-up request: nothing left to compile after this
     while engine.has_unfinished():
@@ -49,11 +50,13 @@ def main() -> None:
     ap.add_argument("--steps-per-dispatch", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     args = ap.parse_args()
     print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}")
-    print("| decode steps per dispatch | tok/s | ms per dispatch |")
-    print("|---|---|---|")
+    print("| decode steps per dispatch | read back one dispatch late | tok/s | ms per dispatch |")
+    print("|---|---|---|---|")
     for steps in args.steps_per_dispatch:
-        rate, per_dispatch = measure(args.model, args.new_tokens, steps)
-        print(f"| {steps} | {rate:,.0f} tok/s | {per_dispatch * 1e3:.2f} |", flush=True)
+        for overlap in (False, True):
+            rate, per_dispatch = measure(args.model, args.new_tokens, steps, overlap)
+            print(f"| {steps} | {'yes' if overlap else 'no'} | {rate:,.0f} tok/s | {per_dispatch * 1e3:.2f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

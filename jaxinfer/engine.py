@@ -51,6 +51,7 @@ class EngineConfig:
     unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
     max_logprobs: int = 20                    # top logprobs computed per sampled token
     enable_prefix_caching: bool = True
+    overlap_decode: bool = True               # read decode dispatches back one dispatch late
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
@@ -128,6 +129,8 @@ class Engine:
                                    config.decode_steps, on_start=self._on_start,
                                    prefix_caching=config.enable_prefix_caching)
         self._finished: dict[int, Sequence] = {}
+        self._inflight: tuple | None = None      # a decode dispatch not yet read back
+        self._decode_started = 0.0
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
@@ -193,7 +196,7 @@ class Engine:
         return seq.request_id
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -209,19 +212,93 @@ class Engine:
 
     # ---- steps ----
     def step(self) -> list[StreamDelta]:
-        """Run one dispatch (a mixed step or a multi-step decode) and return what it produced."""
+        """Run one dispatch and return what has been read back.
+
+        Decode dispatches are read back one dispatch late: while the batch stays the same (nobody
+        waiting to join, pages to spare), the next dispatch starts on the device from the previous
+        one's advanced state before the host reads and detokenizes the previous one's tokens, so
+        the device does not wait on Python. Sequences that turn out to have finished are computed
+        once more and their extra tokens dropped.
+        """
+        if self._inflight is not None:
+            seqs, advanced, outs = self._inflight
+            self._inflight = self._chain(seqs, advanced)
+            deltas = self._collect_decode(seqs, outs)
+            if self._inflight is None:
+                self._settle(seqs)
+            return deltas
         plan = self.scheduler.schedule()
         if plan is None:
             return []
         if plan.kind == "mixed":
             deltas = self._mixed_step(plan.chunks)
-        else:
-            deltas = self._decode_step([s for s, _ in plan.chunks])
-        for seq, _ in plan.chunks:
+            self._settle([s for s, _ in plan.chunks])
+            return deltas
+        seqs = [s for s, _ in plan.chunks]
+        self._inflight = (seqs, *self._launch_decode(seqs))
+        return []
+
+    def _settle(self, seqs: list[Sequence]) -> None:
+        """After a read-back with nothing in flight: register new full blocks, release the finished."""
+        for seq in seqs:
             if seq.finish_reason is None:
                 self.scheduler.register_blocks(seq)
             else:
                 self.scheduler.release(seq)
+
+    def _chain(self, seqs: list[Sequence], advanced: DecodeBatch):
+        """Start the next decode dispatch from `advanced` if the batch can stay as it is."""
+        s, steps = self.scheduler, self.config.decode_steps
+        if not self.config.overlap_decode or s.waiting and s.free_rows or len(s.running) != len(seqs):
+            return None
+        if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
+            return None
+        # The host's view lags one dispatch: hold pages for two dispatches beyond it.
+        need = {}
+        for seq in seqs:
+            last = min(len(seq.tokens) - 1 + 2 * steps, len(seq.prompt_ids) + seq.max_new)
+            need[seq] = max(0, -(-last // self.config.page_size) - len(seq.pages))
+        if sum(need.values()) > self.pages.num_free:
+            return None
+        page_table = np.array(advanced.page_table)
+        for b, seq in enumerate(seqs):
+            if need[seq]:
+                seq.pages += self.pages.allocate(need[seq])
+                page_table[b, :len(seq.pages)] = seq.pages
+        advanced, outs = self.runner.launch_decode(advanced.replace(page_table=jax.device_put(page_table)))
+        return seqs, advanced, outs
+
+    def _launch_decode(self, seqs: list[Sequence]):
+        r = self.runner
+        B = r.batch_bucket(len(seqs))
+        a = r.empty_decode(B, MAX_STOP_IDS)
+        for b, seq in enumerate(seqs):
+            a["tokens"][b] = seq.tokens[-1]
+            a["positions"][b] = len(seq.tokens) - 1
+            a["page_table"][b, :len(seq.pages)] = seq.pages
+            a["state_row"][b] = seq.row
+            a["step_index"][b] = len(seq.output_ids)
+            a["remaining"][b] = seq.max_new - len(seq.output_ids)
+            a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
+            a["active"][b] = True
+        sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
+        self._decode_started = time.perf_counter()
+        return r.launch_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)))
+
+    def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
+        tokens, logprobs, emitted, top_v, top_i = (np.asarray(o) for o in outs)
+        now = time.perf_counter()
+        self.stats["decode_seconds"] += now - self._decode_started
+        self._decode_started = now
+        deltas = []
+        for b, seq in enumerate(seqs):
+            steps = np.nonzero(emitted[:, b])[0]
+            if seq.finish_reason is not None:   # finished in the previous dispatch: drop what followed
+                continue
+            self.stats["decode_tokens"] += len(steps)
+            seq.num_computed += len(steps)
+            deltas.append(self._append(seq, tokens[steps, b], logprobs[steps, b], top_v[steps, b], top_i[steps, b]))
+            if seq.finish_reason is not None:
                 self._finished[seq.request_id] = seq
         return deltas
 
@@ -254,31 +331,8 @@ class Engine:
             seq.num_computed += n
             if a["emits"][b]:
                 deltas.append(self._append(seq, tokens[b:b + 1], logprobs[b:b + 1], top_v[b:b + 1], top_i[b:b + 1]))
-        return deltas
-
-    def _decode_step(self, seqs: list[Sequence]) -> list[StreamDelta]:
-        r = self.runner
-        B = r.batch_bucket(len(seqs))
-        a = r.empty_decode(B, MAX_STOP_IDS)
-        for b, seq in enumerate(seqs):
-            a["tokens"][b] = seq.tokens[-1]
-            a["positions"][b] = len(seq.tokens) - 1
-            a["page_table"][b, :len(seq.pages)] = seq.pages
-            a["state_row"][b] = seq.row
-            a["step_index"][b] = len(seq.output_ids)
-            a["remaining"][b] = seq.max_new - len(seq.output_ids)
-            a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
-            a["active"][b] = True
-        sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
-        t0 = time.perf_counter()
-        tokens, logprobs, emitted, top_v, top_i = r.run_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)))
-        self.stats["decode_seconds"] += time.perf_counter() - t0
-        self.stats["decode_tokens"] += int(emitted.sum())
-        deltas = []
-        for b, seq in enumerate(seqs):
-            steps = np.nonzero(emitted[:, b])[0]
-            seq.num_computed += len(steps)
-            deltas.append(self._append(seq, tokens[steps, b], logprobs[steps, b], top_v[steps, b], top_i[steps, b]))
+                if seq.finish_reason is not None:
+                    self._finished[seq.request_id] = seq
         return deltas
 
     # ---- results ----

@@ -93,8 +93,8 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, params: dict,
                  kv: KVCache, state: SamplerState, batch: DecodeBatch):
-    """n_steps decode steps in one dispatch. Returns (kv, state, tokens [n, B], logprobs [n, B],
-    emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top])."""
+    """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
+    tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top])."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -115,8 +115,12 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         return carry, (new, logprobs, emitted, *top_logprobs(logits, n_top))
 
     init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
-    (kv, state, *_), outs = jax.lax.scan(one, init, None, length=n_steps)
-    return (kv, state, *outs)
+    (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps)
+    return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
+
+
+# DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
+CARRIED = ("tokens", "positions", "step_index", "remaining", "active")
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -169,10 +173,15 @@ class ModelRunner:
         self.kv, self.state, *out = self._mixed(self.params, self.kv, self.state, batch)
         return tuple(np.asarray(o) for o in out)
 
+    def launch_decode(self, batch: DecodeBatch) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+        """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
+        on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K])."""
+        self.kv, self.state, advanced, *out = self._decode(self.params, self.kv, self.state, batch)
+        return advanced, tuple(out)
+
     def run_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, ...]:
-        """-> tokens, logprobs, emitted [n, B], top values, top ids [n, B, K] (numpy)."""
-        self.kv, self.state, *out = self._decode(self.params, self.kv, self.state, batch)
-        return tuple(np.asarray(o) for o in out)
+        """launch_decode, then wait for its outputs (numpy)."""
+        return tuple(np.asarray(o) for o in self.launch_decode(batch)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
