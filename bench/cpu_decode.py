@@ -3,8 +3,9 @@
     .venv/bin/python bench/cpu_decode.py [--model DIR] [--new-tokens 256] [--steps-per-dispatch 1 8 32]
 
 Greedy, one request, 256 new tokens after warm-up (EOS ignored so every run decodes the same
-number of tokens). For each number of decode steps per device dispatch it prints tok/s and the
-time per dispatch, which separates the fixed cost of a dispatch (host work, launch) from the
+number of tokens). For each number of decode steps per device dispatch, with and without reading
+each dispatch back one dispatch late (the engine's overlap), it prints tok/s and the time per
+dispatch, which separates the fixed cost of a dispatch (host work, launch) from the
 per-token compute.
 """
 
