@@ -1,0 +1,379 @@
+"""Paged prefill attention on the GPU: the flash-attention Pallas kernel against the XLA reference op.
+
+    PYTHONPATH=. python3 bench/kernels_prefill_attention.py [--sweep] [--budget 240] [--interpret]
+
+Default mode: for the Qwen3-4B shape (H 32, KVH 8, hd 128; Llama-3-8B has the same attention shape)
+and Qwen3-0.6B (16/8/128), bf16, page size 16, pages in random order, cases:
+  prompt 128, 1,024, 8,192 (one sequence from position 0);
+  the last 2,048-token chunk of an 8,192 and of a 32,768 prompt (prefix 6,144 / 30,720 in pages);
+  4 prompts of 1,024 in one call; a mixed call (chunks after prefixes, fresh prompts, ragged);
+it times the configuration the table picks (prefill_attention.choose_config) and
+reference.paged_attention, each inside one jit that chains n calls (the output is the next call's
+query, the layer index walking over the cache's layers), many calls of that jit, best of 3. The first
+call's output of each is checked against the reference's (relative Frobenius error < 2e-2) before it
+counts. The per-call schedule (prefill_schedule, a few tiny XLA ops) is timed on its own too: inside
+the chain XLA computes it once, in the model it runs once per layer unless hoisted or passed in.
+FLOPs = 4 x sum over query rows of (visible keys = position + 1) x hd x H (q k^T and p v, causal, no
+credit for masked work); TFLOP/s and the share of the dense bf16 GEMM rate (XLA, 8192^3) measured in
+the same run, at the start and the end.
+
+--sweep: first, at the Qwen3-4B shape, a sweep of PrefillConfigs at prompt 128, 1,024, 8,192, the 2,048
+chunk after 6,144 and 4 x 1,024 (phase A: tile rows x heads per program x block_k; phase B: the best
+three with other num_warps / num_stages and the natural schedule order), printing the best per case:
+what fills prefill_attention._TABLE and its short/long crossover. Every config is checked against the
+reference (a wrong block shape can compile, run and be silently wrong: ../shared/GPU_FACTS.md).
+JSON of everything to $OUT/prefill_attention.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.ops import reference
+from jaxinfer.pallas import prefill_attention as PA
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+PS = 16
+SHAPES = [("Qwen3-4B/Llama-3-8B", 32, 8, 128), ("Qwen3-0.6B", 16, 8, 128)]
+CASES = [
+    ("prompt 128", [(0, 128)]),
+    ("prompt 1024", [(0, 1024)]),
+    ("prompt 8192", [(0, 8192)]),
+    ("chunk 2048 @ 6144", [(6144, 2048)]),
+    ("chunk 2048 @ 30720", [(30720, 2048)]),
+    ("4 x prompt 1024", [(0, 1024)] * 4),
+    ("mixed", [(0, 1000), (5000, 512), (300, 77), (0, 129), (12000, 256), (7, 1)]),
+]
+SWEEP_CASES = ["prompt 128", "prompt 1024", "prompt 8192", "chunk 2048 @ 6144", "4 x prompt 1024"]
+TOL = 2e-2
+INTERPRET = False
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def gemm_ceiling(n=8192, calls=10):
+    """Dense bf16 GEMM rate of XLA, a @ b at n^3, in FLOP/s."""
+    ka, kb = jax.random.split(jax.random.PRNGKey(1))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    f(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = f(a, b)
+        r.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    del a, b
+    return 2 * n ** 3 / best
+
+
+@dataclasses.dataclass
+class Problem:
+    case: str
+    H: int
+    KVH: int
+    hd: int
+    seqs: list
+    L: int
+    flops: float
+    args: tuple  # q, k, v, page_table, query_start, token_seq, positions
+
+    @property
+    def T(self):
+        return self.args[0].shape[0]
+
+
+def make_problem(case, seqs, H, KVH, hd, seed=0):
+    B = len(seqs)
+    P = max(-(-(a + n) // PS) for a, n in seqs)
+    n_pages = B * P + 1
+    per_layer = n_pages * PS * KVH * hd * 2 * 2
+    L = 1 if INTERPRET else int(min(4, max(1, 2e9 // per_layer)))
+    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
+    shape = (L, KVH, n_pages * PS, hd)
+    k = jax.random.normal(kk, shape, jnp.bfloat16)
+    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    pt = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
+    T = sum(n for _, n in seqs)
+    q = jax.random.normal(kq, (T, H, hd), jnp.bfloat16)
+    pos = np.concatenate([np.arange(a, a + n) for a, n in seqs]).astype(np.int32)
+    ts = np.concatenate([np.full(n, b) for b, (_, n) in enumerate(seqs)]).astype(np.int32)
+    qs = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    flops = 4.0 * float(np.sum(pos.astype(np.float64) + 1)) * hd * H
+    args = (q, k, v, pt, jnp.asarray(qs), jnp.asarray(ts), jnp.asarray(pos))
+    jax.block_until_ready(args)
+    return Problem(case, H, KVH, hd, seqs, L, flops, args)
+
+
+def n_chain(est_s):
+    return int(min(16, max(2, round(20e-3 / max(est_s, 1e-6)))))
+
+
+def est_time(p: Problem, rate=300e12):
+    return max(10e-6, p.flops / rate)
+
+
+def kernel_op(cfg):
+    def op(q, k, v, layer, pt, qs, ts, pos, scale):
+        return PA.paged_prefill_attention(q, k, v, layer, pt, qs, pos, PS, scale, config=cfg, interpret=INTERPRET)
+    return op
+
+
+def reference_op(q, k, v, layer, pt, qs, ts, pos, scale):
+    return reference.paged_attention(q, k, v, layer, pt, ts, pos, PS, scale)
+
+
+def build(op, p: Problem, n):
+    """AOT-compile a jit that chains n calls of op (query <- output), layer walking over p.L layers."""
+    scale = p.hd ** -0.5
+
+    def chain(q, k, v, pt, qs, ts, pos):
+        first = None
+        for i in range(n):
+            q = op(q, k, v, jnp.int32(i % p.L), pt, qs, ts, pos, scale)
+            first = q if first is None else first
+        return q, first
+
+    return jax.jit(chain).lower(*p.args).compile()
+
+
+def time_compiled(compiled, p: Problem, n, target_s=0.05):
+    out = compiled(*p.args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*p.args))
+    est = time.perf_counter() - t0
+    calls = int(min(20, max(2, target_s / max(est, 1e-6))))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = compiled(*p.args)
+        jax.block_until_ready(r)
+        best = min(best, (time.perf_counter() - t0) / (calls * n))
+    return best, out[1]
+
+
+def time_schedule(p: Problem, cfg: PA.PrefillConfig, calls=200):
+    q, _, _, _, qs, _, pos = p.args
+    f = jax.jit(lambda qs, pos: PA.prefill_schedule(qs, pos, q.shape[0], cfg.block_q, cfg.order))
+    f(qs, pos).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = f(qs, pos)
+        r.block_until_ready()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+def rel_err(y, ref):
+    y = np.asarray(y.astype(jnp.float32), np.float64)
+    ref = np.asarray(ref.astype(jnp.float32), np.float64)
+    if not np.all(np.isfinite(y)):
+        return float("inf")
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def cfg_str(c: PA.PrefillConfig):
+    return (f"q{c.block_q}/k{c.block_k}/h{c.heads}/w{c.num_warps}/s{c.num_stages}"
+            + ("/nat" if c.order == "natural" else ""))
+
+
+def run_configs(p: Problem, cfgs, ref_out, pool, deadline):
+    n = n_chain(est_time(p))
+    futs = {pool.submit(build, kernel_op(c), p, n): c for c in cfgs}
+    # Every compile finishes before anything is timed: lowering holds the GIL, and timing while other
+    # configs compiled starved the dispatch thread (the decode sweep saw some configs 3-40x slow).
+    cf.wait(futs)
+    rows = []
+    for fut, c in futs.items():
+        row = {"cfg": dataclasses.asdict(c)}
+        try:
+            compiled = fut.result()
+            if time.time() > deadline:
+                row.update(ok=False, error="skipped: out of time budget")
+            else:
+                t, first = time_compiled(compiled, p, n)
+                err = rel_err(first, ref_out)
+                row.update(ms=t * 1e3, tflops=p.flops / t / 1e12, err=err, ok=err < TOL)
+        except Exception as e:  # noqa: BLE001 - a config that fails (e.g. out of shared memory) is a result
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        rows.append(row)
+    return rows
+
+
+def time_reference(p: Problem):
+    n = 2
+    compiled = build(reference_op, p, n)
+    return time_compiled(compiled, p, n, target_s=0.02)
+
+
+def phase_a(p: Problem):
+    """Tile rows (block_q x heads per program) x heads per program (whole group / one) x block_k, with
+    4 warps up to 64 rows and 8 above. An offline compile for sm_90a (Triton 3.9, 2026-11-29) found
+    256-row tiles spilling at any warp count and 128-row tiles spilling with 4 warps: not swept."""
+    group = p.H // p.KVH
+    cfgs = []
+    for rows in (16, 32, 64, 128):
+        for heads in ((0, 1) if group > 1 else (0,)):
+            for bk in (32, 64, 128):
+                if rows * bk > 128 * 128:
+                    continue
+                base = PA.PrefillConfig(block_k=bk, heads=heads, num_warps=4 if rows <= 64 else 8, num_stages=2)
+                cfgs.append(PA.config_for_rows(base, rows, p.T, group, p.hd))
+    return list(dict.fromkeys(cfgs))
+
+
+def phase_b(best):
+    cfgs = []
+    for c in best:
+        for w in (4, 8):
+            for st in (1, 2, 3, 4):
+                if (w, st) != (c.num_warps, c.num_stages):
+                    cfgs.append(dataclasses.replace(c, num_warps=w, num_stages=st))
+        cfgs.append(dataclasses.replace(c, order="natural"))
+    return list(dict.fromkeys(cfgs))
+
+
+def sweep(results, pool, deadline, t_start):
+    _, H, KVH, hd = SHAPES[0]
+    cases = [(c, s) for c, s in CASES if c in SWEEP_CASES]
+    out = []
+    for i, (case, seqs) in enumerate(cases):
+        if time.time() > deadline:
+            log(f"sweep: out of budget before {case}")
+            break
+        p = make_problem(case, seqs, H, KVH, hd, seed=i)
+        t_ref, ref_out = time_reference(p)
+        share = (deadline - time.time()) / (len(cases) - i)
+        rows = run_configs(p, phase_a(p), ref_out, pool, time.time() + 0.6 * share)
+        good = sorted((r for r in rows if r["ok"]), key=lambda r: r["ms"])
+        top = [PA.PrefillConfig(**r["cfg"]) for r in good[:3]]
+        rows += run_configs(p, phase_b(top), ref_out, pool, time.time() + 0.4 * share)
+        good = sorted((r for r in rows if r["ok"]), key=lambda r: r["ms"])
+        for r in rows:
+            if not r["ok"] and "skipped" not in r.get("error", ""):
+                why = r.get("error") or f"err {r['err']:.2e}"
+                log(f"   FAILED {cfg_str(PA.PrefillConfig(**r['cfg']))}: {why}")
+        out.append({"case": case, "T": p.T, "flops": p.flops, "ref_ms": t_ref * 1e3, "configs": rows,
+                    "best": good[0] if good else None})
+        msg = "; ".join(f"{cfg_str(PA.PrefillConfig(**r['cfg']))} {r['ms']:.3f}" for r in good[:6])
+        log(f"[{time.time() - t_start:6.1f}s] sweep {case}: ref {t_ref * 1e3:.3f} ms; {len(good)}/{len(rows)} ok; "
+            f"best {msg}")
+        del p
+    results["sweep"] = out
+
+
+def table_mode(results, pool, t_start):
+    """The table's choice and the reference at every (shape, case): compile all, then time."""
+    jobs = []
+    for name, H, KVH, hd in SHAPES:
+        for i, (case, seqs) in enumerate(CASES):
+            p = make_problem(case, seqs, H, KVH, hd, seed=100 + i)
+            cfg = PA.choose_config(p.T, H, KVH, hd)
+            n = n_chain(est_time(p))
+            jobs.append((name, p, cfg, n, pool.submit(build, kernel_op(cfg), p, n),
+                         pool.submit(build, reference_op, p, 2)))
+    cf.wait([f for j in jobs for f in j[4:]])
+    log(f"[{time.time() - t_start:6.1f}s] table mode: {len(jobs)} points compiled")
+    for name, p, cfg, n, fut, fut_ref in jobs:
+        row = {"model": name, "H": p.H, "KVH": p.KVH, "hd": p.hd, "case": p.case, "seqs": p.seqs, "T": p.T,
+               "flops": p.flops, "cfg": dataclasses.asdict(cfg)}
+        try:
+            t_ref, ref_out = time_compiled(fut_ref.result(), p, 2, target_s=0.02)
+            row["ref_ms"] = t_ref * 1e3
+            t, first = time_compiled(fut.result(), p, n)
+            err = rel_err(first, ref_out)
+            row.update(ms=t * 1e3, tflops=p.flops / t / 1e12, err=err, ok=err < TOL,
+                       sched_us=time_schedule(p, cfg) * 1e6)
+        except Exception as e:  # noqa: BLE001
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        results["rows"].append(row)
+        log(f"[{time.time() - t_start:6.1f}s] {name} {p.case} T={p.T} {cfg_str(cfg)}: "
+            f"{row.get('ms', float('nan')):.3f} ms {row.get('tflops', float('nan')):.1f} TFLOP/s "
+            f"(err {row.get('err', float('nan')):.1e}), ref {row.get('ref_ms', float('nan')):.3f} ms "
+            f"{row.get('error', '')}")
+    jobs.clear()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-table", action="store_true", help="skip the table's timings (sweep only)")
+    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the sweep")
+    ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
+    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+    args = ap.parse_args()
+    global INTERPRET, SHAPES, CASES, SWEEP_CASES
+    INTERPRET = args.interpret
+    if INTERPRET:
+        SHAPES = [("tiny", 4, 2, 32)]
+        CASES = [("prompt 40", [(0, 40)]), ("chunk 24 @ 50", [(50, 24)]), ("mixed", [(0, 20), (33, 7), (5, 1)])]
+        SWEEP_CASES = ["prompt 40"]
+    t_start = time.time()
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
+    gemm_n = 512 if INTERPRET else 8192
+    g0 = gemm_ceiling(gemm_n)
+    log(f"dense bf16 GEMM {g0 / 1e12:.1f} TFLOP/s")
+    results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
+               "date": datetime.datetime.now().isoformat(), "rows": []}
+    pool = cf.ThreadPoolExecutor(args.threads)
+    if args.sweep:
+        sweep(results, pool, t_start + args.budget, t_start)
+    if not args.no_table:
+        table_mode(results, pool, t_start)
+    pool.shutdown(wait=False, cancel_futures=True)
+    g1 = gemm_ceiling(gemm_n)
+    results["gemm_tflops"] = [g0 / 1e12, g1 / 1e12]
+    g = max(g0, g1)
+
+    print(f"\nPaged prefill attention, bf16, page 16, on {dev.device_kind}, jax {jax.__version__}; dense bf16 GEMM "
+          f"{g0 / 1e12:.0f} / {g1 / 1e12:.0f} TFLOP/s (start / end), shares against the larger")
+    hdr = (f"{'shape (H/KVH/hd)':>28} {'case':>20} {'T':>5} {'config':>20} {'ms':>8} {'TFLOP/s':>7} {'share':>5} "
+           f"{'ref ms':>8} {'speedup':>7} {'sched us':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results["rows"]:
+        shape = f"{r['model']} {r['H']}/{r['KVH']}/{r['hd']}"
+        cfg = cfg_str(PA.PrefillConfig(**r["cfg"]))
+        if r.get("ok"):
+            print(f"{shape:>28} {r['case']:>20} {r['T']:>5} {cfg:>20} {r['ms']:8.3f} {r['tflops']:7.1f} "
+                  f"{r['tflops'] * 1e12 / g:5.0%} {r['ref_ms']:8.3f} {r['ref_ms'] / r['ms']:6.1f}x {r['sched_us']:8.1f}")
+        else:
+            print(f"{shape:>28} {r['case']:>20} {r['T']:>5} {cfg:>20} FAILED {r.get('error') or r.get('err')}")
+    if args.sweep:
+        print(f"\nsweep ({SHAPES[0][0]}): best config per case")
+        for e in results.get("sweep", []):
+            b = e["best"]
+            if b:
+                tf = e["flops"] / (b["ms"] * 1e-3) / 1e12
+                print(f"  {e['case']:>20}: {cfg_str(PA.PrefillConfig(**b['cfg'])):>20} {b['ms']:8.3f} ms "
+                      f"{tf:6.1f} TFLOP/s {tf * 1e12 / g:5.0%}  (ref {e['ref_ms']:.3f} ms)")
+    print(f"total {time.time() - t_start:.0f} s")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "prefill_attention.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
