@@ -39,6 +39,8 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+
+from bench.ceilings import dense_gemm_rate
 import numpy as np
 
 from jaxinfer.ops import reference
@@ -63,24 +65,6 @@ INTERPRET = False
 
 def log(*a):
     print(*a, file=sys.stderr, flush=True)
-
-
-def gemm_ceiling(n=8192, calls=10):
-    """Dense bf16 GEMM rate of XLA, a @ b at n^3, in FLOP/s."""
-    ka, kb = jax.random.split(jax.random.PRNGKey(1))
-    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
-    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = f(a, b)
-        r.block_until_ready()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    del a, b
-    return 2 * n ** 3 / best
 
 
 @dataclasses.dataclass
@@ -332,7 +316,7 @@ def main():
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
     gemm_n = 512 if INTERPRET else 8192
-    g0 = gemm_ceiling(gemm_n)
+    g0 = dense_gemm_rate(gemm_n)
     log(f"dense bf16 GEMM {g0 / 1e12:.1f} TFLOP/s")
     results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
                "date": datetime.datetime.now().isoformat(), "rows": []}
@@ -342,7 +326,7 @@ def main():
     if not args.no_table:
         table_mode(results, pool, t_start)
     pool.shutdown(wait=False, cancel_futures=True)
-    g1 = gemm_ceiling(gemm_n)
+    g1 = dense_gemm_rate(gemm_n)
     results["gemm_tflops"] = [g0 / 1e12, g1 / 1e12]
     g = max(g0, g1)
 
