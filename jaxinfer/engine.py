@@ -241,9 +241,9 @@ class Engine:
     def _settle(self, seqs: list[Sequence]) -> None:
         """After a read-back with nothing in flight: register new full blocks, release the finished."""
         for seq in seqs:
-            if seq.finish_reason is None:
-                self.scheduler.register_blocks(seq)
-            else:
+            if seq.finish_reason != "abort":
+                self.scheduler.register_blocks(seq)   # finished ones too: their blocks stay cached
+            if seq.finish_reason is not None:
                 self.scheduler.release(seq)
 
     def _chain(self, seqs: list[Sequence], advanced: DecodeBatch):

@@ -87,3 +87,13 @@ def test_no_compilation_under_random_workload():
         jax.monitoring.clear_event_listeners()
     assert events == []
     assert engine.scheduler.num_preemptions > 0
+
+
+def test_blocks_of_finished_requests_stay_cached():
+    engine = _engine()
+    system = "once upon a time there was a little girl named lily. " * 6
+    one = SamplingParams(max_tokens=1, temperature=0)
+    _run(engine, [system + "she"], [one])
+    before = engine.pages.hits
+    _run(engine, [system + "he"], [one])
+    assert engine.pages.hits - before >= 3   # the shared full blocks were reused

@@ -1,0 +1,129 @@
+"""Batched decode and offline throughput against the roofline at each batch size; prefix-cache TTFT gain.
+
+    PYTHONPATH=. python3 bench/throughput.py [--shape qwen3-4b] [--batches 1 8 32 64 128 256] [--context 1024]
+                                             [--requests 1000] [--system 2048] [--out DIR]
+
+1. Decode step time at each batch size B, every sequence at `--context` tokens: roofline per step =
+   max(bytes / HBM read bandwidth, FLOPs / dense GEMM rate), bytes = weights once + each sequence's
+   K/V, FLOPs = 2 * params * B (+ attention), both ceilings measured in this run.
+2. Offline throughput: `--requests` requests, prompt lengths uniform in [64, 1024], output lengths
+   uniform in [16, 512] (seeded), all submitted at once; generated tokens / wall time.
+3. Prefix caching: time to first token of a request whose `--system`-token system prompt is cached
+   (a second request with the same prefix) against a cold one (prefix caching off).
+Random bf16 weights at real shapes (jaxinfer.random_model), loaded through our loader. Prints
+tables as it goes; writes throughput.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
+from jaxinfer.config import load_config
+from jaxinfer.engine import Engine
+from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
+from jaxinfer.sampling import SamplingParams
+
+SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                             "intermediate_size": 128, "max_position_embeddings": 8192}}
+
+
+def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
+    return Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, **kw)
+
+
+def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
+
+
+def decode_sweep(model_dir, cfg, ops, batches, context, steps, bw, gemm, rng) -> list[dict]:
+    rows = []
+    engine = engine_for(model_dir, ops, max(batches), context + steps * 2 + 32)
+    for B in batches:
+        prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
+        params = [SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)] * B
+        run_all(engine, prompts[:1], params[:1])                     # warm
+        engine.stats = {k: 0 for k in engine.stats}
+        run_all(engine, prompts, params)
+        s = engine.stats
+        step_ms = 1e3 * s["decode_seconds"] / (s["decode_tokens"] / B)
+        weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
+        kv = 2 * 2 * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
+        flops = 2 * cfg.num_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
+        roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
+        row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
+                   share=roof_ms / step_ms)
+        print(f"| {B} | {step_ms:.3f} | {row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% |", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=1000)
+    ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    gpu = jax.devices()[0].platform == "gpu"
+    bw = hbm_read_ceiling(4 if gpu else 0.125)
+    gemm = dense_gemm_rate(8192 if gpu else 512)
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read {bw / 1e12:.2f} TB/s, "
+          f"bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
+    model_dir = Path(args.models) / args.shape
+    if not (model_dir / "model.safetensors").is_file():
+        write_random_model(model_dir, SHAPES[args.shape], dtype="bfloat16")
+    cfg = load_config(model_dir, "bfloat16")
+    rng = np.random.default_rng(0)
+    out: dict = dict(device=jax.devices()[0].device_kind, bandwidth=bw, gemm=gemm, shape=args.shape)
+
+    print(f"\n## decode step at {args.context} tokens of context\n| batch | step ms | tok/s | roofline ms | share |")
+    print("|---|---|---|---|---|")
+    out["decode"] = decode_sweep(model_dir, cfg, args.ops, args.batches, args.context, args.steps, bw, gemm, rng)
+
+    engine = engine_for(model_dir, args.ops, max(args.batches), 1024 + 512 + 16)
+    prompts = [rng.integers(100, cfg.vocab_size - 100, int(n)).tolist() for n in rng.integers(64, 1025, args.requests)]
+    params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
+              for n in rng.integers(16, 513, args.requests)]
+    wall, outs = run_all(engine, prompts, params)
+    generated = sum(len(o.token_ids) for o in outs)
+    out["offline"] = dict(requests=args.requests, wall_s=wall, generated=generated, tok_s=generated / wall,
+                          preemptions=engine.scheduler.num_preemptions)
+    print(f"\n## offline: {args.requests} requests, {generated:,} tokens in {wall:.1f} s = {generated / wall:,.0f} tok/s "
+          f"({engine.scheduler.num_preemptions} preemptions)", flush=True)
+    del engine
+
+    system = rng.integers(100, cfg.vocab_size - 100, args.system).tolist()
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    ttft = {}
+    for caching in (False, True):
+        engine = engine_for(model_dir, args.ops, 4, args.system + 256, enable_prefix_caching=caching)
+        run_all(engine, [system + [7] * 8], [one])                          # warm; fills the cache
+        ttft[caching] = min(run_all(engine, [system + [int(x)] * 8], [one])[0] for x in (11, 12, 13))
+        del engine
+    out["prefix"] = dict(cold_ms=1e3 * ttft[False], cached_ms=1e3 * ttft[True], gain=ttft[False] / ttft[True])
+    print(f"\n## prefix cache: TTFT with a {args.system}-token system prompt: cold {1e3 * ttft[False]:.1f} ms, "
+          f"cached {1e3 * ttft[True]:.1f} ms ({ttft[False] / ttft[True]:.1f}x)", flush=True)
+    Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
