@@ -1,10 +1,10 @@
-"""The `jaxinfer` command: generate, chat."""
+"""The `jaxinfer` command: generate, chat, serve."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 
 from jaxinfer.errors import JaxinferError
 
@@ -44,6 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat (the model's chat template where it has one)")
     _engine_args(c)
     _sampling_args(c, temperature=0.7)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on all but /health (default: $JAXINFER_API_KEY)")
+    s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: folder name)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a prompt step")
+    s.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="share of device memory for weights and KV cache")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for a slot; beyond that, 503 at once")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
@@ -126,10 +140,25 @@ def cmd_chat(args) -> None:
             messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args) -> None:
+    if args.port < 0 or args.port > 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
+    from jaxinfer.serve.server import serve
+
+    serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
+          served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
+          dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
     except (JaxinferError, ValueError, OSError) as e:
         message = " ".join(str(e).split())  # one line, whatever the exception carried
         print(f"jaxinfer: error: {message}", file=sys.stderr)

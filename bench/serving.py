@@ -1,0 +1,331 @@
+"""Serving load test for an OpenAI-compatible server, in the spirit of `vllm bench serve`.
+
+Requests arrive as a Poisson process at each given rate (gamma-distributed gaps with
+--burstiness != 1; `inf` sends them all at once); each streams its answer over SSE. Per rate it
+reports request and token throughput and the latencies a client sees:
+- TTFT: from sending the request to the first chunk with text;
+- TPOT: (end - first text) / (output tokens - 1), per request (output tokens from `usage`);
+- ITL: gaps between successive text chunks. The engine runs several decode steps per dispatch,
+  so one chunk may carry several tokens: ITL is the time between stream events, and
+  tokens/chunk is printed beside it;
+- E2E: from sending to the last chunk.
+
+Workload ("random" dataset, as vLLM's): prompt and output lengths are drawn uniformly from
+[L * (1 - r), L * (1 + r)] (L = --input-len / --output-len, r = --range-ratio), prompts are random
+token ids (no special tokens) sent as token ids to /v1/completions so their lengths are exact,
+after an optional shared prefix of --prefix-len tokens; outputs run to their length
+(ignore_eos). With --endpoint chat the ids are decoded to text and sent as one user message.
+
+    # against a running server
+    python bench/serving.py --base-url http://127.0.0.1:8000 --tokenizer DIR --request-rates 1,4,inf
+    # or start one (a subprocess: `jaxinfer serve --model DIR ...`) for the run
+    python bench/serving.py --serve-model ../shared/models/stories260k --request-rates 2,8,32,inf
+
+Writes a JSON of every rate's figures (--out) and, with --plot, a PNG of latency against
+throughput (matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+
+@dataclasses.dataclass
+class Result:
+    ok: bool
+    prompt_len: int
+    output_len: int = 0          # tokens, from usage
+    ttft: float = math.nan
+    latency: float = math.nan
+    itl: list[float] = dataclasses.field(default_factory=list)
+    chunks: int = 0
+    error: str = ""
+
+
+# ----------------------------------------------------------------------------- workload
+
+
+def special_ids(tokenizer) -> set[int]:
+    backend = tokenizer.backend
+    ids = set(backend.get_added_tokens_decoder()) if hasattr(backend, "get_added_tokens_decoder") else set()
+    return ids | set(tokenizer.eos_token_ids)
+
+
+def make_workload(tokenizer, vocab: int, n: int, input_len: int, output_len: int, ratio: float, prefix_len: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    rng = np.random.default_rng(seed)
+    bad = special_ids(tokenizer)
+    allowed = np.array([i for i in range(vocab) if i not in bad], dtype=np.int64)
+
+    def lengths(mean: int) -> np.ndarray:
+        lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+        return rng.integers(lo, hi + 1, size=n)
+
+    prefix = rng.choice(allowed, size=prefix_len).tolist()
+    return [(prefix + rng.choice(allowed, size=int(li)).tolist(), int(lo))
+            for li, lo in zip(lengths(input_len), lengths(output_len))]
+
+
+# ----------------------------------------------------------------------------- client
+
+
+async def one_request(client: httpx.AsyncClient, endpoint: str, model: str, prompt_ids: list[int], output_len: int,
+                      tokenizer, extra: dict) -> Result:
+    res = Result(ok=False, prompt_len=len(prompt_ids))
+    body = {"model": model, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}
+    if endpoint == "chat":
+        url = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": tokenizer.decode(prompt_ids)}]
+    else:
+        url = "/v1/completions"
+        body["prompt"] = prompt_ids
+    t0 = time.perf_counter()
+    last = None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = obj["error"].get("message", "error")
+                    return res
+                if obj.get("usage"):
+                    res.output_len = obj["usage"]["completion_tokens"]
+                for ch in obj.get("choices", []):
+                    text = ch.get("text") if endpoint != "chat" else (ch.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+                        res.chunks += 1
+        res.latency = (last or time.perf_counter()) - t0
+        res.ok = True
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+async def run_rate(base_url: str, api_key: str | None, endpoint: str, model: str, workload, rate: float,
+                   burstiness: float, max_concurrency: int | None, tokenizer, seed: int, extra: dict):
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    rng = np.random.default_rng(seed)
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=httpx.Timeout(None), limits=limits) as client:
+        async def limited(ids, out):
+            if sem is None:
+                return await one_request(client, endpoint, model, ids, out, tokenizer, extra)
+            async with sem:
+                return await one_request(client, endpoint, model, ids, out, tokenizer, extra)
+
+        tasks = []
+        t_start = time.perf_counter()
+        for ids, out in workload:
+            tasks.append(asyncio.create_task(limited(ids, out)))
+            if math.isfinite(rate):
+                # gamma gaps with mean 1/rate; shape = burstiness (1: exponential, a Poisson process)
+                await asyncio.sleep(rng.gamma(burstiness, 1.0 / (rate * burstiness)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t_start
+    return results, duration
+
+
+def summarize(results: list[Result], duration: float, rate: float) -> dict:
+    ok = [r for r in results if r.ok]
+    def pct(xs, q):
+        return float(np.percentile(xs, q)) * 1000 if xs else math.nan
+    def mean(xs):
+        return float(np.mean(xs)) * 1000 if xs else math.nan
+    ttft = [r.ttft for r in ok if math.isfinite(r.ttft)]
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1 and math.isfinite(r.ttft)]
+    itl = [x for r in ok for x in r.itl]
+    e2e = [r.latency for r in ok]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    chunks = sum(r.chunks for r in ok)
+    errors = sorted({r.error for r in results if not r.ok})
+    return {
+        "request_rate": rate if math.isfinite(rate) else "inf", "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": errors[:5], "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens, "tokens_per_chunk": out_tokens / max(chunks, 1),
+        "ttft_ms": {"mean": mean(ttft), "p50": pct(ttft, 50), "p99": pct(ttft, 99)},
+        "tpot_ms": {"mean": mean(tpot), "p50": pct(tpot, 50), "p99": pct(tpot, 99)},
+        "itl_ms": {"mean": mean(itl), "p50": pct(itl, 50), "p99": pct(itl, 99)},
+        "e2e_ms": {"mean": mean(e2e), "p50": pct(e2e, 50), "p99": pct(e2e, 99)},
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
+            f"{'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'tok/chunk':>9}")
+    print(head)
+    for s in rows:
+        print(f"{s['request_rate']:>6} {s['completed']:>5} {s['failed']:>4} {s['request_throughput']:>7.2f} "
+              f"{s['output_throughput']:>10.1f} {s['total_token_throughput']:>10.1f} "
+              f"{s['ttft_ms']['p50']:>9.1f} {s['ttft_ms']['p99']:>8.1f} {s['tpot_ms']['p50']:>9.2f} "
+              f"{s['tpot_ms']['p99']:>8.2f} {s['itl_ms']['p50']:>8.2f} {s['itl_ms']['p99']:>8.2f} "
+              f"{s['tokens_per_chunk']:>9.2f}")
+    print("(latencies in ms; ITL = gap between stream chunks, which carry tok/chunk tokens on average)")
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [s["output_throughput"] for s in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, name in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "tpot_ms", "TPOT")):
+        for q, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(x, [s[key][q] for s in rows], style, label=f"{name} {q}")
+        for s in rows:
+            ax.annotate(str(s["request_rate"]), (s["output_throughput"], s[key]["p50"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+        ax.set_xlabel("output throughput (tok/s)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title + " (labels: request rate, req/s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------- server
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    from jaxinfer.serve.server import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", args.serve_model, "--port", str(port),
+           "--log-level", "warning", *shlex.split(args.serve_args)]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    print("[starting:", " ".join(cmd), "]", file=sys.stderr)
+    proc = subprocess.Popen(cmd)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit("the server did not come up in time")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--serve-model", default=None, help="start `jaxinfer serve --model DIR` for the run instead")
+    p.add_argument("--serve-args", default="", help="more arguments for that server, e.g. '--max-num-seqs 64'")
+    p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--tokenizer", default=None, help="model folder with the tokenizer (default: --serve-model)")
+    p.add_argument("--model", default=None, help="served model name (default: the server's only model)")
+    p.add_argument("--api-key", default=os.environ.get("JAXINFER_API_KEY"))
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--request-rates", default="1,4,16,inf", help="comma-separated requests/s; inf: all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=200, help="requests per rate")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in [L(1-r), L(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=0, help="a prefix of this many tokens shared by every prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of latency against throughput here")
+    args = p.parse_args(argv)
+    if not (args.base_url or args.serve_model):
+        p.error("give --base-url or --serve-model")
+    if not 0 <= args.range_ratio < 1:
+        p.error("--range-ratio must be in [0, 1)")
+
+    from jaxinfer.config import load_config
+    from jaxinfer.tokenizer import Tokenizer
+
+    tok_dir = args.tokenizer or args.serve_model
+    if tok_dir is None:
+        p.error("give --tokenizer DIR (the model folder) to build prompts")
+    tokenizer = Tokenizer.from_dir(tok_dir)
+    vocab = load_config(tok_dir).vocab_size if (Path(tok_dir) / "config.json").exists() else tokenizer.vocab_size
+    rates = [float(r) for r in args.request_rates.split(",")]
+
+    proc = None
+    url = args.base_url
+    if args.serve_model:
+        proc, url = start_server(args)
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        models = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"]
+        model = args.model or models[0]["id"]
+        max_len = models[0].get("max_model_len")
+        if max_len and args.prefix_len + args.input_len * (1 + args.range_ratio) + args.output_len * (1 + args.range_ratio) > max_len:
+            raise SystemExit(f"prompt + output lengths may pass the server's max_model_len {max_len}")
+        extra = json.loads(args.extra_body)
+        warm = make_workload(tokenizer, vocab, 2, args.input_len, 4, 0.0, args.prefix_len, args.seed + 1)
+        asyncio.run(run_rate(url, args.api_key, args.endpoint, model, warm, math.inf, 1.0, None, tokenizer, 0, extra))
+        rows = []
+        for i, rate in enumerate(rates):
+            workload = make_workload(tokenizer, vocab, args.num_prompts, args.input_len, args.output_len,
+                                     args.range_ratio, args.prefix_len, args.seed + 100 + i)
+            results, duration = asyncio.run(run_rate(url, args.api_key, args.endpoint, model, workload, rate,
+                                                     args.burstiness, args.max_concurrency, tokenizer, args.seed + i,
+                                                     extra))
+            rows.append(summarize(results, duration, rate))
+            print(f"[rate {rate}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in "
+                  f"{duration:.1f} s{'; ' + rows[-1]['errors'][0] if rows[-1]['errors'] else ''}]", file=sys.stderr)
+        print_table(rows)
+        meta = {k: v for k, v in vars(args).items() if k not in ("api_key",)}
+        meta.update(model=model, url=url, command=" ".join(shlex.quote(a) for a in sys.argv))
+        if args.out:
+            Path(args.out).write_text(json.dumps({"config": meta, "results": rows}, indent=2))
+        if args.plot:
+            try:
+                plot(rows, args.plot, f"{model}: in {args.input_len}, out {args.output_len}, {args.endpoint}")
+            except ImportError:
+                print("[--plot needs matplotlib; no PNG written]", file=sys.stderr)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

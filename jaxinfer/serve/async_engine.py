@@ -1,0 +1,320 @@
+"""The engine behind an event loop: one background thread owns the (synchronous) Engine.
+
+The HTTP handlers never touch the Engine. They hand work to its thread through one FIFO command
+queue (add, abort) and receive what each step produced through an asyncio queue per HTTP request,
+filled with one `call_soon_threadsafe` per step and event loop (not one per token). The thread:
+
+    loop: take the commands that arrived (block while there is no work) -> add / abort
+          -> engine.step() -> route the deltas (and, for finished requests, their outputs)
+
+Because commands are handled in order, an abort always finds the request its add created, and
+an abort frees the request's pages before the next step runs. The waiting queue is bounded:
+`submit` refuses (503) when more than `max_waiting` requests would wait for one of the engine's
+`max_num_seqs` running slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serve.errors import APIError
+
+log = logging.getLogger("jaxinfer.serve")
+_PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"}
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Event:
+    """What one step produced for choice `index` of a group."""
+
+    index: int
+    delta: Any                 # engine StreamDelta
+    output: Any = None         # engine RequestOutput, on the finishing event
+
+
+@dataclasses.dataclass(eq=False)
+class _Request:
+    group: Group
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    rid: int | None = None     # the engine's id, once added
+    done: bool = False
+    # timing, on the event loop's clock (perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_tokens: int = 0
+
+
+class Group:
+    """The engine requests of one HTTP request (n choices x prompts) and their event queue."""
+
+    def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop, arrived: float | None = None):
+        self.owner = owner
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.requests: list[_Request] = []
+        self.arrived = arrived if arrived is not None else time.perf_counter()
+        self.added: asyncio.Future = loop.create_future()
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return all(r.done for r in self.requests)
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Events in the order the engine produced them, until every choice has finished."""
+        left = sum(not r.done for r in self.requests)
+        while left:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            req = self.requests[item.index]
+            self.owner._observe(req, item)
+            if item.delta.finished:
+                req.done = True
+                left -= 1
+            yield item
+
+    def abort(self, client_gone: bool = True) -> None:
+        """Cancel every choice still running (safe to call more than once, from the event loop)."""
+        if self._closed:
+            return
+        self._closed = True
+        live = [r for r in self.requests if not r.done]
+        for r in live:
+            r.done = True
+        if live:
+            self.owner._abort(live)
+            if self.owner.metrics and client_gone:
+                self.owner.metrics.aborted.inc(len(live))
+
+
+class AsyncEngine:
+    def __init__(self, engine, max_waiting: int = 256, metrics=None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.slots = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0))   # running batch size
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0                    # adds queued, not yet in the engine
+        self._live: dict[int, _Request] = {}  # engine id -> request (engine thread only)
+        self.snapshot: dict[str, float] = {}
+        self._publish()
+        self.error: BaseException | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ event-loop side
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    async def submit(self, prompts: list[list[int]], params: list[SamplingParams],
+                     arrived: float | None = None) -> Group:
+        """Queue one engine request per (prompt ids, params) pair; return once the engine took them all.
+
+        `arrived` (perf_counter) is when the HTTP request came in: latencies are measured from it.
+
+        Raises APIError: 503 when the waiting queue is full or the engine is down, 400 when the
+        engine refuses a request (then the others of the group are aborted).
+        """
+        if not self.alive:
+            raise APIError(503, "the engine is not running", code="engine_unavailable")
+        limit = self.slots + self.max_waiting
+        if len(prompts) > limit:
+            raise APIError(400, f"this request needs {len(prompts)} sequences (prompts x n); the server holds at "
+                           f"most {limit}", param="n", code="too_many_sequences")
+        loop = asyncio.get_running_loop()
+        group = Group(self, loop, arrived)
+        with self._lock:
+            in_system = self._pending + int(self.snapshot["waiting"]) + int(self.snapshot["running"])
+            if in_system + len(prompts) > limit:
+                waiting = max(in_system - self.slots, 0)
+                if self.metrics:
+                    self.metrics.rejected.inc()
+                raise APIError(503, f"the server is overloaded ({waiting} requests waiting); retry later",
+                               code="server_overloaded")
+            self._pending += len(prompts)
+        group.requests = [_Request(group, i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params))]
+        self._commands.put(("add", group))
+        if self.metrics:
+            self.metrics.on_submit(sum(len(p) for p in prompts))
+        try:
+            await asyncio.shield(group.added)
+        except asyncio.CancelledError:
+            group.abort()
+            raise
+        except BaseException:           # the engine refused the group (it has undone its part)
+            group.abort(client_gone=False)
+            raise
+        return group
+
+    def _abort(self, reqs: list[_Request]) -> None:
+        self._commands.put(("abort", reqs))
+
+    def _observe(self, req: _Request, ev: Event) -> None:
+        """Per-request timing on the event loop, where the client sees it."""
+        n = len(ev.delta.token_ids)
+        if n:
+            now = time.perf_counter()
+            if req.first_token_at is None:
+                req.first_token_at = now
+                if self.metrics:
+                    self.metrics.ttft.observe(now - req.group.arrived)
+            req.last_token_at = now
+            req.num_tokens += n
+            if self.metrics:
+                self.metrics.generation_tokens.inc(n)
+        if ev.delta.finished and self.metrics:
+            self.metrics.on_finish(req.group.arrived, req.first_token_at, req.last_token_at, req.num_tokens,
+                                   ev.delta.finish_reason)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _publish(self) -> None:
+        e = self.engine
+        pages = e.pages
+        in_use = getattr(pages, "num_in_use", None)
+        if in_use is None:
+            in_use = pages.capacity - pages.num_free
+        self.snapshot = {
+            "running": e.num_running, "waiting": e.num_waiting, "pages_in_use": in_use,
+            "pages_total": pages.capacity, "prefix_cache_hit_rate": float(getattr(e, "prefix_cache_hit_rate", 0.0)),
+        }
+
+    def _run(self) -> None:
+        try:
+            while not self._stop:
+                self._handle(self._take_commands(block=not self.engine.has_unfinished()))
+                if self._stop:
+                    break
+                if self.engine.has_unfinished():
+                    try:
+                        self._step()
+                    except Exception as e:  # a bug hit by some request: fail those running, keep serving
+                        log.exception("engine step failed; aborting the %d live requests", len(self._live))
+                        self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), abort=True)
+        except BaseException as e:  # the engine cannot go on: fail everyone, refuse new work (503)
+            log.exception("the engine thread died")
+            self.error = e
+            self._stop = True
+            self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), abort=False)
+
+    def _take_commands(self, block: bool) -> list[tuple[str, Any]]:
+        cmds = []
+        if block:
+            cmds.append(self._commands.get())
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                return cmds
+
+    def _handle(self, cmds: list[tuple[str, Any]]) -> None:
+        if not cmds:
+            return
+        settled: list[tuple[Group, BaseException | None]] = []
+        n_added = 0
+        for kind, arg in cmds:
+            if kind == "add":             # a whole group at once: all its requests are added, or none
+                g: Group = arg
+                n_added += len(g.requests)
+                if g._closed:
+                    continue              # its client left before it got here
+                settled.append((g, self._add_group(g)))
+            elif kind == "abort":
+                for req in arg:
+                    if req.rid is not None and self._live.pop(req.rid, None) is not None:
+                        self.engine.abort(req.rid)
+        with self._lock:
+            self._pending -= n_added
+            self._publish()
+        for g, err in settled:
+            g.loop.call_soon_threadsafe(_settle, g.added, err)
+
+    def _add_group(self, g: Group) -> BaseException | None:
+        for req in g.requests:
+            try:
+                req.rid = self.engine.add_request(req.prompt_ids, req.params)
+                self._live[req.rid] = req
+                continue
+            except (JaxinferError, ValueError) as e:
+                field = str(e).split(":", 1)[0].split(" ", 1)[0]
+                err: BaseException = APIError(400, str(e), param=field if field in _PARAMS else None,
+                                              code="invalid_request")
+            except Exception as e:
+                log.exception("engine.add_request failed")
+                err = APIError(500, f"the engine could not take the request: {type(e).__name__}",
+                               code="internal_error")
+            for r in g.requests:          # undo the siblings already added
+                if r.rid is not None and self._live.pop(r.rid, None) is not None:
+                    self.engine.abort(r.rid)
+            return err
+        return None
+
+    def _step(self) -> None:
+        deltas = self.engine.step()
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+        for d in deltas:
+            req = self._live.get(d.request_id)
+            if req is None:
+                continue
+            out = None
+            if d.finished:
+                del self._live[d.request_id]
+                out = self.engine.take_finished(d.request_id)
+            by_loop.setdefault(req.group.loop, []).append((req.group.queue, Event(req.index, d, out)))
+        with self._lock:
+            self._publish()
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:   # that loop is closed (its server stopped): nobody is listening
+                pass
+
+    def _fail_all(self, err: BaseException, abort: bool) -> None:
+        for rid, req in list(self._live.items()):
+            if abort:
+                self.engine.abort(rid)
+            try:
+                req.group.loop.call_soon_threadsafe(req.group.queue.put_nowait, err)
+            except RuntimeError:
+                pass
+        self._live.clear()
+        with self._lock:
+            self._publish()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)

@@ -1,0 +1,90 @@
+"""POST /v1/chat/completions: messages through the model's chat template, n choices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from jaxinfer.serve.async_engine import EngineDeadError, Group
+from jaxinfer.serve.logprobs import chat_logprobs
+from jaxinfer.serve.params import prepare_chat
+from jaxinfer.serve.protocol import ChatCompletionRequest
+from jaxinfer.serve.state import ServerState
+from jaxinfer.serve.streaming import (
+    DONE,
+    collect,
+    engine_failed,
+    event_stream,
+    gone,
+    new_id,
+    now,
+    off_loop,
+    sse,
+    usage,
+)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
+    arrived = time.perf_counter()
+    prep = await off_loop(prepare_chat, req, state.info)
+    ids = prep.prompts[0].ids
+    group = await state.engine.submit([ids] * prep.n, prep.params, arrived)
+    rid, created, model = new_id("chatcmpl"), now(), state.info.name
+    want_logprobs = bool(req.logprobs)
+    k = req.top_logprobs or 0
+    tt = state.token_text
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def body(g: Group) -> AsyncIterator[bytes]:
+            def chunk(choices: list[dict[str, Any]], usage_: dict | None = None) -> bytes:
+                obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                       "system_fingerprint": None, "choices": choices}
+                if include_usage:
+                    obj["usage"] = usage_
+                return sse(obj)
+
+            for i in range(prep.n):   # the role first, as OpenAI sends it, before any token
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            completion_tokens = 0
+            async for ev in g.events():
+                d, i = ev.delta, ev.index
+                completion_tokens += len(d.token_ids)
+                lp = None
+                if want_logprobs and d.token_ids and getattr(d, "logprobs", None) is not None:
+                    lp = {"content": chat_logprobs(tt, d.token_ids, d.logprobs, getattr(d, "top_logprobs", None), k),
+                          "refusal": None}
+                if not d.text and lp is None and not d.finished:
+                    continue
+                delta = {"content": d.text} if d.text else {}
+                yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
+            if include_usage:
+                yield chunk([], usage(prep.num_prompt_tokens, completion_tokens))
+            yield DONE
+
+        return event_stream(group, body)
+
+    try:
+        finals = await collect(group, request)
+    except EngineDeadError as e:
+        return engine_failed(e)
+    if finals is None:
+        return gone()
+    choices, completion_tokens = [], 0
+    for ev in finals:
+        out = ev.output
+        completion_tokens += len(out.token_ids)
+        lp = None
+        if want_logprobs:
+            lp = {"content": chat_logprobs(tt, out.token_ids, out.logprobs, getattr(out, "top_logprobs", None), k),
+                  "refusal": None}
+        choices.append({"index": ev.index, "message": {"role": "assistant", "content": out.text, "refusal": None},
+                        "logprobs": lp, "finish_reason": out.finish_reason})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
+                         "choices": choices, "usage": usage(prep.num_prompt_tokens, completion_tokens),
+                         "system_fingerprint": None})

@@ -1,0 +1,96 @@
+"""POST /v1/completions: prompts (text or token ids, one or a batch) x n choices."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from jaxinfer.serve.async_engine import EngineDeadError, Group
+from jaxinfer.serve.logprobs import completion_logprobs
+from jaxinfer.serve.params import prepare_completion
+from jaxinfer.serve.protocol import CompletionRequest
+from jaxinfer.serve.state import ServerState
+from jaxinfer.serve.streaming import (
+    DONE,
+    collect,
+    engine_failed,
+    event_stream,
+    gone,
+    new_id,
+    now,
+    off_loop,
+    sse,
+    usage,
+)
+
+
+async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
+    arrived = time.perf_counter()
+    prep = await off_loop(prepare_completion, req, state.info)
+    n = prep.n
+    choice_prompts = [prep.prompts[i // n] for i in range(len(prep.params))]
+    group = await state.engine.submit([p.ids for p in choice_prompts], prep.params, arrived)
+    rid, created, model = new_id("cmpl"), now(), state.info.name
+    k = req.logprobs
+    tt = state.token_text
+
+    def echo_text(i: int) -> str:
+        p = choice_prompts[i]
+        return p.text if p.text is not None else state.info.tokenizer.decode(p.ids)
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def body(g: Group) -> AsyncIterator[bytes]:
+            def chunk(choices: list[dict[str, Any]], usage_: dict | None = None) -> bytes:
+                obj = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+                if include_usage:
+                    obj["usage"] = usage_
+                return sse(obj)
+
+            echoed = [not req.echo] * len(choice_prompts)
+            offsets = [0] * len(choice_prompts)
+            completion_tokens = 0
+            async for ev in g.events():
+                d, i = ev.delta, ev.index
+                completion_tokens += len(d.token_ids)
+                text = d.text
+                if not echoed[i]:
+                    text, echoed[i] = echo_text(i) + text, True
+                lp = None
+                if k is not None and d.token_ids and getattr(d, "logprobs", None) is not None:
+                    lp = completion_logprobs(tt, d.token_ids, d.logprobs, getattr(d, "top_logprobs", None), k,
+                                             offsets[i])
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[i]
+                if not text and lp is None and not d.finished:
+                    continue
+                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}])
+            if include_usage:
+                yield chunk([], usage(prep.num_prompt_tokens, completion_tokens))
+            yield DONE
+
+        return event_stream(group, body)
+
+    try:
+        finals = await collect(group, request)
+    except EngineDeadError as e:
+        return engine_failed(e)
+    if finals is None:
+        return gone()
+    choices, completion_tokens = [], 0
+    for ev in finals:
+        out = ev.output
+        completion_tokens += len(out.token_ids)
+        prefix = echo_text(ev.index) if req.echo else ""
+        lp = None
+        if k is not None:
+            lp = completion_logprobs(tt, out.token_ids, out.logprobs, getattr(out, "top_logprobs", None), k,
+                                     len(prefix))
+        choices.append({"index": ev.index, "text": prefix + out.text, "logprobs": lp,
+                        "finish_reason": out.finish_reason})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                         "choices": choices, "usage": usage(prep.num_prompt_tokens, completion_tokens),
+                         "system_fingerprint": None})

@@ -1,0 +1,88 @@
+"""Prometheus metrics for /metrics, each server with its own registry.
+
+Gauges are read when scraped, from the snapshot the engine thread publishes after every step
+(running and waiting requests, KV pages in use, prefix-cache hit rate). Latencies are measured
+on the event loop, where the client sees them: time to first token from the request's arrival,
+time per output token over the rest of the request, end-to-end latency.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+        self._source = None
+
+        def gauge(name: str, doc: str, key: str) -> Gauge:
+            g = Gauge(name, doc, ["model_name"], registry=r)
+            g.labels(**labels).set_function(lambda: self._read(key))
+            return g
+
+        gauge("jaxinfer_num_requests_running", "Requests in the running batch.", "running")
+        gauge("jaxinfer_num_requests_waiting", "Requests waiting to be admitted.", "waiting")
+        gauge("jaxinfer_kv_pages_in_use", "KV cache pages held by live sequences.", "pages_in_use")
+        gauge("jaxinfer_kv_pages_total", "KV cache pages in the pool.", "pages_total")
+        gauge("jaxinfer_kv_cache_usage_ratio", "Share of the KV cache pages in use.", "pages_usage")
+        gauge("jaxinfer_prefix_cache_hit_rate", "Share of looked-up prompt blocks found in the prefix cache.",
+              "prefix_cache_hit_rate")
+        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.", ["model_name"],
+                              buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
+        self.e2e = Histogram("jaxinfer_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             ["model_name"], buckets=_E2E_BUCKETS, registry=r).labels(**labels)
+        self.generation_tokens = Counter("jaxinfer_generation_tokens", "Tokens generated.", ["model_name"],
+                                         registry=r).labels(**labels)
+        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "Prompt tokens submitted.", ["model_name"],
+                                     registry=r).labels(**labels)
+        self._finished = Counter("jaxinfer_request_success", "Requests finished, by finish reason.",
+                                 ["model_name", "finished_reason"], registry=r)
+        self._finished_labels = labels
+        self.aborted = Counter("jaxinfer_request_aborted", "Requests cancelled (client gone).", ["model_name"],
+                               registry=r).labels(**labels)
+        self.rejected = Counter("jaxinfer_request_rejected", "Requests refused with 503 (queue full).",
+                                ["model_name"], registry=r).labels(**labels)
+
+    def bind(self, source) -> None:
+        """Read the gauges from `source.snapshot` (the AsyncEngine's, a dict) when scraped."""
+        self._source = source
+
+    def _read(self, key: str) -> float:
+        s = self._source.snapshot if self._source is not None else {}
+        if key == "pages_usage":
+            return s["pages_in_use"] / s["pages_total"] if s.get("pages_total") else 0.0
+        return float(s.get(key, 0.0))
+
+    def on_submit(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_finish(self, arrived: float, first: float | None, last: float | None, num_tokens: int,
+                  reason: str | None) -> None:
+        if last is not None:
+            self.e2e.observe(last - arrived)
+        if first is not None and last is not None and num_tokens > 1:
+            self.tpot.observe((last - first) / (num_tokens - 1))
+        self._finished.labels(**self._finished_labels, finished_reason=reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,220 @@
+"""The OpenAI protocol as pydantic models: requests (validated) and responses (documented).
+
+Requests are strict: a string where a number belongs is an error (400), as with OpenAI, not a
+value to coerce. Ranges that do not depend on the model are checked here; the rest (context
+length, token ids within the vocabulary) in `params.py`. Fields beyond OpenAI's, as vLLM names
+them: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
+
+Responses are built as plain dicts for speed (see `responses.py`); the response models here
+exist for the OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 128           # OpenAI's limit on choices per request
+MAX_STOP = 16         # stop strings per request
+MAX_LOGPROBS = 20     # top logprobs per token (OpenAI: 20 for chat, 5 for completions)
+
+
+def _lone_surrogate(obj: Any, path: str = "") -> str | None:
+    """Where a string holds an unpaired surrogate (JSON allows the escape "\\ud800"; UTF-8 does not)."""
+    if isinstance(obj, str):
+        if not obj.isascii():
+            try:
+                obj.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        return None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for k, v in items:
+        key = k if isinstance(k, str) and k.startswith("[") else f"{'.' if path else ''}{k}"
+        bad = _lone_surrogate(k, path) if isinstance(k, str) and not k.startswith("[") else None
+        bad = bad or _lone_surrogate(v, path + key)
+        if bad:
+            return bad
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class _Request(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        bad = _lone_surrogate(data)
+        if bad:
+            raise ValueError(f"{bad}: text must be valid Unicode (an unpaired surrogate escape was found)")
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="the served model name (see /v1/models); default: the only one")
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=1e4, description="0 is greedy; default 1")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=1e4)
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP)] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Accepted so that clients sending them get a clear answer; anything but the default is refused.
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="a string, a list of strings, a list of token ids, or a list of lists of token ids")
+    max_tokens: int | None = Field(16, ge=1, description="default 16, as OpenAI")
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url", "input_audio", "file", "refusal"]
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | ImagePart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI: max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1, description="default: what is left of the context")
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="extra template variables, e.g. "
+                                                        "{\"enable_thinking\": false}")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+# ---------------------------------------------------------------------------- responses (schema)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxinfer"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
