@@ -32,15 +32,13 @@ def measure(model: str, new_tokens: int, steps: int, overlap: bool = True, repea
     for _ in range(repeats):
         engine.stats = {k: 0 for k in engine.stats}
         rid = engine.add_request("Once upon a time", params)
-        n_dispatch = 0
         while engine.has_unfinished():
             engine.step()
-            n_dispatch += 1
         engine.take_finished(rid)
         s = engine.stats
         rate = s["decode_tokens"] / s["decode_seconds"]
         if rate > best:
-            best, dispatch = rate, s["decode_seconds"] / max(n_dispatch - 1, 1)
+            best, dispatch = rate, s["decode_seconds"] / -(-s["decode_tokens"] // steps)
     return best, dispatch
 
 
