@@ -129,8 +129,8 @@ def test_choose_config_shapes():
         for span in (16, 1024, 8192, 32768):
             for kvh in (2, 8, 16):
                 c = DA.choose_config(B, kvh, span)
-                assert DA._is_pow2(c.num_splits) and 1 <= c.num_splits <= 64
-                assert DA._is_pow2(c.block_k) and c.block_k >= 16
+                assert DA.is_pow2(c.num_splits) and 1 <= c.num_splits <= 64
+                assert DA.is_pow2(c.block_k) and c.block_k >= 16
     assert DA.choose_config(1, 8, 32768).num_splits >= 16     # batch 1, long context: many splits
     assert DA.choose_config(64, 8, 1024).num_splits <= 2
 

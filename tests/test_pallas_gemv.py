@@ -85,7 +85,7 @@ def test_choose_config_is_valid():
         for n_out, n_in in [(6144, 2560), (2560, 9728), (151936, 2560), (100, 72)]:
             for dtype in (jnp.bfloat16, jnp.float32):
                 cfg = G.choose_config(T, n_out, n_in, dtype)
-                assert G._is_pow2(cfg.block_out) and G._is_pow2(cfg.block_in)
+                assert G.is_pow2(cfg.block_out) and G.is_pow2(cfg.block_in)
                 assert cfg.num_warps in (1, 2, 4, 8) and cfg.split_k >= 1
                 lanes = 32 * cfg.num_warps
                 assert T * cfg.block_out * cfg.block_in <= 64 * lanes or cfg.block_out == 1

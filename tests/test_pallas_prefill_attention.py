@@ -211,8 +211,8 @@ def test_choose_config_shapes():
             group = H // KVH
             heads = PA.heads_per_program(c, group)
             assert group % heads == 0
-            assert PA._is_pow2(c.block_q) and PA._is_pow2(c.block_k) and c.block_k >= 16
-            assert c.block_q * PA._pow2_at_least(heads) >= 16
+            assert PA.is_pow2(c.block_q) and PA.is_pow2(c.block_k) and c.block_k >= 16
+            assert c.block_q * PA.pow2_at_least(heads) >= 16
 
 
 def test_rejects_bad_configs():

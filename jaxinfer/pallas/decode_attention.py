@@ -40,6 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas.blocks import is_pow2, pow2_at_least
+
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
 NEG = -1e30  # masked score / empty-split lse: finite, so max/exp2 never see -inf - -inf
@@ -55,14 +57,6 @@ class SplitConfig:
 
     def astuple(self):
         return dataclasses.astuple(self)
-
-
-def _pow2_at_least(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, group, G, hd, D, page_size,
@@ -177,13 +171,13 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     if page_table.shape[0] != B or context_lens.shape != (B,):
         raise ValueError(f"paged_decode_attention: page_table {page_table.shape}, "
                          f"context_lens {context_lens.shape}, batch {B}")
-    if not (_is_pow2(num_splits) and _is_pow2(block_k) and block_k >= 16):
+    if not (is_pow2(num_splits) and is_pow2(block_k) and block_k >= 16):
         raise ValueError(f"num_splits={num_splits} and block_k={block_k} must be powers of two (block_k >= 16)")
     if merge not in ("pallas", "jnp"):
         raise ValueError(f"merge={merge!r}")
     group = H // KVH
-    G = _pow2_at_least(group, 16)
-    D = _pow2_at_least(hd, 16)
+    G = pow2_at_least(group, 16)
+    D = pow2_at_least(hd, 16)
     n_pages = page_table.shape[1]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     page_table = page_table.astype(jnp.int32)

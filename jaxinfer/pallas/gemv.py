@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas.blocks import is_pow2
+
 from jaxinfer.ops import reference
 
 f32 = jnp.float32
@@ -56,10 +58,6 @@ class GemvConfig:
 
     def astuple(self):
         return dataclasses.astuple(self)
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 # (cache_modifier=".cg" would skip L1, but jax 0.11.2's Triton lowering cannot look it up.)
@@ -170,7 +168,7 @@ def gemv(x: jax.Array, w: jax.Array, b: jax.Array | None = None, *, block_out: i
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} disagree on `in`")
     if b is not None and b.shape != (n_out,):
         raise ValueError(f"gemv: bias {b.shape} is not [{n_out}]")
-    if not (_is_pow2(block_out) and _is_pow2(block_in)):
+    if not (is_pow2(block_out) and is_pow2(block_in)):
         raise ValueError(f"gemv: block_out={block_out}, block_in={block_in} must be powers of 2")
     if load_policy not in _LOAD_POLICIES:
         raise ValueError(f"gemv: load_policy {load_policy!r} not in {sorted(_LOAD_POLICIES)}")

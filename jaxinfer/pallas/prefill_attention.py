@@ -46,6 +46,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas.blocks import is_pow2, pow2_at_least
+
 f32 = jnp.float32
 i32 = jnp.int32
 LOG2E = math.log2(math.e)
@@ -65,14 +67,6 @@ class PrefillConfig:
 
     def astuple(self):
         return dataclasses.astuple(self)
-
-
-def _pow2_at_least(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
-
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
 
 
 def heads_per_program(cfg: PrefillConfig, group: int) -> int:
@@ -251,10 +245,10 @@ def _validate(q, k_cache, v_cache, page_table, cfg: PrefillConfig):
     heads = heads_per_program(cfg, group)
     if heads < 1 or group % heads:
         raise ValueError(f"heads={cfg.heads} must divide the group of {group} query heads per KV head")
-    if not (_is_pow2(cfg.block_q) and _is_pow2(cfg.block_k) and cfg.block_k >= 16):
+    if not (is_pow2(cfg.block_q) and is_pow2(cfg.block_k) and cfg.block_k >= 16):
         raise ValueError(f"block_q={cfg.block_q} and block_k={cfg.block_k} must be powers of two "
                          f"(block_k >= 16)")
-    if cfg.block_q * _pow2_at_least(heads) < 16:
+    if cfg.block_q * pow2_at_least(heads) < 16:
         raise ValueError(f"block_q={cfg.block_q} x {heads} heads: a tile needs >= 16 rows")
     if cfg.order not in ("work", "natural"):
         raise ValueError(f"order={cfg.order!r}")
@@ -266,8 +260,8 @@ def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, *, page_s
           config: PrefillConfig, interpret: bool):
     T, H, hd = q.shape
     group, heads = _validate(q, k_cache, v_cache, page_table, config)
-    HP = _pow2_at_least(heads)
-    D = _pow2_at_least(hd, 16)
+    HP = pow2_at_least(heads)
+    D = pow2_at_least(hd, 16)
     N = schedule.shape[1]
     kernel = functools.partial(
         _kernel, hd=hd, D=D, group=group, heads=heads, HP=HP, block_q=config.block_q, block_k=config.block_k,
@@ -307,12 +301,12 @@ def config_for_rows(cfg: PrefillConfig, rows: int, num_tokens: int, group: int, 
     than the call's T needs, and halved for head_dim > 128 (the float32 accumulator is rows x hd)."""
     if cfg.heads and group % cfg.heads:
         cfg = dataclasses.replace(cfg, heads=0)
-    hp = _pow2_at_least(heads_per_program(cfg, group))
-    min_bq = _pow2_at_least(-(-16 // hp))
+    hp = pow2_at_least(heads_per_program(cfg, group))
+    min_bq = pow2_at_least(-(-16 // hp))
     if head_dim > 128:
         rows //= 2
-    bq = _pow2_at_least(max(1, rows // hp))
-    bq = min(bq, _pow2_at_least(max(num_tokens, 1)))
+    bq = pow2_at_least(max(1, rows // hp))
+    bq = min(bq, pow2_at_least(max(num_tokens, 1)))
     return dataclasses.replace(cfg, block_q=max(bq, min_bq))
 
 

@@ -106,7 +106,7 @@ class AsyncEngine:
     def __init__(self, engine, max_waiting: int = 256, metrics=None):
         self.engine = engine
         self.max_waiting = max_waiting
-        self.slots = int(getattr(getattr(engine, "config", None), "max_num_seqs", 0))   # running batch size
+        self.slots = engine.config.max_num_seqs   # running batch size
         self.metrics = metrics
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -195,12 +195,9 @@ class AsyncEngine:
     def _publish(self) -> None:
         e = self.engine
         pages = e.pages
-        in_use = getattr(pages, "num_in_use", None)
-        if in_use is None:
-            in_use = pages.capacity - pages.num_free
         self.snapshot = {
-            "running": e.num_running, "waiting": e.num_waiting, "pages_in_use": in_use,
-            "pages_total": pages.capacity, "prefix_cache_hit_rate": float(getattr(e, "prefix_cache_hit_rate", 0.0)),
+            "running": e.num_running, "waiting": e.num_waiting, "pages_in_use": pages.num_in_use,
+            "pages_total": pages.capacity, "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
         }
 
     def _run(self) -> None:

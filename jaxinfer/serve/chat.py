@@ -56,8 +56,8 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
                 d, i = ev.delta, ev.index
                 completion_tokens += len(d.token_ids)
                 lp = None
-                if want_logprobs and d.token_ids and getattr(d, "logprobs", None) is not None:
-                    lp = {"content": chat_logprobs(tt, d.token_ids, d.logprobs, getattr(d, "top_logprobs", None), k),
+                if want_logprobs and d.token_ids:
+                    lp = {"content": chat_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k),
                           "refusal": None}
                 if not d.text and lp is None and not d.finished:
                     continue
@@ -81,7 +81,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         completion_tokens += len(out.token_ids)
         lp = None
         if want_logprobs:
-            lp = {"content": chat_logprobs(tt, out.token_ids, out.logprobs, getattr(out, "top_logprobs", None), k),
+            lp = {"content": chat_logprobs(tt, out.token_ids, out.logprobs, out.top_logprobs, k),
                   "refusal": None}
         choices.append({"index": ev.index, "message": {"role": "assistant", "content": out.text, "refusal": None},
                         "logprobs": lp, "finish_reason": out.finish_reason})

@@ -61,8 +61,8 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
                 if not echoed[i]:
                     text, echoed[i] = echo_text(i) + text, True
                 lp = None
-                if k is not None and d.token_ids and getattr(d, "logprobs", None) is not None:
-                    lp = completion_logprobs(tt, d.token_ids, d.logprobs, getattr(d, "top_logprobs", None), k,
+                if k is not None and d.token_ids:
+                    lp = completion_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k,
                                              offsets[i])
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[i]
                 if not text and lp is None and not d.finished:
@@ -87,7 +87,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         prefix = echo_text(ev.index) if req.echo else ""
         lp = None
         if k is not None:
-            lp = completion_logprobs(tt, out.token_ids, out.logprobs, getattr(out, "top_logprobs", None), k,
+            lp = completion_logprobs(tt, out.token_ids, out.logprobs, out.top_logprobs, k,
                                      len(prefix))
         choices.append({"index": ev.index, "text": prefix + out.text, "logprobs": lp,
                         "finish_reason": out.finish_reason})

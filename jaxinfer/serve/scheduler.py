@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from jaxinfer.paging import OutOfPages, PageAllocator, block_hashes
+from jaxinfer.paging import PageAllocator, block_hashes
 from jaxinfer.sampling import SamplingParams
 
 
