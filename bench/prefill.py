@@ -1,0 +1,117 @@
+"""Time to first token against the dense bf16 GEMM rate: Pallas path, XLA reference path, transformers.
+
+    PYTHONPATH=. python3 bench/prefill.py [--shapes qwen3-4b llama3-8b] [--prompts 128 1024 8192 32768]
+                                          [--paths pallas reference hf] [--chunk 8192] [--out DIR]
+
+A request of max_tokens=1 after a random prompt; TTFT is the wall time from submitting it to its
+first token (prompts longer than --chunk are prefilled chunk by chunk). FLOPs counted: the
+projections (2 * non-embedding parameters per token), the lm_head for the last token, and causal
+attention (4 * heads * head_dim * visible keys per query, per layer). Share = FLOPs / TTFT over the
+GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes, our loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from bench.ceilings import dense_gemm_rate
+from jaxinfer.config import load_config
+from jaxinfer.engine import Engine
+from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
+from jaxinfer.sampling import SamplingParams
+
+SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                             "intermediate_size": 128}}
+
+
+def prefill_flops(cfg, T: int) -> float:
+    body = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    attention = 4 * cfg.num_layers * cfg.q_size * T * (T + 1) / 2
+    return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size + attention
+
+
+def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repeats: int = 3) -> float:
+    chunk = min(chunk, len(prompt))
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + 16,
+                    max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True,
+                    enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeats + 1):     # the first run is a warm-up
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.take_finished(rid)
+        best = min(best, time.perf_counter() - t0)
+    del engine
+    gc.collect()
+    return best
+
+
+def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor([prompt], device="cuda")
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
+            best = min(best, time.perf_counter() - t0)
+    del model
+    torch.cuda.empty_cache()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[128, 1024, 8192, 32768])
+    ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
+    ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget of a step)")
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
+    print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    for shape in args.shapes:
+        model_dir = Path(args.models) / shape
+        if not (model_dir / "model.safetensors").is_file():
+            write_random_model(model_dir, SHAPES[shape], dtype="bfloat16")
+        cfg = load_config(model_dir, "bfloat16")
+        for T in args.prompts:
+            prompt = np.random.default_rng(T).integers(100, cfg.vocab_size - 100, T).tolist()
+            for path in args.paths:
+                try:
+                    s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(model_dir, path, prompt, args.chunk)
+                except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
+                    print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | |", flush=True)
+                    rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
+                    continue
+                flops = prefill_flops(cfg, T)
+                row = dict(shape=shape, prompt=T, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
+                           share=flops / s / gemm)
+                rows.append(row)
+                print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
+                      f"{100 * row['share']:.1f}% |", flush=True)
+    Path(args.out, "prefill.json").write_text(json.dumps(dict(gemm=gemm, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
