@@ -16,6 +16,11 @@ def test_stories_pallas_interpret_equals_reference():
     assert _greedy(STORIES, "pallas-interpret", prompts, 12) == _greedy(STORIES, "reference", prompts, 12)
 
 
+def test_stories_flash_prefill_interpret_equals_reference():
+    prompts = ["Once upon a time, in a big forest, there lived", "The dog ran"]   # chunked: 16-token budget
+    assert _greedy(STORIES, "pallas+flash-interpret", prompts, 6) == _greedy(STORIES, "reference", prompts, 6)
+
+
 def test_qwen3_pallas_interpret_equals_reference():
     golden = np.load(DATA / "golden" / "qwen3.npz")
     prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]

@@ -23,8 +23,9 @@ class OpSet(SimpleNamespace):
     __eq__ = object.__eq__
 
 
-def make(interpret: bool = False) -> OpSet:
-    from jaxinfer.pallas import decode_attention, rope_kv_write
+def make(interpret: bool = False, flash_prefill: bool = False) -> OpSet:
+    """flash_prefill: also the Pallas flash prefill attention (not yet measured on the GPU, so off in "pallas")."""
+    from jaxinfer.pallas import decode_attention, prefill_attention, rope_kv_write
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
     def _gemv(x, w, scale=None, b=None, **kw):
@@ -75,4 +76,6 @@ def make(interpret: bool = False) -> OpSet:
                linear_residual=linear_residual, qkv_rope_write=qkv_rope_write,
                paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
                                                         interpret=interpret))
-    return OpSet(**ops, name="pallas-interpret" if interpret else "pallas")
+    if flash_prefill:
+        ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
+    return OpSet(**ops, name=("pallas+flash" if flash_prefill else "pallas") + ("-interpret" if interpret else ""))
