@@ -108,12 +108,16 @@ def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                     page_table: jax.Array, token_seq: jax.Array, positions: jax.Array,
-                    page_size: int, scale: float, chunk: int = 64) -> jax.Array:
+                    page_size: int, scale: float, chunk: int | None = None) -> jax.Array:
     """Causal attention of ragged query tokens over their own sequence's pages.
 
     q [T, H, hd]; caches [L, KVH, slots, hd]; page_table [B, P]; token_seq [T] (row of page_table
-    for each token); positions [T] (a token sees cached positions 0..position). Query tokens are
-    processed in chunks so that the gathered keys stay [chunk, P * page_size, KVH, hd].
+    for each token); positions [T] (a token sees cached positions 0..position).
+
+    Two layouts of the same math, chosen by size: with few sequences the keys of each sequence are
+    gathered once ([KVH, B, ctx, hd]) and every query scores all of them, masked to its own; with
+    many, each query gathers its own sequence's keys ([chunk, ctx] rows). Queries go in chunks so
+    that the scores or gathered keys stay bounded (`chunk`: rows per chunk).
     """
     T, H, hd = q.shape
     kvh = k_cache.shape[1]
@@ -122,19 +126,34 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     ctx = P * page_size
     slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, ctx)
     k_layer, v_layer = k_cache[layer], v_cache[layer]          # [KVH, slots, hd]
+    per_sequence = 2 * B * H <= kvh * hd * q.dtype.itemsize   # scores cost less than gathered keys
+    if per_sequence:
+        k_seq, v_seq = k_layer[:, slots], v_layer[:, slots]     # [KVH, B, ctx, hd], gathered once
 
     def attend(args):
         qc, seq, pos = args
-        s = slots[seq]                                          # [Tc, ctx]
-        k, v = k_layer[:, s], v_layer[:, s]                     # [KVH, Tc, ctx, hd]
         qg = qc.reshape(qc.shape[0], kvh, group, hd)
-        scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
-        visible = jnp.arange(ctx)[None, :] <= pos[:, None]
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-        out = jnp.einsum("tkgc,ktcd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
+        if per_sequence:
+            scores = jnp.einsum("tkgd,kbcd->tkgbc", qg, k_seq, precision=HIGHEST, preferred_element_type=f32)
+            own = seq[:, None] == jnp.arange(B)[None, :]                            # [Tc, B]
+            visible = own[:, :, None] & (jnp.arange(ctx)[None, None, :] <= pos[:, None, None])
+            scores = jnp.where(visible[:, None, None], scores * scale, -jnp.inf)
+            shape = scores.shape
+            probs = jax.nn.softmax(scores.reshape(*shape[:3], B * ctx), axis=-1).reshape(shape).astype(q.dtype)
+            out = jnp.einsum("tkgbc,kbcd->tkgd", probs, v_seq, precision=HIGHEST, preferred_element_type=f32)
+        else:
+            s = slots[seq]                                      # [Tc, ctx]
+            k, v = k_layer[:, s], v_layer[:, s]                 # [KVH, Tc, ctx, hd]
+            scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
+            visible = jnp.arange(ctx)[None, :] <= pos[:, None]
+            scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+            probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+            out = jnp.einsum("tkgc,ktcd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
         return out.reshape(qc.shape[0], H, hd).astype(q.dtype)
 
+    if chunk is None:  # about 256 MiB of float32 scores (or gathered keys) per chunk
+        per_row = H * B * ctx * 4 if per_sequence else 2 * kvh * ctx * hd * q.dtype.itemsize
+        chunk = max(16, 1 << ((2**28 // per_row).bit_length() - 1) if per_row <= 2**28 else 16)
     if T <= chunk:
         return attend((q, token_seq, positions))
     n = -(-T // chunk)
@@ -151,4 +170,4 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """One query token per sequence (q [B, H, hd]) over that sequence's first context_lens[b] positions."""
     B = q.shape[0]
     return paged_attention(q, k_cache, v_cache, layer, page_table, jnp.arange(B, dtype=jnp.int32),
-                           context_lens - 1, page_size, scale, chunk=max(B, 1))
+                           context_lens - 1, page_size, scale)

@@ -1,0 +1,48 @@
+"""The reference paged attention's two layouts agree with each other and with dense causal attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.ops import reference
+
+
+def _dense(q, k, v, scale):
+    """Plain causal attention of one sequence: q [T, H, hd], k/v [T, KVH, hd]."""
+    T, H, hd = q.shape
+    g = H // k.shape[1]
+    k, v = jnp.repeat(k, g, axis=1), jnp.repeat(v, g, axis=1)
+    s = jnp.einsum("thd,shd->hts", q, k, precision="highest") * scale
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None], s, -jnp.inf)
+    return jnp.einsum("hts,shd->thd", jax.nn.softmax(s, -1), v, precision="highest")
+
+
+@pytest.mark.parametrize("B, H, kvh, hd", [(1, 8, 4, 8), (3, 4, 2, 16), (40, 4, 4, 8)])
+def test_ragged_batch_equals_dense_per_sequence(B, H, kvh, hd):
+    ps, L, layer = 4, 2, 1
+    rng = np.random.default_rng(B * 100 + H)
+    lens = rng.integers(1, 13, B)
+    P = int(-(-lens.max() // ps))
+    pages = rng.permutation(np.arange(1, B * P + 1)).reshape(B, P).astype(np.int32)   # non-contiguous
+    slots_n = (B * P + 1) * ps
+    k_cache = np.zeros((L, kvh, slots_n, hd), np.float32)
+    v_cache = np.zeros_like(k_cache)
+    qs, token_seq, positions, want = [], [], [], []
+    for b, n in enumerate(lens):
+        q = rng.standard_normal((n, H, hd)).astype(np.float32)
+        k = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+        v = rng.standard_normal((n, kvh, hd)).astype(np.float32)
+        pos = np.arange(n)
+        slot = pages[b, pos // ps] * ps + pos % ps
+        k_cache[layer][:, slot] = k.transpose(1, 0, 2)
+        v_cache[layer][:, slot] = v.transpose(1, 0, 2)
+        qs.append(q), token_seq.append(np.full(n, b)), positions.append(pos)
+        want.append(np.asarray(_dense(q, k, v, hd ** -0.5)))
+    args = (jnp.asarray(np.concatenate(qs)), jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.int32(layer),
+            jnp.asarray(pages), jnp.asarray(np.concatenate(token_seq), jnp.int32),
+            jnp.asarray(np.concatenate(positions), jnp.int32), ps, hd ** -0.5)
+    want = np.concatenate(want)
+    for chunk in (None, 16, 5):
+        got = np.asarray(reference.paged_attention(*args, chunk=chunk))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
