@@ -42,7 +42,7 @@ def prefill_flops(cfg, T: int) -> float:
 def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repeats: int = 3) -> float:
     chunk = min(chunk, len(prompt))
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + 16,
-                    max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True,
+                    max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
                     enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = float("inf")

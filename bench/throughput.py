@@ -38,7 +38,7 @@ SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64
 
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
     return Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, **kw)
+                  max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, max_logprobs=0, **kw)
 
 
 def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
