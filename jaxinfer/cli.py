@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from jaxinfer.errors import JaxinferError
 
@@ -58,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond that, 503 at once")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    b = sub.add_parser("bench", help="offline latency and throughput on random prompts")
+    _engine_args(b)
+    b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    b.add_argument("--output-len", type=int, default=128, help="generated tokens per request (EOS ignored)")
+    b.add_argument("--batch-size", type=int, default=8, help="requests running at once")
+    b.add_argument("--num-prompts", type=int, default=32)
+    b.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -155,10 +163,50 @@ def cmd_serve(args) -> None:
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction)
 
 
+def cmd_bench(args) -> None:
+    """Like `vllm bench latency/throughput`: a single request first, then num_prompts at batch-size."""
+    import numpy as np
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.sampling import SamplingParams
+
+    if min(args.input_len, args.output_len, args.batch_size, args.num_prompts) < 1:
+        raise ValueError("--input-len, --output-len, --batch-size and --num-prompts must be >= 1")
+    engine = Engine(args.model, dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
+                    max_model_len=args.max_model_len or args.input_len + args.output_len + 1,
+                    max_num_batched_tokens=max(16, min(2048, args.input_len * args.batch_size)),
+                    skip_tokenizer_init=True, max_logprobs=0, enable_prefix_caching=False)
+    rng = np.random.default_rng(args.seed)
+    vocab = engine.cfg.vocab_size
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+
+    def run(n: int) -> float:
+        t0 = time.perf_counter()
+        ids = [engine.add_request(rng.integers(0, vocab, args.input_len).tolist(), params) for _ in range(n)]
+        while engine.has_unfinished():
+            engine.step()
+        for i in ids:
+            engine.take_finished(i)
+        return time.perf_counter() - t0
+
+    run(1)  # warm-up
+    engine.stats = {k: 0 for k in engine.stats}
+    single = run(1)
+    s = engine.stats
+    print(f"single request: {args.input_len} prompt + {args.output_len} new tokens in {single * 1e3:.1f} ms; "
+          f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):,.0f} tok/s, "
+          f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):,.0f} tok/s")
+    wall = run(args.num_prompts)
+    tokens = args.num_prompts * args.output_len
+    print(f"throughput: {args.num_prompts} requests at batch {args.batch_size} in {wall:.2f} s = "
+          f"{args.num_prompts / wall:.2f} req/s, {tokens / wall:,.0f} output tok/s, "
+          f"{args.num_prompts * (args.input_len + args.output_len) / wall:,.0f} total tok/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[args.command](args)
+        {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except (JaxinferError, ValueError, OSError) as e:
         message = " ".join(str(e).split())  # one line, whatever the exception carried
         print(f"jaxinfer: error: {message}", file=sys.stderr)

@@ -123,7 +123,7 @@ class Engine:
         self.compile_seconds = self.runner.warmup(progress=config.progress)
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
-                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**30:.2f} GiB); "
+                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "
                   f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=self._on_start,

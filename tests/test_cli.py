@@ -37,3 +37,18 @@ def test_chat_with_template_on_random_qwen3(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "[chat template;" in r.stderr
     assert r.stdout.count("> ") == 3
+
+
+def test_bench_prints_latency_and_throughput():
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "bench", "--model", str(STORIES), "--input-len", "16",
+                        "--output-len", "8", "--batch-size", "4", "--num-prompts", "8"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "single request: 16 prompt + 8 new tokens" in r.stdout and "decode" in r.stdout
+    assert "throughput: 8 requests at batch 4" in r.stdout and "output tok/s" in r.stdout
+
+
+def test_bench_rejects_bad_sizes():
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "bench", "--model", str(STORIES), "--batch-size", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "must be >= 1" in r.stderr and "Traceback" not in r.stderr
