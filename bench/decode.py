@@ -51,7 +51,8 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=unroll, max_num_seqs=1,
                     max_model_len=len(prompt) + new + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
-                    skip_tokenizer_init=True, max_logprobs=0)  # no top-k over the vocabulary per step
+                    skip_tokenizer_init=True, max_logprobs=0,  # no top-k over the vocabulary per step
+                    num_pages=-(-(len(prompt) + new + 16) // 16) + 1)  # one sequence's pages, as measured
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     out = None
     for _ in range(2):  # the first request warms up whatever compilation did not

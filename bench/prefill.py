@@ -43,7 +43,7 @@ def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repe
     chunk = min(chunk, len(prompt))
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
-                    enable_prefix_caching=False)
+                    enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = float("inf")
     for _ in range(repeats + 1):     # the first run is a warm-up

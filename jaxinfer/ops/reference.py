@@ -125,30 +125,31 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     B, P = page_table.shape
     ctx = P * page_size
     slots = (page_table[:, :, None] * page_size + jnp.arange(page_size)[None, None, :]).reshape(B, ctx)
-    k_layer, v_layer = k_cache[layer], v_cache[layer]          # [KVH, slots, hd]
+    # Gather straight from the whole cache (layer and slots in one index): slicing out the layer
+    # first could make XLA copy that layer's entire pool.
     per_sequence = 2 * B * H <= kvh * hd * q.dtype.itemsize   # scores cost less than gathered keys
     if per_sequence:
-        k_seq, v_seq = k_layer[:, slots], v_layer[:, slots]     # [KVH, B, ctx, hd], gathered once
+        k_seq, v_seq = k_cache[layer, :, slots], v_cache[layer, :, slots]   # [B, ctx, KVH, hd], once
 
     def attend(args):
         qc, seq, pos = args
         qg = qc.reshape(qc.shape[0], kvh, group, hd)
         if per_sequence:
-            scores = jnp.einsum("tkgd,kbcd->tkgbc", qg, k_seq, precision=HIGHEST, preferred_element_type=f32)
+            scores = jnp.einsum("tkgd,bckd->tkgbc", qg, k_seq, precision=HIGHEST, preferred_element_type=f32)
             own = seq[:, None] == jnp.arange(B)[None, :]                            # [Tc, B]
             visible = own[:, :, None] & (jnp.arange(ctx)[None, None, :] <= pos[:, None, None])
             scores = jnp.where(visible[:, None, None], scores * scale, -jnp.inf)
             shape = scores.shape
             probs = jax.nn.softmax(scores.reshape(*shape[:3], B * ctx), axis=-1).reshape(shape).astype(q.dtype)
-            out = jnp.einsum("tkgbc,kbcd->tkgd", probs, v_seq, precision=HIGHEST, preferred_element_type=f32)
+            out = jnp.einsum("tkgbc,bckd->tkgd", probs, v_seq, precision=HIGHEST, preferred_element_type=f32)
         else:
             s = slots[seq]                                      # [Tc, ctx]
-            k, v = k_layer[:, s], v_layer[:, s]                 # [KVH, Tc, ctx, hd]
-            scores = jnp.einsum("tkgd,ktcd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
+            k, v = k_cache[layer, :, s], v_cache[layer, :, s]   # [Tc, ctx, KVH, hd]
+            scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
             visible = jnp.arange(ctx)[None, :] <= pos[:, None]
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-            out = jnp.einsum("tkgc,ktcd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
+            out = jnp.einsum("tkgc,tckd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
         return out.reshape(qc.shape[0], H, hd).astype(q.dtype)
 
     if chunk is None:  # about 256 MiB of float32 scores (or gathered keys) per chunk
