@@ -97,3 +97,22 @@ def test_blocks_of_finished_requests_stay_cached():
     before = engine.pages.hits
     _run(engine, [system + "he"], [one])
     assert engine.pages.hits - before >= 3   # the shared full blocks were reused
+
+
+def test_abort_while_a_decode_dispatch_is_in_flight(alone_engine):
+    """Aborting between steps, with the next decode dispatch already running on the device, frees the
+    request's pages and leaves the others' output unchanged."""
+    engine = _engine(decode_steps=4)
+    prompts, params = _prompts(6, 5), [SamplingParams(max_tokens=40, temperature=0)] * 6
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine._inflight is None:          # run until decode dispatches are being chained
+        engine.step()
+    engine.step()
+    engine.abort(ids[2])
+    while engine.has_unfinished():
+        engine.step()
+    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[2]}
+    want = _alone(alone_engine, prompts, params)
+    assert [outs[i] for i in ids if i != ids[2]] == [w for j, w in enumerate(want) if j != 2]
+    assert engine.pages.num_free == engine.pages.capacity
+    engine.pages.check()
