@@ -19,6 +19,7 @@ class StepBatch:
     positions: jax.Array       # int32, position of the token in its sequence
     slot_mapping: jax.Array    # int32, where its K/V row is written
     token_seq: jax.Array       # int32, its sequence's row in the per-sequence arrays
+    next_tokens: jax.Array     # int32, the prompt token that follows it (for prompt logprobs; else 0)
     # per sequence [B]
     page_table: jax.Array      # int32 [B, P]
     query_start: jax.Array     # int32 [B + 1], first token row of each sequence

@@ -51,6 +51,7 @@ class EngineConfig:
     unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
     max_logprobs: int = 20                    # top logprobs computed per sampled token
     enable_prefix_caching: bool = True
+    enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
     overlap_decode: bool = True               # read decode dispatches back one dispatch late
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
@@ -75,6 +76,7 @@ class RequestOutput:
     finish_reason: str | None     # "stop" | "length" | None while running
     finished: bool
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list | None = None   # per prompt token: None (the first), else (logprob, top list)
 
 
 @dataclasses.dataclass
@@ -93,7 +95,8 @@ class StreamDelta:
 def _output(seq: Sequence) -> RequestOutput:
     return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, seq.text, list(seq.output_ids),
                          list(seq.logprobs), seq.finish_reason, seq.finish_reason is not None,
-                         list(seq.top_logprobs) if seq.params.logprobs is not None else None)
+                         list(seq.top_logprobs) if seq.params.logprobs is not None else None,
+                         list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
 
 class Engine:
@@ -116,7 +119,8 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
-                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs)
+                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
+                                  prompt_logprobs=config.enable_prompt_logprobs)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0
@@ -174,8 +178,12 @@ class Engine:
             raise ValueError("prompt is empty")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"logprobs: at most {self.config.max_logprobs} are served, got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.config.max_logprobs:
+                raise ValueError(f"{name}: at most {self.config.max_logprobs} are served, got {k}")
+        if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
+            raise ValueError("prompt_logprobs: this engine was started without enable_prompt_logprobs")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} "
                                      "and at least one token must be generated")
@@ -320,12 +328,19 @@ class Engine:
             a["step_index"][b] = len(seq.output_ids)
             t += n
             a["query_start"][b + 1:] = t
+        scored = self._prompt_rows(chunks, a["next_tokens"])
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks],
                                               r.max_num_seqs)
         t0 = time.perf_counter()
-        tokens, logprobs, top_v, top_i = r.run_mixed(jax.device_put(StepBatch(**a, sampling=sampling)))
+        out = r.run_mixed(jax.device_put(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored))
+        tokens, logprobs, top_v, top_i = out[:4]
         self.stats["prefill_tokens"] += total
         self.stats["prefill_seconds"] += time.perf_counter() - t0
+        for seq, row, pos in scored:   # the logprob of prompt token pos + 1, scored at row
+            if len(seq.prompt_logprobs) == pos + 1:
+                k = seq.params.prompt_logprobs
+                top = [(int(i), float(v)) for i, v in zip(out[6][row][:k], out[5][row][:k])]
+                seq.prompt_logprobs.append((float(out[4][row]), top))
         deltas = []
         for b, (seq, n) in enumerate(chunks):
             seq.num_computed += n
@@ -334,6 +349,19 @@ class Engine:
                 if seq.finish_reason is not None:
                     self._finished[seq.request_id] = seq
         return deltas
+
+    @staticmethod
+    def _prompt_rows(chunks: list[tuple[Sequence, int]], next_tokens: np.ndarray) -> list[tuple[Sequence, int, int]]:
+        """Rows of this step whose next prompt token is to be scored (filling next_tokens in place):
+        (sequence, token row, position)."""
+        rows, t = [], 0
+        for seq, n in chunks:
+            if seq.params.prompt_logprobs is not None:
+                for pos in range(seq.num_computed, min(seq.num_computed + n, len(seq.prompt_ids) - 1)):
+                    next_tokens[t + pos - seq.num_computed] = seq.prompt_ids[pos + 1]
+                    rows.append((seq, t + pos - seq.num_computed, pos))
+            t += n
+        return rows
 
     # ---- results ----
     def _append(self, seq: Sequence, new_ids, new_logprobs, top_values, top_ids) -> StreamDelta:

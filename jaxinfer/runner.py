@@ -84,11 +84,29 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top])."""
     kv, logits = model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index)
+    return (kv, *_sample_rows(logits, n_top, state, batch))
+
+
+def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache,
+                               state: SamplerState, batch: StepBatch):
+    """mixed_step, plus logits for every token row: the logprob of the prompt token that follows each
+    row ([T]) and the top n_top there ([T, n_top] values, ids). Compiled only when an engine serves
+    prompt logprobs: it computes [T, V] logits."""
+    kv, h = model.hidden_states(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
+                                batch.token_seq, batch.page_table)
+    logits = model.lm_head(cfg, ops, params, h)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logp, batch.next_tokens[:, None], axis=-1)[:, 0]
+    return (kv, *_sample_rows(logits[batch.sample_index], n_top, state, batch), target,
+            *top_logprobs(logits, n_top))
+
+
+def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
     tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc)
     state = _count(state, rows, tokens, batch.emits)
-    return (kv, state, tokens, logprobs, *top_logprobs(logits, n_top))
+    return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, params: dict,
@@ -136,7 +154,8 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
-                 token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20):
+                 token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
+                 prompt_logprobs: bool = False):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -154,6 +173,8 @@ class ModelRunner:
         self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers, max_logprobs),
                                donate_argnums=(1, 2))
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
+        self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
+                                      donate_argnums=(1, 2)) if prompt_logprobs else None)
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets if b >= n)
@@ -168,9 +189,11 @@ class ModelRunner:
         ids[: len(tokens)] = tokens
         self.state = self._init_row(self.state, np.int32(row), ids, np.int32(len(prompt_ids)), np.int32(len(tokens)))
 
-    def run_mixed(self, batch: StepBatch) -> tuple[np.ndarray, ...]:
-        """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy)."""
-        self.kv, self.state, *out = self._mixed(self.params, self.kv, self.state, batch)
+    def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False) -> tuple[np.ndarray, ...]:
+        """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
+        prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row."""
+        step = self._mixed_prompt if prompt_logprobs else self._mixed
+        self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
         return tuple(np.asarray(o) for o in out)
 
     def launch_decode(self, batch: DecodeBatch) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
@@ -189,6 +212,7 @@ class ModelRunner:
         return dict(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
+            next_tokens=np.zeros(T, np.int32),
             page_table=np.full((B, P), SCRATCH_PAGE, np.int32), query_start=np.zeros(B + 1, np.int32),
             sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
             state_row=np.full(B, self.scratch_row, np.int32),
@@ -218,6 +242,8 @@ class ModelRunner:
                 arrays = self.empty_mixed(n)
                 samp = self.sampling_arrays([], [], self.max_num_seqs)
                 self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)))
+                if self._mixed_prompt is not None:
+                    self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)), prompt_logprobs=True)
             else:
                 arrays = self.empty_decode(n)
                 samp = self.sampling_arrays([], [], n)

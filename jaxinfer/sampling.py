@@ -94,6 +94,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; 0..20
+    prompt_logprobs: int | None = None  # logprob of each prompt token (and this many top ones); 0..20
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens)
@@ -163,10 +164,13 @@ class SamplingParams:
             raise SamplingParamsError(f"ignore_eos must be a bool, got {self.ignore_eos!r} ({type(self.ignore_eos).__name__})")
         self.ignore_eos = bool(self.ignore_eos)
 
-        if self.logprobs is not None:
-            self.logprobs = _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise SamplingParamsError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                v = _check_int(name, v)
+                if not 0 <= v <= MAX_LOGPROBS:
+                    raise SamplingParamsError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+                setattr(self, name, v)
 
     @property
     def greedy(self) -> bool:

@@ -125,3 +125,23 @@ def test_chunked_prefill_equals_one_shot():
     for a, b in zip(chunked.top_logprobs, one_shot.top_logprobs):
         assert [i for i, _ in a] == [i for i, _ in b]
         np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
+
+
+def test_prompt_logprobs_match_transformers():
+    """Each prompt token's logprob (and the top ones) from transformers' logits of the same prompt,
+    with the prompt split over several chunks and batched with another request."""
+    golden = np.load(DATA / "golden" / "stories260k_logits.npz")
+    llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=16, enable_prompt_logprobs=True, progress=False)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    outs = llm.generate([golden["prompt_1"].tolist(), golden["prompt_0"].tolist()], params)
+    for out, i in zip(outs, (1, 0)):
+        ids, logits = golden[f"prompt_{i}"], golden[f"logits_{i}"].astype(np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+            - logits.max(-1, keepdims=True)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        for pos in range(1, len(ids)):
+            value, top = out.prompt_logprobs[pos]
+            assert abs(value - logp[pos - 1, ids[pos]]) < 1e-4
+            assert [t for t, _ in top] == list(np.argsort(-logp[pos - 1], kind="stable")[:3])
+    with pytest.raises(ValueError, match="enable_prompt_logprobs"):
+        LLM(STORIES, max_num_seqs=1, progress=False).generate("Hi", params)

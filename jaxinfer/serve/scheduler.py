@@ -42,6 +42,8 @@ class Sequence:
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # per prompt token: None for the first, else (logprob, top [(id, logprob)]) when asked for
+    prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])
     text: str = ""
     pages: list[int] = dataclasses.field(default_factory=list)
     hashes: list[int] = dataclasses.field(default_factory=list)   # of its registered full blocks
@@ -98,7 +100,9 @@ class Scheduler:
         while self.waiting and self.free_rows:
             seq = self.waiting[0]
             tokens = seq.tokens
-            hashes = block_hashes(tokens[: (len(tokens) - 1) // ps * ps], ps) if self.prefix_caching else []
+            # A request for prompt logprobs computes its whole prompt: cached blocks would skip rows.
+            cacheable = self.prefix_caching and seq.params.prompt_logprobs is None
+            hashes = block_hashes(tokens[: (len(tokens) - 1) // ps * ps], ps) if cacheable else []
             cached = self.pages.lookup(hashes)
             need = -(-len(tokens) // ps) - len(cached)
             if need > self.pages.num_free:
