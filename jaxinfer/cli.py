@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a prompt step")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="share of device memory for weights and KV cache")
+    s.add_argument("--enable-prompt-logprobs", action="store_true",
+                   help="score prompt tokens too (completions with echo and logprobs); compiles more steps")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond that, 503 at once")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -160,7 +162,8 @@ def cmd_serve(args) -> None:
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction)
+          max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
+          enable_prompt_logprobs=args.enable_prompt_logprobs or None)
 
 
 def cmd_bench(args) -> None:

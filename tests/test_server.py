@@ -572,3 +572,29 @@ def test_jaxinfer_serve_command():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_echo_with_logprobs_scores_the_prompt():
+    """With --enable-prompt-logprobs, echo + logprobs returns the prompt's token logprobs (none for the
+    first token, as OpenAI), equal to transformers' for stories260k."""
+    import numpy as np
+
+    golden = np.load(DATA / "golden" / "stories260k_logits.npz")
+    ids, logits = golden["prompt_1"].tolist(), golden["logits_1"].astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    engine = Engine(STORIES, max_num_seqs=2, max_num_batched_tokens=16, enable_prompt_logprobs=True, progress=False)
+    server = _serve(engine)
+    try:
+        r = client(server).completions.create(model="stories260k", prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                              logprobs=2)
+        lp = r.choices[0].logprobs
+        assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        np.testing.assert_allclose(lp.token_logprobs[1:len(ids)], [logp[i - 1, ids[i]] for i in range(1, len(ids))],
+                                   atol=1e-4)
+        assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+        streamed = httpx.post(server.url + "/v1/completions", json={"model": "stories260k", "prompt": "Hi",
+                              "echo": True, "logprobs": 1, "stream": True})
+        assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
+    finally:
+        server.stop()

@@ -51,7 +51,8 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     name = served_model_name or engine.model_dir.name
     info = ModelInfo(name=name, root=str(engine.model_dir), tokenizer=engine.tokenizer,
                      vocab_size=engine.cfg.vocab_size, max_model_len=engine.max_model_len,
-                     max_logprobs=engine.config.max_logprobs)
+                     max_logprobs=engine.config.max_logprobs,
+                     prompt_logprobs=engine.config.enable_prompt_logprobs)
     metrics = Metrics(name)
     driver = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     metrics.bind(driver)

@@ -89,8 +89,21 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         if k is not None:
             lp = completion_logprobs(tt, out.token_ids, out.logprobs, out.top_logprobs, k,
                                      len(prefix))
+            if req.echo:
+                lp = _with_prompt(tt, out.prompt_token_ids, out.prompt_logprobs, k, lp)
         choices.append({"index": ev.index, "text": prefix + out.text, "logprobs": lp,
                         "finish_reason": out.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
                          "choices": choices, "usage": usage(prep.num_prompt_tokens, completion_tokens),
                          "system_fingerprint": None})
+
+
+def _with_prompt(tt, prompt_ids: list[int], prompt_logprobs: list, k: int, lp: dict[str, Any]) -> dict[str, Any]:
+    """Completion logprobs preceded by the prompt's (echo): the first prompt token has none, as in OpenAI."""
+    first = tt(prompt_ids[0])[0]
+    scored = prompt_logprobs[1:]
+    rest = completion_logprobs(tt, prompt_ids[1:], [v for v, _ in scored], [top for _, top in scored], k, len(first))
+    return {"tokens": [first] + rest["tokens"] + lp["tokens"],
+            "token_logprobs": [None] + rest["token_logprobs"] + lp["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"] + lp["top_logprobs"],
+            "text_offset": [0] + rest["text_offset"] + lp["text_offset"]}

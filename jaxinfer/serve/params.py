@@ -27,6 +27,7 @@ class ModelInfo:
     vocab_size: int
     max_model_len: int
     max_logprobs: int = 20
+    prompt_logprobs: bool = False   # the engine scores prompt tokens (echo with logprobs)
 
 
 @dataclasses.dataclass
@@ -116,9 +117,12 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of other than n is not supported", param="best_of", code="unsupported_parameter")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs is not supported (prompt logprobs are not computed)",
+    if req.echo and req.logprobs is not None and not info.prompt_logprobs:
+        raise bad_request("echo with logprobs needs prompt logprobs: start the server with --enable-prompt-logprobs",
                           param="echo", code="unsupported_parameter")
+    if req.echo and req.logprobs is not None and req.stream:
+        raise bad_request("echo with logprobs is not supported when streaming", param="echo",
+                          code="unsupported_parameter")
     p = req.prompt
     if isinstance(p, str):
         raw: list[str | list[int]] = [p]
@@ -144,6 +148,8 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
     for q in prompts:
         max_tokens = _max_tokens(req.max_tokens, 16, len(q.ids), info, "prompt", "max_tokens")
         params += [_sampling(req, info, max_tokens, req.logprobs, i) for i in range(req.n)]
+    if req.echo and req.logprobs is not None:
+        params = [dataclasses.replace(sp, prompt_logprobs=req.logprobs) for sp in params]
     return Prepared(prompts, params, req.n)
 
 
