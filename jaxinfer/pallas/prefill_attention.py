@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import is_pow2, pow2_at_least
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, page_slots, pow2_at_least
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -186,14 +186,10 @@ def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *
         n_blocks = pl.cdiv(hi, block_k)
         pt_row = jnp.maximum(seq, 0)
         offs = jnp.arange(block_k, dtype=i32)
-        # float32 operands: full-precision products (TF32 by default in the Triton lowering).
-        prec = jax.lax.Precision.HIGHEST if jnp.dtype(q.dtype) == jnp.dtype(f32) else None
+        prec = dot_precision(q.dtype)
 
         def slots_of(j):
-            pos = j * block_k + offs
-            page_idx = jnp.minimum(pos // page_size, n_pages - 1)
-            page = plgpu.load(pt_ref.at[pt_row, page_idx], mask=pos < hi, other=0)
-            return page * page_size + pos % page_size
+            return page_slots(pt_ref, pt_row, j * block_k + offs, hi, page_size, n_pages)
 
         def step(j, carry, causal):
             acc, m, l, slot = carry
