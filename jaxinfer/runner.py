@@ -24,7 +24,7 @@ from jaxinfer import model
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sample, top_logprobs
+from jaxinfer.sampling import SamplingArrays, sample, top_logprobs
 
 
 @flax.struct.dataclass
@@ -228,10 +228,6 @@ class ModelRunner:
             active=np.zeros(B, bool),
         )
 
-    @staticmethod
-    def sampling_arrays(params: list[SamplingParams], seeds: list[int], pad_to: int) -> SamplingArrays:
-        return SamplingArrays.from_params(params, seeds, pad_to)
-
     def warmup(self, progress: bool = True) -> float:
         """Compile every bucket now (inert batches touch only the scratch page). Returns seconds."""
         t0 = time.perf_counter()
@@ -240,12 +236,12 @@ class ModelRunner:
         for kind, n in tqdm(shapes, desc="compiling steps", unit="shape", disable=not progress, leave=False):
             if kind == "mixed":
                 arrays = self.empty_mixed(n)
-                samp = self.sampling_arrays([], [], self.max_num_seqs)
+                samp = SamplingArrays.from_params([], [], self.max_num_seqs)
                 self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)))
                 if self._mixed_prompt is not None:
                     self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)), prompt_logprobs=True)
             else:
                 arrays = self.empty_decode(n)
-                samp = self.sampling_arrays([], [], n)
+                samp = SamplingArrays.from_params([], [], n)
                 self.run_decode(jax.device_put(DecodeBatch(**arrays, sampling=samp)))
         return time.perf_counter() - t0
