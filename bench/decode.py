@@ -44,7 +44,8 @@ def step_bytes(cfg, context: float) -> float:
     return item * (weights + kv)
 
 
-def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int) -> dict:
+def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int,
+                 profile_dir: str | None = None) -> dict:
     """path: an ops backend ("pallas", "reference"), "-unroll" appended to unroll the layer loop."""
     ops, unroll = path.removesuffix("-unroll"), path.endswith("-unroll")
     chunk = min(len(prompt), 2048)
@@ -59,18 +60,40 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
         engine.stats = {k: 0 for k in engine.stats}
         rid = engine.add_request(prompt, params)
         t0 = time.perf_counter()
-        first = None
+        first = done = None
         while engine.has_unfinished():
-            engine.step()
-            first = first or time.perf_counter() - t0
+            for d in engine.step():
+                if d.request_id == rid and d.token_ids and first is None:
+                    first = time.perf_counter() - t0
+                if d.request_id == rid and d.finished:
+                    done = time.perf_counter() - t0
         out = engine.take_finished(rid)
     s = engine.stats
-    res = dict(step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"], ttft_ms=1e3 * first,
+    prof = profile_decode(engine, prompt, params, profile_dir) if profile_dir else None
+    # step_ms: as the user sees it, first token to last over the tokens in between; the engine's own
+    # figure also counts dispatches that ran past the request's end.
+    res = dict(profile=prof, step_ms=1e3 * (done - first) / (len(out.token_ids) - 1), ttft_ms=1e3 * first,
+               engine_step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"],
                tokens=out.token_ids, compile_s=engine.compile_seconds,
                kernels_per_step=count_kernels(engine, steps))
     del engine
     gc.collect()
     return res
+
+
+def profile_decode(engine: Engine, prompt: list[int], params: SamplingParams, log_dir: str) -> dict:
+    """One more request, traced from after its prefill step to its end: kernel time against step time."""
+    from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+    engine.add_request(prompt, params)
+    engine.step()  # the prefill
+    before = engine.stats["decode_tokens"]
+    with kernel_trace(log_dir):
+        while engine.has_unfinished():
+            engine.step()
+    summary = summarize(log_dir, steps=engine.stats["decode_tokens"] - before)
+    print_summary(summary)
+    return summary
 
 
 def count_kernels(engine: Engine, steps: int) -> float:
@@ -81,7 +104,7 @@ def count_kernels(engine: Engine, steps: int) -> float:
 
     r = engine.runner
     batch = DecodeBatch(**r.empty_decode(1), sampling=SamplingArrays.from_params([], [], 1))
-    text = r._decode.lower(r.params, r.kv, r.state, batch).compile().as_text()
+    text = r._decode[True].lower(r.params, r.kv, r.state, batch).compile().as_text()
     launches, in_fused = 0, False
     for line in text.splitlines():
         if line and not line.startswith(" "):
@@ -127,6 +150,7 @@ def main() -> None:
     ap.add_argument("--long", nargs="*", default=["qwen3-4b:8192"], help="more cases as shape:context")
     ap.add_argument("--hf-for", nargs="*", default=None, help="shapes to run the transformers peer on (default all)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
+    ap.add_argument("--profile", nargs="*", default=[], help="paths to trace (kernel time against step time)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -152,14 +176,16 @@ def main() -> None:
             try:
                 t0 = time.perf_counter()
                 results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
-                    run_jaxinfer(model_dir, path, prompt, args.new, args.steps)
+                    run_jaxinfer(model_dir, path, prompt, args.new, args.steps,
+                                 profile_dir=f"/tmp/trace-{shape}-{ctx}-{path}" if path in args.profile else None)
                 results[path]["wall_s"] = time.perf_counter() - t0
             except Exception as e:  # a path that fails is reported, not fatal to the table
                 results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
             r = results[path]
             if "step_ms" in r:
                 r.update(tok_s=1e3 / r["step_ms"], roofline_share=roof_ms / r["step_ms"])
-            print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k != 'tokens'})}", flush=True)
+            print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k not in ('tokens', 'profile')})}",
+                  flush=True)
         ref_tokens = next((r["tokens"] for p, r in results.items() if p.startswith("reference") and "tokens" in r),
                           None)
         for path, r in results.items():

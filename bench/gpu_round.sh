@@ -13,11 +13,11 @@ mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
 case "${1:-1}" in
   1)
-    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
-    step 200 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 qwen3-0.6b:1024 llama3-8b:1024 \
-         --paths pallas-unroll reference-unroll --out "$OUT"
-    step 180 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas+flash reference \
-         --out "$OUT"
+    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
+    step 220 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 qwen3-0.6b:1024 llama3-8b:1024 \
+         --paths pallas-unroll reference-unroll --profile pallas-unroll --out "$OUT"
+    step 230 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas+flash reference hf \
+         --profile pallas:1024 pallas+flash:8192 --out "$OUT"
     ;;
   2)
     step 300 python3 bench/throughput.py --shape qwen3-4b --out "$OUT"

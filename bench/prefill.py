@@ -39,7 +39,8 @@ def prefill_flops(cfg, T: int) -> float:
     return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size + attention
 
 
-def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repeats: int = 3) -> float:
+def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repeats: int = 3,
+                  profile_dir: str | None = None) -> float:
     chunk = min(chunk, len(prompt))
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
@@ -53,6 +54,15 @@ def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repe
             engine.step()
         engine.take_finished(rid)
         best = min(best, time.perf_counter() - t0)
+    if profile_dir:  # one more prompt, traced: which kernels the time goes to
+        from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+        with kernel_trace(profile_dir):
+            rid = engine.add_request(prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+            engine.take_finished(rid)
+        print_summary(summarize(profile_dir, steps=1))
     del engine
     gc.collect()
     return best
@@ -82,6 +92,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 1024, 8192, 32768])
     ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget of a step)")
+    ap.add_argument("--profile", nargs="*", default=[], help="path:prompt cases to trace, e.g. pallas:1024")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -99,7 +110,9 @@ def main() -> None:
             prompt = np.random.default_rng(T).integers(100, cfg.vocab_size - 100, T).tolist()
             for path in args.paths:
                 try:
-                    s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(model_dir, path, prompt, args.chunk)
+                    s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
+                        model_dir, path, prompt, args.chunk,
+                        profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None)
                 except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
                     print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | |", flush=True)
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))

@@ -49,6 +49,7 @@ class EngineConfig:
     decode_steps: int = 8                     # decode steps per dispatch
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
     unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
+    unroll_decode_steps: bool = False         # unroll the steps of a decode dispatch too (longer compiles)
     max_logprobs: int = 20                    # top logprobs computed per sampled token
     enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
@@ -120,6 +121,7 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
                                   unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
+                                  unroll_decode_steps=config.unroll_decode_steps,
                                   prompt_logprobs=config.enable_prompt_logprobs)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
@@ -268,12 +270,14 @@ class Engine:
             need[seq] = max(0, -(-last // self.config.page_size) - len(seq.pages))
         if sum(need.values()) > self.pages.num_free:
             return None
-        page_table = np.array(advanced.page_table)
+        # Built from the host's pages, not read from `advanced` (that read would wait for the dispatch).
+        page_table = self.runner.empty_decode(advanced.tokens.shape[0])["page_table"]
         for b, seq in enumerate(seqs):
             if need[seq]:
                 seq.pages += self.pages.allocate(need[seq])
-                page_table[b, :len(seq.pages)] = seq.pages
-        advanced, outs = self.runner.launch_decode(advanced.replace(page_table=jax.device_put(page_table)))
+            page_table[b, :len(seq.pages)] = seq.pages
+        advanced, outs = self.runner.launch_decode(advanced.replace(page_table=jax.device_put(page_table)),
+                                                   greedy=_all_greedy(seqs))
         return seqs, advanced, outs
 
     def _launch_decode(self, seqs: list[Sequence]):
@@ -291,7 +295,7 @@ class Engine:
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
         self._decode_started = time.perf_counter()
-        return r.launch_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)))
+        return r.launch_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
         tokens, logprobs, emitted, top_v, top_i = (np.asarray(o) for o in outs)
@@ -444,3 +448,7 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
                 if delta.finished:
                     engine.take_finished(rid)
                     return
+
+
+def _all_greedy(seqs: list[Sequence]) -> bool:
+    return all(seq.params.temperature == 0 for seq in seqs)

@@ -109,10 +109,12 @@ def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: Step
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
-def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, params: dict,
-                 kv: KVCache, state: SamplerState, batch: DecodeBatch):
+def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, greedy: bool,
+                 unroll_steps: bool, params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
-    tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top])."""
+    tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
+    greedy: every row is greedy (argmax only, no branch on the device). unroll_steps: the steps as
+    straight-line code rather than a device loop (whose predicate the GPU runtime reads back)."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -122,7 +124,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy)
         state = _count(state, batch.state_row, new, active)
         remaining = remaining - active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
@@ -133,7 +135,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         return carry, (new, logprobs, emitted, *top_logprobs(logits, n_top))
 
     init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
-    (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps)
+    (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps, unroll=unroll_steps)
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
 
@@ -155,7 +157,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, unroll_decode_steps: bool = False):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -170,8 +172,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
-        self._decode = jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers, max_logprobs),
-                               donate_argnums=(1, 2))
+        # Two decode variants: all-greedy batches (the host knows) skip the sampling branch.
+        self._decode = {greedy: jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers,
+                                                          max_logprobs, greedy, unroll_decode_steps),
+                                        donate_argnums=(1, 2)) for greedy in (False, True)}
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
                                       donate_argnums=(1, 2)) if prompt_logprobs else None)
@@ -196,15 +200,16 @@ class ModelRunner:
         self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
         return tuple(np.asarray(o) for o in out)
 
-    def launch_decode(self, batch: DecodeBatch) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+    def launch_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
-        on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K])."""
-        self.kv, self.state, advanced, *out = self._decode(self.params, self.kv, self.state, batch)
+        on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
+        active row has temperature 0."""
+        self.kv, self.state, advanced, *out = self._decode[greedy](self.params, self.kv, self.state, batch)
         return advanced, tuple(out)
 
-    def run_decode(self, batch: DecodeBatch) -> tuple[np.ndarray, ...]:
+    def run_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
-        return tuple(np.asarray(o) for o in self.launch_decode(batch)[1])
+        return tuple(np.asarray(o) for o in self.launch_decode(batch, greedy)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
@@ -243,5 +248,6 @@ class ModelRunner:
             else:
                 arrays = self.empty_decode(n)
                 samp = SamplingArrays.from_params([], [], n)
-                self.run_decode(jax.device_put(DecodeBatch(**arrays, sampling=samp)))
+                for greedy in (False, True):
+                    self.run_decode(jax.device_put(DecodeBatch(**arrays, sampling=samp)), greedy)
         return time.perf_counter() - t0

@@ -290,18 +290,22 @@ def sample(
     step_index: jax.Array,
     prompt_mask: jax.Array,
     output_counts: jax.Array,
+    greedy_only: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits [B, V] f32; step_index [B] i32 (index of the token being generated, 0 for the first);
     prompt_mask [B, V] bool; output_counts [B, V] i32. Returns (tokens [B] i32, logprob [B] f32),
-    the logprob being that of the token under log_softmax of the raw ``logits``.
+    the logprob being that of the token under log_softmax of the raw ``logits``. ``greedy_only``
+    (static) compiles the argmax alone, for batches the caller knows are all greedy.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     penalised = apply_penalties(logits, arrays, prompt_mask, output_counts)
 
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy_tokens, jnp.take_along_axis(raw_logprobs, greedy_tokens[:, None], axis=-1)[:, 0]
 
     def sampled() -> jax.Array:
         # One stable descending sort per row: ties keep the lower token id first.
@@ -314,7 +318,8 @@ def sample(
         pos = jax.vmap(jax.random.categorical)(keys, masked)
         return jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
-    # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k).
+    # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
+    # predicate lives on the device, so the GPU runtime reads it back to pick the branch.
     sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens)
     tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]

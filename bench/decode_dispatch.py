@@ -1,0 +1,139 @@
+"""Where a batch-1 decode step's time goes: XLA flags and code variants, each in its own process.
+
+    PYTHONPATH=. python3 bench/decode_dispatch.py [--shape qwen3-4b] [--ctx 1024] [--steps 16] [--out DIR]
+
+For each variant (XLA_FLAGS; greedy-only decode; steps unrolled) a child process loads the model
+(Pallas ops, unrolled layers) and reports: the engine's decode step time on a greedy request, the
+device time per step of back-to-back decode dispatches launched from Python with no read-back in
+between ("raw"), and optionally a profiler trace (kernel time against span). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, steps unrolled, profile)
+    "default+cond": ("", False, False, False),
+    "default+greedy": ("", True, False, False),
+    "default+greedy+unrolled-steps": ("", True, True, False),
+    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False, False),
+    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False, False),
+    "cmdbuf-while-cond+cond": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
+                               False, False, False),
+    "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, False, True),
+}
+
+
+def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, unroll_steps: bool, profile: bool) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.runner import DecodeBatch
+    from jaxinfer.sampling import SamplingArrays, SamplingParams
+
+    dispatches, new = 8, 128
+    max_len = ctx + (dispatches + 4) * steps + new + 16
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=True, max_num_seqs=1,
+                    max_model_len=max_len, max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],
+                    decode_steps=steps, progress=False, skip_tokenizer_init=True, max_logprobs=0,
+                    unroll_decode_steps=unroll_steps, num_pages=-(-max_len // 16) + 2)
+    res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)
+    prompt = np.random.default_rng(0).integers(100, 1000, ctx).tolist()
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        engine.stats = {k: 0 for k in engine.stats}
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.take_finished(rid)
+    res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
+
+    r = engine.runner
+    a = r.empty_decode(1)
+    pages = np.arange(1, r.pages_per_seq + 1)
+    a["tokens"][0], a["positions"][0], a["remaining"][0], a["active"][0] = 7, ctx, 10**6, True
+    a["page_table"][0] = pages
+    a["state_row"][0] = 0
+    batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params], [0], 1)))
+    for _ in range(2):
+        _, outs = r.launch_decode(batch, greedy)
+        jax.block_until_ready(outs)
+    adv = batch
+    t0 = time.perf_counter()
+    for _ in range(dispatches):
+        adv, outs = r.launch_decode(adv, greedy)
+    jax.block_until_ready(outs)
+    res["raw_step_ms"] = 1e3 * (time.perf_counter() - t0) / (dispatches * steps)
+    if profile:
+        from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+        adv = batch
+        with kernel_trace("/tmp/trace-dispatch"):
+            for _ in range(dispatches):
+                adv, outs = r.launch_decode(adv, greedy)
+            jax.block_until_ready(outs)
+        s = summarize("/tmp/trace-dispatch", steps=dispatches * steps)
+        print_summary(s)
+        res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                           "span_us_per_step", "copies_per_step")})
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per variant")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    model_dir = str(Path(args.models) / args.shape)
+    if args.child:
+        _, greedy, unroll_steps, profile = VARIANTS[args.child]
+        print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, unroll_steps, profile)), flush=True)
+        return
+    if not Path(model_dir, "model.safetensors").is_file():
+        from jaxinfer.random_model import SHAPES, write_random_model
+
+        write_random_model(Path(model_dir), SHAPES[args.shape], dtype="bfloat16", seed=0)
+    rows = []
+    for name in args.variants:
+        flags = VARIANTS[name][0]
+        env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
+        cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape, "--ctx", str(args.ctx),
+               "--steps", str(args.steps), "--ops", args.ops, "--models", args.models]
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            out = p.stdout + p.stderr
+            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            res = json.loads(line[7:]) if line else dict(error=out.strip().splitlines()[-1][:200] if out.strip() else "?")
+            print(f"# {name}: {json.dumps(res)}", flush=True)
+            print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile"))), flush=True)
+        except subprocess.TimeoutExpired:
+            res = dict(error="timeout")
+        rows.append(dict(variant=name, flags=flags, **res))
+    print(f"\n{args.shape}, context {args.ctx}, {args.steps} steps per dispatch")
+    print("| variant | engine step ms | raw step ms | compile s |")
+    print("|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:100]} | | |")
+        else:
+            print(f"| {r['variant']} | {r['engine_step_ms']:.3f} | {r['raw_step_ms']:.3f} | {r['compile_s']:.1f} |")
+    Path(args.out, "decode_dispatch.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Kernel time against wall time from a JAX profiler trace (perfetto JSON written by jax.profiler).
+
+    with kernel_trace(log_dir):
+        ...                                  # the work to look at
+    summary = summarize(log_dir, steps=n)    # per-kernel totals, busy time, gaps
+
+Used by bench/decode.py --profile to say how much of a decode step is kernels and how much is
+the time between them (launch gaps, host syncs, copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import json
+import re
+from collections import defaultdict
+
+import jax
+
+
+@contextlib.contextmanager
+def kernel_trace(log_dir: str):
+    jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace()
+
+
+def _device_events(log_dir: str) -> list[dict]:
+    files = sorted(glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no perfetto trace under {log_dir}")
+    data = json.load(gzip.open(files[-1]))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if "/device:" in n}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0]
+
+
+def _short(name: str) -> str:
+    """Group kernel instances: drop numeric suffixes (fusion.123 -> fusion)."""
+    return re.sub(r"[._]\d+$", "", re.sub(r"\(.*", "", name))[:60]
+
+
+def summarize(log_dir: str, steps: int) -> dict:
+    """Per-step kernel time, busy time (union of kernel intervals), span and copies, over `steps` steps."""
+    events = _device_events(log_dir)
+    kernels = [e for e in events if "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
+    copies = [e for e in events if "memcpy" in e["name"].lower()]
+    if not kernels:
+        return dict(error="no device kernel events in the trace")
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, cur_s, cur_e = 0.0, *spans[0]
+    for s, e in spans[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = spans[-1][1] - spans[0][0]
+    per = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        p = per[_short(e["name"])]
+        p[0] += 1
+        p[1] += e["dur"]
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])
+    return dict(
+        steps=steps, kernels_per_step=len(kernels) / steps, kernel_us_per_step=sum(e["dur"] for e in kernels) / steps,
+        busy_us_per_step=busy / steps, span_us_per_step=span / steps,
+        copies_per_step=len(copies) / steps, copy_names=sorted({_short(e["name"]) for e in copies})[:8],
+        top=[dict(name=n, per_step=c / steps, us_per_step=t / steps, us_each=t / c) for n, (c, t) in top[:20]])
+
+
+def print_summary(s: dict) -> None:
+    if "error" in s:
+        print(f"# profile: {s['error']}")
+        return
+    print(f"# profile over {s['steps']} steps: {s['kernels_per_step']:.1f} kernels/step, kernel time "
+          f"{s['kernel_us_per_step']:.0f} us/step, busy {s['busy_us_per_step']:.0f} us/step, span "
+          f"{s['span_us_per_step']:.0f} us/step, {s['copies_per_step']:.2f} copies/step {s['copy_names']}")
+    print("| kernel | per step | us per step | us each |")
+    print("|---|---|---|---|")
+    for t in s["top"]:
+        print(f"| {t['name']} | {t['per_step']:.1f} | {t['us_per_step']:.1f} | {t['us_each']:.2f} |")
