@@ -46,8 +46,10 @@ def step_bytes(cfg, context: float) -> float:
 
 def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int,
                  profile_dir: str | None = None) -> dict:
-    """path: an ops backend ("pallas", "reference"), "-unroll" appended to unroll the layer loop."""
-    ops, unroll = path.removesuffix("-unroll"), path.endswith("-unroll")
+    """path: an ops backend ("pallas", "reference"); "-unroll" / "-scan" force the layer loop's form
+    (default: the engine's, unrolled on GPUs)."""
+    ops = path.removesuffix("-unroll").removesuffix("-scan")
+    unroll = True if path.endswith("-unroll") else False if path.endswith("-scan") else None
     chunk = min(len(prompt), 2048)
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=unroll, max_num_seqs=1,
                     max_model_len=len(prompt) + new + 16,

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, in priority order; every step prints as it goes and keeps
 # its own time limit, so what finishes comes back under $OUT even if a later step is cut off.
-#   round 1: GPU correctness, then batch-1 decode and prefill (issues 3, 4)
-#   round 2: batched decode / offline throughput / prefix cache (issue 5), then HTTP serving (issue 6;
-#            needs the server wheels carried in .whl, see DEVELOPERS.md)
+#   round 1: GPU correctness, batch-1 decode, prefill (issues 3, 4), then batched decode / offline
+#            throughput / prefix cache (issue 5)
+#   round 2: HTTP serving (issue 6; needs the server wheels carried in .whl, see DEVELOPERS.md)
 # Usage on the device: bash bench/gpu_round.sh 1|2   (carry .carry: stories260k/ for the parity test,
 # qwen3/ = ../shared/tokenizers/qwen3 for the server; and .whl for round 2)
 set -u
@@ -13,20 +13,22 @@ mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
 case "${1:-1}" in
   1)
-    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
-    step 220 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 qwen3-0.6b:1024 llama3-8b:1024 \
-         --paths pallas-unroll reference-unroll --profile pallas-unroll --out "$OUT"
-    step 230 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas+flash reference hf \
-         --profile pallas:1024 pallas+flash:8192 --out "$OUT"
+    step 75 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
+    step 140 python3 bench/decode.py --shapes qwen3-4b --long llama3-8b:1024 --paths pallas reference --out "$OUT"
+    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference hf \
+         --profile pallas:1024 --out "$OUT"
+    step 225 python3 bench/throughput.py --shape qwen3-4b --requests 300 --out "$OUT"
     ;;
   2)
-    step 300 python3 bench/throughput.py --shape qwen3-4b --out "$OUT"
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
+      [ -f /tmp/jaxinfer-bench-models/qwen3-4b/model.safetensors ] || python3 -c "
+from pathlib import Path; from jaxinfer.random_model import SHAPES, write_random_model
+write_random_model(Path('/tmp/jaxinfer-bench-models/qwen3-4b'), SHAPES['qwen3-4b'], dtype='bfloat16', seed=0)"
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/   # the server needs a tokenizer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
-      step 240 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 1,4,16,inf \
-           --num-prompts 200 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
+      step 330 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2,8,inf \
+           --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     fi
     ;;
 esac

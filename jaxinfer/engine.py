@@ -26,6 +26,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig, load_config
 from jaxinfer.errors import JaxinferError, PromptTooLongError
 from jaxinfer.kv_cache import bytes_per_page, slots_for
+from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
 from jaxinfer.serve.scheduler import Scheduler, Sequence
@@ -48,7 +49,9 @@ class EngineConfig:
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
-    unroll_layers: bool = False               # unroll the layer loop of decode steps (no device while loop)
+    # Layers as straight-line code over per-layer weight arrays (no device loop, no weight copies in
+    # XLA's GEMMs; longer compiles). None: on GPUs, where both costs were measured (bench/NOTES.md).
+    unroll_layers: bool | None = None
     unroll_decode_steps: bool = False         # unroll the steps of a decode dispatch too (longer compiles)
     max_logprobs: int = 20                    # top logprobs computed per sampled token
     enable_prefix_caching: bool = True
@@ -114,13 +117,16 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         params = load_params(model_dir, self.cfg, progress=config.progress)
+        self.unroll_layers = (jax.default_backend() == "gpu") if config.unroll_layers is None else config.unroll_layers
+        if self.unroll_layers:
+            params = split_layers(params)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.cfg, params, get_ops(config.ops), num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
-                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
+                                  unroll_layers=self.unroll_layers, max_logprobs=config.max_logprobs,
                                   unroll_decode_steps=config.unroll_decode_steps,
                                   prompt_logprobs=config.enable_prompt_logprobs)
         self.pages = PageAllocator(num_pages)
@@ -153,6 +159,12 @@ class Engine:
             # Leave room for the activations of the largest step.
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
             num_pages = int(free // bytes_per_page(self.cfg, c.page_size))
+            if num_pages - 1 < pages_per_seq:
+                raise ValueError(
+                    f"the KV pool would get {max(num_pages, 0)} pages, too few for one sequence of "
+                    f"max_model_len={self.max_model_len}: {stats.get('bytes_in_use', 0) / 2**30:.1f} GiB of the "
+                    f"device's {stats['bytes_limit'] / 2**30:.1f} GiB are in use (another engine still alive in "
+                    f"this process?); lower max_model_len or raise gpu_memory_fraction")
         num_pages = num_pages or c.max_num_seqs * pages_per_seq + 1
         if num_pages - 1 < pages_per_seq:
             raise ValueError(f"the KV pool ({num_pages} pages) cannot hold one sequence of "

@@ -13,8 +13,12 @@ TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("T, H, K, hd, norm, rope", [(1, 8, 4, 16, True, True), (3, 4, 2, 8, False, True),
-                                                     (5, 16, 2, 64, True, True), (2, 4, 4, 16, False, False)])
-def test_matches_reference(T, H, K, hd, norm, rope, dtype):
+                                                     (5, 16, 2, 64, True, True), (2, 4, 4, 16, False, False),
+                                                     (19, 4, 2, 16, True, True), (16, 8, 2, 16, True, False)])
+@pytest.mark.parametrize("norm_stack", ["stacked", "one-layer"])
+def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack):
+    """Token counts around the 8-token blocks; norms from the cache's layer of a stack, or from a
+    one-layer stack (per-layer parameters) read at index 0 while the cache is written at `layer`."""
     L, layer, slots = 3, 2, 64
     ks = jax.random.split(jax.random.PRNGKey(T * 100 + H + hd + norm), 8)
     qkv = jax.random.normal(ks[0], (T, (H + 2 * K) * hd), jnp.float32).astype(dtype)
@@ -26,11 +30,14 @@ def test_matches_reference(T, H, K, hd, norm, rope, dtype):
     inv_freq = 1.0 / (10000 ** (jnp.arange(0, hd, 2) / hd))
     cos_sin = reference.rope_cos_sin(positions, inv_freq, dtype) if rope else None
     slot_mapping = jax.random.permutation(ks[6], slots)[:T].astype(jnp.int32)
-    lw = (lambda a: None if a is None else LayerWeight(a, jnp.int32(layer)))
+    norm_layer = layer
+    if norm and norm_stack == "one-layer":
+        qn, kn, norm_layer = qn[layer][None], kn[layer][None], 0
+    lw = (lambda a: None if a is None else LayerWeight(a, jnp.int32(norm_layer)))
     ref = reference.qkv_rope_write(qkv, cos_sin, lw(qn), lw(kn), 1e-6, kc, vc, jnp.int32(layer), slot_mapping, H, K)
     cos, sin = cos_sin if rope else (None, None)
     ours = qkv_rope_write(qkv, cos, sin, qn, kn, kc + 0, vc + 0, layer, slot_mapping, num_heads=H, num_kv_heads=K,
-                          eps=1e-6, interpret=True)
+                          eps=1e-6, interpret=True, norm_layer=norm_layer)
     def close(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert a.shape == b.shape

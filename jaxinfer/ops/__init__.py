@@ -1,7 +1,7 @@
 """The op interface. `get_ops(name)` returns a namespace of ops with the signatures of ops.reference:
-"reference" (jax.numpy), "pallas" (Pallas GPU kernels where they measured faster), "pallas+flash"
-(also the flash prefill attention, awaiting its GPU measurement), and "-interpret" variants of both
-(the same kernels in Pallas interpret mode, for CPU tests).
+"reference" (jax.numpy), "pallas" (Pallas GPU kernels where they measured faster, the flash prefill
+attention included), "pallas-xla-attention" (the same without the flash prefill kernel, for A/B
+runs), and "-interpret" variants (the same kernels in Pallas interpret mode, for CPU tests).
 
 Weight matrices of a layer reach the ops as `LayerWeight`s: the stacked [L, out, in] array and the
 layer index, so that a kernel reads the layer's rows in place. (Slicing the stack first would make
@@ -45,8 +45,8 @@ def get_ops(name: str = "reference"):
     if name in BACKENDS[1:]:
         from jaxinfer.ops import pallas
 
-        return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=name.startswith("pallas+flash"))
+        return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=not name.startswith("pallas-xla-attention"))
     raise ValueError(f"unknown ops backend {name!r} ({', '.join(BACKENDS)})")
 
 
-BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas+flash", "pallas+flash-interpret")
+BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-xla-attention", "pallas-xla-attention-interpret")

@@ -2,7 +2,7 @@
 
 qkv [T, (H + 2K) * hd] -> per head: RMSNorm over the head (Qwen3's q_norm / k_norm), RoPE, and for
 K and V heads the write into the paged caches [L, K, slots, hd] at slot_mapping[t], in place
-(input_output_aliases). One program per (token, head); a head's two rotate-half halves are loaded
+(input_output_aliases). One program per (block of tokens, head); a head's two rotate-half halves are loaded
 separately so that RoPE needs no cross-lane shuffle. cos/sin [T, hd] come from the model (computed
 once per step in XLA, so the angles are bit-identical to the reference path's).
 Replaces the split/norm/rope/scatter fusions of the reference (3-5 kernels per layer) with one.
@@ -18,77 +18,92 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 f32 = jnp.float32
+TOKENS_PER_PROGRAM = 8
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, *refs, H, K, hd, has_norm, has_rope, eps):
+def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps):
     refs = list(refs)
     q_ref, kc_ref, vc_ref = refs[-3:]
     refs = refs[:-5]  # the aliased cache inputs (refs[-5:-3]) are the outputs kc_ref, vc_ref
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
-    t, h = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
-    slot = slot_ref[t]
+    tb, h = pl.program_id(0), pl.program_id(1)
+    layer, norm_layer = layer_ref[0], layer_ref[1]
     half = hd // 2
     dtype = qkv_ref.dtype
     lo, hi = pl.ds(0, half), pl.ds(half, half)
-    x1 = qkv_ref[t, pl.ds(h * hd, half)].astype(f32)
-    x2 = qkv_ref[t, pl.ds(h * hd + half, half)].astype(f32)
 
-    def norm(x1, x2, n_ref):
-        inv = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / hd + eps)
-        r = lambda x, part: ((x * inv).astype(dtype).astype(f32) * n_ref[layer, part].astype(f32)).astype(dtype)
-        return r(x1, lo).astype(f32), r(x2, hi).astype(f32)
+    def one_token(t):
+        slot = slot_ref[t]
+        x1 = qkv_ref[t, pl.ds(h * hd, half)].astype(f32)
+        x2 = qkv_ref[t, pl.ds(h * hd + half, half)].astype(f32)
 
-    def rope(x1, x2):
-        c1, c2 = cos_ref[t, lo].astype(f32), cos_ref[t, hi].astype(f32)
-        s1, s2 = sin_ref[t, lo].astype(f32), sin_ref[t, hi].astype(f32)
-        return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
+        def norm(x1, x2, n_ref):
+            inv = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / hd + eps)
+            r = lambda x, part: ((x * inv).astype(dtype).astype(f32) * n_ref[norm_layer, part].astype(f32)).astype(dtype)
+            return r(x1, lo).astype(f32), r(x2, hi).astype(f32)
 
-    def transform(n_ref):
-        y1, y2 = norm(x1, x2, n_ref) if has_norm else (x1, x2)
-        if has_rope:
-            return rope(y1, y2)
-        return y1.astype(dtype), y2.astype(dtype)
+        def rope(x1, x2):
+            c1, c2 = cos_ref[t, lo].astype(f32), cos_ref[t, hi].astype(f32)
+            s1, s2 = sin_ref[t, lo].astype(f32), sin_ref[t, hi].astype(f32)
+            return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
 
-    @pl.when(h < H)
-    def _():
-        y1, y2 = transform(qn_ref)
-        q_ref[t, h, lo] = y1
-        q_ref[t, h, hi] = y2
+        def transform(n_ref):
+            y1, y2 = norm(x1, x2, n_ref) if has_norm else (x1, x2)
+            if has_rope:
+                return rope(y1, y2)
+            return y1.astype(dtype), y2.astype(dtype)
 
-    @pl.when((h >= H) & (h < H + K))
-    def _():
-        y1, y2 = transform(kn_ref)
-        kc_ref[layer, h - H, slot, lo] = y1
-        kc_ref[layer, h - H, slot, hi] = y2
+        @pl.when(h < H)
+        def _():
+            y1, y2 = transform(qn_ref)
+            q_ref[t, h, lo] = y1
+            q_ref[t, h, hi] = y2
 
-    @pl.when(h >= H + K)
-    def _():
-        vc_ref[layer, h - H - K, slot, lo] = x1.astype(dtype)
-        vc_ref[layer, h - H - K, slot, hi] = x2.astype(dtype)
+        @pl.when((h >= H) & (h < H + K))
+        def _():
+            y1, y2 = transform(kn_ref)
+            kc_ref[layer, h - H, slot, lo] = y1
+            kc_ref[layer, h - H, slot, hi] = y2
+
+        @pl.when(h >= H + K)
+        def _():
+            vc_ref[layer, h - H - K, slot, lo] = x1.astype(dtype)
+            vc_ref[layer, h - H - K, slot, hi] = x2.astype(dtype)
+
+    # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
+    # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
+    for j in range(BT):
+        t = tb * BT + j
+        if T % BT == 0:
+            one_token(t)
+        else:
+            pl.when(t < T)(lambda t=t: one_token(t))
 
 
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret"),
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
-                   num_kv_heads: int, eps: float = 1e-6, interpret: bool = False):
-    """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [L, hd] or None; caches
-    [L, K, slots, hd]. Returns (q [T, H, hd], k_cache, v_cache)."""
+                   num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None):
+    """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
+    norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
+    k_cache, v_cache)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
     has_rope, has_norm = cos is not None, q_norm is not None
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    norm_layer = layer if norm_layer is None else norm_layer
+    layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(norm_layer, jnp.int32).reshape(())])
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
     args = [layer, slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
-    kernel = functools.partial(_kernel, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps)
+    BT = min(TOKENS_PER_PROGRAM, T)
+    kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T, H, hd), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
-        grid=(T, H + 2 * K),
+        grid=(pl.cdiv(T, BT), H + 2 * K),
         input_output_aliases={n - 2: 1, n - 1: 2},
         interpret=interpret,
         name="qkv_rope_write",

@@ -3,6 +3,7 @@
 Run on the H200: PYTHONPATH=. python3 -m pytest -q tests/gpu  (stories260k copied to .carry/stories260k).
 """
 
+import gc
 from pathlib import Path
 
 import jax
@@ -27,11 +28,14 @@ def qwen3_dir(tmp_path_factory):
 
 def _greedy(model_dir, ops, dtype, prompt, n):
     engine = Engine(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-                    progress=False, skip_tokenizer_init=True)
+                    progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1)
     engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    return engine.take_finished(0).token_ids
+    tokens = engine.take_finished(0).token_ids
+    del engine
+    gc.collect()   # the engine's device buffers go with it (the scheduler's callbacks make a cycle)
+    return tokens
 
 
 @pytest.mark.parametrize("which", ["stories", "qwen3"])
