@@ -17,7 +17,7 @@ case "${1:-1}" in
     step 140 python3 bench/decode.py --shapes qwen3-4b --long llama3-8b:1024 --paths pallas reference --out "$OUT"
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference hf \
          --profile pallas:1024 --out "$OUT"
-    step 225 python3 bench/throughput.py --shape qwen3-4b --requests 300 --out "$OUT"
+    step 225 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
     ;;
   2)
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then

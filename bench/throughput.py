@@ -51,7 +51,7 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
 
 
-def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng) -> list[dict]:
+def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()) -> list[dict]:
     rows = []
     for B in batches:
         prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
@@ -70,8 +70,29 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng) -> list[di
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
                    share=roof_ms / step_ms)
         print(f"| {B} | {step_ms:.3f} | {row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% |", flush=True)
+        if B in profile:
+            row["profile"] = profile_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
         rows.append(row)
     return rows
+
+
+def profile_decode(engine, prompts, params, log_dir: str) -> dict:
+    """Trace the decode phase of one more run of this batch (after every prompt has its first token)."""
+    from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    started: set[int] = set()
+    while len(started) < len(ids) and engine.has_unfinished():
+        started.update(d.request_id for d in engine.step() if d.token_ids)
+    before = engine.stats["decode_tokens"]
+    with kernel_trace(log_dir):
+        while engine.has_unfinished():
+            engine.step()
+    for i in ids:
+        engine.take_finished(i)
+    summary = summarize(log_dir, steps=max(1, (engine.stats["decode_tokens"] - before) // len(ids)))
+    print_summary(summary)
+    return summary
 
 
 def main() -> None:
@@ -83,6 +104,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--system", type=int, default=2048)
+    ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes whose decode to trace")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -108,7 +130,7 @@ def main() -> None:
 
     print(f"\n## decode step at {args.context} tokens of context\n| batch | step ms | tok/s | roofline ms | share |")
     print("|---|---|---|---|---|")
-    out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng)
+    out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile)
 
     prompts = [rng.integers(100, cfg.vocab_size - 100, int(n)).tolist() for n in rng.integers(64, 1025, args.requests)]
     params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)

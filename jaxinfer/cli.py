@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: folder name)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
     s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a prompt step")
+    s.add_argument("--decode-steps", type=int, default=None,
+                   help="decode steps per dispatch (default 8): fewer let a new request start sooner")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="share of device memory for weights and KV cache")
     s.add_argument("--enable-prompt-logprobs", action="store_true",
@@ -163,7 +165,7 @@ def cmd_serve(args) -> None:
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
-          enable_prompt_logprobs=args.enable_prompt_logprobs or None)
+          enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps)
 
 
 def cmd_bench(args) -> None:
