@@ -217,6 +217,14 @@ class Engine:
         self.scheduler.add(seq)
         return seq.request_id
 
+    def wait(self) -> None:
+        """Block until the decode dispatch in flight (if any) has finished on the device, without
+        reading it back or launching its successor: a server calls this, takes the requests that
+        arrived meanwhile, then `step()`, so that a new request waits for at most the one dispatch
+        already running rather than also for the one chained behind it."""
+        if self._inflight is not None:
+            jax.block_until_ready(self._inflight[2])
+
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 

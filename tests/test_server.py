@@ -417,6 +417,49 @@ def test_full_queue_answers_503_quickly(stories):
     assert metrics(stories)["jaxinfer_request_rejected_total"] >= codes.count(503)
 
 
+def test_a_request_arriving_during_a_decode_dispatch_joins_before_the_next(stories):
+    """The engine thread waits for the decode dispatch in flight, then takes the requests that came
+    meanwhile, and only then steps: a newcomer is added before another decode dispatch is chained
+    behind the running one (it would otherwise also wait for that one)."""
+    import threading
+
+    engine = engine_of(stories)
+    log: list[tuple[str, float]] = []
+    in_wait = threading.Event()
+    wait, add, launch = engine.wait, engine.add_request, engine.runner.launch_decode
+
+    def slow_wait():
+        wait()
+        if not in_wait.is_set() and engine._inflight is not None:
+            in_wait.set()
+            time.sleep(0.5)            # the newcomer's command is queued during this
+
+    def logged_add(*a, **kw):
+        log.append(("add", time.perf_counter()))
+        return add(*a, **kw)
+
+    def logged_launch(*a, **kw):
+        log.append(("decode", time.perf_counter()))
+        return launch(*a, **kw)
+
+    engine.wait, engine.add_request, engine.runner.launch_decode = slow_wait, logged_add, logged_launch
+    try:
+        c = client(stories)
+        long_one = threading.Thread(target=lambda: c.completions.create(
+            model="stories260k", prompt="Once upon a time", max_tokens=120, temperature=0, extra_body={"ignore_eos": True}))
+        long_one.start()
+        assert in_wait.wait(60)
+        sent = time.perf_counter()
+        c.completions.create(model="stories260k", prompt="The dog", max_tokens=2, temperature=0)
+        long_one.join(60)
+    finally:
+        for name in ("wait", "add_request"):
+            engine.__dict__.pop(name, None)
+        engine.runner.__dict__.pop("launch_decode", None)
+    after = [kind for kind, t in log if t > sent]
+    assert after and after[0] == "add", after[:5]
+
+
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories):
     engine = engine_of(stories)
     step = engine.step

@@ -5,7 +5,13 @@ queue (add, abort) and receive what each step produced through an asyncio queue 
 filled with one `call_soon_threadsafe` per step and event loop (not one per token). The thread:
 
     loop: take the commands that arrived (block while there is no work) -> add / abort
+          -> engine.wait() for the decode dispatch in flight, then take the commands again
           -> engine.step() -> route the deltas (and, for finished requests, their outputs)
+
+The wait keeps a request that arrives during a decode dispatch from also waiting for the next
+one: the engine chains dispatches (launches N+1 before reading N back) only while nobody waits
+to join, and the wait lets a new request be seen before that decision. It costs the device the
+host's launch time once per dispatch, so it is skipped when the batch has no free slot.
 
 Because commands are handled in order, an abort always finds the request its add created, and
 an abort frees the request's pages before the next step runs. The waiting queue is bounded:
@@ -208,6 +214,9 @@ class AsyncEngine:
                     break
                 if self.engine.has_unfinished():
                     try:
+                        if self.engine.num_running < self.slots:
+                            self.engine.wait()
+                            self._handle(self._take_commands(block=False))
                         self._step()
                     except Exception as e:  # a bug hit by some request: fail those running, keep serving
                         log.exception("engine step failed; aborting the %d live requests", len(self._live))
