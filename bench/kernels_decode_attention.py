@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-import numpy as np
+from bench.kernel_timing import build_chain, log, rel_err, time_chain
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
@@ -49,10 +49,6 @@ BATCHES = [1, 32]
 L2_BYTES = 50e6
 TOL = 2e-2
 INTERPRET = False
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -92,49 +88,19 @@ def n_chain(est_s):
     return int(min(48, max(4, round(400e-6 / max(est_s, 1e-6)))))
 
 
-def build(op, p: Problem, n):
-    """AOT-compile a jit that chains n calls of op (query <- output), layer walking over p.L layers."""
-    scale = p.hd ** -0.5
-
-    def chain(q, k, v, pt, cl):
-        first = None
-        for i in range(n):
-            q = op(q, k, v, jnp.int32(i % p.L), pt, cl, PS, scale)
-            first = q if first is None else first
-        return q, first
-
-    return jax.jit(chain).lower(*p.args).compile()
-
-
 def pallas_op(cfg):
     def op(q, k, v, layer, pt, cl, ps, scale):
         return DA.paged_decode_attention(q, k, v, layer, pt, cl, ps, scale, config=cfg, interpret=INTERPRET)
     return op
 
 
-def rel_err(y, ref):
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    ref = np.asarray(ref.astype(jnp.float32), np.float64)
-    if not np.all(np.isfinite(y)):
-        return float("inf")
-    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+def build(op, p: Problem, n):
+    scale = p.hd ** -0.5
+    return build_chain(lambda q, k, v, pt, cl, layer: op(q, k, v, layer, pt, cl, PS, scale), p.args, n, p.L)
 
 
 def time_compiled(compiled, p: Problem, n, target_s=0.02):
-    out = compiled(*p.args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*p.args))
-    est = time.perf_counter() - t0
-    calls = int(min(50, max(2, target_s / max(est, 1e-6))))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = compiled(*p.args)
-        jax.block_until_ready(r)
-        best = min(best, (time.perf_counter() - t0) / (calls * n))
-    return best, out[1]
+    return time_chain(compiled, p.args, n, target_s, max_calls=50)
 
 
 def est_time(p: Problem):

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-import numpy as np
+from bench.kernel_timing import log, rel_err
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import gemv as G
@@ -46,10 +46,6 @@ SHAPES = [(6144, 2560), (19456, 2560), (2560, 9728), (2560, 4096), (4096, 4096),
 L2_BYTES = 50e6
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 TOL = 1e-2
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -95,14 +91,6 @@ def build(fn, p: Problem):
     def many(xs, ws):
         return [fn(x, w) for x, w in zip(xs, ws)]
     return jax.jit(many).lower(p.xs, p.ws).compile()
-
-
-def rel_err(y, ref):
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    ref = np.asarray(ref, np.float64)
-    if not np.all(np.isfinite(y)):
-        return float("inf")
-    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
 def time_compiled(compiled, p: Problem, target_s=0.02):

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
+from bench.kernel_timing import build_chain, log, rel_err, time_chain
 import numpy as np
 
 from jaxinfer.ops import reference
@@ -61,10 +62,6 @@ CASES = [
 SWEEP_CASES = ["prompt 128", "prompt 1024", "prompt 8192", "chunk 2048 @ 6144", "4 x prompt 1024"]
 TOL = 2e-2
 INTERPRET = False
-
-
-def log(*a):
-    print(*a, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -124,34 +121,13 @@ def reference_op(q, k, v, layer, pt, qs, ts, pos, scale):
 
 
 def build(op, p: Problem, n):
-    """AOT-compile a jit that chains n calls of op (query <- output), layer walking over p.L layers."""
     scale = p.hd ** -0.5
-
-    def chain(q, k, v, pt, qs, ts, pos):
-        first = None
-        for i in range(n):
-            q = op(q, k, v, jnp.int32(i % p.L), pt, qs, ts, pos, scale)
-            first = q if first is None else first
-        return q, first
-
-    return jax.jit(chain).lower(*p.args).compile()
+    return build_chain(lambda q, k, v, pt, qs, ts, pos, layer: op(q, k, v, layer, pt, qs, ts, pos, scale), p.args, n,
+                       p.L)
 
 
 def time_compiled(compiled, p: Problem, n, target_s=0.05):
-    out = compiled(*p.args)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*p.args))
-    est = time.perf_counter() - t0
-    calls = int(min(20, max(2, target_s / max(est, 1e-6))))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            r = compiled(*p.args)
-        jax.block_until_ready(r)
-        best = min(best, (time.perf_counter() - t0) / (calls * n))
-    return best, out[1]
+    return time_chain(compiled, p.args, n, target_s, max_calls=20)
 
 
 def time_schedule(p: Problem, cfg: PA.PrefillConfig, calls=200):
@@ -166,14 +142,6 @@ def time_schedule(p: Problem, cfg: PA.PrefillConfig, calls=200):
         r.block_until_ready()
         best = min(best, (time.perf_counter() - t0) / calls)
     return best
-
-
-def rel_err(y, ref):
-    y = np.asarray(y.astype(jnp.float32), np.float64)
-    ref = np.asarray(ref.astype(jnp.float32), np.float64)
-    if not np.all(np.isfinite(y)):
-        return float("inf")
-    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
 def cfg_str(c: PA.PrefillConfig):

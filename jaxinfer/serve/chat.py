@@ -8,23 +8,13 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxinfer.serve.async_engine import EngineDeadError, Group
+from jaxinfer.serve.async_engine import Event, Group
 from jaxinfer.serve.logprobs import chat_logprobs
 from jaxinfer.serve.params import prepare_chat
 from jaxinfer.serve.protocol import ChatCompletionRequest
 from jaxinfer.serve.state import ServerState
-from jaxinfer.serve.streaming import (
-    DONE,
-    collect,
-    engine_failed,
-    event_stream,
-    gone,
-    new_id,
-    now,
-    off_loop,
-    sse,
-    usage,
-)
+from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, final_events, new_id, now,
+                                      off_loop, usage)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
@@ -39,42 +29,31 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk = chunk_maker({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "system_fingerprint": None}, include_usage)
+
+        def choice_of(ev: Event) -> dict[str, Any] | None:
+            d = ev.delta
+            lp = None
+            if want_logprobs and d.token_ids:
+                lp = {"content": chat_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k), "refusal": None}
+            if not d.text and lp is None and not d.finished:
+                return None
+            return {"index": ev.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                    "finish_reason": d.finish_reason}
 
         async def body(g: Group) -> AsyncIterator[bytes]:
-            def chunk(choices: list[dict[str, Any]], usage_: dict | None = None) -> bytes:
-                obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                       "system_fingerprint": None, "choices": choices}
-                if include_usage:
-                    obj["usage"] = usage_
-                return sse(obj)
-
             for i in range(prep.n):   # the role first, as OpenAI sends it, before any token
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-            completion_tokens = 0
-            async for ev in g.events():
-                d, i = ev.delta, ev.index
-                completion_tokens += len(d.token_ids)
-                lp = None
-                if want_logprobs and d.token_ids:
-                    lp = {"content": chat_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k),
-                          "refusal": None}
-                if not d.text and lp is None and not d.finished:
-                    continue
-                delta = {"content": d.text} if d.text else {}
-                yield chunk([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
-            if include_usage:
-                yield chunk([], usage(prep.num_prompt_tokens, completion_tokens))
-            yield DONE
+            async for b in choice_chunks(g, choice_of, chunk, include_usage, prep.num_prompt_tokens):
+                yield b
 
         return event_stream(group, body)
 
-    try:
-        finals = await collect(group, request)
-    except EngineDeadError as e:
-        return engine_failed(e)
-    if finals is None:
-        return gone()
+    finals = await final_events(group, request)
+    if isinstance(finals, Response):
+        return finals
     choices, completion_tokens = [], 0
     for ev in finals:
         out = ev.output

@@ -3,28 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from jaxinfer.serve.async_engine import EngineDeadError, Group
+from jaxinfer.serve.async_engine import Event
 from jaxinfer.serve.logprobs import completion_logprobs
 from jaxinfer.serve.params import prepare_completion
 from jaxinfer.serve.protocol import CompletionRequest
 from jaxinfer.serve.state import ServerState
-from jaxinfer.serve.streaming import (
-    DONE,
-    collect,
-    engine_failed,
-    event_stream,
-    gone,
-    new_id,
-    now,
-    off_loop,
-    sse,
-    usage,
-)
+from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, final_events, new_id, now,
+                                      off_loop, usage)
 
 
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
@@ -43,43 +33,29 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
 
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        chunk = chunk_maker({"id": rid, "object": "text_completion", "created": created, "model": model},
+                            include_usage)
+        echoed = [not req.echo] * len(choice_prompts)
+        offsets = [0] * len(choice_prompts)
 
-        async def body(g: Group) -> AsyncIterator[bytes]:
-            def chunk(choices: list[dict[str, Any]], usage_: dict | None = None) -> bytes:
-                obj = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-                if include_usage:
-                    obj["usage"] = usage_
-                return sse(obj)
+        def choice_of(ev: Event) -> dict[str, Any] | None:
+            d, i = ev.delta, ev.index
+            text = d.text
+            if not echoed[i]:
+                text, echoed[i] = echo_text(i) + text, True
+            lp = None
+            if k is not None and d.token_ids:
+                lp = completion_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[i]
+            if not text and lp is None and not d.finished:
+                return None
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}
 
-            echoed = [not req.echo] * len(choice_prompts)
-            offsets = [0] * len(choice_prompts)
-            completion_tokens = 0
-            async for ev in g.events():
-                d, i = ev.delta, ev.index
-                completion_tokens += len(d.token_ids)
-                text = d.text
-                if not echoed[i]:
-                    text, echoed[i] = echo_text(i) + text, True
-                lp = None
-                if k is not None and d.token_ids:
-                    lp = completion_logprobs(tt, d.token_ids, d.logprobs, d.top_logprobs, k,
-                                             offsets[i])
-                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else offsets[i]
-                if not text and lp is None and not d.finished:
-                    continue
-                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": d.finish_reason}])
-            if include_usage:
-                yield chunk([], usage(prep.num_prompt_tokens, completion_tokens))
-            yield DONE
+        return event_stream(group, lambda g: choice_chunks(g, choice_of, chunk, include_usage, prep.num_prompt_tokens))
 
-        return event_stream(group, body)
-
-    try:
-        finals = await collect(group, request)
-    except EngineDeadError as e:
-        return engine_failed(e)
-    if finals is None:
-        return gone()
+    finals = await final_events(group, request)
+    if isinstance(finals, Response):
+        return finals
     choices, completion_tokens = [], 0
     for ev in finals:
         out = ev.output

@@ -119,6 +119,43 @@ def event_stream(group: Group, body: Callable[[Group], AsyncIterator[bytes]]) ->
     return StreamingResponse(gen(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+async def choice_chunks(group: Group, choice_of: Callable[[Event], dict[str, Any] | None],
+                        chunk: Callable[..., bytes], include_usage: bool, prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The body both endpoints stream: one chunk per event that `choice_of` turns into a choice
+    (None: nothing to send), then the usage chunk if asked for, then [DONE]."""
+    completion_tokens = 0
+    async for ev in group.events():
+        completion_tokens += len(ev.delta.token_ids)
+        choice = choice_of(ev)
+        if choice is not None:
+            yield chunk([choice])
+    if include_usage:
+        yield chunk([], usage(prompt_tokens, completion_tokens))
+    yield DONE
+
+
+def chunk_maker(base: dict[str, Any], include_usage: bool) -> Callable[..., bytes]:
+    """chunk(choices, usage=None) -> one SSE event: `base` (id, object, created, model...) plus
+    the choices, and a usage field (null until the last chunk) when the client asked for usage."""
+
+    def chunk(choices: list[dict[str, Any]], usage_: dict | None = None) -> bytes:
+        obj = {**base, "choices": choices}
+        if include_usage:
+            obj["usage"] = usage_
+        return sse(obj)
+
+    return chunk
+
+
+async def final_events(group: Group, request: Request) -> list[Event] | Response:
+    """collect(), with its two other outcomes already turned into responses."""
+    try:
+        finals = await collect(group, request)
+    except EngineDeadError as e:
+        return engine_failed(e)
+    return gone() if finals is None else finals
+
+
 def gone() -> Response:
     """The answer for a client that has already left (nobody reads it)."""
     return Response(status_code=499)

@@ -1,0 +1,56 @@
+"""What the kernel benchmarks (bench/kernels_*.py) share: logging, the error against a reference,
+and timing an AOT-compiled chain of n dependent calls of one op."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def log(*a) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def rel_err(y, ref) -> float:
+    """||y - ref|| / ||ref|| in float64 (inf when y is not finite)."""
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref).astype(jnp.float32), np.float64)
+    if not np.all(np.isfinite(y)):
+        return float("inf")
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def build_chain(op, args: tuple, n: int, layers: int):
+    """AOT-compile a jit that chains n calls of op(q, *rest, layer) (q <- output), the layer index
+    walking over `layers` layers; it returns (last output, first output)."""
+
+    def chain(q, *rest):
+        first = None
+        for i in range(n):
+            q = op(q, *rest, jnp.int32(i % layers))
+            first = q if first is None else first
+        return q, first
+
+    return jax.jit(chain).lower(*args).compile()
+
+
+def time_chain(compiled, args: tuple, n: int, target_s: float, max_calls: int):
+    """Best of 3 of (seconds per op call); and the first call's output, for checking."""
+    out = compiled(*args)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    est = time.perf_counter() - t0
+    calls = int(min(max_calls, max(2, target_s / max(est, 1e-6))))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r = compiled(*args)
+        jax.block_until_ready(r)
+        best = min(best, (time.perf_counter() - t0) / (calls * n))
+    return best, out[1]
