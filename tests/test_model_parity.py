@@ -31,6 +31,21 @@ def test_prompt_logits_match_transformers(family):
         assert err <= 1e-4, f"{name} prompt {i}: max |logits - golden| = {err:.2e}"
 
 
+def test_per_layer_weights_give_the_same_logits(family):
+    """split_layers (the GPU default: straight-line layers over per-layer arrays) against the scan
+    over stacked arrays, for every family (biases, LayerNorm, learned positions, q/k norms)."""
+    from jaxinfer.model import split_layers
+
+    name, cfg, params = family
+    golden = np.load(DATA / "golden" / f"{name}.npz")
+    split = split_layers(params)
+    assert len(split["layers"]) == cfg.num_layers
+    for ops in ("reference", "pallas-interpret"):
+        stacked = np.asarray(prompt_logits(cfg, get_ops(ops), params, golden["prompt_0"]))
+        ours = np.asarray(prompt_logits(cfg, get_ops(ops), split, golden["prompt_0"]))
+        np.testing.assert_allclose(ours, stacked, atol=1e-5, err_msg=f"{name} {ops}")
+
+
 def test_sharded_checkpoint_loads_the_same(tmp_path):
     """model.safetensors.index.json with tensors spread over two shard files."""
     import json
