@@ -16,6 +16,7 @@ import os
 import random
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Iterable, Sequence as Seq
 
@@ -138,7 +139,7 @@ class Engine:
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "
                   f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.decode_steps, on_start=self._on_start,
+                                   config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching)
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
@@ -472,3 +473,10 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
 
 def _all_greedy(seqs: list[Sequence]) -> bool:
     return all(seq.params.temperature == 0 for seq in seqs)
+
+
+def _weakly(method):
+    """A callback to a bound method that does not keep its object alive: an engine dropped by its
+    user frees its device memory (weights, KV pool) at once, without waiting for a garbage collection."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)

@@ -145,3 +145,22 @@ def test_prompt_logprobs_match_transformers():
             assert [t for t, _ in top] == list(np.argsort(-logp[pos - 1], kind="stable")[:3])
     with pytest.raises(ValueError, match="enable_prompt_logprobs"):
         LLM(STORIES, max_num_seqs=1, progress=False).generate("Hi", params)
+
+
+def test_a_dropped_engine_frees_its_buffers_without_a_garbage_collection():
+    """No reference cycle keeps an engine (and its weights and KV pool) alive after its last user
+    lets go: a second engine in the same process then finds the device memory free."""
+    import gc
+    import weakref
+
+    from jaxinfer import LLM
+
+    gc.disable()
+    try:
+        llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=32, decode_steps=2, progress=False)
+        llm.generate(["Once upon a time"], SamplingParams(max_tokens=3, temperature=0))
+        kv = weakref.ref(llm.engine.runner)
+        del llm
+        assert kv() is None
+    finally:
+        gc.enable()

@@ -34,7 +34,7 @@ def _greedy(model_dir, ops, dtype, prompt, n):
         engine.step()
     tokens = engine.take_finished(0).token_ids
     del engine
-    gc.collect()   # the engine's device buffers go with it (the scheduler's callbacks make a cycle)
+    gc.collect()
     return tokens
 
 
