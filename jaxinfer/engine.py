@@ -63,6 +63,8 @@ class EngineConfig:
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
     compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")
+    # Steps compiled side by side at start-up; None: up to 8 on GPUs (half the host's cores), 1 on CPUs.
+    compile_threads: int | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps"):
@@ -133,7 +135,10 @@ class Engine:
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0
-        self.compile_seconds = self.runner.warmup(progress=config.progress)
+        threads = config.compile_threads
+        if threads is None:
+            threads = min(8, (os.cpu_count() or 2) // 2) if jax.default_backend() == "gpu" else 1
+        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=max(1, threads))
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "

@@ -233,21 +233,36 @@ class ModelRunner:
             active=np.zeros(B, bool),
         )
 
-    def warmup(self, progress: bool = True) -> float:
-        """Compile every bucket now (inert batches touch only the scratch page). Returns seconds."""
+    def warmup(self, progress: bool = True, threads: int = 1) -> float:
+        """Compile every bucket now (inert batches touch only the scratch page). Returns seconds.
+
+        threads > 1: the steps are traced one by one, then compiled side by side (XLA compiles
+        outside the GIL; the unrolled steps of a large model take seconds each), and the call that
+        follows each one finds its executable in JAX's cache."""
         t0 = time.perf_counter()
-        shapes = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.batch_buckets]
         self.start_sequence(self.scratch_row, [0], [])
-        for kind, n in tqdm(shapes, desc="compiling steps", unit="shape", disable=not progress, leave=False):
-            if kind == "mixed":
-                arrays = self.empty_mixed(n)
-                samp = SamplingArrays.from_params([], [], self.max_num_seqs)
-                self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)))
-                if self._mixed_prompt is not None:
-                    self.run_mixed(jax.device_put(StepBatch(**arrays, sampling=samp)), prompt_logprobs=True)
-            else:
-                arrays = self.empty_decode(n)
-                samp = SamplingArrays.from_params([], [], n)
-                for greedy in (False, True):
-                    self.run_decode(jax.device_put(DecodeBatch(**arrays, sampling=samp)), greedy)
+        calls = []   # (compiled step, batch)
+        for t in self.token_buckets:
+            batch = jax.device_put(StepBatch(**self.empty_mixed(t),
+                                             sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
+            calls += [(self._mixed, batch)] + ([(self._mixed_prompt, batch)] if self._mixed_prompt is not None else [])
+        for b in self.batch_buckets:
+            batch = jax.device_put(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
+            calls += [(self._decode[False], batch), (self._decode[True], batch)]
+        bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
+        if threads > 1:
+            from concurrent.futures import ThreadPoolExecutor, as_completed
+
+            with ThreadPoolExecutor(threads) as pool:
+                futures = [pool.submit(step.lower(self.params, self.kv, self.state, batch).compile)
+                           for step, batch in calls]
+                for f in as_completed(futures):
+                    f.result()
+                    bar.update()
+            bar.reset(total=len(calls))
+        for step, batch in calls:   # run each once (from the cache if compiled above)
+            self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
+            jax.block_until_ready(out)
+            bar.update()
+        bar.close()
         return time.perf_counter() - t0

@@ -109,6 +109,35 @@ def test_no_compilation_after_warmup(stories):
     assert events == []
 
 
+def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
+    """compile_threads > 1 compiles every step in a pool thread; each step's first call on the main
+    thread must then find its executable in the cache, and later requests compile nothing."""
+    import threading
+
+    compiles = []   # True: on the main thread
+
+    def listener(event, duration, **kw):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(threading.current_thread() is threading.main_thread())
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        llm = LLM(STORIES, max_num_seqs=8, max_num_batched_tokens=128, progress=False, compile_threads=2,
+                  compilation_cache=None)
+        r = llm.engine.runner
+        steps = len(r.token_buckets) + 2 * len(r.batch_buckets)
+        assert compiles.count(False) == steps
+        assert compiles.count(True) < steps        # a few small helpers at most, no step twice
+        n = len(compiles)
+        params = [SamplingParams(max_tokens=12, temperature=t, seed=1) for t in (0, 0.8, 0)]
+        outs = llm.generate(PROMPTS[:3], params)
+        assert len(compiles) == n
+    finally:
+        jax.monitoring.clear_event_listeners()
+    alone = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=32, progress=False).generate(PROMPTS[0], params[0])
+    assert outs[0].token_ids == alone[0].token_ids
+
+
 def test_chunked_prefill_equals_one_shot():
     """A prompt longer than the token budget is prefilled chunk by chunk; the first sampled token's
     logprob and top logprobs (i.e. the last position's logits) equal a one-shot prefill's."""
