@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on all but /health (default: $JAXINFER_API_KEY)")
     s.add_argument("--served-model-name", default=None, help="the model's name in the API (default: folder name)")
     s.add_argument("--max-num-seqs", type=int, default=16, help="sequences in the running batch")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of a prompt step")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of a prompt step (default: 2048 on GPUs, 512 on CPUs)")
     s.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per dispatch (default 8): fewer let a new request start sooner")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,

@@ -45,7 +45,9 @@ class EngineConfig:
     ops: str = "reference"
     max_model_len: int | None = None          # default: the model's max_position_embeddings
     max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512         # token budget of a mixed step (prompt chunk size)
+    # Token budget of a mixed step (prompt chunk size). None: 2048 on GPUs (a 1k-token prompt in one
+    # step: each step also reads every weight and pays its launch), 512 on CPUs.
+    max_num_batched_tokens: int | None = None
     page_size: int = 16
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
@@ -109,6 +111,9 @@ def _output(seq: Sequence) -> RequestOutput:
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides):
         self.config = config = dataclasses.replace(config or EngineConfig(), **overrides)
+        if config.max_num_batched_tokens is None:
+            self.config = config = dataclasses.replace(
+                config, max_num_batched_tokens=2048 if jax.default_backend() == "gpu" else 512)
         config.validate()
         if config.compilation_cache:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
