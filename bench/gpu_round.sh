@@ -27,7 +27,7 @@ write_random_model(Path('/tmp/jaxinfer-bench-models/qwen3-4b'), SHAPES['qwen3-4b
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/   # the server needs a tokenizer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
       step 330 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2,8,inf \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2,8,inf --plot "$OUT/serving.png" \
            --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     fi
     ;;
