@@ -26,6 +26,9 @@ from pathlib import Path; from jaxinfer.random_model import SHAPES, write_random
 write_random_model(Path('/tmp/jaxinfer-bench-models/qwen3-4b'), SHAPES['qwen3-4b'], dtype='bfloat16', seed=0)"
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/   # the server needs a tokenizer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+      # the same workload offline, same batch size: the bar for serving throughput under load
+      step 150 python3 -m jaxinfer.cli bench --model /tmp/jaxinfer-bench-models/qwen3-4b --dtype bfloat16 --ops pallas \
+           --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64
       step 330 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
            --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2,8,inf --plot "$OUT/serving.png" \
            --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
