@@ -13,11 +13,11 @@ mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
 case "${1:-1}" in
   1)
-    step 75 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
-    step 140 python3 bench/decode.py --shapes qwen3-4b --long llama3-8b:1024 --paths pallas reference --out "$OUT"
-    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference hf \
+    step 130 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py tests/gpu/test_rope_kv_write_gpu.py
+    step 130 python3 bench/decode.py --shapes qwen3-4b --long llama3-8b:1024 --paths pallas reference --out "$OUT"
+    step 130 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference hf \
          --profile pallas:1024 --out "$OUT"
-    step 225 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
+    step 200 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
     ;;
   2)
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then

@@ -18,8 +18,8 @@ SHAPES = {"qwen3-4b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}   # H, K, head_d
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("T", [1, 7, 8, 1024, 8195])
-@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 7, 8195])
+@pytest.mark.parametrize("model", ["qwen3-4b"])
 @pytest.mark.parametrize("one_layer_norms", [False, True])
 def test_matches_reference(model, T, dtype, one_layer_norms):
     H, K, hd = SHAPES[model]
