@@ -1,5 +1,6 @@
 """Pieces shared by the kernels: block-size arithmetic (Triton tiles must be powers of two), the
-precision of tile products, and reading cache slots through a page table."""
+precision of tile products, reading cache slots through a page table, and the online-softmax
+update of the attention kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -26,3 +27,15 @@ def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int):
     page_idx = jnp.minimum(pos // page_size, n_pages - 1)
     page = plgpu.load(pt_ref.at[row, page_idx], mask=pos < limit, other=0)
     return page * page_size + pos % page_size
+
+
+def online_softmax_update(acc, m, l, sc, v, prec):
+    """Fold one block of base-2 scores sc [M, block_k] (masked entries very negative) and its values
+    v [block_k, D] into the running max m [M], sum l [M] and float32 accumulator acc [M, D]."""
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                             preferred_element_type=jnp.float32)
+    return acc * alpha[:, None] + pv, m_new, l

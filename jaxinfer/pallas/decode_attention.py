@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, page_slots, pow2_at_least
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -105,13 +105,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
             k = k.astype(q.dtype)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                     # [G, block_k]
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(sc - m_new[:, None])
-        l = l * alpha + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                                 preferred_element_type=f32)
-        return acc * alpha[:, None] + pv, m_new, l, nxt
+        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
 
     init = (jnp.zeros((G, D), f32), jnp.full((G,), NEG, f32), jnp.zeros((G,), f32), slots_of(start))
     acc, m, l, _ = jax.lax.fori_loop(start, stop, body, init)

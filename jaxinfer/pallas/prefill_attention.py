@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, page_slots, pow2_at_least
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -209,13 +209,7 @@ def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *
                                      preferred_element_type=f32) * qk_scale        # [M, block_k]
             if causal:
                 sc = jnp.where(pos[None, :] <= qpos[:, None], sc, NEG)
-            m_new = jnp.maximum(m, jnp.max(sc, axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(sc - m_new[:, None])
-            l = l * alpha + jnp.sum(p, axis=1)
-            pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                                     preferred_element_type=f32)
-            return acc * alpha[:, None] + pv, m_new, l, nxt
+            return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
 
         init = (jnp.zeros((M, D), f32), jnp.full((M,), NEG, f32), jnp.zeros((M,), f32), slots_of(jnp.int32(0)))
         carry = jax.lax.fori_loop(0, n_full, functools.partial(step, causal=False), init)
