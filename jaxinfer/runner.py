@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from types import ModuleType
 
 import flax.struct
@@ -257,7 +258,11 @@ class ModelRunner:
                 futures = [pool.submit(step.lower(self.params, self.kv, self.state, batch).compile)
                            for step, batch in calls]
                 for f in as_completed(futures):
-                    f.result()
+                    try:
+                        f.result()
+                    except Exception as e:  # the loop below compiles it again, on this thread
+                        warnings.warn(f"parallel compilation of a step failed ({type(e).__name__}: {e}); "
+                                      "compiling it on the main thread")
                     bar.update()
             bar.reset(total=len(calls))
         for step, batch in calls:   # run each once (from the cache if compiled above)
