@@ -138,6 +138,21 @@ def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     assert outs[0].token_ids == alone[0].token_ids
 
 
+def test_a_failed_parallel_compilation_falls_back_to_the_main_thread(monkeypatch):
+    def broken(self, *a, **kw):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", broken)
+    with pytest.warns(UserWarning, match="parallel compilation of a step failed"):
+        llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=32, progress=False, compile_threads=2,
+                  compilation_cache=None)
+    monkeypatch.undo()
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0]
+    alone = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=32, progress=False).generate(
+        PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.token_ids == alone.token_ids
+
+
 def test_chunked_prefill_equals_one_shot():
     """A prompt longer than the token budget is prefilled chunk by chunk; the first sampled token's
     logprob and top logprobs (i.e. the last position's logits) equal a one-shot prefill's."""
