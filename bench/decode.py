@@ -1,10 +1,11 @@
 """Batch-1 decode on the GPU against the bandwidth roofline: Pallas path, XLA reference path, transformers.
 
-    PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf]
+    PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf hf-compile]
                                          [--prompt 1024] [--new 128] [--long qwen3-4b:8192] [--out DIR]
 
 Random bf16 weights at real shapes are written as safetensors (jaxinfer.random_model) and loaded
-through our own loader (and by transformers for the peer). Greedy decode of `--new` tokens after a
+through our own loader (and by transformers for the peer: `hf` is eager with a dynamic cache,
+`hf-compile` a static cache under torch.compile, bench/hf_peer.py; its compile takes minutes). Greedy decode of `--new` tokens after a
 random prompt of `--prompt` tokens. The roofline is the bytes a step must read (every weight but
 the input embedding table, plus the KV rows at the step's context) over the HBM read bandwidth
 measured in this run by a large reduction. Prints one table; writes decode.json and decode.png.
@@ -173,13 +174,18 @@ def main() -> None:
         roof_ms = 1e3 * roof_bytes / bw
         results = {}
         for path in args.paths:
-            if path == "hf" and args.hf_for is not None and shape not in args.hf_for:
+            if path.startswith("hf") and args.hf_for is not None and shape not in args.hf_for:
                 continue
             try:
                 t0 = time.perf_counter()
-                results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
-                    run_jaxinfer(model_dir, path, prompt, args.new, args.steps,
-                                 profile_dir=f"/tmp/trace-{shape}-{ctx}-{path}" if path in args.profile else None)
+                if path == "hf-compile":   # static cache + torch.compile (bench/hf_peer.py)
+                    from bench.hf_peer import run_hf_compiled
+
+                    results[path] = run_hf_compiled(model_dir, prompt, args.new)
+                else:
+                    results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
+                        run_jaxinfer(model_dir, path, prompt, args.new, args.steps,
+                                     profile_dir=f"/tmp/trace-{shape}-{ctx}-{path}" if path in args.profile else None)
                 results[path]["wall_s"] = time.perf_counter() - t0
             except Exception as e:  # a path that fails is reported, not fatal to the table
                 results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
