@@ -1,0 +1,35 @@
+"""The GPU benchmarks run end to end on the CPU at a tiny shape (XLA path), so that a GPU session's
+minutes are never lost to a script error. Their figures here mean nothing."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(tmp_path, script, *args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--models", str(tmp_path / "models"),
+                        "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=timeout, env=env,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.parametrize("script,args,out", [
+    ("decode.py", ["--shapes", "tiny", "--long", "--paths", "reference", "reference-scan", "--prompt", "40",
+                   "--new", "9", "--steps", "4"], "decode.json"),
+    ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
+    ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
+                       "--requests", "5", "--system", "64"], "throughput.json"),
+])
+def test_bench_runs(tmp_path, script, args, out):
+    stdout = _run(tmp_path, script, *args)
+    data = json.loads((tmp_path / out).read_text())
+    assert data
+    assert "failed" not in stdout and "error" not in json.dumps(data), stdout[-2000:]
