@@ -181,6 +181,21 @@ def summarize(results: list[Result], duration: float, rate: float) -> dict:
     }
 
 
+def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
+    """A jaxinfer server's engine-thread counters from /metrics (None from other servers)."""
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        for key, name in (("busy", "jaxinfer_engine_busy_seconds_total"),
+                          ("wait", "jaxinfer_engine_device_wait_seconds_total")):
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                out[key] = float(line.rsplit(" ", 1)[1])
+    return out if len(out) == 2 else None
+
+
 def print_table(rows: list[dict]) -> None:
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
             f"{'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'tok/chunk':>9}")
@@ -192,6 +207,14 @@ def print_table(rows: list[dict]) -> None:
               f"{s['tpot_ms']['p99']:>8.2f} {s['itl_ms']['p50']:>8.2f} {s['itl_ms']['p99']:>8.2f} "
               f"{s['tokens_per_chunk']:>9.2f}")
     print("(latencies in ms; ITL = gap between stream chunks, which carry tok/chunk tokens on average)")
+    if any("engine_thread" in s for s in rows):
+        print("engine thread, share of wall time: busy = blocked on the device + host work (Python: scheduling,")
+        print("batch building, dispatch, detokenizing); host near 100% would make the host the bottleneck")
+        for s in rows:
+            if "engine_thread" in s:
+                e = s["engine_thread"]
+                print(f"{s['request_rate']:>6}  busy {100 * e['busy']:5.1f}%  "
+                      f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%")
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -301,10 +324,16 @@ def main(argv: list[str] | None = None) -> int:
         for i, rate in enumerate(rates):
             workload = make_workload(tokenizer, vocab, args.num_prompts, args.input_len, args.output_len,
                                      args.range_ratio, args.prefix_len, args.seed + 100 + i)
+            before = engine_seconds(url, headers)
             results, duration = asyncio.run(run_rate(url, args.api_key, args.endpoint, model, workload, rate,
                                                      args.burstiness, args.max_concurrency, tokenizer, args.seed + i,
                                                      extra))
             rows.append(summarize(results, duration, rate))
+            after = engine_seconds(url, headers)
+            if before and after:   # a jaxinfer server: where its engine thread's time went
+                busy, wait = (after[k] - before[k] for k in ("busy", "wait"))
+                rows[-1]["engine_thread"] = dict(busy=busy / duration, device_wait=wait / duration,
+                                                 host=(busy - wait) / duration)
             print(f"[rate {rate}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in "
                   f"{duration:.1f} s{'; ' + rows[-1]['errors'][0] if rows[-1]['errors'] else ''}]", file=sys.stderr)
         print_table(rows)

@@ -234,7 +234,9 @@ class Engine:
         arrived meanwhile, then `step()`, so that a new request waits for at most the one dispatch
         already running rather than also for the one chained behind it."""
         if self._inflight is not None:
+            t0 = time.perf_counter()
             jax.block_until_ready(self._inflight[2])
+            self.runner.device_wait_seconds += time.perf_counter() - t0
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
@@ -329,7 +331,7 @@ class Engine:
         return r.launch_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
-        tokens, logprobs, emitted, top_v, top_i = (np.asarray(o) for o in outs)
+        tokens, logprobs, emitted, top_v, top_i = self.runner.fetch(outs)
         now = time.perf_counter()
         self.stats["decode_seconds"] += now - self._decode_started
         self._decode_started = now

@@ -172,6 +172,7 @@ class ModelRunner:
         self.scratch_row = max_num_seqs
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
+        self.device_wait_seconds = 0.0   # time the host spent blocked reading results back
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         # Two decode variants: all-greedy batches (the host knows) skip the sampling branch.
         self._decode = {greedy: jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers,
@@ -199,7 +200,14 @@ class ModelRunner:
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row."""
         step = self._mixed_prompt if prompt_logprobs else self._mixed
         self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
-        return tuple(np.asarray(o) for o in out)
+        return self.fetch(out)
+
+    def fetch(self, arrays) -> tuple[np.ndarray, ...]:
+        """Read device arrays back, counting the time spent waiting in `device_wait_seconds`."""
+        t0 = time.perf_counter()
+        out = tuple(np.asarray(a) for a in arrays)
+        self.device_wait_seconds += time.perf_counter() - t0
+        return out
 
     def launch_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
@@ -210,7 +218,7 @@ class ModelRunner:
 
     def run_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
-        return tuple(np.asarray(o) for o in self.launch_decode(batch, greedy)[1])
+        return self.fetch(self.launch_decode(batch, greedy)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:

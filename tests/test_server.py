@@ -462,6 +462,9 @@ def test_a_request_arriving_during_a_decode_dispatch_joins_before_the_next(stori
 
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories):
     engine = engine_of(stories)
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:   # e.g. a dispatch that ran past its
+        time.sleep(0.01)                                              # requests' end: the step below is ours
     step = engine.step
 
     def broken():
@@ -482,12 +485,17 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories
 
 
 def test_metrics_exposition(stories):
+    client(stories).completions.create(model="stories260k", prompt="Once upon a time", max_tokens=20, temperature=0)
+    time.sleep(0.2)    # the engine thread publishes its counters after the step
     m = metrics(stories)
     for name in ("jaxinfer_num_requests_running", "jaxinfer_num_requests_waiting", "jaxinfer_kv_pages_in_use",
                  "jaxinfer_prefix_cache_hit_rate", "jaxinfer_time_to_first_token_seconds_count",
                  "jaxinfer_time_per_output_token_seconds_count", "jaxinfer_generation_tokens_total"):
         assert name in m, name
     assert m["jaxinfer_time_to_first_token_seconds_count"] > 0 and m["jaxinfer_generation_tokens_total"] > 0
+    # where the engine thread's time went: busy >= blocked on the device > 0
+    busy, wait = m["jaxinfer_engine_busy_seconds_total"], m["jaxinfer_engine_device_wait_seconds_total"]
+    assert busy >= wait > 0
 
 
 def test_schemathesis_finds_no_server_errors():

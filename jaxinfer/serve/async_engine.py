@@ -118,6 +118,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._pending = 0                    # adds queued, not yet in the engine
         self._live: dict[int, _Request] = {}  # engine id -> request (engine thread only)
+        self._busy = 0.0                     # seconds the engine thread spent working
+        self._since: float | None = None     # start of the work in progress
         self.snapshot: dict[str, float] = {}
         self._publish()
         self.error: BaseException | None = None
@@ -204,12 +206,18 @@ class AsyncEngine:
         self.snapshot = {
             "running": e.num_running, "waiting": e.num_waiting, "pages_in_use": pages.num_in_use,
             "pages_total": pages.capacity, "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
+            # where the engine thread's time goes: working (a step, adding and aborting requests),
+            # and within that, blocked on the device; the rest of busy is host work
+            "engine_busy_seconds": self._busy + (time.perf_counter() - self._since if self._since else 0.0),
+            "engine_device_wait_seconds": e.runner.device_wait_seconds,
         }
 
     def _run(self) -> None:
         try:
             while not self._stop:
-                self._handle(self._take_commands(block=not self.engine.has_unfinished()))
+                cmds = self._take_commands(block=not self.engine.has_unfinished())
+                self._since = time.perf_counter()
+                self._handle(cmds)
                 if self._stop:
                     break
                 if self.engine.has_unfinished():
@@ -221,6 +229,8 @@ class AsyncEngine:
                     except Exception as e:  # a bug hit by some request: fail those running, keep serving
                         log.exception("engine step failed; aborting the %d live requests", len(self._live))
                         self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), abort=True)
+                self._busy += time.perf_counter() - self._since
+                self._since = None
         except BaseException as e:  # the engine cannot go on: fail everyone, refuse new work (503)
             log.exception("the engine thread died")
             self.error = e

@@ -44,6 +44,11 @@ class Metrics:
         gauge("jaxinfer_kv_cache_usage_ratio", "Share of the KV cache pages in use.", "pages_usage")
         gauge("jaxinfer_prefix_cache_hit_rate", "Share of looked-up prompt blocks found in the prefix cache.",
               "prefix_cache_hit_rate")
+        gauge("jaxinfer_engine_busy_seconds_total", "Seconds the engine thread spent working (steps, adds, aborts).",
+              "engine_busy_seconds")
+        gauge("jaxinfer_engine_device_wait_seconds_total",
+              "Seconds of that the engine thread spent blocked on the device (the rest is host work).",
+              "engine_device_wait_seconds")
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time from arrival to the first token.",
                               ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
