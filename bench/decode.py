@@ -157,6 +157,10 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.profile:
+        from bench.trace_kernels import keep_command_buffers_when_profiling
+
+        keep_command_buffers_when_profiling()   # before the first use of the GPU
 
     bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)  # small on a CPU smoke run
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)

@@ -96,6 +96,10 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.profile:
+        from bench.trace_kernels import keep_command_buffers_when_profiling
+
+        keep_command_buffers_when_profiling()   # before the first use of the GPU
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate |")

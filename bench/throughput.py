@@ -143,6 +143,10 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.profile:
+        from bench.trace_kernels import keep_command_buffers_when_profiling
+
+        keep_command_buffers_when_profiling()   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)
     gemm = dense_gemm_rate(8192 if gpu else 512)

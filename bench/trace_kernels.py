@@ -14,10 +14,19 @@ import contextlib
 import glob
 import gzip
 import json
+import os
 import re
 from collections import defaultdict
 
 import jax
+
+
+def keep_command_buffers_when_profiling() -> None:
+    """XLA turns CUDA-graph command buffers off while a profiler runs, which adds launch gaps that a
+    real step does not have; keep them on. Call before JAX first touches the GPU (reads XLA_FLAGS)."""
+    flag = "--xla_enable_command_buffers_during_profiling=true"
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
 
 
 @contextlib.contextmanager
