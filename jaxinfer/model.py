@@ -2,7 +2,8 @@
 
 One forward function serves every family; the differences are ModelConfig fields. Layers are a
 `lax.scan` over the stacked per-layer parameters, with the KV cache in the carry so that XLA
-updates it in place.
+updates it in place; or, with the parameters split per layer (`split_layers`, the engine's choice
+on GPUs), straight-line code in which every GEMM reads its layer's weights where they lie.
 """
 
 from __future__ import annotations
