@@ -54,6 +54,18 @@ def test_64_concurrent_greedy_equal_alone(alone_engine):
     assert engine.pages.num_free == engine.pages.capacity
 
 
+def test_gpu_defaults_give_the_same_output(alone_engine):
+    """The configuration the engine picks on GPUs (layers unrolled over per-layer weights, steps
+    compiled side by side, a 2,048-token budget), with greedy and sampled requests mixed so that
+    batches switch between the greedy-only and the sampling decode step, against the CPU defaults
+    one request at a time."""
+    prompts = _prompts(48, 5)
+    params = [p if i % 3 else s for i, (p, s) in enumerate(zip(_params(48, 5), _params(48, 5, sampled=True)))]
+    engine = _engine(unroll_layers=True, compile_threads=2, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.pages.num_free == engine.pages.capacity
+
+
 def test_prefix_cache_hits_give_the_same_output(alone_engine):
     system = "once upon a time there was a little girl named lily. she liked to play in the park with her dog. " * 2
     prompts, params = _prompts(64, 2, prefix=system), _params(64, 2)
