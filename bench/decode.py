@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
+from bench.trace_kernels import trace_engine_decode
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
 from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
@@ -71,7 +72,7 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
                     done = time.perf_counter() - t0
         out = engine.take_finished(rid)
     s = engine.stats
-    prof = profile_decode(engine, prompt, params, profile_dir) if profile_dir else None
+    prof = trace_engine_decode(engine, [prompt], [params], profile_dir) if profile_dir else None
     # step_ms: as the user sees it, first token to last over the tokens in between; the engine's own
     # figure also counts dispatches that ran past the request's end.
     res = dict(profile=prof, step_ms=1e3 * (done - first) / (len(out.token_ids) - 1), ttft_ms=1e3 * first,
@@ -83,21 +84,6 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     del engine
     gc.collect()
     return res
-
-
-def profile_decode(engine: Engine, prompt: list[int], params: SamplingParams, log_dir: str) -> dict:
-    """One more request, traced from after its prefill step to its end: kernel time against step time."""
-    from bench.trace_kernels import kernel_trace, print_summary, summarize
-
-    engine.add_request(prompt, params)
-    engine.step()  # the prefill
-    before = engine.stats["decode_tokens"]
-    with kernel_trace(log_dir):
-        while engine.has_unfinished():
-            engine.step()
-    summary = summarize(log_dir, steps=engine.stats["decode_tokens"] - before)
-    print_summary(summary)
-    return summary
 
 
 def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/decode_dispatch.py [--shape qwen3-4b] [--ctx 1024] [--steps 16] [--out DIR]
 
-For each variant (XLA_FLAGS; greedy-only decode; steps unrolled) a child process loads the model
+For each variant (XLA_FLAGS; greedy-only decode) a child process loads the model
 (Pallas ops, unrolled layers) and reports: the engine's decode step time on a greedy request, the
 device time per step of back-to-back decode dispatches launched from Python with no read-back in
 between ("raw"), and optionally a profiler trace (kernel time against span). Prints one table.
@@ -18,33 +18,30 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, steps unrolled, profile)
-    "default+cond": ("", False, False, False),
-    "default+greedy": ("", True, False, False),
-    "default+greedy+unrolled-steps": ("", True, True, False),
-    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False, False),
-    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False, False),
+VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile)
+    "default+cond": ("", False, False),
+    "default+greedy": ("", True, False),
+    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False),
+    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False),
     "cmdbuf-while-cond+cond": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                               False, False, False),
-    "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, False, True),
+                               False, False),
+    "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True),
 }
 
 
-def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, unroll_steps: bool, profile: bool) -> dict:
-    import jax
+def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile: bool) -> dict:
     import numpy as np
 
     from jaxinfer.engine import Engine
-    from jaxinfer.runner import DecodeBatch
-    from jaxinfer.sampling import SamplingArrays, SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     dispatches, new = 8, 128
-    max_len = ctx + (dispatches + 4) * steps + new + 16
+    max_len = ctx + 2 * (dispatches + 4) * steps + new + 16
     t0 = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=True, max_num_seqs=1,
                     max_model_len=max_len, max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],
                     decode_steps=steps, progress=False, skip_tokenizer_init=True, max_logprobs=0,
-                    unroll_decode_steps=unroll_steps, num_pages=-(-max_len // 16) + 2)
+                    num_pages=-(-max_len // 16) + 2)
     res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)
     prompt = np.random.default_rng(0).integers(100, 1000, ctx).tolist()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -56,34 +53,14 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, unroll_s
         engine.take_finished(rid)
     res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
 
-    r = engine.runner
-    a = r.empty_decode(1)
-    pages = np.arange(1, r.pages_per_seq + 1)
-    a["tokens"][0], a["positions"][0], a["remaining"][0], a["active"][0] = 7, ctx, 10**6, True
-    a["page_table"][0] = pages
-    a["state_row"][0] = 0
-    batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params], [0], 1)))
-    for _ in range(2):
-        _, outs = r.launch_decode(batch, greedy)
-        jax.block_until_ready(outs)
-    adv = batch
-    t0 = time.perf_counter()
-    for _ in range(dispatches):
-        adv, outs = r.launch_decode(adv, greedy)
-    jax.block_until_ready(outs)
-    res["raw_step_ms"] = 1e3 * (time.perf_counter() - t0) / (dispatches * steps)
-    if profile:
-        from bench.trace_kernels import kernel_trace, print_summary, summarize
+    from bench.throughput import raw_decode_step_ms
 
-        adv = batch
-        with kernel_trace("/tmp/trace-dispatch"):
-            for _ in range(dispatches):
-                adv, outs = r.launch_decode(adv, greedy)
-            jax.block_until_ready(outs)
-        s = summarize("/tmp/trace-dispatch", steps=dispatches * steps)
-        print_summary(s)
+    raw = raw_decode_step_ms(engine, 1, ctx, dispatches, greedy, "/tmp/trace-dispatch" if profile else None)
+    if profile:
+        raw, s = raw
         res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
                                            "span_us_per_step", "copies_per_step")})
+    res["raw_step_ms"] = raw
     return res
 
 
@@ -101,8 +78,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = str(Path(args.models) / args.shape)
     if args.child:
-        _, greedy, unroll_steps, profile = VARIANTS[args.child]
-        print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, unroll_steps, profile)), flush=True)
+        _, greedy, profile = VARIANTS[args.child]
+        print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, profile)), flush=True)
         return
     if not Path(model_dir, "model.safetensors").is_file():
         from jaxinfer.random_model import SHAPES, write_random_model

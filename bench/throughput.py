@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
+from bench.trace_kernels import trace_engine_decode
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
 from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
@@ -73,15 +74,18 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         print(f"| {B} | {raw_ms:.3f} | {1e3 * B / raw_ms:,.0f} | {100 * roof_ms / raw_ms:.1f}% | {step_ms:.3f} | "
               f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% |", flush=True)
         if B in profile:
-            row["profile"] = profile_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
+            row["profile"] = trace_engine_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
         rows.append(row)
     return rows
 
 
-def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4) -> float:
-    """The device's decode step at batch B alone: back-to-back greedy decode dispatches of B rows at
+def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy: bool = True,
+                       trace_dir: str | None = None) -> float | tuple[float, dict]:
+    """The device's decode step at batch B alone: back-to-back decode dispatches of B greedy rows at
     `context` tokens (pages taken from the idle engine's pool, their contents whatever they hold),
-    launched from Python without reading anything back in between."""
+    launched from Python without reading anything back in between. greedy=False times the step
+    that can sample (its branch reads a predicate back). With trace_dir, the dispatches are run once
+    more under the profiler: returns (ms, the trace's summary)."""
     import jax
 
     from jaxinfer.runner import DecodeBatch
@@ -89,45 +93,39 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4) -> flo
 
     r = engine.runner
     steps = engine.config.decode_steps
-    per_seq = -(-(context + (dispatches + 2) * steps + 1) // engine.config.page_size)
+    per_seq = -(-(context + 2 * (dispatches + 2) * steps + 1) // engine.config.page_size)
     pages = engine.pages.allocate(B * per_seq)
+
+    def run(batch):
+        adv = batch
+        for _ in range(dispatches):
+            adv, outs = r.launch_decode(adv, greedy=greedy)
+        jax.block_until_ready(outs)
+
     try:
         a = r.empty_decode(r.batch_bucket(B))
         for b in range(B):
             a["page_table"][b, :per_seq] = pages[b * per_seq:(b + 1) * per_seq]
         a["tokens"][:B], a["positions"][:B], a["remaining"][:B], a["active"][:B] = 7, context, 10**6, True
         a["state_row"][:B] = np.arange(B)
-        greedy = SamplingParams(temperature=0, ignore_eos=True)
-        batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([greedy] * B, [0] * B,
+        params = SamplingParams(temperature=0, ignore_eos=True)
+        batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params] * B, [0] * B,
                                                                                      len(a["tokens"]))))
-        jax.block_until_ready(r.launch_decode(batch, greedy=True)[1])
+        jax.block_until_ready(r.launch_decode(batch, greedy=greedy)[1])
         t0 = time.perf_counter()
-        adv = batch
-        for _ in range(dispatches):
-            adv, outs = r.launch_decode(adv, greedy=True)
-        jax.block_until_ready(outs)
-        return 1e3 * (time.perf_counter() - t0) / (dispatches * steps)
+        run(batch)
+        ms = 1e3 * (time.perf_counter() - t0) / (dispatches * steps)
+        if trace_dir is None:
+            return ms
+        from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+        with kernel_trace(trace_dir):
+            run(batch)
+        summary = summarize(trace_dir, steps=dispatches * steps)
+        print_summary(summary)
+        return ms, summary
     finally:
         engine.pages.release(pages)
-
-
-def profile_decode(engine, prompts, params, log_dir: str) -> dict:
-    """Trace the decode phase of one more run of this batch (after every prompt has its first token)."""
-    from bench.trace_kernels import kernel_trace, print_summary, summarize
-
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    started: set[int] = set()
-    while len(started) < len(ids) and engine.has_unfinished():
-        started.update(d.request_id for d in engine.step() if d.token_ids)
-    before = engine.stats["decode_tokens"]
-    with kernel_trace(log_dir):
-        while engine.has_unfinished():
-            engine.step()
-    for i in ids:
-        engine.take_finished(i)
-    summary = summarize(log_dir, steps=max(1, (engine.stats["decode_tokens"] - before) // len(ids)))
-    print_summary(summary)
-    return summary
 
 
 def main() -> None:

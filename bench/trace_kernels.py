@@ -4,8 +4,8 @@
         ...                                  # the work to look at
     summary = summarize(log_dir, steps=n)    # per-kernel totals, busy time, gaps
 
-Used by bench/decode.py --profile to say how much of a decode step is kernels and how much is
-the time between them (launch gaps, host syncs, copies).
+Used by the benches' --profile options to say how much of a step is kernels and how much is the
+time between them (launch gaps, host syncs, copies).
 """
 
 from __future__ import annotations
@@ -95,3 +95,21 @@ def print_summary(s: dict) -> None:
     print("|---|---|---|---|")
     for t in s["top"]:
         print(f"| {t['name']} | {t['per_step']:.1f} | {t['us_per_step']:.1f} | {t['us_each']:.2f} |")
+
+
+def trace_engine_decode(engine, prompts: list, params: list, log_dir: str) -> dict:
+    """Run one more batch of requests through `engine`, tracing from when every prompt has its first
+    token to the end: kernel time against span per decode step."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    started: set[int] = set()
+    while len(started) < len(ids) and engine.has_unfinished():
+        started.update(d.request_id for d in engine.step() if d.token_ids)
+    before = engine.stats["decode_tokens"]
+    with kernel_trace(log_dir):
+        while engine.has_unfinished():
+            engine.step()
+    for i in ids:
+        engine.take_finished(i)
+    summary = summarize(log_dir, steps=max(1, (engine.stats["decode_tokens"] - before) // len(ids)))
+    print_summary(summary)
+    return summary

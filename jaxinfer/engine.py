@@ -55,7 +55,6 @@ class EngineConfig:
     # Layers as straight-line code over per-layer weight arrays (no device loop, no weight copies in
     # XLA's GEMMs; longer compiles). None: on GPUs, where both costs were measured (bench/NOTES.md).
     unroll_layers: bool | None = None
-    unroll_decode_steps: bool = False         # unroll the steps of a decode dispatch too (longer compiles)
     max_logprobs: int = 20                    # top logprobs computed per sampled token
     enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
@@ -68,8 +67,16 @@ class EngineConfig:
     # Steps compiled side by side at start-up; None: up to 8 on GPUs (half the host's cores), 1 on CPUs.
     compile_threads: int | None = None
 
+    def for_backend(self, backend: str) -> "EngineConfig":
+        """This config with the backend-dependent defaults (the fields left None) filled in: on GPUs,
+        layers unrolled over per-layer weights, a 2,048-token step budget and parallel compilation."""
+        gpu = backend == "gpu"
+        defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512,
+                        compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1)
+        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
+
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "compile_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -110,10 +117,8 @@ def _output(seq: Sequence) -> RequestOutput:
 
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides):
-        self.config = config = dataclasses.replace(config or EngineConfig(), **overrides)
-        if config.max_num_batched_tokens is None:
-            self.config = config = dataclasses.replace(
-                config, max_num_batched_tokens=2048 if jax.default_backend() == "gpu" else 512)
+        config = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.config = config = config.for_backend(jax.default_backend())
         config.validate()
         if config.compilation_cache:
             jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
@@ -125,8 +130,7 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         params = load_params(model_dir, self.cfg, progress=config.progress)
-        self.unroll_layers = (jax.default_backend() == "gpu") if config.unroll_layers is None else config.unroll_layers
-        if self.unroll_layers:
+        if config.unroll_layers:
             params = split_layers(params)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.cfg, params, get_ops(config.ops), num_pages=num_pages,
@@ -134,16 +138,12 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
-                                  unroll_layers=self.unroll_layers, max_logprobs=config.max_logprobs,
-                                  unroll_decode_steps=config.unroll_decode_steps,
+                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
                                   prompt_logprobs=config.enable_prompt_logprobs)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0
-        threads = config.compile_threads
-        if threads is None:
-            threads = min(8, (os.cpu_count() or 2) // 2) if jax.default_backend() == "gpu" else 1
-        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=max(1, threads))
+        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads)
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "

@@ -111,11 +111,10 @@ def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: Step
 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, greedy: bool,
-                 unroll_steps: bool, params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch):
+                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device). unroll_steps: the steps as
-    straight-line code rather than a device loop (whose predicate the GPU runtime reads back)."""
+    greedy: every row is greedy (argmax only, no branch on the device)."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -136,7 +135,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         return carry, (new, logprobs, emitted, *top_logprobs(logits, n_top))
 
     init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
-    (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps, unroll=unroll_steps)
+    (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps)
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
 
@@ -158,7 +157,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
-                 prompt_logprobs: bool = False, unroll_decode_steps: bool = False):
+                 prompt_logprobs: bool = False):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -176,7 +175,7 @@ class ModelRunner:
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         # Two decode variants: all-greedy batches (the host knows) skip the sampling branch.
         self._decode = {greedy: jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers,
-                                                          max_logprobs, greedy, unroll_decode_steps),
+                                                          max_logprobs, greedy),
                                         donate_argnums=(1, 2)) for greedy in (False, True)}
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
