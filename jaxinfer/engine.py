@@ -234,9 +234,7 @@ class Engine:
         arrived meanwhile, then `step()`, so that a new request waits for at most the one dispatch
         already running rather than also for the one chained behind it."""
         if self._inflight is not None:
-            t0 = time.perf_counter()
-            jax.block_until_ready(self._inflight[2])
-            self.runner.device_wait_seconds += time.perf_counter() - t0
+            self.runner.wait(self._inflight[2])
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
@@ -304,7 +302,7 @@ class Engine:
         if sum(need.values()) > self.pages.num_free:
             return None
         # Built from the host's pages, not read from `advanced` (that read would wait for the dispatch).
-        page_table = self.runner.empty_decode(advanced.tokens.shape[0])["page_table"]
+        page_table = self.runner.empty_page_table(advanced.tokens.shape[0])
         for b, seq in enumerate(seqs):
             if need[seq]:
                 seq.pages += self.pages.allocate(need[seq])

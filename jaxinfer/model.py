@@ -80,48 +80,34 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
         cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
-    def layer_fn(carry, layer):
+    def layer(carry, lp, index):
         x, kv_k, kv_v = carry
-        lp = _layer_params(params["layers"], layer)
-        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, kv.page_size,
+        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, kv.page_size,
                                          decode)
-        x = _mlp_block(cfg, ops, lp, x)
-        return (x, kv_k, kv_v), None
+        return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
 
+    carry = (x, kv.k, kv.v)
     if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (split_layers): straight-line code
-        carry = (x, kv.k, kv.v)
         for i, layer_params in enumerate(params["layers"]):
-            carry = _layer(cfg, ops, layer_params, carry, jnp.int32(i), cos_sin, token_arrays, kv.page_size, decode)
-        x, k, v = carry
+            # each array reaches the ops as a one-layer stack (a free reshape)
+            lp = jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), layer_params)
+            carry = layer(carry, lp, jnp.int32(i))
     else:
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (x, k, v), _ = jax.lax.scan(layer_fn, (x, kv.k, kv.v), layers, unroll=unroll)
+        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
+                                indices, unroll=unroll)
+    x, k, v = carry
     return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
 
 
-def _layer(cfg, ops, layer_params, carry, layer, cos_sin, token_arrays, page_size, decode):
-    """One layer from its own arrays: each reaches the ops as a one-layer stack (a free reshape)."""
-    x, kv_k, kv_v = carry
-    lp = jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), layer_params)
-    x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, token_arrays, page_size, decode)
-    return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
-
-
 def split_layers(params: dict) -> dict:
-    """The stacked [L, ...] layer arrays as a list of per-layer trees, one leaf at a time (the peak is
-    one stacked leaf above the model). With them the layer loop is straight-line code and XLA's own
-    GEMMs (prefill, batched decode) read each layer's weights where they lie: a dynamic slice of a
-    stack would be copied out first, every step (all the weights' bytes again)."""
+    """The stacked [L, ...] layer arrays as a list of per-layer trees. With them the layer loop is
+    straight-line code and XLA's own GEMMs (prefill, batched decode) read each layer's weights where
+    they lie: a dynamic slice of a stack would be copied out first, every step (all the weights'
+    bytes again). While it runs the device holds the weights twice."""
     stacked = params["layers"]
-    leaves, treedef = jax.tree.flatten(stacked)
-    n = leaves[0].shape[0]
-    per_layer = [[] for _ in range(n)]
-    for j in range(len(leaves)):
-        leaf = leaves[j]
-        for i in range(n):
-            per_layer[i].append(leaf[i])
-        leaves[j] = leaf = None
-    return {**params, "layers": [jax.tree.unflatten(treedef, ls) for ls in per_layer]}
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)]}
 
 
 def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> jax.Array:

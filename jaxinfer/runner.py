@@ -208,6 +208,12 @@ class ModelRunner:
         self.device_wait_seconds += time.perf_counter() - t0
         return out
 
+    def wait(self, arrays) -> None:
+        """Block until device arrays are computed (no read-back), counted as `fetch` counts."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(arrays)
+        self.device_wait_seconds += time.perf_counter() - t0
+
     def launch_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
         on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
@@ -221,21 +227,24 @@ class ModelRunner:
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
-        B, P = self.max_num_seqs, self.pages_per_seq
+        B = self.max_num_seqs
         return dict(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
             next_tokens=np.zeros(T, np.int32),
-            page_table=np.full((B, P), SCRATCH_PAGE, np.int32), query_start=np.zeros(B + 1, np.int32),
+            page_table=self.empty_page_table(B), query_start=np.zeros(B + 1, np.int32),
             sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
             state_row=np.full(B, self.scratch_row, np.int32),
             step_index=np.zeros(B, np.int32),
         )
 
+    def empty_page_table(self, B: int) -> np.ndarray:
+        return np.full((B, self.pages_per_seq), SCRATCH_PAGE, np.int32)
+
     def empty_decode(self, B: int, n_stop: int = 8) -> dict[str, np.ndarray]:
         return dict(
             tokens=np.zeros(B, np.int32), positions=np.zeros(B, np.int32),
-            page_table=np.full((B, self.pages_per_seq), SCRATCH_PAGE, np.int32),
+            page_table=self.empty_page_table(B),
             state_row=np.full(B, self.scratch_row, np.int32), step_index=np.zeros(B, np.int32),
             remaining=np.zeros(B, np.int32), stop_ids=np.full((B, n_stop), -1, np.int32),
             active=np.zeros(B, bool),
