@@ -26,14 +26,10 @@ import jax
 import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
-from bench.trace_kernels import trace_engine_decode
+from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
-from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
-
-SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                             "intermediate_size": 128}}  # a smoke test of this script on the CPU
+from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
@@ -126,21 +122,14 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    if args.profile:
-        from bench.trace_kernels import keep_command_buffers_when_profiling
-
-        keep_command_buffers_when_profiling()   # before the first use of the GPU
+    keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
 
     bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)  # small on a CPU smoke run
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     cases = [(s, args.prompt) for s in args.shapes] + [(s, int(n)) for s, n in (x.split(":") for x in args.long)]
     rows = []
     for shape, ctx in cases:
-        model_dir = Path(args.models) / shape
-        if not (model_dir / "model.safetensors").is_file():
-            t0 = time.perf_counter()
-            write_random_model(model_dir, SHAPES[shape], dtype="bfloat16", seed=0)
-            print(f"# wrote {shape} in {time.perf_counter() - t0:.0f} s", flush=True)
+        model_dir = bench_model(args.models, shape)
         cfg = load_config(model_dir, "bfloat16")
         prompt = np.random.default_rng(0).integers(100, cfg.vocab_size - 100, ctx).tolist()
         roof_bytes = step_bytes(cfg, ctx + args.new / 2)

@@ -81,10 +81,9 @@ def main() -> None:
         _, greedy, profile = VARIANTS[args.child]
         print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, profile)), flush=True)
         return
-    if not Path(model_dir, "model.safetensors").is_file():
-        from jaxinfer.random_model import SHAPES, write_random_model
+    from jaxinfer.random_model import bench_model
 
-        write_random_model(Path(model_dir), SHAPES[args.shape], dtype="bfloat16", seed=0)
+    bench_model(args.models, args.shape)
     rows = []
     for name in args.variants:
         flags = VARIANTS[name][0]

@@ -21,9 +21,7 @@ case "${1:-1}" in
     ;;
   2)
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
-      [ -f /tmp/jaxinfer-bench-models/qwen3-4b/model.safetensors ] || python3 -c "
-from pathlib import Path; from jaxinfer.random_model import SHAPES, write_random_model
-write_random_model(Path('/tmp/jaxinfer-bench-models/qwen3-4b'), SHAPES['qwen3-4b'], dtype='bfloat16', seed=0)"
+      python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/   # the server needs a tokenizer
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
       # the same workload offline, same batch size: the bar for serving throughput under load

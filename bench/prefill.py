@@ -23,14 +23,11 @@ import jax
 import numpy as np
 
 from bench.ceilings import dense_gemm_rate
+from bench.trace_kernels import keep_command_buffers_when_profiling
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
-from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
+from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
-
-SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                             "intermediate_size": 128}}
 
 
 def prefill_flops(cfg, T: int) -> float:
@@ -96,19 +93,14 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    if args.profile:
-        from bench.trace_kernels import keep_command_buffers_when_profiling
-
-        keep_command_buffers_when_profiling()   # before the first use of the GPU
+    keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate |")
     print("|---|---|---|---|---|---|---|", flush=True)
     rows = []
     for shape in args.shapes:
-        model_dir = Path(args.models) / shape
-        if not (model_dir / "model.safetensors").is_file():
-            write_random_model(model_dir, SHAPES[shape], dtype="bfloat16")
+        model_dir = bench_model(args.models, shape)
         cfg = load_config(model_dir, "bfloat16")
         for T in args.prompts:
             prompt = np.random.default_rng(T).integers(100, cfg.vocab_size - 100, T).tolist()

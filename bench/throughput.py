@@ -28,15 +28,11 @@ import jax
 import numpy as np
 
 from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
-from bench.trace_kernels import trace_engine_decode
+from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
-from jaxinfer.random_model import QWEN3_0_6B, SHAPES, write_random_model
+from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
-
-SHAPES = {**SHAPES, "tiny": {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
-                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                             "intermediate_size": 128, "max_position_embeddings": 8192}}
 
 
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
@@ -141,18 +137,13 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    if args.profile:
-        from bench.trace_kernels import keep_command_buffers_when_profiling
-
-        keep_command_buffers_when_profiling()   # before the first use of the GPU
+    keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)
     gemm = dense_gemm_rate(8192 if gpu else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read {bw / 1e12:.2f} TB/s, "
           f"bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
-    model_dir = Path(args.models) / args.shape
-    if not (model_dir / "model.safetensors").is_file():
-        write_random_model(model_dir, SHAPES[args.shape], dtype="bfloat16")
+    model_dir = bench_model(args.models, args.shape)
     cfg = load_config(model_dir, "bfloat16")
     rng = np.random.default_rng(0)
     out: dict = dict(device=jax.devices()[0].device_kind, bandwidth=bw, gemm=gemm, shape=args.shape)

@@ -21,9 +21,11 @@ from collections import defaultdict
 import jax
 
 
-def keep_command_buffers_when_profiling() -> None:
+def keep_command_buffers_when_profiling(profiling: bool = True) -> None:
     """XLA turns CUDA-graph command buffers off while a profiler runs, which adds launch gaps that a
     real step does not have; keep them on. Call before JAX first touches the GPU (reads XLA_FLAGS)."""
+    if not profiling:
+        return
     flag = "--xla_enable_command_buffers_during_profiling=true"
     if flag not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()

@@ -8,6 +8,7 @@ with jax.random on the default device, so real shapes (billions of parameters) a
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,10 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
                  bos_token_id=128000, eos_token_id=128009, hidden_act="silu",
                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                    original_max_position_embeddings=8192), rope_theta=500000.0)
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B}
+# A 2-layer, 64-wide Qwen3: the benchmarks' CPU smoke runs.
+TINY = {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 8192}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B, "tiny": TINY}
 
 
 def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: str = "bfloat16", seed: int = 0,
@@ -68,4 +72,14 @@ def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: st
             src_file = Path(tokenizer_dir) / name
             if src_file.is_file():
                 (out / name).write_bytes(src_file.read_bytes())
+    return out
+
+
+def bench_model(models_dir: str | Path, shape: str) -> Path:
+    """models_dir/shape, written (random bf16 weights at SHAPES[shape], seed 0) if not there yet."""
+    out = Path(models_dir) / shape
+    if not (out / "model.safetensors").is_file():
+        t0 = time.perf_counter()
+        write_random_model(out, SHAPES[shape], dtype="bfloat16", seed=0)
+        print(f"# wrote {shape} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out
