@@ -3,6 +3,9 @@ and timing an AOT-compiled chain of n dependent calls of one op."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import json
+import os
 import sys
 import time
 
@@ -54,3 +57,30 @@ def time_chain(compiled, args: tuple, n: int, target_s: float, max_calls: int):
         jax.block_until_ready(r)
         best = min(best, (time.perf_counter() - t0) / (calls * n))
     return best, out[1]
+
+
+def add_sweep_args(ap, budget: float) -> None:
+    """The options the attention kernel benches share: a config sweep, the table's timings, threads."""
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-table", action="store_true", help="skip the table's timings (sweep only)")
+    ap.add_argument("--budget", type=float, default=budget, help="seconds for the sweep")
+    ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
+    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+
+
+def sweep_then_table(args, results: dict, sweep, table_mode, t_start: float) -> None:
+    """Compile on a thread pool: the sweep (if asked) within its budget, then the table's configs."""
+    pool = cf.ThreadPoolExecutor(args.threads)
+    if args.sweep:
+        sweep(results, pool, t_start + args.budget, t_start)
+    if not args.no_table:
+        table_mode(results, pool, t_start)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def save_results(results: dict, name: str) -> None:
+    """results as JSON into $OUT/name, when $OUT is set (the GPU machine's output folder)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(results, f, indent=1)

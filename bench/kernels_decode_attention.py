@@ -25,9 +25,7 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import datetime
-import json
 import math
-import os
 import sys
 import time
 import warnings
@@ -36,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import build_chain, log, rel_err, time_chain
+from bench.kernel_timing import add_sweep_args, build_chain, log, rel_err, save_results, sweep_then_table, time_chain
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
@@ -240,11 +238,7 @@ def table_mode(results, pool, t_start):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--no-table", action="store_true", help="skip the table's timings (sweep only)")
-    ap.add_argument("--budget", type=float, default=120.0, help="seconds for the sweep")
-    ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
-    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+    add_sweep_args(ap, budget=120.0)
     args = ap.parse_args()
     global INTERPRET, CONTEXTS, BATCHES
     INTERPRET = args.interpret
@@ -258,13 +252,7 @@ def main():
     log(f"HBM read ceiling {bw0 / 1e12:.3f} TB/s")
     results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
                "date": datetime.datetime.now().isoformat(), "rows": []}
-    pool = cf.ThreadPoolExecutor(args.threads)
-    if args.sweep:
-        sweep(results, pool, t_start + args.budget, t_start)
-
-    if not args.no_table:
-        table_mode(results, pool, t_start)
-    pool.shutdown(wait=False, cancel_futures=True)
+    sweep_then_table(args, results, sweep, table_mode, t_start)
     bw1 = hbm_read_ceiling(gib)
     results["hbm_read_tbps"] = [bw0 / 1e12, bw1 / 1e12]
     bw = max(bw0, bw1)
@@ -292,10 +280,7 @@ def main():
                 print(f"  B={e['B']:>3} ctx={e['ctx']:>6}: {cfg_str(DA.SplitConfig(**b['cfg'])):>18} "
                       f"{b['us']:8.1f} us {b['tbps'] * 1e12 / bw:5.0%}  (ref {e['ref_us']:.1f} us)")
     print(f"total {time.time() - t_start:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "decode_attention.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    save_results(results, "decode_attention.json")
 
 
 if __name__ == "__main__":

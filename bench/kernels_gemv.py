@@ -25,7 +25,6 @@ import concurrent.futures as cf
 import dataclasses
 import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -36,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import log, rel_err
+from bench.kernel_timing import log, rel_err, save_results
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import gemv as G
@@ -301,10 +300,7 @@ def main():
         print(f"{e['out']:>6} x {e['in']:<5} {e['bytes'] / 1e6:6.1f} | {bs} | {ts} | "
               f"{e['xla_us']:7.2f} {e['xla_tbps']:5.2f} {e['xla_tbps'] * 1e12 / bw:5.0%} | {ch:>24}")
     print(f"total {time.time() - t_start:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "gemv_sweep.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    save_results(results, "gemv_sweep.json")
 
 
 def cfg_str(c):

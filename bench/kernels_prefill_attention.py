@@ -31,8 +31,6 @@ import argparse
 import concurrent.futures as cf
 import dataclasses
 import datetime
-import json
-import os
 import sys
 import time
 import warnings
@@ -41,7 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
-from bench.kernel_timing import build_chain, log, rel_err, time_chain
+from bench.kernel_timing import add_sweep_args, build_chain, log, rel_err, save_results, sweep_then_table, time_chain
 import numpy as np
 
 from jaxinfer.ops import reference
@@ -268,11 +266,7 @@ def table_mode(results, pool, t_start):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--no-table", action="store_true", help="skip the table's timings (sweep only)")
-    ap.add_argument("--budget", type=float, default=240.0, help="seconds for the sweep")
-    ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
-    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+    add_sweep_args(ap, budget=240.0)
     args = ap.parse_args()
     global INTERPRET, SHAPES, CASES, SWEEP_CASES
     INTERPRET = args.interpret
@@ -288,12 +282,7 @@ def main():
     log(f"dense bf16 GEMM {g0 / 1e12:.1f} TFLOP/s")
     results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
                "date": datetime.datetime.now().isoformat(), "rows": []}
-    pool = cf.ThreadPoolExecutor(args.threads)
-    if args.sweep:
-        sweep(results, pool, t_start + args.budget, t_start)
-    if not args.no_table:
-        table_mode(results, pool, t_start)
-    pool.shutdown(wait=False, cancel_futures=True)
+    sweep_then_table(args, results, sweep, table_mode, t_start)
     g1 = dense_gemm_rate(gemm_n)
     results["gemm_tflops"] = [g0 / 1e12, g1 / 1e12]
     g = max(g0, g1)
@@ -321,10 +310,7 @@ def main():
                 print(f"  {e['case']:>20}: {cfg_str(PA.PrefillConfig(**b['cfg'])):>20} {b['ms']:8.3f} ms "
                       f"{tf:6.1f} TFLOP/s {tf * 1e12 / g:5.0%}  (ref {e['ref_ms']:.3f} ms)")
     print(f"total {time.time() - t_start:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "prefill_attention.json"), "w") as f:
-            json.dump(results, f, indent=1)
+    save_results(results, "prefill_attention.json")
 
 
 if __name__ == "__main__":
