@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_pallas_prefill_attention import _problem as cpu_problem
+
 from jaxinfer.ops import reference
 from jaxinfer.pallas import prefill_attention as PA
 
@@ -43,29 +45,10 @@ MIXED = [(0, 1000), (5000, 512), (37, 1), (300, 77), (0, 129), (4095, 300)]
 
 
 def _problem(seed, H, KVH, hd, seqs, dtype=jnp.bfloat16, pad=13, L=2, extra_pages=0):
-    """seqs [(prefix, new)] laid out as the engine does (each chunk contiguous, then `pad` padding rows
-    with token_seq 0 and position 0). Returns q, k, v, page_table, query_start, token_seq, positions, rows."""
-    B = len(seqs)
-    P = max(-(-(a + n) // PS) for a, n in seqs) + extra_pages
-    n_pages = B * P + 1
-    kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
-    shape = (L, KVH, n_pages * PS, hd)
-    k = jax.random.normal(kk, shape, dtype)
-    v = jax.random.normal(kv, shape, dtype)
-    pages = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
-    n_rows = sum(n for _, n in seqs)
-    T = n_rows + pad
-    q = jax.random.normal(kq, (T, H, hd), dtype)
-    positions = np.zeros(T, np.int32)
-    token_seq = np.zeros(T, np.int32)
-    qs = [0]
-    for b, (prefix, n) in enumerate(seqs):
-        t = qs[-1]
-        positions[t:t + n] = np.arange(prefix, prefix + n)
-        token_seq[t:t + n] = b
-        qs.append(t + n)
-    return (q, k, v, pages, jnp.asarray(np.asarray(qs, np.int32)), jnp.asarray(token_seq), jnp.asarray(positions),
-            qs)
+    """The CPU tests' problem (tests/test_pallas_prefill_attention.py) at page size PS, with the
+    query starts as a list for the per-sequence check."""
+    *arrays, _ = cpu_problem(seed, H, KVH, hd, PS, seqs, dtype, pad=pad, extra_pages=extra_pages, L=L)
+    return (*arrays, np.asarray(arrays[4]).tolist())
 
 
 def _check(out, ref, qs, dtype):
