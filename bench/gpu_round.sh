@@ -3,6 +3,7 @@
 # its own time limit, so what finishes comes back under $OUT even if a later step is cut off.
 #   round 1: GPU correctness, batch-1 decode, prefill (issues 3, 4), then batched decode / offline
 #            throughput / prefix cache (issue 5)
+#   round profile: prefill's host/launch/device split and traces of batched decode
 #   round 2: HTTP serving (issue 6; needs the server wheels carried in .whl, see DEVELOPERS.md)
 # Usage on the device: bash bench/gpu_round.sh 1|2   (carry .carry: stories260k/ for the parity test,
 # qwen3/ = ../shared/tokenizers/qwen3 for the server; and .whl for round 2)
@@ -12,6 +13,10 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
 case "${1:-1}" in
+  profile)   # where the time goes: prefill host/launch/device split, batched decode traces
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
+    step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
+    ;;
   1)
     step 130 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py tests/gpu/test_rope_kv_write_gpu.py
     step 130 python3 bench/decode.py --shapes qwen3-4b --long llama3-8b:1024 --paths pallas reference --out "$OUT"

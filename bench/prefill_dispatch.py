@@ -1,0 +1,148 @@
+"""Where a prefill's time to first token goes: host preparation, launch, device, read-back; with
+XLA flag variants, each in its own process.
+
+    PYTHONPATH=. python3 bench/prefill_dispatch.py [--shape qwen3-4b] [--prompt 1024] [--out DIR]
+
+For each variant (XLA_FLAGS) a child process loads the model (Pallas ops, the engine's GPU
+defaults) with a one-prompt token bucket and reports, best of 5 single-token requests:
+- ttft: add_request to the first token back on the host (what bench/prefill.py reports);
+- host: add_request until the mixed step is called (scheduling, batch arrays);
+- launch: the jitted step's call until it returns (device_put of the batch, argument handling,
+  enqueueing the work; the device may already run);
+- wait: from there until the sampled token is on the host;
+- raw: device time per prefill step of back-to-back calls of the same step (no read-back between).
+Optionally a profiler trace of one prefill (kernel time against span). Prints one table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {  # name: (XLA_FLAGS, profile)
+    "default": ("", False),
+    "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False),
+    "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True),
+}
+
+
+def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
+    import jax
+    import numpy as np
+
+    from jaxinfer.engine import Engine
+    from jaxinfer.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=T + 16,
+                    max_num_batched_tokens=T, token_buckets=[T], progress=False, skip_tokenizer_init=True,
+                    max_logprobs=0, enable_prefix_caching=False, num_pages=-(-(T + 16) // 16) + 1)
+    res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)
+    r = engine.runner
+    marks: dict = {}
+    run_mixed, fetch = r.run_mixed, r.fetch
+
+    def timed_run_mixed(batch, prompt_logprobs=False):
+        marks["call"] = time.perf_counter()
+        marks["batch"] = batch
+        return run_mixed(batch, prompt_logprobs)
+
+    def timed_fetch(arrays):
+        marks.setdefault("launched", time.perf_counter())
+        return fetch(arrays)
+
+    r.run_mixed, r.fetch = timed_run_mixed, timed_fetch
+    prompt = np.random.default_rng(0).integers(100, 1000, T).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    rows = []
+    for _ in range(6):   # the first is a warm-up
+        marks.clear()
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.take_finished(rid)
+        t1 = time.perf_counter()
+        rows.append((t1 - t0, marks["call"] - t0, marks["launched"] - marks["call"], t1 - marks["launched"]))
+    best = min(rows[1:])
+    res.update({k: 1e3 * v for k, v in zip(("ttft_ms", "host_ms", "launch_ms", "wait_ms"), best)})
+    r.run_mixed, r.fetch = run_mixed, fetch
+
+    batch = jax.device_put(marks["batch"])
+
+    def raw(n):
+        out = None
+        for _ in range(n):
+            r.kv, r.state, *out = r._mixed(r.params, r.kv, r.state, batch)
+        jax.block_until_ready(out)
+
+    raw(2)
+    n = 10
+    t0 = time.perf_counter()
+    raw(n)
+    res["raw_ms"] = 1e3 * (time.perf_counter() - t0) / n
+    if profile:
+        from bench.trace_kernels import kernel_trace, print_summary, summarize
+
+        with kernel_trace("/tmp/trace-prefill-dispatch"):
+            raw(3)
+        s = summarize("/tmp/trace-prefill-dispatch", steps=3)
+        print_summary(s)
+        res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
+                                           "span_us_per_step", "copies_per_step")})
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per variant")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    model_dir = str(Path(args.models) / args.shape)
+    if args.child:
+        print("RESULT " + json.dumps(child(model_dir, args.ops, args.prompt, VARIANTS[args.child][1])), flush=True)
+        return
+    from jaxinfer.random_model import bench_model
+
+    bench_model(args.models, args.shape)
+    rows = []
+    for name in args.variants:
+        flags = VARIANTS[name][0]
+        env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
+        cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape, "--prompt", str(args.prompt),
+               "--ops", args.ops, "--models", args.models]
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            out = p.stdout + p.stderr
+            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
+            res = json.loads(line[7:]) if line else dict(error=out.strip().splitlines()[-1][:200] if out.strip() else "?")
+            print(f"# {name}: {json.dumps(res)}", flush=True)
+            print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile"))), flush=True)
+        except subprocess.TimeoutExpired:
+            res = dict(error="timeout")
+        rows.append(dict(variant=name, flags=flags, **res))
+    print(f"\n{args.shape}, prompt {args.prompt}, ops {args.ops}")
+    print("| variant | TTFT ms | host ms | launch ms | wait ms | raw step ms | compile s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['variant']} | failed: {r['error'][:100]} | | | | | |")
+        else:
+            print(f"| {r['variant']} | {r['ttft_ms']:.2f} | {r['host_ms']:.2f} | {r['launch_ms']:.2f} | "
+                  f"{r['wait_ms']:.2f} | {r['raw_ms']:.2f} | {r['compile_s']:.1f} |")
+    Path(args.out, "prefill_dispatch.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
