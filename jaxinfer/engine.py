@@ -30,6 +30,7 @@ from jaxinfer.kv_cache import bytes_per_page, slots_for
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
+from jaxinfer.transfer import to_device
 from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
 from jaxinfer.sampling import SamplingArrays, SamplingParams
@@ -192,7 +193,7 @@ class Engine:
                 raise ValueError("this engine was started without a tokenizer: give prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         ids = [int(t) for t in prompt]
-        if any(t < 0 or t >= self.cfg.vocab_size for t in ids):
+        if ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
         return None, ids
 
@@ -326,7 +327,7 @@ class Engine:
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
         self._decode_started = time.perf_counter()
-        return r.launch_decode(jax.device_put(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
+        return r.launch_decode(to_device(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
         tokens, logprobs, emitted, top_v, top_i = self.runner.fetch(outs)
@@ -367,7 +368,7 @@ class Engine:
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks],
                                               r.max_num_seqs)
         t0 = time.perf_counter()
-        out = r.run_mixed(jax.device_put(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored))
+        out = r.run_mixed(to_device(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored))
         tokens, logprobs, top_v, top_i = out[:4]
         self.stats["prefill_tokens"] += total
         self.stats["prefill_seconds"] += time.perf_counter() - t0

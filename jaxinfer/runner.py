@@ -26,6 +26,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
 from jaxinfer.sampling import SamplingArrays, sample, top_logprobs
+from jaxinfer.transfer import to_device
 
 
 @flax.struct.dataclass
@@ -192,7 +193,8 @@ class ModelRunner:
         ids = np.zeros(self.max_model_len, np.int32)
         tokens = (prompt_ids + output_ids)[: self.max_model_len]
         ids[: len(tokens)] = tokens
-        self.state = self._init_row(self.state, np.int32(row), ids, np.int32(len(prompt_ids)), np.int32(len(tokens)))
+        self.state = self._init_row(self.state, *to_device((np.int32(row), ids, np.int32(len(prompt_ids)),
+                                                            np.int32(len(tokens)))))
 
     def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
@@ -260,11 +262,11 @@ class ModelRunner:
         self.start_sequence(self.scratch_row, [0], [])
         calls = []   # (compiled step, batch)
         for t in self.token_buckets:
-            batch = jax.device_put(StepBatch(**self.empty_mixed(t),
-                                             sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
+            batch = to_device(StepBatch(**self.empty_mixed(t),
+                                        sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
             calls += [(self._mixed, batch)] + ([(self._mixed_prompt, batch)] if self._mixed_prompt is not None else [])
         for b in self.batch_buckets:
-            batch = jax.device_put(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
+            batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(self._decode[False], batch), (self._decode[True], batch)]
         bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
         if threads > 1:

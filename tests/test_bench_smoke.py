@@ -1,4 +1,4 @@
-"""The GPU benchmarks run end to end on the CPU at a tiny shape (XLA path), so that a GPU session's
+"""The GPU benchmarks run end to end on the CPU at a tiny shape (XLA path; kernel benches in interpret mode), so that a GPU session's
 minutes are never lost to a script error. Their figures here mean nothing."""
 
 import json
@@ -14,9 +14,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path, script, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
-    r = subprocess.run([sys.executable, str(REPO / "bench" / script), "--models", str(tmp_path / "models"),
-                        "--out", str(tmp_path), *args], capture_output=True, text=True, timeout=timeout, env=env,
-                       cwd=REPO)
+    where = [] if script.startswith("kernels_") else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
+    r = subprocess.run([sys.executable, str(REPO / "bench" / script), *where, *args], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -27,6 +27,7 @@ def _run(tmp_path, script, *args, timeout=300):
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
                        "--requests", "5", "--system", "64"], "throughput.json"),
+    ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
      "prefill_dispatch.json"),
 ])

@@ -1,9 +1,10 @@
 """The op interface with Pallas GPU kernels swapped in, op by op, where they measured faster.
 
-Ops not overridden here are the reference ops. The projections of a decode step (T <= MAX_T tokens)
-run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows it, the
-residual add and SwiGLU in the epilogue, weights read in place from the stacked layer arrays.
-Larger T (prefill) goes to the reference ops until the prefill kernels land. Decode attention is
+Ops not overridden here are the reference ops. The projections of a batch-1 decode step (T <= MAX_T
+tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows
+it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
+arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
+residual and SwiGLU epilogues, the norm in XLA); larger T (prefill) goes to XLA's GEMM. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
@@ -26,42 +27,58 @@ class OpSet(SimpleNamespace):
 def make(interpret: bool = False, flash_prefill: bool = True) -> OpSet:
     """flash_prefill: the Pallas flash prefill attention (H200: 1.2x XLA's attention path end to end
     at 1k tokens, 3.6x at 8k, 7.5x at 32k); off gives the reference attention, for A/B runs."""
-    from jaxinfer.pallas import decode_attention, prefill_attention, rope_kv_write
+    from jaxinfer.pallas import decode_attention, prefill_attention, rope_kv_write, skinny_gemm
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
-    def _gemv(x, w, scale=None, b=None, **kw):
-        # Per-layer parameters come stacked with one layer index; others count as a one-layer stack.
+    def _stacked(w, *others):
+        """(stacked weight, layer, stacked others): per-layer parameters come stacked with one
+        layer index; others count as a one-layer stack."""
         if isinstance(w, LayerWeight):
-            stacked, layer = w.stacked, w.layer
-            scale, b = (None if a is None else a.stacked for a in (scale, b))
-        else:
-            stacked, layer = w[None], 0
-            scale, b = (None if a is None else a[None] for a in (scale, b))
+            return w.stacked, w.layer, tuple(None if a is None else a.stacked for a in others)
+        return w[None], 0, tuple(None if a is None else a[None] for a in others)
+
+    def _gemv(x, w, scale=None, b=None, **kw):
+        stacked, layer, (scale, b) = _stacked(w, scale, b)
         n_out, n_in = stacked.shape[-2:]
         if kw.get("epilogue") == "swiglu":
             n_out //= 2
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
                           interpret=interpret, **kw)
 
+    def _skinny(x, w, b=None, **kw):
+        stacked, layer, (b,) = _stacked(w, b)
+        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, interpret=interpret, **kw)
+
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
 
+    def skinny(x) -> bool:   # a batched decode step's rows: tensor cores, weights read once
+        return x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T
+
     def linear(x, w, b=None):
-        return _gemv(x, w, b=b) if small(x) else reference.linear(x, w, b)
+        if small(x):
+            return _gemv(x, w, b=b)
+        return _skinny(x, w, b) if skinny(x) else reference.linear(x, w, b)
 
     def rms_norm_linear(x, scale, eps, w, b=None):
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
+        if skinny(x):
+            return _skinny(reference.rms_norm(x, scale, eps), w, b)
         return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
+        if skinny(x):
+            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu")
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def linear_residual(x, w, b, residual):
         if small(x):
             return _gemv(x, w, b=b, residual=residual, epilogue="residual")
+        if skinny(x):
+            return _skinny(x, w, b, residual=residual, epilogue="residual")
         return reference.linear_residual(x, w, b, residual)
 
     def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,

@@ -1,0 +1,189 @@
+"""Projections of a batched decode step on tensor cores: y [M, N] = epilogue(x [M, K] @ W[layer].T + b),
+M = 2..MAX_T rows (one per sequence), N and K the model's.
+
+At these M the product is bound by reading W once (8 GB per Qwen3-4B step), as at batch 1, but the
+batch-1 GEMV (one warp per output row, CUDA-core FMAs) would re-read x per row and spend M times the
+FMAs. Here each program owns `block_n` output columns and all M rows (padded to a 16-row tile),
+streams W[layer, n0:n0+block_n, :] in [block_n, block_k] tiles through a software pipeline
+(`num_stages`) and multiplies on tensor cores (tl.dot, float32 accumulation). Matrices with few
+columns (N = 2,560: o_proj, down) give few programs; `split_k` then gives each column block several
+programs over equal shares of K, which write float32 partial sums that a small XLA epilogue adds.
+W is the stacked [L, N, K] array read in place at `layer` (no per-layer copy).
+
+Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
+residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
+reads rows I + n, and writes silu(gate) * up [M, I].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, pow2_at_least
+
+f32 = jnp.float32
+i32 = jnp.int32
+
+# `ops.pallas` sends 2..MAX_T token rows here (XLA's GEMM above; the batch-1 GEMV at 1).
+MAX_T = 128
+EPILOGUES = ("none", "residual", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1
+
+
+def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig:
+    """Enough programs to keep every SM streaming: split K when the column blocks alone are few."""
+    cols = N // 2 if epilogue == "swiglu" else N
+    block_n = 64
+    blocks = -(-cols // block_n)
+    split = 1
+    while blocks * split < 132 and split < 8 and -(-K // 128) >= 4 * split * 2:
+        split *= 2
+    return SkinnyConfig(block_n=block_n, block_k=128, num_warps=4, num_stages=4, split_k=split)
+
+
+def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
+            tiles_per_split, partial):
+    refs = list(refs)
+    o_ref = refs.pop()
+    b_ref = refs.pop(0) if has_bias else None
+    res_ref = refs.pop(0) if epilogue == "residual" else None
+    BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
+    layer = plgpu.load(layer_ref.at[i32(0)])
+    n0 = pl.program_id(0) * BN
+    cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
+    ragged_n = cols_n % BN != 0
+    ragged_k = K % BK != 0 or (S > 1 and pl.cdiv(K, BK) % S != 0)
+    rows = jnp.arange(BM, dtype=i32)
+    row_ok = rows < M
+    rows_ld = jnp.minimum(rows, M - 1)
+    n = n0 + jnp.arange(BN, dtype=i32)
+    n_ok = n < cols_n
+    n_ld = jnp.minimum(n, cols_n - 1)
+    lanes = jnp.arange(BK, dtype=i32)
+    bases = (0, half) if epilogue == "swiglu" else (0,)
+    prec = dot_precision(x_ref.dtype)
+    k_tiles = pl.cdiv(K, BK)
+    t_lo = pl.program_id(1) * tiles_per_split if S > 1 else 0
+    t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if S > 1 else k_tiles
+
+    def body(t, accs):
+        k0 = pl.multiple_of(t * BK, BK)
+        k = k0 + lanes
+        k_ok = k < K
+        kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
+        x_mask = None
+        if M != BM or ragged_k:
+            x_mask = (row_ok[:, None] if M != BM else True) & (k_ok[None, :] if ragged_k else True)
+            x_mask = jnp.broadcast_to(x_mask, (BM, BK))
+        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
+        out = []
+        for base, acc in zip(bases, accs):
+            if ragged_n or ragged_k:
+                w_mask = jnp.broadcast_to((n_ok[:, None] if ragged_n else True) & (k_ok[None, :] if ragged_k else True),
+                                          (BN, BK))
+                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
+            else:
+                w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
+            out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
+                                                 preferred_element_type=f32))
+        return tuple(out)
+
+    accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+    mask = row_ok[:, None] & n_ok[None, :]
+    if partial:   # split-K: float32 partial sums [S, M, N_full]; the XLA epilogue finishes
+        s = pl.program_id(1)
+        for base, acc in zip(bases, accs):
+            plgpu.store(o_ref.at[s, rows[:, None], (base + n)[None, :]], acc, mask=mask)
+        return
+    dtype = o_ref.dtype
+    ys = []
+    for base, acc in zip(bases, accs):
+        if has_bias:
+            acc = acc + plgpu.load(b_ref.at[layer, base + n_ld], mask=n_ok, other=0).astype(f32)[None, :]
+        ys.append(acc.astype(dtype))
+    if epilogue == "residual":
+        y = ys[0] + plgpu.load(res_ref.at[rows_ld[:, None], n_ld[None, :]], mask=mask, other=0)
+    elif epilogue == "swiglu":
+        gate, up = ys
+        y = jax.nn.silu(gate.astype(f32)).astype(dtype) * up
+    else:
+        y = ys[0]
+    plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(dtype), mask=mask)
+
+
+def _finish(partial, b, residual, epilogue, dtype):
+    """The split-K epilogue in XLA: sum the partials, then as the reference ops round."""
+    y = jnp.sum(partial, axis=0)
+    if b is not None:
+        y = y + b.astype(f32)
+    y = y.astype(dtype)
+    if epilogue == "residual":
+        return residual + y
+    if epilogue == "swiglu":
+        gate, up = jnp.split(y, 2, axis=-1)
+        return jax.nn.silu(gate.astype(f32)).astype(dtype) * up
+    return y
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
+def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
+                residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
+                interpret: bool = False) -> jax.Array:
+    """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [L, N];
+    epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
+    returns [M, I]. config: None picks `choose_config`."""
+    if w.ndim == 2:
+        w, b = w[None], None if b is None else b[None]
+    M, K = x.shape
+    _, N, K_w = w.shape
+    if K_w != K:
+        raise ValueError(f"skinny_gemm: x {x.shape} and w {w.shape} disagree on K")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"skinny_gemm: unknown epilogue {epilogue!r}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("skinny_gemm: a residual goes with epilogue='residual'")
+    if epilogue == "swiglu" and N % 2:
+        raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
+    cfg = config or choose_config(M, N, K, epilogue)
+    if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
+            and cfg.split_k >= 1):
+        raise ValueError(f"skinny_gemm: bad config {cfg}")
+    half = N // 2
+    cols = half if epilogue == "swiglu" else N
+    BM = pow2_at_least(M, 16)
+    k_tiles = -(-K // cfg.block_k)
+    S = min(cfg.split_k, k_tiles)
+    cfg = dataclasses.replace(cfg, split_k=S)
+    tiles_per_split = -(-k_tiles // S)
+    partial = S > 1
+    layer = jnp.asarray(layer, i32).reshape(1)
+    if partial:
+        args, out_shape = [layer, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
+    else:
+        args = [layer, x, w] + [a for a in (b, residual) if a is not None]
+        out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
+    kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
+                               epilogue="none" if partial else epilogue, half=half,
+                               tiles_per_split=tiles_per_split, partial=partial)
+    y = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(pl.cdiv(N if partial else cols, cfg.block_n), S), interpret=interpret,
+        name=f"skinny_gemm_{epilogue}",
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(*args)
+    if partial:
+        return _finish(y, None if b is None else b[layer[0]], residual, epilogue, x.dtype)
+    return y

@@ -1,0 +1,78 @@
+"""The batched-decode tensor-core GEMM (interpret mode) against the reference ops, at row counts,
+column counts and depths that are not multiples of the tiles, with the layer index, bias, split-K
+and each epilogue.
+
+Tolerances: float32 1e-5 relative (same products, another summation order); bfloat16 1e-2 relative
+(outputs round to bf16, ~4e-3 per element, and a different summation order can flip a rounding).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.ops import LayerWeight, reference
+from jaxinfer.pallas.skinny_gemm import SkinnyConfig, choose_config, skinny_gemm
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+# (M, N, K, config): ragged everywhere; exact tiles; split-K with a ragged last share; M at a tile edge
+CASES = [
+    (3, 100, 72, SkinnyConfig(block_n=32, block_k=32)),
+    (16, 128, 256, SkinnyConfig(block_n=64, block_k=64, split_k=1)),
+    (5, 96, 200, SkinnyConfig(block_n=32, block_k=32, split_k=3)),
+    (17, 64, 128, SkinnyConfig(block_n=16, block_k=64, split_k=2)),
+]
+
+
+def _rel(y, ref):
+    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(y))
+    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("kind", ["plain", "bias", "residual", "swiglu"])
+def test_skinny_gemm_matches_reference(kind, case, dtype):
+    M, N, K, cfg = CASES[case]
+    keys = jax.random.split(jax.random.PRNGKey(hash((kind, case, str(dtype))) % 2**31), 4)
+    L, layer = 3, 2
+    x = jax.random.normal(keys[0], (M, K), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (L, N, K), jnp.float32) / np.sqrt(K)).astype(dtype)
+    b = jax.random.normal(keys[2], (L, N), jnp.float32).astype(dtype)
+    res = jax.random.normal(keys[3], (M, N), jnp.float32).astype(dtype)
+    lw, lb = LayerWeight(w, jnp.int32(layer)), LayerWeight(b, jnp.int32(layer))
+    kw = dict(config=cfg, interpret=True)
+    if kind == "plain":
+        y, ref = skinny_gemm(x, w, layer, **kw), reference.linear(x, lw)
+    elif kind == "bias":
+        y, ref = skinny_gemm(x, w, layer, b=b, **kw), reference.linear(x, lw, lb)
+    elif kind == "residual":
+        y = skinny_gemm(x, w, layer, b=b, residual=res, epilogue="residual", **kw)
+        ref = reference.linear_residual(x, lw, lb, res)
+    else:
+        y = skinny_gemm(x, w, layer, epilogue="swiglu", **kw)
+        ref = reference.swiglu(reference.linear(x, lw))
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert _rel(y, ref) <= TOL[dtype]
+
+
+def test_two_dimensional_weight_and_default_config():
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 256), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (192, 256), jnp.float32)
+    y = skinny_gemm(x, w, interpret=True)
+    assert _rel(y, reference.linear(x, w)) <= 1e-5
+
+
+def test_choose_config_splits_narrow_matrices_only():
+    assert choose_config(64, 19456, 2560, "swiglu").split_k == 1     # 152 column blocks already
+    assert choose_config(64, 2560, 9728).split_k > 1                 # 40 column blocks: split K
+    assert choose_config(8, 6144, 2560).split_k >= 1
+
+
+@pytest.mark.parametrize("bad", [dict(epilogue="gelu"), dict(epilogue="residual"),
+                                 dict(config=SkinnyConfig(block_n=48))])
+def test_bad_arguments_are_refused(bad):
+    x, w = jnp.zeros((4, 64)), jnp.zeros((32, 64))
+    with pytest.raises(ValueError):
+        skinny_gemm(x, w, interpret=True, **bad)
