@@ -13,6 +13,11 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
 case "${1:-1}" in
+  skinny)    # the batched-decode GEMM: GPU parity, config sweep and kernel-vs-XLA table, engine check
+    step 90 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
+    step 330 python3 bench/kernels_skinny_gemm.py --sweep --budget 180
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --requests 30 --system 64 --out "$OUT"
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
