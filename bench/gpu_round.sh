@@ -18,6 +18,11 @@ case "${1:-1}" in
     step 330 python3 bench/kernels_skinny_gemm.py --sweep --budget 180
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --requests 30 --system 64 --out "$OUT"
     ;;
+  batched)   # after the skinny table: prefill host split, TTFT, batched decode and offline throughput
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+    step 120 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
+    step 320 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 64 --out "$OUT"
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.ops import LayerWeight, reference
-from jaxinfer.pallas.skinny_gemm import SkinnyConfig, choose_config, skinny_gemm
+from jaxinfer.pallas.skinny_gemm import SkinnyConfig, choose_config, fit_stages, skinny_gemm, table_config
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # (M, N, K, config): ragged everywhere; exact tiles; split-K with a ragged last share; M at a tile edge
@@ -65,9 +65,21 @@ def test_two_dimensional_weight_and_default_config():
 
 
 def test_choose_config_splits_narrow_matrices_only():
-    assert choose_config(64, 19456, 2560, "swiglu").split_k == 1     # 152 column blocks already
-    assert choose_config(64, 2560, 9728).split_k > 1                 # 40 column blocks: split K
-    assert choose_config(8, 6144, 2560).split_k >= 1
+    assert choose_config(64, 28672, 4096, "swiglu").split_k == 1     # 224 column blocks already
+    assert choose_config(64, 4096, 14336).split_k > 1                # 64 column blocks: split K
+
+
+def test_table_covers_measured_shapes_only():
+    assert table_config(8, 6144, 2560) == table_config(16, 6144, 2560) is not None
+    assert table_config(64, 19456, 2560, "swiglu") is None           # XLA measured faster there
+    assert table_config(65, 6144, 2560) is None                      # above MAX_T: XLA
+    assert table_config(8, 4096, 4096, "residual") is None           # not swept
+
+
+def test_stages_fit_shared_memory():
+    big = SkinnyConfig(block_n=64, block_k=128, num_stages=4)
+    assert fit_stages(big, 128, 2, "swiglu").num_stages < 4          # 256 KB asked for on the H200
+    assert fit_stages(big, 16, 2, "none").num_stages == 4
 
 
 @pytest.mark.parametrize("bad", [dict(epilogue="gelu"), dict(epilogue="residual"),

@@ -52,32 +52,36 @@ def make(interpret: bool = False, flash_prefill: bool = True) -> OpSet:
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
 
-    def skinny(x) -> bool:   # a batched decode step's rows: tensor cores, weights read once
-        return x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T
+    def skinny(x, w, epilogue="none") -> bool:
+        """A batched decode step's rows, at a shape where the tensor-core kernel measured faster than XLA."""
+        if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
+            return False
+        n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
+        return interpret or skinny_gemm.table_config(x.shape[0], n, k, epilogue) is not None
 
     def linear(x, w, b=None):
         if small(x):
             return _gemv(x, w, b=b)
-        return _skinny(x, w, b) if skinny(x) else reference.linear(x, w, b)
+        return _skinny(x, w, b) if skinny(x, w) else reference.linear(x, w, b)
 
     def rms_norm_linear(x, scale, eps, w, b=None):
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
-        if skinny(x):
+        if skinny(x, w):
             return _skinny(reference.rms_norm(x, scale, eps), w, b)
         return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
-        if skinny(x):
+        if skinny(x, w_gate_up, "swiglu"):
             return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu")
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def linear_residual(x, w, b, residual):
         if small(x):
             return _gemv(x, w, b=b, residual=residual, epilogue="residual")
-        if skinny(x):
+        if skinny(x, w, "residual"):
             return _skinny(x, w, b, residual=residual, epilogue="residual")
         return reference.linear_residual(x, w, b, residual)
 

@@ -30,9 +30,11 @@ from jaxinfer.pallas.blocks import dot_precision, is_pow2, pow2_at_least
 f32 = jnp.float32
 i32 = jnp.int32
 
-# `ops.pallas` sends 2..MAX_T token rows here (XLA's GEMM above; the batch-1 GEMV at 1).
-MAX_T = 128
+# `ops.pallas` sends 2..MAX_T token rows here when the table has the shape (XLA's GEMM otherwise,
+# and above MAX_T; the batch-1 GEMV at 1).
+MAX_T = 64
 EPILOGUES = ("none", "residual", "swiglu")
+SMEM_BYTES = 200 * 1024   # of the H200's 227 KB per block: what the pipeline's stages may take
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +46,34 @@ class SkinnyConfig:
     split_k: int = 1
 
 
+# Measured (H200, 2026-11-29, bench/kernels_skinny_gemm.py --sweep, bf16; bench/NOTES.md): the best
+# config per (N, K, epilogue) at M = 16 (used for M <= 16) and M = 64 (16 < M <= 64), kept only where
+# it beat XLA's GEMM in the same run. Missing: XLA is as fast or faster (gate/up at M = 64), or the
+# shape was not swept.
+_TABLE = {
+    (6144, 2560, "none", 16): SkinnyConfig(64, 256, 8, 4, 1),       # 10.95 us vs XLA 11.80
+    (6144, 2560, "none", 64): SkinnyConfig(64, 128, 4, 6, 1),       # 10.79 vs 14.50
+    (2560, 4096, "residual", 16): SkinnyConfig(128, 128, 4, 4, 4),  # 9.66 vs 13.99
+    (2560, 4096, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 10.03 vs 11.26
+    (19456, 2560, "swiglu", 16): SkinnyConfig(32, 128, 4, 3, 1),    # 26.59 vs 27.99
+    (2560, 9728, "residual", 16): SkinnyConfig(32, 64, 4, 4, 8),    # 16.21 vs 16.49
+    (2560, 9728, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 17.94 vs 19.27
+}
+
+
+def table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
+    """The measured config for this product, or None where XLA's GEMM measured as fast or faster."""
+    if M > MAX_T:
+        return None
+    return _TABLE.get((N, K, epilogue, 16 if M <= 16 else 64))
+
+
 def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig:
-    """Enough programs to keep every SM streaming: split K when the column blocks alone are few."""
+    """The table's config; elsewhere enough programs to keep every SM streaming (split K when the
+    column blocks alone are few)."""
+    cfg = table_config(M, N, K, epilogue)
+    if cfg is not None:
+        return cfg
     cols = N // 2 if epilogue == "swiglu" else N
     block_n = 64
     blocks = -(-cols // block_n)
@@ -53,6 +81,16 @@ def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfi
     while blocks * split < 132 and split < 8 and -(-K // 128) >= 4 * split * 2:
         split *= 2
     return SkinnyConfig(block_n=block_n, block_k=128, num_warps=4, num_stages=4, split_k=split)
+
+
+def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> SkinnyConfig:
+    """Fewer pipeline stages where the tiles of M rows would overflow shared memory (M = 128 with
+    4 stages of 64 x 128 did, on the H200)."""
+    BM = pow2_at_least(M, 16)
+    n_w = 2 if epilogue == "swiglu" else 1
+    per_stage = (BM + n_w * cfg.block_n) * cfg.block_k * itemsize
+    stages = max(1, min(cfg.num_stages, SMEM_BYTES // per_stage))
+    return dataclasses.replace(cfg, num_stages=stages)
 
 
 def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
@@ -158,7 +196,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError("skinny_gemm: a residual goes with epilogue='residual'")
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
-    cfg = config or choose_config(M, N, K, epilogue)
+    cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
             and cfg.split_k >= 1):
         raise ValueError(f"skinny_gemm: bad config {cfg}")
