@@ -23,6 +23,10 @@ case "${1:-1}" in
     step 120 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     step 320 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 64 --out "$OUT"
     ;;
+  start)     # cold and warm start of a fresh process (threaded weight loading), then TTFT again
+    step 240 python3 bench/warm_start.py --shape qwen3-4b --runs 2 --out "$OUT"
+    step 100 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"

@@ -27,6 +27,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
                        "--requests", "5", "--system", "64"], "throughput.json"),
+    ("warm_start.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64"],
+     "warm_start.json"),
     ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
      "prefill_dispatch.json"),
