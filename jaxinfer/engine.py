@@ -161,7 +161,10 @@ class Engine:
 
     def _num_pages(self) -> int:
         """Pages for the KV pool: as configured; else a fraction of the device memory left after the
-        weights (on devices that report it); else enough for max_num_seqs full-length sequences."""
+        weights (on devices that report it), at most twice what max_num_seqs full-length sequences
+        use (the rest keeps prefix-cached pages; more would only take memory the steps need: a
+        one-sequence engine on the H200 took 90% of the card and its 2,048-token step then could not
+        get its 42.5 GiB of temporaries); else enough for max_num_seqs full-length sequences."""
         c = self.config
         pages_per_seq = -(-self.max_model_len // c.page_size)
         num_pages = c.num_pages
@@ -170,7 +173,8 @@ class Engine:
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
             # Leave room for the activations of the largest step.
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
-            num_pages = int(free // bytes_per_page(self.cfg, c.page_size))
+            num_pages = min(int(free // bytes_per_page(self.cfg, c.page_size)),
+                            2 * c.max_num_seqs * pages_per_seq + 1)
             if num_pages - 1 < pages_per_seq:
                 raise ValueError(
                     f"the KV pool would get {max(num_pages, 0)} pages, too few for one sequence of "

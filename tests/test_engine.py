@@ -208,3 +208,20 @@ def test_a_dropped_engine_frees_its_buffers_without_a_garbage_collection():
         assert kv() is None
     finally:
         gc.enable()
+
+
+def test_kv_pool_from_device_memory_is_capped_by_what_the_sequences_can_use(monkeypatch):
+    """On a device that reports its memory, the pool takes the free memory but at most twice what
+    max_num_seqs full-length sequences use: a one-sequence engine must leave the steps their room."""
+    import jaxinfer.engine as E
+
+    class Device:
+        platform = "cpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 2**40, "bytes_in_use": 0}
+
+    real = jax.devices
+    monkeypatch.setattr(E.jax, "devices", lambda *a: [Device()] if not a else real(*a))
+    engine = E.Engine(STORIES, max_num_seqs=2, max_model_len=64, progress=False, compile_threads=1)
+    assert engine.pages.num_pages == 2 * 2 * (64 // 16) + 1
