@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from bench.variant_runs import run_variants
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile)
     "default+cond": ("", False, False),
@@ -84,22 +84,9 @@ def main() -> None:
     from jaxinfer.random_model import bench_model
 
     bench_model(args.models, args.shape)
-    rows = []
-    for name in args.variants:
-        flags = VARIANTS[name][0]
-        env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
-        cmd = [sys.executable, __file__, "--child", name, "--shape", args.shape, "--ctx", str(args.ctx),
-               "--steps", str(args.steps), "--ops", args.ops, "--models", args.models]
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            out = p.stdout + p.stderr
-            line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
-            res = json.loads(line[7:]) if line else dict(error=out.strip().splitlines()[-1][:200] if out.strip() else "?")
-            print(f"# {name}: {json.dumps(res)}", flush=True)
-            print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile"))), flush=True)
-        except subprocess.TimeoutExpired:
-            res = dict(error="timeout")
-        rows.append(dict(variant=name, flags=flags, **res))
+    rows = run_variants(__file__, {name: VARIANTS[name][0] for name in args.variants},
+                        ["--shape", args.shape, "--ctx", str(args.ctx), "--steps", str(args.steps), "--ops", args.ops,
+                         "--models", args.models], args.timeout)
     print(f"\n{args.shape}, context {args.ctx}, {args.steps} steps per dispatch")
     print("| variant | engine step ms | raw step ms | compile s |")
     print("|---|---|---|---|")
