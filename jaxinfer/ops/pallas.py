@@ -4,7 +4,8 @@ Ops not overridden here are the reference ops. The projections of a batch-1 deco
 tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows
 it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
-residual and SwiGLU epilogues, the norm in XLA); larger T (prefill) goes to XLA's GEMM. Decode attention is
+residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
+(in interpret mode: always, so the CPU tests cover it); the rest, and prefill, go to XLA's GEMM. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
