@@ -53,37 +53,41 @@ def make(interpret: bool = False, flash_prefill: bool = True) -> OpSet:
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
 
-    def skinny(x, w, epilogue="none") -> bool:
-        """A batched decode step's rows, at a shape where the tensor-core kernel measured faster than XLA."""
+    def skinny_config(x, w, epilogue="none"):
+        """The tensor-core kernel's config for a batched decode step's rows, at a shape where its
+        measured table beat XLA (in interpret mode at every shape, so the CPU tests cover it); else None."""
         if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
-            return False
+            return None
         n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
-        return interpret or skinny_gemm.table_config(x.shape[0], n, k, epilogue) is not None
+        pick = skinny_gemm.choose_config if interpret else skinny_gemm.table_config
+        return pick(x.shape[0], n, k, epilogue)
 
     def linear(x, w, b=None):
         if small(x):
             return _gemv(x, w, b=b)
-        return _skinny(x, w, b) if skinny(x, w) else reference.linear(x, w, b)
+        if (cfg := skinny_config(x, w)) is not None:
+            return _skinny(x, w, b, config=cfg)
+        return reference.linear(x, w, b)
 
     def rms_norm_linear(x, scale, eps, w, b=None):
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
-        if skinny(x, w):
-            return _skinny(reference.rms_norm(x, scale, eps), w, b)
+        if (cfg := skinny_config(x, w)) is not None:
+            return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg)
         return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
-        if skinny(x, w_gate_up, "swiglu"):
-            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu")
+        if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
+            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def linear_residual(x, w, b, residual):
         if small(x):
             return _gemv(x, w, b=b, residual=residual, epilogue="residual")
-        if skinny(x, w, "residual"):
-            return _skinny(x, w, b, residual=residual, epilogue="residual")
+        if (cfg := skinny_config(x, w, "residual")) is not None:
+            return _skinny(x, w, b, residual=residual, epilogue="residual", config=cfg)
         return reference.linear_residual(x, w, b, residual)
 
     def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,

@@ -22,6 +22,24 @@ def dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else None
 
 
+def silu_mul(gate, up):
+    """silu(gate) * up, rounded as the kernels' epilogues round: silu in float32, rounded to up's
+    dtype, then the product (in that dtype)."""
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(up.dtype) * up
+
+
+def tile_mask(row_ok, col_ok, shape):
+    """The mask of a [rows, cols] tile load from optional row and column masks (None: all valid);
+    None when neither is given."""
+    if row_ok is None and col_ok is None:
+        return None
+    if row_ok is None:
+        return jnp.broadcast_to(col_ok[None, :], shape)
+    if col_ok is None:
+        return jnp.broadcast_to(row_ok[:, None], shape)
+    return row_ok[:, None] & col_ok[None, :]
+
+
 def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int):
     """Cache slots of positions `pos` of page-table row `row`, read in place (slot 0 at pos >= limit)."""
     page_idx = jnp.minimum(pos // page_size, n_pages - 1)

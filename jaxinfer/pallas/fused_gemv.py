@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas.blocks import silu_mul
+
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
@@ -72,7 +74,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             out = ys[0] + res_ref[jnp.int32(t), row]
         elif epilogue == "swiglu":
             gate, up = ys
-            out = (jax.nn.silu(gate.astype(f32)).astype(dtype) * up)
+            out = silu_mul(gate, up)
         else:
             out = ys[0]
         o_ref[jnp.int32(t), row] = out.astype(dtype)

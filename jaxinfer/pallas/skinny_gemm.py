@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, pow2_at_least
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, pow2_at_least, silu_mul, tile_mask
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -94,12 +94,13 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
 
 
 def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
-            tiles_per_split, partial):
+            tiles_per_split):
     refs = list(refs)
     o_ref = refs.pop()
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
+    partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
     n0 = pl.program_id(0) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
@@ -115,34 +116,30 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     bases = (0, half) if epilogue == "swiglu" else (0,)
     prec = dot_precision(x_ref.dtype)
     k_tiles = pl.cdiv(K, BK)
-    t_lo = pl.program_id(1) * tiles_per_split if S > 1 else 0
-    t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if S > 1 else k_tiles
+    t_lo = pl.program_id(1) * tiles_per_split if partial else 0
+    t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
 
     def body(t, accs):
         k0 = pl.multiple_of(t * BK, BK)
         k = k0 + lanes
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
-        x_mask = None
-        if M != BM or ragged_k:
-            x_mask = (row_ok[:, None] if M != BM else True) & (k_ok[None, :] if ragged_k else True)
-            x_mask = jnp.broadcast_to(x_mask, (BM, BK))
+        x_mask = tile_mask(row_ok if M != BM else None, k_ok if ragged_k else None, (BM, BK))
         x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
+        w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
-            if ragged_n or ragged_k:
-                w_mask = jnp.broadcast_to((n_ok[:, None] if ragged_n else True) & (k_ok[None, :] if ragged_k else True),
-                                          (BN, BK))
-                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
-            else:
+            if w_mask is None:
                 w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
+            else:
+                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
             out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
                                                  preferred_element_type=f32))
         return tuple(out)
 
     accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
     mask = row_ok[:, None] & n_ok[None, :]
-    if partial:   # split-K: float32 partial sums [S, M, N_full]; the XLA epilogue finishes
+    if partial:   # [S, M, N_full]
         s = pl.program_id(1)
         for base, acc in zip(bases, accs):
             plgpu.store(o_ref.at[s, rows[:, None], (base + n)[None, :]], acc, mask=mask)
@@ -156,8 +153,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     if epilogue == "residual":
         y = ys[0] + plgpu.load(res_ref.at[rows_ld[:, None], n_ld[None, :]], mask=mask, other=0)
     elif epilogue == "swiglu":
-        gate, up = ys
-        y = jax.nn.silu(gate.astype(f32)).astype(dtype) * up
+        y = silu_mul(*ys)
     else:
         y = ys[0]
     plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(dtype), mask=mask)
@@ -172,8 +168,7 @@ def _finish(partial, b, residual, epilogue, dtype):
     if epilogue == "residual":
         return residual + y
     if epilogue == "swiglu":
-        gate, up = jnp.split(y, 2, axis=-1)
-        return jax.nn.silu(gate.astype(f32)).astype(dtype) * up
+        return silu_mul(*jnp.split(y, 2, axis=-1))
     return y
 
 
@@ -216,7 +211,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
     kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
                                epilogue="none" if partial else epilogue, half=half,
-                               tiles_per_split=tiles_per_split, partial=partial)
+                               tiles_per_split=tiles_per_split)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(N if partial else cols, cfg.block_n), S), interpret=interpret,
         name=f"skinny_gemm_{epilogue}",
