@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
-from bench.variant_runs import run_variants
+from bench.variant_runs import add_variant_args, run_variants
 
 VARIANTS = {  # name: (XLA_FLAGS, profile)
     "default": ("", False),
@@ -100,14 +99,8 @@ def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="qwen3-4b")
+    add_variant_args(ap, VARIANTS)
     ap.add_argument("--prompt", type=int, default=1024)
-    ap.add_argument("--ops", default="pallas")
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
-    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
-    ap.add_argument("--timeout", type=int, default=150, help="seconds per variant")
-    ap.add_argument("--child", default=None)
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     model_dir = str(Path(args.models) / args.shape)
     if args.child:

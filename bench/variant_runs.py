@@ -11,6 +11,17 @@ import subprocess
 import sys
 
 
+def add_variant_args(ap, variants) -> None:
+    """The options both dispatch benches take: model shape and ops, which variants, the child flag."""
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--variants", nargs="*", default=list(variants))
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per variant")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+
+
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
     """For each variant name -> XLA_FLAGS, run `script --child NAME *child_args` with those flags
     added; returns one row per variant: its RESULT fields, or `error`."""
