@@ -180,28 +180,30 @@ def refine_configs(n_out, n_in, top=5):
     return list(dict.fromkeys(prior + [table] + policies + parse_cfgs(EXTRAS)))
 
 
-def run_configs(p: Problem, cfgs, pool, deadline):
-    """Compile all in parallel (XLA/Triton compiles release the GIL), then time one at a time with
-    the pool idle: a tracing thread holding the GIL would stall dispatch and inflate the times."""
-    futs = [(c, pool.submit(build, cfg_fn(c), p)) for c in cfgs]
-    cf.wait([f for _, f in futs])
-    rows = []
-    for c, fut in futs:
-        row = {"cfg": dataclasses.asdict(c)}
+def compile_then_time(p: Problem, fns: dict, pool, deadline) -> dict:
+    """Compile every fn (key -> fn(x, w)) in parallel (XLA/Triton compiles release the GIL), then time
+    them one at a time with the pool idle: a tracing thread holding the GIL would stall dispatch and
+    inflate the times. Returns key -> {us, tbps, err, ok} or {ok: False, error}."""
+    futs = {k: pool.submit(build, fn, p) for k, fn in fns.items()}
+    cf.wait(list(futs.values()))
+    out = {}
+    for k, fut in futs.items():
         try:
             compiled = fut.result()
         except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-            rows.append(row)
+            out[k] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
             continue
         if time.time() > deadline:
-            row.update(ok=False, error="skipped: out of time budget")
-            rows.append(row)
+            out[k] = dict(ok=False, error="skipped: out of time budget")
             continue
         t, err = time_compiled(compiled, p)
-        row.update(us=t * 1e6, tbps=p.wbytes / t / 1e12, err=err, ok=err < TOL)
-        rows.append(row)
-    return rows
+        out[k] = dict(us=t * 1e6, tbps=p.wbytes / t / 1e12, err=err, ok=err < TOL)
+    return out
+
+
+def run_configs(p: Problem, cfgs, pool, deadline):
+    res = compile_then_time(p, {c: cfg_fn(c) for c in cfgs}, pool, deadline)
+    return [{"cfg": dataclasses.asdict(c), **r} for c, r in res.items()]
 
 
 def main():

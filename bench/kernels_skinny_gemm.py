@@ -42,7 +42,6 @@ SHAPES = {"qwen3-4b": [(6144, 2560, "none"), (2560, 4096, "residual"), (19456, 2
                         (4096, 14336, "residual")]}
 MS = [2, 8, 16, 32, 64, 128]
 SWEEP_MS = [16, 64]
-TOL = 1e-2
 INTERPRET = False
 
 
@@ -64,25 +63,6 @@ def xla_fn(epilogue):
     if epilogue == "swiglu":
         return lambda x, w: reference.swiglu(reference.linear(x, w))
     return reference.linear
-
-
-def run(p, fns: dict, pool, deadline):
-    """Compile all in parallel, then time one at a time with the pool idle."""
-    futs = {k: pool.submit(KG.build, f, p) for k, f in fns.items()}
-    cf.wait(list(futs.values()))
-    out = {}
-    for k, fut in futs.items():
-        try:
-            compiled = fut.result()
-        except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
-            out[k] = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:200]}")
-            continue
-        if time.time() > deadline:
-            out[k] = dict(ok=False, error="skipped: out of time budget")
-            continue
-        t, err = KG.time_compiled(compiled, p)
-        out[k] = dict(us=t * 1e6, tbps=p.wbytes / t / 1e12, err=err, ok=err < TOL)
-    return out
 
 
 def phase_a(K):
@@ -132,9 +112,10 @@ def main():
         for n_out, n_in, ep in SHAPES[first]:
             for M in SWEEP_MS:
                 p = problem(n_out, n_in, M, ep)
-                a = run(p, {c: kernel_fn(c, ep) for c in phase_a(n_in)}, pool, deadline)
+                a = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in phase_a(n_in)}, pool, deadline)
                 ranked = sorted((r["us"], c) for c, r in a.items() if r.get("ok"))
-                b = run(p, {c: kernel_fn(c, ep) for c in phase_b([c for _, c in ranked[:3]])}, pool, deadline)
+                top3 = [c for _, c in ranked[:3]]
+                b = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in phase_b(top3)}, pool, deadline)
                 allr = {**a, **b}
                 ranked = sorted((r["us"], cfg_str(c), c) for c, r in allr.items() if r.get("ok"))
                 best = ranked[0] if ranked else None
@@ -153,7 +134,7 @@ def main():
             for M in MS:
                 p = problem(n_out, n_in, M, ep)
                 cfg = SG.choose_config(M, n_out, n_in, ep)
-                r = run(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
+                r = KG.compile_then_time(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
                 row = dict(model=model, shape=[n_out, n_in], epilogue=ep, M=M, cfg=dataclasses.asdict(cfg), **{
                     f"{k}_{f}": v for k, d in r.items() for f, v in d.items()})
                 results["rows"].append(row)
