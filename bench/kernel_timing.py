@@ -4,6 +4,7 @@ and timing an AOT-compiled chain of n dependent calls of one op."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import datetime
 import json
 import os
 import sys
@@ -76,6 +77,23 @@ def sweep_then_table(args, results: dict, sweep, table_mode, t_start: float) -> 
     if not args.no_table:
         table_mode(results, pool, t_start)
     pool.shutdown(wait=False, cancel_futures=True)
+
+
+def sweep_and_table_between_ceilings(args, sweep, table_mode, ceiling, key: str, unit: float, label: str):
+    """Log the device; measure `ceiling()` (bytes/s or FLOP/s) before and after the sweep and the
+    table, so that drift shows; returns (results, before, after, t_start), results[key] holding both
+    in `unit`s."""
+    t_start = time.time()
+    dev = jax.devices()[0]
+    log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
+    before = ceiling()
+    log(f"{label} {before / unit:.3f}")
+    results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
+               "date": datetime.datetime.now().isoformat(), "rows": []}
+    sweep_then_table(args, results, sweep, table_mode, t_start)
+    after = ceiling()
+    results[key] = [before / unit, after / unit]
+    return results, before, after, t_start
 
 
 def save_results(results: dict, name: str) -> None:

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import datetime
 import math
-import sys
 import time
 import warnings
 
@@ -34,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import add_sweep_args, build_chain, log, rel_err, save_results, sweep_then_table, time_chain
+from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
@@ -244,17 +242,10 @@ def main():
     INTERPRET = args.interpret
     if INTERPRET:
         CONTEXTS, BATCHES = [1, 100], [1, 2]
-    t_start = time.time()
-    dev = jax.devices()[0]
-    log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
     gib = 0.25 if INTERPRET else 4
-    bw0 = hbm_read_ceiling(gib)
-    log(f"HBM read ceiling {bw0 / 1e12:.3f} TB/s")
-    results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
-               "date": datetime.datetime.now().isoformat(), "rows": []}
-    sweep_then_table(args, results, sweep, table_mode, t_start)
-    bw1 = hbm_read_ceiling(gib)
-    results["hbm_read_tbps"] = [bw0 / 1e12, bw1 / 1e12]
+    results, bw0, bw1, t_start = sweep_and_table_between_ceilings(
+        args, sweep, table_mode, lambda: hbm_read_ceiling(gib), "hbm_read_tbps", 1e12, "HBM read ceiling TB/s")
+    dev = jax.devices()[0]
     bw = max(bw0, bw1)
 
     print(f"\nPaged decode attention, bf16, page 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
-import datetime
-import sys
 import time
 import warnings
 
@@ -39,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
-from bench.kernel_timing import add_sweep_args, build_chain, log, rel_err, save_results, sweep_then_table, time_chain
+from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 import numpy as np
 
 from jaxinfer.ops import reference
@@ -274,17 +272,10 @@ def main():
         SHAPES = [("tiny", 4, 2, 32)]
         CASES = [("prompt 40", [(0, 40)]), ("chunk 24 @ 50", [(50, 24)]), ("mixed", [(0, 20), (33, 7), (5, 1)])]
         SWEEP_CASES = ["prompt 40"]
-    t_start = time.time()
-    dev = jax.devices()[0]
-    log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
     gemm_n = 512 if INTERPRET else 8192
-    g0 = dense_gemm_rate(gemm_n)
-    log(f"dense bf16 GEMM {g0 / 1e12:.1f} TFLOP/s")
-    results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:],
-               "date": datetime.datetime.now().isoformat(), "rows": []}
-    sweep_then_table(args, results, sweep, table_mode, t_start)
-    g1 = dense_gemm_rate(gemm_n)
-    results["gemm_tflops"] = [g0 / 1e12, g1 / 1e12]
+    results, g0, g1, t_start = sweep_and_table_between_ceilings(
+        args, sweep, table_mode, lambda: dense_gemm_rate(gemm_n), "gemm_tflops", 1e12, "dense bf16 GEMM TFLOP/s")
+    dev = jax.devices()[0]
     g = max(g0, g1)
 
     print(f"\nPaged prefill attention, bf16, page 16, on {dev.device_kind}, jax {jax.__version__}; dense bf16 GEMM "
