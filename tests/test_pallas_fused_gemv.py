@@ -11,17 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel_err
 from jaxinfer.ops import LayerWeight, reference
 from jaxinfer.pallas.fused_gemv import fused_gemv
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 SHAPES = [(100, 72, 32), (256, 200, 64), (96, 130, 128)]  # (out, in, block_in)
-
-
-def _rel(y, ref):
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(y))
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -53,4 +48,4 @@ def test_fused_gemv_matches_reference(kind, shape, dtype):
         y = fused_gemv(x, w, layer, scale=scale, eps=1e-6, epilogue="swiglu", **kw)
         ref = reference.rms_norm_swiglu(x, ls, 1e-6, lw)
     assert y.shape == ref.shape and y.dtype == ref.dtype
-    assert _rel(y, ref) <= TOL[dtype]
+    assert rel_err(y, ref) <= TOL[dtype]

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel_err
 from jaxinfer.ops import reference
 from jaxinfer.pallas import gemv as G
 
@@ -28,13 +29,6 @@ CASES = [
     (1, 256, 256, G.GemvConfig(block_out=4, block_in=64, split_k=2, unroll=False)),
     (5, 64, 512, G.GemvConfig(block_out=16, block_in=128)),
 ]
-
-
-def _rel_err(y, ref):
-    y = np.asarray(y, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(y)), "non-finite output (unwritten or masked-in garbage)"
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
 def _inputs(seed, T, n_out, n_in, dtype, bias):
@@ -60,9 +54,9 @@ def test_gemv_matches_reference(case, dtype):
     y = G.gemv(x, w, b, block_out=cfg.block_out, block_in=cfg.block_in, num_warps=cfg.num_warps,
                num_stages=cfg.num_stages, split_k=cfg.split_k, unroll=cfg.unroll, interpret=True)
     assert y.shape == (T, n_out) and y.dtype == x.dtype
-    assert _rel_err(y, _ref32(x, w, b)) < TOL[dtype]
+    assert rel_err(y, _ref32(x, w, b)) < TOL[dtype]
     if dtype == jnp.bfloat16:  # and against the reference twin itself, in the same dtype
-        assert _rel_err(y, reference.linear(x, w, b).astype(jnp.float32)) < TOL[dtype]
+        assert rel_err(y, reference.linear(x, w, b).astype(jnp.float32)) < TOL[dtype]
 
 
 @pytest.mark.parametrize("T", [1, 3, 8])
@@ -70,7 +64,7 @@ def test_linear_wrapper(T):
     x, w, b = _inputs(7 + T, T, 100, 72, jnp.float32, True)
     y = G.linear(x, w, b, max_t=8, interpret=True)
     assert y.shape == (T, 100) and y.dtype == jnp.float32
-    assert _rel_err(y, _ref32(x, w, b)) < TOL[jnp.float32]
+    assert rel_err(y, _ref32(x, w, b)) < TOL[jnp.float32]
 
 
 def test_linear_falls_back_above_max_t():

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import rel_err
 from jaxinfer.ops import LayerWeight, reference
 from jaxinfer.pallas.skinny_gemm import SkinnyConfig, choose_config, fit_stages, skinny_gemm, table_config
 
@@ -22,12 +23,6 @@ CASES = [
     (5, 96, 200, SkinnyConfig(block_n=32, block_k=32, split_k=3)),
     (17, 64, 128, SkinnyConfig(block_n=16, block_k=64, split_k=2)),
 ]
-
-
-def _rel(y, ref):
-    y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(y))
-    return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -54,14 +49,14 @@ def test_skinny_gemm_matches_reference(kind, case, dtype):
         y = skinny_gemm(x, w, layer, epilogue="swiglu", **kw)
         ref = reference.swiglu(reference.linear(x, lw))
     assert y.shape == ref.shape and y.dtype == ref.dtype
-    assert _rel(y, ref) <= TOL[dtype]
+    assert rel_err(y, ref) <= TOL[dtype]
 
 
 def test_two_dimensional_weight_and_default_config():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 256), jnp.float32)
     w = jax.random.normal(jax.random.PRNGKey(1), (192, 256), jnp.float32)
     y = skinny_gemm(x, w, interpret=True)
-    assert _rel(y, reference.linear(x, w)) <= 1e-5
+    assert rel_err(y, reference.linear(x, w)) <= 1e-5
 
 
 def test_choose_config_splits_narrow_matrices_only():
