@@ -17,30 +17,35 @@ from pathlib import Path
 
 from bench.variant_runs import add_variant_args, run_variants
 
-VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile)
-    "default+cond": ("", False, False),
-    "default+greedy": ("", True, False),
-    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False),
-    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False),
+VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
+    "default+cond": ("", False, False, {}),
+    "default+greedy": ("", True, False, {}),
+    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False, {}),
+    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False, {}),
     "cmdbuf-while-cond+cond": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                               False, False),
-    "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True),
+                               False, False, {}),
+    "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, {}),
+    # what the server runs with by default: top logprobs in every step, the model's whole context
+    "logprobs20+greedy": ("", True, False, dict(max_logprobs=20)),
+    "len40960+greedy": ("", True, False, dict(max_model_len=40960)),
+    "server-defaults+greedy": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
 }
 
 
-def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile: bool) -> dict:
+def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile: bool, options: dict) -> dict:
     import numpy as np
 
     from jaxinfer.engine import Engine
     from jaxinfer.sampling import SamplingParams
 
     dispatches, new = 8, 128
-    max_len = ctx + 2 * (dispatches + 4) * steps + new + 16
+    steps = options.get("decode_steps", steps)
+    max_len = max(ctx + 2 * (dispatches + 4) * steps + new + 16, options.get("max_model_len", 0))
     t0 = time.perf_counter()
+    kw = {"max_logprobs": 0, **options, "max_model_len": max_len, "decode_steps": steps}
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=True, max_num_seqs=1,
-                    max_model_len=max_len, max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],
-                    decode_steps=steps, progress=False, skip_tokenizer_init=True, max_logprobs=0,
-                    num_pages=-(-max_len // 16) + 2)
+                    max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],
+                    progress=False, skip_tokenizer_init=True, num_pages=-(-max_len // 16) + 2, **kw)
     res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)
     prompt = np.random.default_rng(0).integers(100, 1000, ctx).tolist()
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -71,8 +76,9 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = str(Path(args.models) / args.shape)
     if args.child:
-        _, greedy, profile = VARIANTS[args.child]
-        print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, profile)), flush=True)
+        _, greedy, profile, options = VARIANTS[args.child]
+        print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, profile, options)),
+              flush=True)
         return
     from jaxinfer.random_model import bench_model
 

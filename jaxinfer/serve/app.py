@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
+from jaxinfer.serve import host_profile
 from jaxinfer.serve.async_engine import AsyncEngine
 from jaxinfer.serve.auth import APIKeyMiddleware
 from jaxinfer.serve.chat import create_chat_completion
@@ -60,8 +61,11 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        profiler = host_profile.from_env()    # JAXINFER_HOST_PROFILE=PATH: sample the threads' stacks
         yield
         driver.shutdown()
+        if profiler:
+            profiler.stop()
 
     app = FastAPI(title="jaxinfer", description="OpenAI-compatible server in front of the jaxinfer engine",
                   version="0.1.0", lifespan=lifespan)
