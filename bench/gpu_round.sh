@@ -27,22 +27,23 @@ case "${1:-1}" in
     step 240 python3 bench/warm_start.py --shape qwen3-4b --runs 2 --out "$OUT"
     step 100 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
     ;;
-  diag)      # batch-1 decode: weights warm in L2, the server's defaults; warm start of the server
+  diag)      # batch-1 decode: weights warm in L2, the server's defaults
     step 120 python3 bench/l2_prefetch.py
     step 300 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy logprobs20+greedy \
          len40960+greedy server-defaults+greedy --out "$OUT"
-    step 200 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
     ;;
-  hostprof)  # the server under load with its threads sampled (needs .whl): where the host time goes
+  hostprof)  # the server under light and full load with its threads sampled, then its cold and warm start
+    step 120 python3 bench/l2_prefetch.py
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
       python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
       export JAXINFER_HOST_PROFILE="$OUT/host_profile.json"
-      step 300 python3 bench/serving.py \
+      step 200 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
-           --request-rates inf --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
+           --request-rates 2,inf --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
       unset JAXINFER_HOST_PROFILE
+      step 240 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
     fi
     ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces

@@ -42,6 +42,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from jaxinfer.serve.host_profile import shares
+
 
 @dataclasses.dataclass
 class Result:
@@ -196,6 +198,16 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
     return out if len(out) == 2 else None
 
 
+PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
+
+
+def host_profile_report() -> dict | None:
+    path = os.environ.get("JAXINFER_HOST_PROFILE")
+    if not path or not Path(path).is_file():
+        return None
+    return json.loads(Path(path).read_text())
+
+
 def print_table(rows: list[dict]) -> None:
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
             f"{'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'tok/chunk':>9}")
@@ -215,6 +227,12 @@ def print_table(rows: list[dict]) -> None:
                 e = s["engine_thread"]
                 print(f"{s['request_rate']:>6}  busy {100 * e['busy']:5.1f}%  "
                       f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%")
+    for s in rows:
+        for thread, p in s.get("host_profile", {}).items():
+            print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
+                  "left out); share of the busy samples:")
+            for kind in ("self", "total"):
+                print(f"  {kind:>5}: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in p[kind].items()))
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -325,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             workload = make_workload(tokenizer, vocab, args.num_prompts, args.input_len, args.output_len,
                                      args.range_ratio, args.prefix_len, args.seed + 100 + i)
             before = engine_seconds(url, headers)
+            prof_before = host_profile_report()
             results, duration = asyncio.run(run_rate(url, args.api_key, args.endpoint, model, workload, rate,
                                                      args.burstiness, args.max_concurrency, tokenizer, args.seed + i,
                                                      extra))
@@ -334,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                 busy, wait = (after[k] - before[k] for k in ("busy", "wait"))
                 rows[-1]["engine_thread"] = dict(busy=busy / duration, device_wait=wait / duration,
                                                  host=(busy - wait) / duration)
+            if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
+                time.sleep(0.3)           # its next write covers the whole rate
+                after_prof = host_profile_report()
+                rows[-1]["host_profile"] = {t: shares(prof_before, after_prof, t) for t in PROFILED_THREADS}
             print(f"[rate {rate}: {rows[-1]['completed']} done, {rows[-1]['failed']} failed in "
                   f"{duration:.1f} s{'; ' + rows[-1]['errors'][0] if rows[-1]['errors'] else ''}]", file=sys.stderr)
         print_table(rows)

@@ -1,9 +1,11 @@
 """A sampling profiler of the server's Python threads, for finding where host time goes under load.
 
 Set `JAXINFER_HOST_PROFILE=PATH` before `jaxinfer serve`: a daemon thread then reads every thread's
-stack (`sys._current_frames()`) every `interval` seconds and, every few seconds, rewrites PATH with
-a JSON summary per thread: samples, the innermost functions (self) and every function on the stack
-(total) by share of that thread's samples. No dependency and no ptrace (py-spy needs it), so it runs
+stack (`sys._current_frames()`) every `interval` seconds and, every second, rewrites PATH with JSON
+counts per thread: samples, the innermost functions (self) and every function on the stack (total).
+`shares(before, after, thread)` turns two such reports into shares of that thread's samples in
+between, leaving out the samples where the thread sat idle (bench/serving.py prints them per
+request rate). No dependency and no ptrace (py-spy needs it), so it runs
 wherever the server runs. A sample cannot tell running from waiting for the GIL: both show the
 line the thread is at.
 """
@@ -18,14 +20,19 @@ import threading
 import time
 
 
+# Where a server thread waits for work: the engine thread blocked on its empty command queue.
+IDLE = ("async_engine.py:_take_commands",)
+
+
 def _where(code) -> str:
     return f"{os.path.basename(code.co_filename)}:{code.co_name}"
 
 
 class HostProfiler:
-    def __init__(self, path: str, interval: float = 0.002, write_every: float = 5.0, top: int = 40):
-        self.path, self.interval, self.write_every, self.top = path, interval, write_every, top
-        self.samples: collections.Counter = collections.Counter()       # thread name -> samples
+    def __init__(self, path: str, interval: float = 0.002, write_every: float = 0.25):
+        self.path, self.interval, self.write_every = path, interval, write_every
+        self.samples: collections.Counter = collections.Counter()       # thread name -> busy samples
+        self.idle: collections.Counter = collections.Counter()          # thread name -> idle samples
         self.self_: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.total: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self._stop = threading.Event()
@@ -47,8 +54,12 @@ class HostProfiler:
             if ident == me:
                 continue
             name = names.get(ident, str(ident))
+            leaf = _where(frame.f_code)
+            if leaf in IDLE:            # counted apart: a busy thread's shares leave these out
+                self.idle[name] += 1
+                continue
             self.samples[name] += 1
-            self.self_[name][_where(frame.f_code)] += 1
+            self.self_[name][leaf] += 1
             seen = set()
             while frame is not None:
                 w = _where(frame.f_code)
@@ -58,13 +69,9 @@ class HostProfiler:
                 frame = frame.f_back
 
     def summary(self) -> dict:
-        out = {}
-        for name, n in self.samples.most_common():
-            out[name] = dict(
-                samples=n,
-                self={k: round(v / n, 4) for k, v in self.self_[name].most_common(self.top)},
-                total={k: round(v / n, 4) for k, v in self.total[name].most_common(self.top)})
-        return dict(interval_s=self.interval, threads=out)
+        threads = {name: dict(samples=self.samples[name], idle=self.idle[name], self=dict(self.self_[name]),
+                              total=dict(self.total[name])) for name in set(self.samples) | set(self.idle)}
+        return dict(interval_s=self.interval, threads=threads)
 
     def write(self) -> None:
         tmp = self.path + ".tmp"
@@ -73,12 +80,28 @@ class HostProfiler:
         os.replace(tmp, self.path)
 
     def _run(self) -> None:
+        self.write()
         last = time.monotonic()
         while not self._stop.wait(self.interval):
             self.sample()
             if time.monotonic() - last > self.write_every:
                 self.write()
                 last = time.monotonic()
+
+
+def shares(before: dict | None, after: dict, thread: str, top: int = 12) -> dict:
+    """Between two reports: the thread's busy and idle samples, and its `top` self and total
+    functions by share of the busy ones."""
+    b = (before or {}).get("threads", {}).get(thread, {})
+    a = after.get("threads", {}).get(thread)
+    if a is None:
+        return dict(samples=0, idle=0, self={}, total={})
+    n = a["samples"] - b.get("samples", 0)
+    out = dict(samples=n, idle=a["idle"] - b.get("idle", 0))
+    for kind in ("self", "total"):
+        diff = {k: v - b.get(kind, {}).get(k, 0) for k, v in a[kind].items()}
+        out[kind] = {k: round(v / max(n, 1), 4) for k, v in sorted(diff.items(), key=lambda kv: -kv[1])[:top] if v}
+    return out
 
 
 def from_env() -> HostProfiler | None:
