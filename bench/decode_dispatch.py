@@ -29,6 +29,11 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "logprobs20+greedy": ("", True, False, dict(max_logprobs=20)),
     "len40960+greedy": ("", True, False, dict(max_model_len=40960)),
     "server-defaults+greedy": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
+    "server-defaults+no-cmdbuf": ("--xla_gpu_enable_command_buffer=", True, False,
+                                  dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
+    "server-defaults+cmdbuf-while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
+                                     "CONDITIONAL", True, False, dict(max_logprobs=20, max_model_len=40960,
+                                                                      decode_steps=8)),
 }
 
 
@@ -56,6 +61,11 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
             engine.step()
         engine.take_finished(rid)
     res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
+    # as a user sees it (first token to last), driven as `jaxinfer generate` drives the engine and as
+    # the server does (wait for the dispatch in flight, then step: the next launch is not overlapped)
+    res["user_step_ms"] = user_step_ms(engine, prompt, params, wait_first=False)
+    res["server_loop_step_ms"] = user_step_ms(engine, prompt, params, wait_first=True)
+    res["launch_ms"] = launch_ms(engine, greedy)
 
     from bench.throughput import raw_decode_step_ms
 
@@ -66,6 +76,44 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
                                            "span_us_per_step", "copies_per_step")})
     res["raw_step_ms"] = raw
     return res
+
+
+def user_step_ms(engine, prompt, params, wait_first: bool) -> float:
+    """ms per token from a request's first token to its last."""
+    rid = engine.add_request(prompt, params)
+    first = last = None
+    n = 0
+    while engine.has_unfinished():
+        if wait_first:
+            engine.wait()
+        for d in engine.step():
+            if d.token_ids:
+                last = time.perf_counter()
+                if first is None:
+                    first = last
+                else:
+                    n += len(d.token_ids)
+    engine.take_finished(rid)
+    return 1e3 * (last - first) / max(n, 1)
+
+
+def launch_ms(engine, greedy: bool, n: int = 5) -> float:
+    """Host time of one decode launch on an idle device (the call, not the dispatch): best of n."""
+    import jax
+
+    from jaxinfer.runner import DecodeBatch
+    from jaxinfer.sampling import SamplingArrays
+
+    r = engine.runner
+    a = r.empty_decode(1)
+    batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([], [], 1)))
+    best = float("inf")
+    for _ in range(n):
+        t0 = time.perf_counter()
+        batch, outs = r.launch_decode(batch, greedy=greedy)
+        best = min(best, time.perf_counter() - t0)
+        jax.block_until_ready(outs)
+    return 1e3 * best
 
 
 def main() -> None:
@@ -87,13 +135,14 @@ def main() -> None:
                         ["--shape", args.shape, "--ctx", str(args.ctx), "--steps", str(args.steps), "--ops", args.ops,
                          "--models", args.models], args.timeout)
     print(f"\n{args.shape}, context {args.ctx}, {args.steps} steps per dispatch")
-    print("| variant | engine step ms | raw step ms | compile s |")
-    print("|---|---|---|---|")
+    print("| variant | engine step ms | user step ms | server-loop step ms | raw step ms | launch ms | compile s |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:100]} | | |")
+            print(f"| {r['variant']} | failed: {r['error'][:100]} | | | | | |")
         else:
-            print(f"| {r['variant']} | {r['engine_step_ms']:.3f} | {r['raw_step_ms']:.3f} | {r['compile_s']:.1f} |")
+            print(f"| {r['variant']} | {r['engine_step_ms']:.3f} | {r['user_step_ms']:.3f} | {r['server_loop_step_ms']:.3f} | "
+                  f"{r['raw_step_ms']:.3f} | {r['launch_ms']:.3f} | {r['compile_s']:.1f} |")
     Path(args.out, "decode_dispatch.json").write_text(json.dumps(rows, indent=1))
 
 
