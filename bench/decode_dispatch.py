@@ -62,9 +62,9 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
         engine.take_finished(rid)
     res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
     # as a user sees it (first token to last), driven as `jaxinfer generate` drives the engine and as
-    # the server does (wait for the dispatch in flight, then step: the next launch is not overlapped)
-    res["user_step_ms"] = user_step_ms(engine, prompt, params, wait_first=False)
-    res["server_loop_step_ms"] = user_step_ms(engine, prompt, params, wait_first=True)
+    # the server's engine thread does when nobody arrives
+    res["user_step_ms"] = user_step_ms(engine, prompt, params, server_loop=False)
+    res["server_loop_step_ms"] = user_step_ms(engine, prompt, params, server_loop=True)
     res["launch_ms"] = launch_ms(engine, greedy)
 
     from bench.throughput import raw_decode_step_ms
@@ -78,14 +78,20 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
     return res
 
 
-def user_step_ms(engine, prompt, params, wait_first: bool) -> float:
-    """ms per token from a request's first token to its last."""
+def user_step_ms(engine, prompt, params, server_loop: bool) -> float:
+    """ms per token from a request's first token to its last. server_loop: between steps, wait as the
+    server's engine thread does with nobody arriving (until `engine.chain_at()`, or for the dispatch
+    in flight to end while its batch size is not timed yet)."""
     rid = engine.add_request(prompt, params)
     first = last = None
     n = 0
     while engine.has_unfinished():
-        if wait_first:
-            engine.wait()
+        if server_loop:
+            at = engine.chain_at()
+            if at is None:
+                engine.wait()
+            else:
+                time.sleep(max(0.0, at - time.perf_counter()))
         for d in engine.step():
             if d.token_ids:
                 last = time.perf_counter()

@@ -33,17 +33,18 @@ case "${1:-1}" in
          len40960+greedy server-defaults+greedy --out "$OUT"
     ;;
   hostprof)  # the server under light and full load with its threads sampled, then its cold and warm start
-    step 120 python3 bench/l2_prefetch.py
+    [ -n "${NO_L2:-}" ] || step 120 python3 bench/l2_prefetch.py
+    [ -z "${DISPATCH:-}" ] || step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants $DISPATCH --out "$OUT"
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
       python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
       cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
       export JAXINFER_HOST_PROFILE="$OUT/host_profile.json"
-      step 200 python3 bench/serving.py \
+      step 240 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
-           --request-rates 2,inf --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
+           --request-rates ${RATES:-2,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
       unset JAXINFER_HOST_PROFILE
-      step 240 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
+      [ -n "${NO_START:-}" ] || step 240 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
     fi
     ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces

@@ -155,6 +155,7 @@ class Engine:
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
         self._decode_started = 0.0
+        self._timing = DispatchTiming()
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
@@ -240,6 +241,16 @@ class Engine:
         already running rather than also for the one chained behind it."""
         if self._inflight is not None:
             self.runner.wait(self._inflight[2])
+            self._timing.finished()
+
+    def chain_at(self) -> float | None:
+        """When (time.perf_counter) the host should start launching the in-flight decode dispatch's
+        successor for the device not to idle: its expected end less the time a launch takes. None with
+        no dispatch in flight or none of its batch size timed yet. A server waits for newcomers until
+        then (bench/NOTES.md: a launch blocks the host ~1 step, which a wait-then-launch loop exposes)."""
+        if self._inflight is None:
+            return None
+        return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])))
 
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
@@ -270,8 +281,12 @@ class Engine:
             seqs, advanced, outs = self._inflight
             self._inflight = self._chain(seqs, advanced)
             deltas = self._collect_decode(seqs, outs)
+            self._timing.finished()
+            self._timing.record(self.runner.batch_bucket(len(seqs)))
             if self._inflight is None:
                 self._settle(seqs)
+            else:
+                self._timing.started()        # the chained dispatch runs from here on
             return deltas
         plan = self.scheduler.schedule()
         if plan is None:
@@ -312,8 +327,10 @@ class Engine:
             if need[seq]:
                 seq.pages += self.pages.allocate(need[seq])
             page_table[b, :len(seq.pages)] = seq.pages
+        t0 = time.perf_counter()
         advanced, outs = self.runner.launch_decode(advanced.replace(page_table=jax.device_put(page_table)),
                                                    greedy=_all_greedy(seqs))
+        self._timing.launched(time.perf_counter() - t0)
         return seqs, advanced, outs
 
     def _launch_decode(self, seqs: list[Sequence]):
@@ -330,8 +347,11 @@ class Engine:
             a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
-        self._decode_started = time.perf_counter()
-        return r.launch_decode(to_device(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
+        self._decode_started = t0 = time.perf_counter()
+        out = r.launch_decode(to_device(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
+        self._timing.launched(time.perf_counter() - t0)
+        self._timing.started()
+        return out
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
         tokens, logprobs, emitted, top_v, top_i = self.runner.fetch(outs)
@@ -486,8 +506,44 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
                     return
 
 
+class DispatchTiming:
+    """Running estimates of how long a decode dispatch takes on the device (per batch bucket) and how
+    long the host takes to launch one, for `Engine.chain_at`."""
+
+    def __init__(self, weight: float = 0.3):
+        self.weight = weight
+        self.launch = 0.0
+        self.duration: dict[int, float] = {}
+        self.start: float | None = None      # when the dispatch in flight began running on the device
+        self.end: float | None = None        # when the host first saw it finished
+
+    def launched(self, seconds: float) -> None:
+        self.launch = seconds if not self.launch else self.launch + self.weight * (seconds - self.launch)
+
+    def started(self) -> None:
+        self.start, self.end = time.perf_counter(), None
+
+    def finished(self) -> None:
+        if self.end is None:
+            self.end = time.perf_counter()
+
+    def record(self, bucket: int) -> None:
+        if self.start is None or self.end is None:
+            return
+        d, old = self.end - self.start, self.duration.get(bucket)
+        self.duration[bucket] = d if old is None else old + self.weight * (d - old)
+        self.start = None
+
+    def chain_at(self, bucket: int) -> float | None:
+        d = self.duration.get(bucket)
+        if d is None or self.start is None:
+            return None
+        return self.start + d - self.launch
+
+
 def _all_greedy(seqs: list[Sequence]) -> bool:
-    return all(seq.params.temperature == 0 for seq in seqs)
+    """The batch can run the greedy-only decode variant: argmax rows, no top logprobs wanted."""
+    return all(seq.params.temperature == 0 and not seq.params.logprobs for seq in seqs)
 
 
 def _weakly(method):

@@ -418,21 +418,17 @@ def test_full_queue_answers_503_quickly(stories):
 
 
 def test_a_request_arriving_during_a_decode_dispatch_joins_before_the_next(stories):
-    """The engine thread waits for the decode dispatch in flight, then takes the requests that came
-    meanwhile, and only then steps: a newcomer is added before another decode dispatch is chained
-    behind the running one (it would otherwise also wait for that one)."""
+    """A request that comes while a decode dispatch runs is added before another decode dispatch is
+    launched behind the running one (it would otherwise also wait for that one): the engine thread
+    either waits for the dispatch in flight and then takes the requests that came, or is woken by
+    the newcomer while waiting for the dispatch to be due (once its batch size is timed)."""
     import threading
 
     engine = engine_of(stories)
     log: list[tuple[str, float]] = []
-    in_wait = threading.Event()
-    wait, add, launch = engine.wait, engine.add_request, engine.runner.launch_decode
-
-    def slow_wait():
-        wait()
-        if not in_wait.is_set() and engine._inflight is not None:
-            in_wait.set()
-            time.sleep(0.5)            # the newcomer's command is queued during this
+    in_dispatch = threading.Event()
+    add, launch = engine.add_request, engine.runner.launch_decode
+    launches = []
 
     def logged_add(*a, **kw):
         log.append(("add", time.perf_counter()))
@@ -440,24 +436,74 @@ def test_a_request_arriving_during_a_decode_dispatch_joins_before_the_next(stori
 
     def logged_launch(*a, **kw):
         log.append(("decode", time.perf_counter()))
-        return launch(*a, **kw)
+        out = launch(*a, **kw)
+        launches.append(1)
+        if len(launches) == 3:         # the newcomer's command is queued while this dispatch is in flight
+            in_dispatch.set()
+            time.sleep(0.5)
+        return out
 
-    engine.wait, engine.add_request, engine.runner.launch_decode = slow_wait, logged_add, logged_launch
+    engine.add_request, engine.runner.launch_decode = logged_add, logged_launch
     try:
         c = client(stories)
         long_one = threading.Thread(target=lambda: c.completions.create(
             model="stories260k", prompt="Once upon a time", max_tokens=120, temperature=0, extra_body={"ignore_eos": True}))
         long_one.start()
-        assert in_wait.wait(60)
+        assert in_dispatch.wait(60)
         sent = time.perf_counter()
         c.completions.create(model="stories260k", prompt="The dog", max_tokens=2, temperature=0)
         long_one.join(60)
     finally:
-        for name in ("wait", "add_request"):
-            engine.__dict__.pop(name, None)
+        engine.__dict__.pop("add_request", None)
         engine.runner.__dict__.pop("launch_decode", None)
     after = [kind for kind, t in log if t > sent]
     assert after and after[0] == "add", after[:5]
+
+
+def test_with_nobody_arriving_the_engine_thread_chains_decode_dispatches(stories):
+    """Once a batch size's dispatch is timed, the engine thread does not wait for a dispatch to end
+    before launching the next (that leaves the device idle for the launch): it waits for newcomers
+    until the dispatch is due to end, then steps, which chains the next one."""
+    engine = engine_of(stories)
+    calls = {"wait": 0, "launch": 0}
+    wait, launch = engine.wait, engine.runner.launch_decode
+
+    def counted_wait():
+        calls["wait"] += 1
+        wait()
+
+    def counted_launch(*a, **kw):
+        calls["launch"] += 1
+        return launch(*a, **kw)
+
+    engine.wait, engine.runner.launch_decode = counted_wait, counted_launch
+    try:
+        out = client(stories).completions.create(model="stories260k", prompt="Once upon a time", max_tokens=120,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    finally:
+        engine.__dict__.pop("wait", None)
+        engine.runner.__dict__.pop("launch_decode", None)
+    assert out.usage.completion_tokens == 120
+    assert calls["launch"] >= 10 and calls["wait"] <= 3, calls   # waiting before every launch: 16 and 16
+
+
+def test_dispatch_timing_says_when_to_chain():
+    from jaxinfer.engine import DispatchTiming
+
+    t = DispatchTiming(weight=0.5)
+    assert t.chain_at(1) is None                  # nothing timed
+    t.launched(0.002)
+    t.started()
+    t.start -= 0.020                               # as if it had run for 20 ms
+    t.finished()
+    t.record(1)
+    assert abs(t.duration[1] - 0.020) < 0.002
+    t.started()
+    at = t.chain_at(1)
+    assert abs(at - (t.start + t.duration[1] - 0.002)) < 1e-9
+    assert t.chain_at(8) is None                  # another batch size: not timed yet
+    t.launched(0.004)
+    assert abs(t.launch - 0.003) < 1e-9
 
 
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories):

@@ -5,13 +5,16 @@ queue (add, abort) and receive what each step produced through an asyncio queue 
 filled with one `call_soon_threadsafe` per step and event loop (not one per token). The thread:
 
     loop: take the commands that arrived (block while there is no work) -> add / abort
-          -> engine.wait() for the decode dispatch in flight, then take the commands again
+          -> wait for newcomers until the decode dispatch in flight nears its end
           -> engine.step() -> route the deltas (and, for finished requests, their outputs)
 
 The wait keeps a request that arrives during a decode dispatch from also waiting for the next
 one: the engine chains dispatches (launches N+1 before reading N back) only while nobody waits
-to join, and the wait lets a new request be seen before that decision. It costs the device the
-host's launch time once per dispatch, so it is skipped when the batch has no free slot.
+to join. A newcomer that arrives while N runs wakes the thread at once; it lets N finish, takes
+the newcomer, and the next step is its prefill. If nobody comes by N's expected end less the
+time a launch takes (`Engine.chain_at`, measured), the thread steps: N+1 is launched as N ends,
+so the device does not sit idle for the launch (~1 decode step on the H200). Skipped when the
+batch has no free slot (nobody could join).
 
 Because commands are handled in order, an abort always finds the request its add created, and
 an abort frees the request's pages before the next step runs. The waiting queue is bounded:
@@ -223,8 +226,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     try:
                         if self.engine.num_running < self.slots:
-                            self.engine.wait()
-                            self._handle(self._take_commands(block=False))
+                            self._wait_for_newcomers()
                         self._step()
                     except Exception as e:  # a bug hit by some request: fail those running, keep serving
                         log.exception("engine step failed; aborting the %d live requests", len(self._live))
@@ -236,6 +238,28 @@ class AsyncEngine:
             self.error = e
             self._stop = True
             self._fail_all(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), abort=False)
+
+    def _wait_for_newcomers(self) -> None:
+        """Block on the command queue until the dispatch in flight is due to be chained; a command
+        that arrives first ends the wait: then the dispatch is let finish and the commands handled."""
+        at = self.engine.chain_at()
+        if at is None:            # nothing in flight, or its batch size not yet timed: as a newcomer would
+            self.engine.wait()
+            self._handle(self._take_commands(block=False))
+            return
+        cmds = []
+        timeout = at - time.perf_counter()
+        if timeout > 0:
+            t0 = time.perf_counter()
+            try:
+                cmds.append(self._commands.get(timeout=timeout))
+            except queue.Empty:
+                pass
+            self.engine.runner.device_wait_seconds += time.perf_counter() - t0   # the device is working
+        cmds += self._take_commands(block=False)
+        if cmds:
+            self.engine.wait()
+            self._handle(cmds + self._take_commands(block=False))
 
     def _take_commands(self, block: bool) -> list[tuple[str, Any]]:
         cmds = []
