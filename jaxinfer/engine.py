@@ -10,6 +10,7 @@ into text (incremental detokenization, stop tokens and strings, finish reasons):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -507,13 +508,18 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
 
 
 class DispatchTiming:
-    """Running estimates of how long a decode dispatch takes on the device (per batch bucket) and how
-    long the host takes to launch one, for `Engine.chain_at`."""
+    """Estimates of how long a decode dispatch runs on the device (per batch bucket) and how long the
+    host takes to launch one, for `Engine.chain_at`.
 
-    def __init__(self, weight: float = 0.3):
-        self.weight = weight
+    A dispatch's end is seen only when the host next looks (a read-back or a wait), which is after it
+    launched the successor, so every observed duration is an upper bound, and one that grows with a
+    late launch: an average would feed on itself (chain later, observe longer, chain later still).
+    The estimate is the least of the last `window` observations."""
+
+    def __init__(self, window: int = 8, weight: float = 0.3):
+        self.window, self.weight = window, weight
         self.launch = 0.0
-        self.duration: dict[int, float] = {}
+        self.observed: dict[int, collections.deque] = {}
         self.start: float | None = None      # when the dispatch in flight began running on the device
         self.end: float | None = None        # when the host first saw it finished
 
@@ -530,12 +536,15 @@ class DispatchTiming:
     def record(self, bucket: int) -> None:
         if self.start is None or self.end is None:
             return
-        d, old = self.end - self.start, self.duration.get(bucket)
-        self.duration[bucket] = d if old is None else old + self.weight * (d - old)
+        self.observed.setdefault(bucket, collections.deque(maxlen=self.window)).append(self.end - self.start)
         self.start = None
 
+    def duration(self, bucket: int) -> float | None:
+        seen = self.observed.get(bucket)
+        return min(seen) if seen else None
+
     def chain_at(self, bucket: int) -> float | None:
-        d = self.duration.get(bucket)
+        d = self.duration(bucket)
         if d is None or self.start is None:
             return None
         return self.start + d - self.launch
