@@ -280,14 +280,16 @@ class Engine:
         """
         if self._inflight is not None:
             seqs, advanced, outs = self._inflight
+            bucket = self.runner.batch_bucket(len(seqs))
+            expected_end = self._timing.expected_end(bucket)
             self._inflight = self._chain(seqs, advanced)
             deltas = self._collect_decode(seqs, outs)
             self._timing.finished()
-            self._timing.record(self.runner.batch_bucket(len(seqs)))
+            self._timing.record(bucket)
             if self._inflight is None:
                 self._settle(seqs)
-            else:
-                self._timing.started()        # the chained dispatch runs from here on
+            else:   # the chained dispatch runs from the end of this one: expected, or seen if earlier
+                self._timing.started(at=expected_end)
             return deltas
         plan = self.scheduler.schedule()
         if plan is None:
@@ -526,8 +528,13 @@ class DispatchTiming:
     def launched(self, seconds: float) -> None:
         self.launch = seconds if not self.launch else self.launch + self.weight * (seconds - self.launch)
 
-    def started(self) -> None:
-        self.start, self.end = time.perf_counter(), None
+    def started(self, at: float | None = None) -> None:
+        now = time.perf_counter()
+        self.start, self.end = (now if at is None else min(at, now)), None
+
+    def expected_end(self, bucket: int) -> float | None:
+        d = self.duration(bucket)
+        return None if d is None or self.start is None else self.start + d
 
     def finished(self) -> None:
         if self.end is None:
@@ -544,10 +551,8 @@ class DispatchTiming:
         return min(seen) if seen else None
 
     def chain_at(self, bucket: int) -> float | None:
-        d = self.duration(bucket)
-        if d is None or self.start is None:
-            return None
-        return self.start + d - self.launch
+        end = self.expected_end(bucket)
+        return None if end is None else end - self.launch
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:
