@@ -28,12 +28,12 @@ case "${1:-1}" in
     step 100 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
     ;;
   diag)      # batch-1 decode: weights warm in L2, the server's defaults
-    step 120 python3 bench/l2_prefetch.py
+    step 120 python3 bench/kernels_l2_prefetch.py
     step 300 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy logprobs20+greedy \
          len40960+greedy server-defaults+greedy --out "$OUT"
     ;;
   hostprof)  # the server under light and full load with its threads sampled, then its cold and warm start
-    [ -n "${NO_L2:-}" ] || step 120 python3 bench/l2_prefetch.py
+    [ -n "${NO_L2:-}" ] || step 120 python3 bench/kernels_l2_prefetch.py
     [ -z "${DISPATCH:-}" ] || step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants $DISPATCH --out "$OUT"
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
       python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"

@@ -8,6 +8,7 @@ on GPUs), straight-line code in which every GEMM reads its layer's weights where
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
 import jax
@@ -64,6 +65,22 @@ def _mlp_block(cfg, ops, lp, x):
     return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
 
 
+def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays):
+    x, kv_k, kv_v = carry
+    x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size, decode)
+    return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _split_layer(cfg, ops, page_size, decode, carry, layer_params, index, cos_sin, token_arrays):
+    """One layer of the straight-line (split_layers) loop, as a nested jit: every layer has the same
+    argument shapes, so JAX traces and lowers it once per step instead of once per layer (36 layers:
+    the start-up cost of each compiled step), and XLA inlines the calls back into straight-line code."""
+    # each array reaches the ops as a one-layer stack (a free reshape)
+    lp = jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), layer_params)
+    return _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays)
+
+
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
                   positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
                   page_table: jax.Array, decode: bool = False, unroll: bool = False) -> tuple[KVCache, jax.Array]:
@@ -81,17 +98,13 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
     def layer(carry, lp, index):
-        x, kv_k, kv_v = carry
-        x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, kv.page_size,
-                                         decode)
-        return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
+        return _layer(cfg, ops, kv.page_size, decode, carry, lp, index, cos_sin, token_arrays)
 
     carry = (x, kv.k, kv.v)
     if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (split_layers): straight-line code
         for i, layer_params in enumerate(params["layers"]):
-            # each array reaches the ops as a one-layer stack (a free reshape)
-            lp = jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), layer_params)
-            carry = layer(carry, lp, jnp.int32(i))
+            carry = _split_layer(cfg, ops, kv.page_size, decode, carry, layer_params, jnp.int32(i), cos_sin,
+                                 token_arrays)
     else:
         indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,

@@ -1,6 +1,6 @@
 """Does a decode GEMV run faster when its weights are already in the L2 (60 MB on the H200)?
 
-    PYTHONPATH=. python3 bench/l2_prefetch.py [--interpret]
+    PYTHONPATH=. python3 bench/kernels_l2_prefetch.py [--interpret]
 
 The question behind it (issue 3): the small projections of a batch-1 decode step (QKV 31 MB,
 o_proj 21 MB) reach only ~60% of HBM bandwidth, each paying a few microseconds of ramp and tail,
