@@ -192,10 +192,12 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
     out = {}
     for line in text.splitlines():
         for key, name in (("busy", "jaxinfer_engine_busy_seconds_total"),
-                          ("wait", "jaxinfer_engine_device_wait_seconds_total")):
+                          ("wait", "jaxinfer_engine_device_wait_seconds_total"),
+                          ("ttft_sum", "jaxinfer_time_to_first_token_seconds_sum"),
+                          ("ttft_count", "jaxinfer_time_to_first_token_seconds_count")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
-    return out if len(out) == 2 else None
+    return out if len(out) == 4 else None
 
 
 PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
@@ -226,7 +228,9 @@ def print_table(rows: list[dict]) -> None:
             if "engine_thread" in s:
                 e = s["engine_thread"]
                 print(f"{s['request_rate']:>6}  busy {100 * e['busy']:5.1f}%  "
-                      f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%")
+                      f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%  "
+                      f"(server-side TTFT mean {s['server_ttft_mean_ms']:.1f} ms; client-side "
+                      f"{s['ttft_ms']['mean']:.1f})")
     for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
@@ -350,9 +354,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarize(results, duration, rate))
             after = engine_seconds(url, headers)
             if before and after:   # a jaxinfer server: where its engine thread's time went
-                busy, wait = (after[k] - before[k] for k in ("busy", "wait"))
+                busy, wait, ttft_sum, ttft_n = (after[k] - before[k] for k in ("busy", "wait", "ttft_sum", "ttft_count"))
                 rows[-1]["engine_thread"] = dict(busy=busy / duration, device_wait=wait / duration,
                                                  host=(busy - wait) / duration)
+                # the server's own TTFT (arrival to the first token id on its event loop; the client's
+                # waits for the first chunk with text, which a token ending mid-character delays)
+                rows[-1]["server_ttft_mean_ms"] = 1e3 * ttft_sum / ttft_n if ttft_n else math.nan
             if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
                 time.sleep(0.3)           # its next write covers the whole rate
                 after_prof = host_profile_report()
