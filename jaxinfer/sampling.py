@@ -335,5 +335,25 @@ def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     B = logp.shape[0]
     if k == 0:
         return jnp.zeros((B, 0), jnp.float32), jnp.zeros((B, 0), jnp.int32)
-    values, ids = jax.lax.top_k(logp, k)
+    values, ids = top_k_by_blocks(logp, k)
     return values, ids.astype(jnp.int32)
+
+
+def top_k_by_blocks(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k(x, k)` over the last axis of x [B, V], ties included (lower index first),
+    without a top-k over all V: the rows are cut into blocks of `block`, the k blocks with the
+    largest maxima are kept (fewer than k entries beat the k-th value, so every block holding a
+    winner is among them; ties pick the lower block, as they pick the lower index) and the top-k of
+    those k x block candidates, in index order, is the answer. One pass over x plus two small
+    top-ks: XLA's top-k over 152k entries per row costs ~0.1 ms a row on the H200."""
+    B, V = x.shape
+    n = -(-V // block)
+    if n <= 2 * k:                         # the blocks would not cut much
+        return jax.lax.top_k(x, k)
+    xp = jnp.pad(x, ((0, 0), (0, n * block - V)), constant_values=-jnp.inf).reshape(B, n, block)
+    _, best = jax.lax.top_k(jnp.max(xp, axis=-1), k)                        # [B, k] block indices
+    best = jnp.sort(best, axis=-1)                                          # candidates in index order
+    cand = jnp.take_along_axis(xp, best[:, :, None], axis=1).reshape(B, k * block)
+    values, pos = jax.lax.top_k(cand, k)
+    ids = jnp.take_along_axis(best, pos // block, axis=-1) * block + pos % block
+    return values, ids

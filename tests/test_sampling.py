@@ -521,6 +521,23 @@ def test_top_logprobs(jtop):
     assert v0.shape == (4, 0) and i0.shape == (4, 0)
 
 
+@pytest.mark.parametrize("V,k", [(151_936, 20), (5_000, 1), (4_097, 5), (32_000, 20), (300, 20)])
+def test_top_k_by_blocks_equals_lax_top_k(V, k):
+    from jaxinfer.sampling import top_k_by_blocks
+
+    rng = np.random.default_rng(V + k)
+    smooth = rng.normal(size=(3, V)).astype(np.float32)
+    tied = rng.integers(0, 4, size=(3, V)).astype(np.float32)     # many ties at the k-th value
+    spiky = np.full((2, V), -1.0, np.float32)                      # every winner in one block, or at the end
+    spiky[0, 5:5 + k] = 3.0
+    spiky[1, V - k:] = 2.0
+    for x in (smooth, tied, spiky, np.concatenate([smooth[:1], -np.abs(tied[:1]) * 1e30])):
+        want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+        got_v, got_i = jax.jit(top_k_by_blocks, static_argnums=1)(jnp.asarray(x), k)
+        np.testing.assert_array_equal(got_i, want_i)
+        np.testing.assert_array_equal(got_v, want_v)
+
+
 # --------------------------------------------------------------------------- properties
 
 
