@@ -10,7 +10,6 @@ into text (incremental detokenization, stop tokens and strings, finish reasons):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import os
@@ -26,6 +25,7 @@ import numpy as np
 
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig, load_config
+from jaxinfer.dispatch_timing import DispatchTiming
 from jaxinfer.errors import JaxinferError, PromptTooLongError
 from jaxinfer.kv_cache import bytes_per_page, slots_for
 from jaxinfer.model import split_layers
@@ -237,9 +237,9 @@ class Engine:
 
     def wait(self) -> None:
         """Block until the decode dispatch in flight (if any) has finished on the device, without
-        reading it back or launching its successor: a server calls this, takes the requests that
-        arrived meanwhile, then `step()`, so that a new request waits for at most the one dispatch
-        already running rather than also for the one chained behind it."""
+        reading it back or launching its successor: a server that has taken a new request calls
+        this, adds the request, then `step()`, so that the request waits for at most the one dispatch
+        already running rather than also for the one chained behind it (see `chain_at`)."""
         if self._inflight is not None:
             self.runner.wait(self._inflight[2])
             self._timing.finished()
@@ -507,52 +507,6 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
                 if delta.finished:
                     engine.take_finished(rid)
                     return
-
-
-class DispatchTiming:
-    """Estimates of how long a decode dispatch runs on the device (per batch bucket) and how long the
-    host takes to launch one, for `Engine.chain_at`.
-
-    A dispatch's end is seen only when the host next looks (a read-back or a wait), which is after it
-    launched the successor, so every observed duration is an upper bound, and one that grows with a
-    late launch: an average would feed on itself (chain later, observe longer, chain later still).
-    The estimate is the least of the last `window` observations."""
-
-    def __init__(self, window: int = 8, weight: float = 0.3):
-        self.window, self.weight = window, weight
-        self.launch = 0.0
-        self.observed: dict[int, collections.deque] = {}
-        self.start: float | None = None      # when the dispatch in flight began running on the device
-        self.end: float | None = None        # when the host first saw it finished
-
-    def launched(self, seconds: float) -> None:
-        self.launch = seconds if not self.launch else self.launch + self.weight * (seconds - self.launch)
-
-    def started(self, at: float | None = None) -> None:
-        now = time.perf_counter()
-        self.start, self.end = (now if at is None else min(at, now)), None
-
-    def expected_end(self, bucket: int) -> float | None:
-        d = self.duration(bucket)
-        return None if d is None or self.start is None else self.start + d
-
-    def finished(self) -> None:
-        if self.end is None:
-            self.end = time.perf_counter()
-
-    def record(self, bucket: int) -> None:
-        if self.start is None or self.end is None:
-            return
-        self.observed.setdefault(bucket, collections.deque(maxlen=self.window)).append(self.end - self.start)
-        self.start = None
-
-    def duration(self, bucket: int) -> float | None:
-        seen = self.observed.get(bucket)
-        return min(seen) if seen else None
-
-    def chain_at(self, bucket: int) -> float | None:
-        end = self.expected_end(bucket)
-        return None if end is None else end - self.launch
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:

@@ -487,34 +487,6 @@ def test_with_nobody_arriving_the_engine_thread_chains_decode_dispatches(stories
     assert calls["launch"] >= 10 and calls["wait"] <= 3, calls   # waiting before every launch: 16 and 16
 
 
-def test_dispatch_timing_says_when_to_chain():
-    from jaxinfer.engine import DispatchTiming
-
-    t = DispatchTiming(window=3, weight=0.5)
-    assert t.chain_at(1) is None                  # nothing timed
-
-    def run(seconds):                              # a dispatch seen to last `seconds`
-        t.started()
-        t.start -= seconds
-        t.finished()
-        t.record(1)
-
-    t.launched(0.002)
-    run(0.020)
-    assert abs(t.duration(1) - 0.020) < 0.002
-    t.started()
-    assert abs(t.chain_at(1) - (t.start + t.duration(1) - 0.002)) < 1e-9
-    assert t.chain_at(8) is None                  # another batch size: not timed yet
-    t.launched(0.004)
-    assert abs(t.launch - 0.003) < 1e-9
-    for late in (0.025, 0.030):                    # seen late: the estimate does not follow upwards
-        run(late)
-    assert abs(t.duration(1) - 0.020) < 0.002
-    for slower in (0.040, 0.041, 0.042):           # but a dispatch that really got slower is learnt
-        run(slower)
-    assert abs(t.duration(1) - 0.040) < 0.002
-
-
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories):
     engine = engine_of(stories)
     deadline = time.monotonic() + 30

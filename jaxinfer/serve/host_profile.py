@@ -1,13 +1,12 @@
 """A sampling profiler of the server's Python threads, for finding where host time goes under load.
 
 Set `JAXINFER_HOST_PROFILE=PATH` before `jaxinfer serve`: a daemon thread then reads every thread's
-stack (`sys._current_frames()`) every `interval` seconds and, every second, rewrites PATH with JSON
-counts per thread: samples, the innermost functions (self) and every function on the stack (total).
-`shares(before, after, thread)` turns two such reports into shares of that thread's samples in
-between, leaving out the samples where the thread sat idle (bench/serving.py prints them per
-request rate). No dependency and no ptrace (py-spy needs it), so it runs
-wherever the server runs. A sample cannot tell running from waiting for the GIL: both show the
-line the thread is at.
+stack (`sys._current_frames()`) every 2 ms and rewrites PATH with JSON counts per thread four times a
+second: busy samples, idle ones (waiting for work), the innermost function of each busy sample
+(self) and every function on its stack (total). `shares(before, after, thread)` turns two reports
+into shares of that thread's busy samples in between (bench/serving.py prints them per request
+rate). No dependency and no ptrace (py-spy needs it), so it runs wherever the server runs. A sample
+cannot tell running from waiting for the GIL: both show the line the thread is at.
 """
 
 from __future__ import annotations
