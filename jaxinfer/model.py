@@ -36,12 +36,13 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
-    q, kv_k, kv_v = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
-                                       kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
     if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
-        attn = ops.paged_decode_attention(q, kv_k, kv_v, layer, page_table, positions + 1, page_size,
-                                          cfg.head_dim ** -0.5)
+        attn, kv_k, kv_v = ops.decode_qkv_attention(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
+                                                    kv_k, kv_v, layer, slot_mapping, page_table, positions + 1,
+                                                    page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
     else:
+        q, kv_k, kv_v = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
+                                           kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
         attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
                                    page_size, cfg.head_dim ** -0.5)
     x = ops.linear_residual(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), x)

@@ -172,7 +172,7 @@ class ModelRunner:
         self.scratch_row = max_num_seqs
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
-        self.device_wait_seconds = 0.0   # time the host spent blocked reading results back
+        self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         # Two decode variants: batches that are all greedy and ask for no top logprobs (the host knows)
         # skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
@@ -201,7 +201,11 @@ class ModelRunner:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row."""
         step = self._mixed_prompt if prompt_logprobs else self._mixed
+        # The call returns only once the device has chosen the sampling branch (its predicate is read
+        # back), i.e. after most of the step: that time counts as waiting on the device too.
+        t0 = time.perf_counter()
         self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
+        self.device_wait_seconds += time.perf_counter() - t0
         return self.fetch(out)
 
     def fetch(self, arrays) -> tuple[np.ndarray, ...]:

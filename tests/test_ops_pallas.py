@@ -41,6 +41,18 @@ def test_qwen3_pallas_interpret_equals_reference():
     assert ours == [golden["greedy_0"][:8].tolist(), golden["greedy_1"][:8].tolist()]
 
 
+def test_qwen3_fused_decode_rope_interpret_equals_reference():
+    """The decode attention kernel with the norm, RoPE and cache write folded in (head_dim 32, Qwen3's
+    q/k norms), scanned and unrolled layers: the reference path's greedy tokens."""
+    golden = np.load(DATA / "golden" / "qwen3.npz")
+    prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]
+    want = [golden["greedy_0"][:8].tolist(), golden["greedy_1"][:8].tolist()]
+    for unroll in (False, True):
+        ours = _greedy(DATA / "models" / "qwen3", "pallas-fused-rope-interpret", prompts, 8, skip_tokenizer_init=True,
+                       unroll_layers=unroll)
+        assert ours == want, unroll
+
+
 def test_bf16_pallas_differs_from_reference_less_than_bf16_differs_from_f32():
     """The bf16 tolerance, justified: fused kernels round at other places than XLA (the norm
     prologue, SwiGLU in float32), so their logits differ; the difference must stay well inside the

@@ -45,8 +45,10 @@ def get_ops(name: str = "reference"):
     if name in BACKENDS[1:]:
         from jaxinfer.ops import pallas
 
-        return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=not name.startswith("pallas-xla-attention"))
+        return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=not name.startswith("pallas-xla-attention"),
+                           fused_decode_rope=name.startswith("pallas-fused-rope"))
     raise ValueError(f"unknown ops backend {name!r} ({', '.join(BACKENDS)})")
 
 
-BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-xla-attention", "pallas-xla-attention-interpret")
+BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-xla-attention", "pallas-xla-attention-interpret",
+            "pallas-fused-rope", "pallas-fused-rope-interpret")

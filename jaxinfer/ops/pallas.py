@@ -25,10 +25,12 @@ class OpSet(SimpleNamespace):
     __eq__ = object.__eq__
 
 
-def make(interpret: bool = False, flash_prefill: bool = True) -> OpSet:
+def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope: bool = False) -> OpSet:
     """flash_prefill: the Pallas flash prefill attention (H200: 1.2x XLA's attention path end to end
-    at 1k tokens, 3.6x at 8k, 7.5x at 32k); off gives the reference attention, for A/B runs."""
-    from jaxinfer.pallas import decode_attention, prefill_attention, rope_kv_write, skinny_gemm
+    at 1k tokens, 3.6x at 8k, 7.5x at 32k); off gives the reference attention, for A/B runs.
+    fused_decode_rope: a decode step's norm/RoPE/cache write inside the decode attention kernel
+    (pallas/decode_attention_rope.py; one kernel fewer per layer, not yet timed on the GPU)."""
+    from jaxinfer.pallas import decode_attention, decode_attention_rope, prefill_attention, rope_kv_write, skinny_gemm
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
     def _stacked(w, *others):
@@ -98,11 +100,27 @@ def make(interpret: bool = False, flash_prefill: bool = True) -> OpSet:
                                             num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                             interpret=interpret, norm_layer=None if q_norm is None else q_norm.layer)
 
+    def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
+                             context_lens, page_size, scale, num_heads, num_kv_heads):
+        hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+        if not (fused_decode_rope and decode_attention_rope.supports(hd)):
+            q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
+                                                 slot_mapping, num_heads, num_kv_heads)
+            return (decode_attention.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens,
+                                                            page_size, scale, interpret=interpret), k_cache, v_cache)
+        cos, sin = cos_sin if cos_sin is not None else (None, None)
+        qn, kn = (None, None) if q_norm is None else (q_norm.stacked, k_norm.stacked)
+        return decode_attention_rope.decode_attention_rope_write(
+            qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping, page_table, context_lens,
+            page_size=page_size, scale=float(scale), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+            norm_layer=None if q_norm is None else q_norm.layer, interpret=interpret)
+
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
-               linear_residual=linear_residual, qkv_rope_write=qkv_rope_write,
+               linear_residual=linear_residual, qkv_rope_write=qkv_rope_write, decode_qkv_attention=decode_qkv_attention,
                paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
                                                         interpret=interpret))
     if flash_prefill:
         ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
-    return OpSet(**ops, name=("pallas" if flash_prefill else "pallas-xla-attention") + ("-interpret" if interpret else ""))
+    base = "pallas-fused-rope" if fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
+    return OpSet(**ops, name=base + ("-interpret" if interpret else ""))

@@ -187,14 +187,22 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     )(layer, page_table, context_lens, q, k_cache, v_cache)
     if num_splits == 1:
         return res
-    o_part, lse = res
+    return merge_splits(*res, q.dtype, hd, merge, interpret)
+
+
+def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str = "pallas",
+                 interpret: bool = False) -> jax.Array:
+    """Kernel 2: the splits' normalised outputs o_part [B, H, S, hd] (float32) and base-2
+    log-sum-exps lse [B, H, S] merged into [B, H, hd] in `dtype` (merge "jnp": the same in XLA)."""
+    B, H, num_splits, _ = o_part.shape
     if merge == "jnp":
         w = jnp.exp2(lse - jnp.max(lse, axis=2, keepdims=True))
         out = jnp.sum(o_part * w[..., None], axis=2) / jnp.sum(w, axis=2)[..., None]
-        return out.astype(q.dtype)
+        return out.astype(dtype)
+    D = pow2_at_least(hd, 16)
     return pl.pallas_call(
         functools.partial(_merge_kernel, hd=hd, D=D, num_splits=num_splits),
-        out_shape=jax.ShapeDtypeStruct((B, H, hd), q.dtype), grid=(B, H), interpret=interpret,
+        out_shape=jax.ShapeDtypeStruct((B, H, hd), dtype), grid=(B, H), interpret=interpret,
         name="decode_attention_merge",
         compiler_params=plgpu.CompilerParams(num_warps=4 if num_splits * D >= 4096 else 2,
                                              num_stages=1),

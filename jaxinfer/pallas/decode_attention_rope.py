@@ -1,0 +1,200 @@
+"""Decode attention with the new token's norm, RoPE and cache write folded in, as Pallas Triton kernels.
+
+`decode_attention_rope_write(qkv [B, (H + 2K) * hd], cos, sin [B, hd], q_norm, k_norm, k_cache, v_cache,
+layer, slot_mapping [B], page_table [B, P], context_lens [B], ...) -> (out [B, H, hd], k_cache, v_cache)`
+computes what `qkv_rope_write` followed by `paged_decode_attention` compute for one new token per
+sequence (the reference twin is exactly that composition), in one kernel instead of two: a batch-1
+decode step pays ~2 us of ramp and tail per dependent kernel on the H200 (bench/NOTES.md, fourth
+session), and the RoPE/KV-write kernel is one of the seven per layer.
+
+The split kernel of pallas/decode_attention.py, changed at both ends. A program (b, KV head h,
+split s) loads its `group` query heads and its KV head's new k and v straight from the projection's
+output, applies the per-head RMSNorm (Qwen3) and rotate-half RoPE as pallas/rope_kv_write.py does
+(the same roundings), and keeps them in registers: q as two rotate-half halves, so that scores are
+two half-width products (no lane shuffle). The cached positions 0..ctx-2 are split across the
+programs as before; the new token (position ctx-1) is folded in by split 0 from registers, as the
+initial state of its online softmax, and split 0 also writes k and v into the cache (in place,
+input_output_aliases). No program reads the slot being written, so there is no race. The merge
+kernel is decode_attention's.
+
+Needs hd a power of two >= 32 (`supports`); the op set falls back to the two kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
+from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
+
+f32 = jnp.float32
+
+
+def supports(head_dim: int) -> bool:
+    return is_pow2(head_dim) and head_dim >= 32
+
+
+def head_rms_norm(x1, x2, w1, w2, hd: int, eps: float, dtype):
+    """RMSNorm of heads held as rotate-half halves x1, x2 [..., hd/2] (float32) with weight halves
+    w1, w2, rounded as reference.rms_norm rounds: normalised in float32, rounded to dtype, times
+    the weight. Returns float32 halves holding dtype values."""
+    inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=True) + jnp.sum(x2 * x2, axis=-1, keepdims=True))
+                        / hd + eps)
+    r = lambda x, w: ((x * inv).astype(dtype).astype(f32) * w.astype(f32)).astype(dtype).astype(f32)
+    return r(x1, w1), r(x2, w2)
+
+
+def rope_halves(x1, x2, c1, c2, s1, s2, dtype):
+    """Rotate-half RoPE on halves (float32 in), rounded to dtype."""
+    return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
+
+
+def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size, n_pages,
+            block_k, num_splits, qk_scale, has_norm, has_rope, eps):
+    refs = list(refs)
+    cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
+    qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
+    k_ref, v_ref = refs.pop(0), refs.pop(0)        # the caches, as inputs (aliased to kc_ref, vc_ref)
+    *out_refs, kc_ref, vc_ref = refs
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, norm_layer = layer_ref[0], layer_ref[1]
+    ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), n_pages * page_size)
+    dtype = qkv_ref.dtype
+    half = hd // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    rows = jnp.arange(G, dtype=jnp.int32)
+    row_mask = rows < group
+    hcols = jnp.arange(half, dtype=jnp.int32)
+    cols = jnp.arange(hd, dtype=jnp.int32)
+
+    # The new token: q of this KV head's query heads [G, half] x 2, and its k, v.
+    def q_half(c0):
+        return plgpu.load(qkv_ref.at[b, h * group + rows[:, None], c0 + hcols[None, :]],
+                          mask=row_mask[:, None], other=0).astype(f32)
+
+    q1, q2 = q_half(0), q_half(half)
+    k1 = plgpu.load(qkv_ref.at[b, H + h, lo]).astype(f32)[None, :]
+    k2 = plgpu.load(qkv_ref.at[b, H + h, hi]).astype(f32)[None, :]
+    v_new = plgpu.load(qkv_ref.at[b, H + K + h, pl.ds(0, hd)])
+    if has_norm:
+        q1, q2 = head_rms_norm(q1, q2, qn_ref[norm_layer, lo][None, :], qn_ref[norm_layer, hi][None, :], hd, eps, dtype)
+        k1, k2 = head_rms_norm(k1, k2, kn_ref[norm_layer, lo][None, :], kn_ref[norm_layer, hi][None, :], hd, eps, dtype)
+    if has_rope:
+        c1, c2 = cos_ref[b, lo].astype(f32)[None, :], cos_ref[b, hi].astype(f32)[None, :]
+        s1, s2 = sin_ref[b, lo].astype(f32)[None, :], sin_ref[b, hi].astype(f32)[None, :]
+        q1, q2 = rope_halves(q1, q2, c1, c2, s1, s2, dtype)
+        k1, k2 = rope_halves(k1, k2, c1, c2, s1, s2, dtype)
+    else:
+        q1, q2, k1, k2 = q1.astype(dtype), q2.astype(dtype), k1.astype(dtype), k2.astype(dtype)
+
+    @pl.when(s == 0)
+    def _():
+        slot = slot_ref[b]
+        kc_ref[layer, h, slot, lo] = k1[0].astype(kc_ref.dtype)
+        kc_ref[layer, h, slot, hi] = k2[0].astype(kc_ref.dtype)
+        vc_ref[layer, h, slot, pl.ds(0, hd)] = v_new.astype(vc_ref.dtype)
+
+    # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
+    cached = ctx - 1
+    n_blocks = pl.cdiv(cached, block_k)
+    if num_splits > 1:
+        per_split = pl.cdiv(n_blocks, num_splits)
+        start = s * per_split
+        stop = jnp.minimum(start + per_split, n_blocks)
+    else:
+        start, stop = jnp.int32(0), n_blocks
+    offs = jnp.arange(block_k, dtype=jnp.int32)
+    prec = dot_precision(dtype)
+
+    def slots_of(i):
+        return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
+
+    def body(i, carry):
+        acc, m, l, slot = carry
+        valid = i * block_k + offs < cached
+        nxt = slots_of(i + 1)
+        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0)
+        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        dims = (((1,), (1,)), ((), ()))
+        sc = (jax.lax.dot_general(q1, ka.astype(dtype), dims, precision=prec, preferred_element_type=f32)
+              + jax.lax.dot_general(q2, kb.astype(dtype), dims, precision=prec, preferred_element_type=f32))
+        sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
+        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+
+    # Split 0 starts from the new token (its score, weight 1, its value); the others from nothing.
+    first = s == 0
+    new_sc = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
+              + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * qk_scale           # [G]
+    m0 = jnp.where(first, new_sc, NEG)
+    l0 = jnp.where(first, 1.0, 0.0) + jnp.zeros((G,), f32)
+    acc0 = jnp.where(first, 1.0, 0.0) * jnp.broadcast_to(v_new.astype(f32)[None, :], (G, hd))
+    acc, m, l, _ = jax.lax.fori_loop(start, stop, body, (acc0, m0, l0, slots_of(start)))
+
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
+    out_mask = row_mask[:, None]
+    if num_splits == 1:
+        (o_ref,) = out_refs
+        plgpu.store(o_ref.at[b, h * group + rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=out_mask)
+    else:
+        o_ref, lse_ref = out_refs
+        plgpu.store(o_ref.at[b, h * group + rows[:, None], s, cols[None, :]], out, mask=out_mask)
+        lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), NEG)
+        plgpu.store(lse_ref.at[b, h * group + rows, s], lse, mask=row_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_heads", "num_kv_heads", "eps", "config",
+                                             "interpret"), donate_argnames=("k_cache", "v_cache"))
+def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, page_table,
+                                context_lens, *, page_size: int, scale: float, num_heads: int, num_kv_heads: int,
+                                eps: float = 1e-6, norm_layer=None, config: SplitConfig | None = None,
+                                interpret: bool = False):
+    """qkv [B, (H+2K)*hd]; cos, sin [B, hd] or None; q_norm, k_norm [Ln, hd] or None (read at
+    norm_layer, default layer); caches [L, K, slots, hd] (written at layer, slot_mapping [B]);
+    page_table [B, P]; context_lens [B] (>= 1, counting the new token). Returns (out [B, H, hd],
+    k_cache, v_cache)."""
+    B = qkv.shape[0]
+    H, K = num_heads, num_kv_heads
+    hd = qkv.shape[1] // (H + 2 * K)
+    L, KVH, _, hd_c = k_cache.shape
+    if not supports(hd) or hd_c != hd or KVH != K or H % K or v_cache.shape != k_cache.shape:
+        raise ValueError(f"decode_attention_rope_write: qkv {qkv.shape} with {H}/{K} heads, caches {k_cache.shape}")
+    if config is None:
+        config = choose_config(B, K, page_table.shape[1] * page_size)
+    group = H // K
+    G = pow2_at_least(group, 16)
+    has_rope, has_norm = cos is not None, q_norm is not None
+    norm_layer = layer if norm_layer is None else norm_layer
+    layers = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(norm_layer, jnp.int32).reshape(())])
+    extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
+    args = [layers, slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
+            qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
+    n = len(args)
+    S = config.num_splits
+    if S == 1:
+        out_shape = [jax.ShapeDtypeStruct((B, H, hd), qkv.dtype)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((B, H, S, hd), f32), jax.ShapeDtypeStruct((B, H, S), f32)]
+    kernel = functools.partial(
+        _kernel, H=H, K=K, group=group, G=G, hd=hd, page_size=page_size, n_pages=page_table.shape[1],
+        block_k=config.block_k, num_splits=S, qk_scale=float(scale) * LOG2E, has_norm=has_norm,
+        has_rope=has_rope, eps=eps)
+    *res, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        out_shape=(*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        grid=(B, K, S),
+        input_output_aliases={n - 2: len(out_shape), n - 1: len(out_shape) + 1},
+        interpret=interpret,
+        name="decode_attention_rope_split",
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+    )(*args)
+    if S == 1:
+        return res[0], k_cache, v_cache
+    return merge_splits(*res, qkv.dtype, hd, config.merge, interpret), k_cache, v_cache
