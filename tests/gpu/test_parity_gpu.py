@@ -38,10 +38,10 @@ def _greedy(model_dir, ops, dtype, prompt, n):
     return tokens
 
 
-@pytest.mark.parametrize("which", ["stories", "qwen3"])
-def test_pallas_greedy_equals_reference_float32(which, qwen3_dir):
+@pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-fused-rope")])
+def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
     model_dir = STORIES if which == "stories" else qwen3_dir
     prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
     ref = _greedy(model_dir, "reference", "float32", prompt, 256)
-    pal = _greedy(model_dir, "pallas", "float32", prompt, 256)
+    pal = _greedy(model_dir, ops, "float32", prompt, 256)
     assert pal == ref
