@@ -152,7 +152,8 @@ class Engine:
                   f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
-                                   prefix_caching=config.enable_prefix_caching)
+                                   prefix_caching=config.enable_prefix_caching,
+                                   token_buckets=self.runner.token_buckets)
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
         self._decode_started = 0.0

@@ -128,3 +128,68 @@ def test_abort_while_a_decode_dispatch_is_in_flight(alone_engine):
     assert [outs[i] for i in ids if i != ids[2]] == [w for j, w in enumerate(want) if j != 2]
     assert engine.pages.num_free == engine.pages.capacity
     engine.pages.check()
+
+
+def _seq(i, n_prompt, generated=0):
+    from jaxinfer.serve.scheduler import Sequence
+
+    s = Sequence(request_id=i, prompt=None, prompt_ids=list(range(3, 3 + n_prompt)), params=SamplingParams(),
+                 seed=0, max_new=100, stop_ids=[])
+    s.output_ids = [7] * generated
+    return s
+
+
+def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
+    """1,024 prompt tokens beside one running decode would run at the 2,048-token bucket; the prompt
+    gives back one token instead and finishes in a small step (buckets from TRIM_FROM on)."""
+    from jaxinfer.paging import PageAllocator
+    from jaxinfer.serve.scheduler import Scheduler
+
+    sched = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
+                      token_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+    running, newcomer = _seq(0, 40, generated=3), _seq(1, 1024)
+    sched.add(running)
+    sched.schedule()
+    running.num_computed = len(running.tokens) - 1          # its prompt is done: it decodes
+    sched.add(newcomer)
+    plan = sched.schedule()
+    assert plan.kind == "mixed" and [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1023)]
+    newcomer.num_computed += 1023
+    running.num_computed += 1
+    running.output_ids.append(7)
+    plan = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1)]
+
+    # far past the bucket (more than half of it): the step runs whole at the next bucket
+    wide = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
+                     token_buckets=[16, 512, 1024, 2048])
+    wide.add(_seq(2, 1600))
+    assert [n for _, n in wide.schedule().chunks] == [1600]
+    # below TRIM_FROM nothing is trimmed (a step's fixed cost dominates there)
+    small = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
+                      token_buckets=[16, 32, 64, 128, 256, 512])
+    small.add(_seq(3, 300))
+    assert [n for _, n in small.schedule().chunks] == [300]
+
+
+def test_trimmed_steps_give_each_request_its_output_alone(monkeypatch):
+    """With steps trimmed back to a token bucket (TRIM_FROM lowered so the small model gets there),
+    concurrent greedy requests still give what each gives alone."""
+    from jaxinfer.serve import scheduler as S
+
+    monkeypatch.setattr(S, "TRIM_FROM", 32)
+    trims = []
+    fit = S.Scheduler._fit_bucket
+
+    def spy(self, chunks):
+        out = fit(self, chunks)
+        trims.append(sum(n for _, n in chunks) - sum(n for _, n in out))
+        return out
+
+    monkeypatch.setattr(S.Scheduler, "_fit_bucket", spy)
+    engine = _engine(max_num_batched_tokens=48, token_buckets=[16, 32], max_num_seqs=4)   # steps of 33-48 trim to 32
+    prompts, params = _prompts(8, seed=5), _params(8, seed=5)
+    together = _run(engine, prompts, params)
+    assert any(trims), trims
+    alone = [_run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert together == alone

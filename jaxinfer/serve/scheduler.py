@@ -65,6 +65,9 @@ class Sequence:
         return self.num_computed < len(self.tokens) - (1 if self.output_ids else 0)
 
 
+TRIM_FROM = 512   # token buckets from which a step's excess over a bucket is left for a later step
+
+
 @dataclasses.dataclass
 class Plan:
     """The next step: `mixed` with (sequence, tokens to compute) pairs, or `decode` of `steps` steps."""
@@ -75,8 +78,10 @@ class Plan:
 
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 decode_steps: int, on_start: Callable[[Sequence], None], prefix_caching: bool = True):
+                 decode_steps: int, on_start: Callable[[Sequence], None], prefix_caching: bool = True,
+                 token_buckets: list[int] | None = None):
         self.pages = pages
+        self.token_buckets = sorted(token_buckets or [])
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_steps = decode_steps
@@ -184,7 +189,29 @@ class Scheduler:
                     chunks.append((seq, n))
                     budget -= n
         chunks = [(s, n) for s, n in chunks if s in self.running]   # drop any preempted after being chosen
+        chunks = self._fit_bucket(chunks)
         return Plan("mixed", chunks) if chunks else self.schedule()
+
+    def _fit_bucket(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """A step runs at the smallest compiled token bucket that holds it, padding included. When its
+        tokens pass a bucket b >= TRIM_FROM by at most b / 2 (a newcomer's 1,024-token prompt beside
+        one running decode: 1,025 tokens, run at 2,048), the last prompt chunks give back the excess
+        and finish in a later step: a step of b and a small one cost less than one of 2b, on the GPU
+        where a prefill step's time grows with its padded size."""
+        total = sum(n for _, n in chunks)
+        lo = max((b for b in self.token_buckets if b <= total), default=0)
+        excess = total - lo
+        prompt_tokens = sum(n for seq, n in chunks if seq.prefilling)
+        if lo < TRIM_FROM or excess == 0 or excess > lo // 2 or excess >= prompt_tokens:
+            return chunks
+        out = []
+        for seq, n in reversed(chunks):
+            if seq.prefilling and excess:
+                cut = min(n, excess)
+                n, excess = n - cut, excess - cut
+            if n:
+                out.append((seq, n))
+        return out[::-1]
 
     def _decode(self) -> Plan | None:
         for seq in sorted(self.running, key=lambda s: s.admitted):
