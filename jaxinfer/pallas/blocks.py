@@ -47,6 +47,16 @@ def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int):
     return page * page_size + pos % page_size
 
 
+def split_range(n_blocks, split, num_splits: int):
+    """Blocks [start, stop) of split `split` when n_blocks are shared out over num_splits programs
+    (each takes ceil(n_blocks / num_splits); the last ones may get fewer or none)."""
+    if num_splits == 1:
+        return jnp.int32(0), n_blocks
+    per_split = (n_blocks + num_splits - 1) // num_splits
+    start = split * per_split
+    return start, jnp.minimum(start + per_split, n_blocks)
+
+
 def online_softmax_update(acc, m, l, sc, v, prec):
     """Fold one block of base-2 scores sc [M, block_k] (masked entries very negative) and its values
     v [block_k, D] into the running max m [M], sum l [M] and float32 accumulator acc [M, D]."""

@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least,
+                                     split_range)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -78,13 +79,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
     else:
         q = plgpu.load(q_ref.at[b, pl.ds(h * group, G), pl.ds(0, D)])
 
-    n_blocks = pl.cdiv(ctx, block_k)
-    if num_splits > 1:
-        per_split = pl.cdiv(n_blocks, num_splits)
-        start = s * per_split
-        stop = jnp.minimum(start + per_split, n_blocks)
-    else:
-        start, stop = jnp.int32(0), n_blocks
+    start, stop = split_range(pl.cdiv(ctx, block_k), s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     prec = dot_precision(q.dtype)
 

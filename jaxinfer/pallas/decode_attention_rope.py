@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least,
+                                     split_range)
 from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
 
 f32 = jnp.float32
@@ -101,13 +102,7 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
 
     # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
     cached = ctx - 1
-    n_blocks = pl.cdiv(cached, block_k)
-    if num_splits > 1:
-        per_split = pl.cdiv(n_blocks, num_splits)
-        start = s * per_split
-        stop = jnp.minimum(start + per_split, n_blocks)
-    else:
-        start, stop = jnp.int32(0), n_blocks
+    start, stop = split_range(pl.cdiv(cached, block_k), s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     prec = dot_precision(dtype)
 
