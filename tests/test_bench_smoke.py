@@ -44,3 +44,21 @@ def test_bench_runs(tmp_path, script, args, out):
     data = json.loads((tmp_path / out).read_text())
     assert data
     assert "failed" not in stdout and "error" not in json.dumps(data), stdout[-2000:]
+
+
+def test_serving_bench_with_the_host_profile(tmp_path):
+    """bench/serving.py starts a server on stories260k, loads it, and reports the engine thread's
+    shares and where its busy samples went (JAXINFER_HOST_PROFILE)."""
+    from conftest import STORIES
+
+    out = tmp_path / "serving.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_HOST_PROFILE": str(tmp_path / "host.json")}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py"), "--serve-model", str(STORIES),
+                        "--request-rates", "inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert row["completed"] == 4 and row["failed"] == 0
+    assert row["host_profile"]["jaxinfer-engine"]["samples"] > 0
+    assert row["server_ttft_mean_ms"] > 0
+    assert "host profile, rate inf, thread jaxinfer-engine" in r.stdout
