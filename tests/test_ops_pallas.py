@@ -53,6 +53,12 @@ def test_qwen3_fused_decode_rope_interpret_equals_reference():
         assert ours == want, unroll
 
 
+def test_stories_fused_decode_rope_falls_back_where_the_head_is_too_small():
+    """stories260k's head_dim 8 is below the fused kernel's minimum: the op set runs the two kernels."""
+    prompts = ["Once upon a time", "The dog ran"]
+    assert _greedy(STORIES, "pallas-fused-rope-interpret", prompts, 8) == _greedy(STORIES, "reference", prompts, 8)
+
+
 def test_bf16_pallas_differs_from_reference_less_than_bf16_differs_from_f32():
     """The bf16 tolerance, justified: fused kernels round at other places than XLA (the norm
     prologue, SwiGLU in float32), so their logits differ; the difference must stay well inside the

@@ -79,16 +79,16 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
                           mask=row_mask[:, None], other=0).astype(f32)
 
     q1, q2 = q_half(0), q_half(half)
-    k1 = plgpu.load(qkv_ref.at[b, H + h, lo]).astype(f32)[None, :]
-    k2 = plgpu.load(qkv_ref.at[b, H + h, hi]).astype(f32)[None, :]
+    k1 = plgpu.load(qkv_ref.at[b, H + h, lo]).astype(f32)          # [half]: kept 1-D (no squeeze later)
+    k2 = plgpu.load(qkv_ref.at[b, H + h, hi]).astype(f32)
     v_new = plgpu.load(qkv_ref.at[b, H + K + h, pl.ds(0, hd)])
     if has_norm:
         q1, q2 = head_rms_norm(q1, q2, qn_ref[norm_layer, lo][None, :], qn_ref[norm_layer, hi][None, :], hd, eps, dtype)
-        k1, k2 = head_rms_norm(k1, k2, kn_ref[norm_layer, lo][None, :], kn_ref[norm_layer, hi][None, :], hd, eps, dtype)
+        k1, k2 = head_rms_norm(k1, k2, kn_ref[norm_layer, lo], kn_ref[norm_layer, hi], hd, eps, dtype)
     if has_rope:
-        c1, c2 = cos_ref[b, lo].astype(f32)[None, :], cos_ref[b, hi].astype(f32)[None, :]
-        s1, s2 = sin_ref[b, lo].astype(f32)[None, :], sin_ref[b, hi].astype(f32)[None, :]
-        q1, q2 = rope_halves(q1, q2, c1, c2, s1, s2, dtype)
+        c1, c2 = cos_ref[b, lo].astype(f32), cos_ref[b, hi].astype(f32)
+        s1, s2 = sin_ref[b, lo].astype(f32), sin_ref[b, hi].astype(f32)
+        q1, q2 = rope_halves(q1, q2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], dtype)
         k1, k2 = rope_halves(k1, k2, c1, c2, s1, s2, dtype)
     else:
         q1, q2, k1, k2 = q1.astype(dtype), q2.astype(dtype), k1.astype(dtype), k2.astype(dtype)
@@ -96,8 +96,8 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
     @pl.when(s == 0)
     def _():
         slot = slot_ref[b]
-        kc_ref[layer, h, slot, lo] = k1[0].astype(kc_ref.dtype)
-        kc_ref[layer, h, slot, hi] = k2[0].astype(kc_ref.dtype)
+        kc_ref[layer, h, slot, lo] = k1.astype(kc_ref.dtype)
+        kc_ref[layer, h, slot, hi] = k2.astype(kc_ref.dtype)
         vc_ref[layer, h, slot, pl.ds(0, hd)] = v_new.astype(vc_ref.dtype)
 
     # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
@@ -124,8 +124,8 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
 
     # Split 0 starts from the new token (its score, weight 1, its value); the others from nothing.
     first = s == 0
-    new_sc = (jnp.sum(q1.astype(f32) * k1.astype(f32), axis=1)
-              + jnp.sum(q2.astype(f32) * k2.astype(f32), axis=1)) * qk_scale           # [G]
+    new_sc = (jnp.sum(q1.astype(f32) * k1.astype(f32)[None, :], axis=1)
+              + jnp.sum(q2.astype(f32) * k2.astype(f32)[None, :], axis=1)) * qk_scale   # [G]
     m0 = jnp.where(first, new_sc, NEG)
     l0 = jnp.where(first, 1.0, 0.0) + jnp.zeros((G,), f32)
     acc0 = jnp.where(first, 1.0, 0.0) * jnp.broadcast_to(v_new.astype(f32)[None, :], (G, hd))
