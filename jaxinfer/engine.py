@@ -254,6 +254,14 @@ class Engine:
             return None
         return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])))
 
+    def inflight_done(self) -> bool:
+        """Whether the decode dispatch in flight has finished on the device (no wait); its end is
+        timed the first time this sees it."""
+        if self._inflight is None or not all(a.is_ready() for a in self._inflight[2][:1]):
+            return False
+        self._timing.finished()
+        return True
+
     def has_unfinished(self) -> bool:
         return self._inflight is not None or self.scheduler.has_work()
 

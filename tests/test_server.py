@@ -487,6 +487,30 @@ def test_with_nobody_arriving_the_engine_thread_chains_decode_dispatches(stories
     assert calls["launch"] >= 10 and calls["wait"] <= 3, calls   # waiting before every launch: 16 and 16
 
 
+def test_a_dispatch_estimate_far_too_long_costs_nothing(stories):
+    """The engine thread looks at the running dispatch while it waits for newcomers: one that ends
+    before it was due is chained at once and timed from what was seen, so a wrong estimate (a first
+    observation that caught a pause) neither stalls decoding nor persists."""
+    import collections
+
+    engine = engine_of(stories)
+    c = client(stories)
+    c.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=40, temperature=0,
+                         extra_body={"ignore_eos": True})           # every bucket it uses is timed
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:   # a dispatch that ran past the end
+        time.sleep(0.01)
+    timing = engine._timing
+    for bucket in list(timing.observed):
+        timing.observed[bucket] = collections.deque([5.0], maxlen=timing.window)
+    t0 = time.perf_counter()
+    out = c.completions.create(model="stories260k", prompt="Once upon a time", max_tokens=120, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 120
+    assert time.perf_counter() - t0 < 5.0          # one 5 s wait per dispatch would take a minute
+    assert timing.duration(1) < 1.0                # learnt again from what was seen (batch bucket 1)
+
+
 def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories):
     engine = engine_of(stories)
     deadline = time.monotonic() + 30

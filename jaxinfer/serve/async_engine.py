@@ -38,6 +38,7 @@ from jaxinfer.serve.errors import APIError
 
 log = logging.getLogger("jaxinfer.serve")
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"}
+POLL = 0.001   # seconds between looks at the running decode dispatch while waiting for newcomers
 
 
 class EngineDeadError(RuntimeError):
@@ -248,14 +249,17 @@ class AsyncEngine:
             self._handle(self._take_commands(block=False))
             return
         cmds = []
-        timeout = at - time.perf_counter()
-        if timeout > 0:
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        # In slices of POLL: a dispatch that ends before it was due (the estimate is only an
+        # estimate; a first one may include a pause) is chained at once and timed from what was seen.
+        while (timeout := at - time.perf_counter()) > 0:
             try:
-                cmds.append(self._commands.get(timeout=timeout))
+                cmds.append(self._commands.get(timeout=min(timeout, POLL)))
+                break
             except queue.Empty:
-                pass
-            self.engine.runner.device_wait_seconds += time.perf_counter() - t0   # the device is working
+                if self.engine.inflight_done():
+                    break
+        self.engine.runner.device_wait_seconds += time.perf_counter() - t0   # the device was working
         cmds += self._take_commands(block=False)
         if cmds:
             self.engine.wait()
