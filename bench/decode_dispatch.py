@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from bench.variant_runs import add_variant_args, run_variants
+from jaxinfer.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
     "default+cond": ("", False, False, {}),
@@ -86,12 +87,13 @@ def user_step_ms(engine, prompt, params, server_loop: bool) -> float:
     first = last = None
     n = 0
     while engine.has_unfinished():
-        if server_loop:
+        if server_loop:   # as serve/async_engine.py's _wait_for_newcomers, with nobody arriving
             at = engine.chain_at()
             if at is None:
                 engine.wait()
             else:
-                time.sleep(max(0.0, at - time.perf_counter()))
+                while time.perf_counter() < at and not engine.inflight_done():
+                    time.sleep(min(POLL, max(0.0, at - time.perf_counter())))
         for d in engine.step():
             if d.token_ids:
                 last = time.perf_counter()

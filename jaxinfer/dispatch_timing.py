@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import time
 
+POLL = 0.001   # seconds between looks at the running decode dispatch while waiting for newcomers
 
 class DispatchTiming:
     """Estimates of how long a decode dispatch runs on the device (per batch bucket) and how long the

@@ -38,6 +38,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
      "prefill_dispatch.json"),
+    ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
+                            "server-defaults+greedy"], "decode_dispatch.json"),
 ])
 def test_bench_runs(tmp_path, script, args, out):
     stdout = _run(tmp_path, script, *args)

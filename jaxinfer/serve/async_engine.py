@@ -32,13 +32,13 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+from jaxinfer.dispatch_timing import POLL
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError
 
 log = logging.getLogger("jaxinfer.serve")
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"}
-POLL = 0.001   # seconds between looks at the running decode dispatch while waiting for newcomers
 
 
 class EngineDeadError(RuntimeError):
