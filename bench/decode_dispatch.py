@@ -15,6 +15,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.table import print_table
 from bench.variant_runs import add_variant_args, run_variants
 from jaxinfer.dispatch_timing import POLL
 
@@ -143,14 +144,10 @@ def main() -> None:
                         ["--shape", args.shape, "--ctx", str(args.ctx), "--steps", str(args.steps), "--ops", args.ops,
                          "--models", args.models], args.timeout)
     print(f"\n{args.shape}, context {args.ctx}, {args.steps} steps per dispatch")
-    print("| variant | engine step ms | user step ms | server-loop step ms | raw step ms | launch ms | compile s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:100]} | | | | | |")
-        else:
-            print(f"| {r['variant']} | {r['engine_step_ms']:.3f} | {r['user_step_ms']:.3f} | {r['server_loop_step_ms']:.3f} | "
-                  f"{r['raw_step_ms']:.3f} | {r['launch_ms']:.3f} | {r['compile_s']:.1f} |")
+    print_table(rows, [("variant", "variant", ""), ("engine step ms", "engine_step_ms", ".3f"),
+                       ("user step ms", "user_step_ms", ".3f"), ("server-loop step ms", "server_loop_step_ms", ".3f"),
+                       ("raw step ms", "raw_step_ms", ".3f"), ("launch ms", "launch_ms", ".3f"),
+                       ("compile s", "compile_s", ".1f")])
     Path(args.out, "decode_dispatch.json").write_text(json.dumps(rows, indent=1))
 
 

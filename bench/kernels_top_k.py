@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.table import print_table
 from jaxinfer.sampling import top_k_by_blocks
 
 
@@ -48,10 +49,8 @@ def main() -> None:
         rows.append(row)
         print("# " + json.dumps(row), flush=True)
     print(f"\n{jax.devices()[0].device_kind}, vocab {args.vocab}, k {args.k}")
-    print("| rows | lax.top_k ms | top_k_by_blocks ms | ids equal |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['rows']} | {r['lax.top_k']:.3f} | {r['top_k_by_blocks']:.3f} | {r['equal']} |")
+    print_table(rows, [("rows", "rows", ""), ("lax.top_k ms", "lax.top_k", ".3f"),
+                       ("top_k_by_blocks ms", "top_k_by_blocks", ".3f"), ("ids equal", "equal", "")])
     Path(args.out, "top_k.json").write_text(json.dumps(rows, indent=1))
     if not all(r["equal"] for r in rows):
         raise SystemExit("top_k_by_blocks disagreed with lax.top_k")

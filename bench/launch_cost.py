@@ -21,6 +21,8 @@ from pathlib import Path
 
 import jax
 
+from bench.table import print_table
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -70,10 +72,9 @@ def main() -> None:
         rows.append(row)
         print("# " + json.dumps(row), flush=True)
     print(f"\n{args.shape}, batch 1, greedy, ops {args.ops}, unrolled layers {unroll}")
-    print("| steps per dispatch | launch on idle device ms | launch behind a running one ms | dispatch ms |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['steps']} | {row['launch_idle_ms']:.3f} | {row['launch_chained_ms']:.3f} | {row['dispatch_ms']:.3f} |")
+    print_table(rows, [("steps per dispatch", "steps", ""), ("launch on idle device ms", "launch_idle_ms", ".3f"),
+                       ("launch behind a running one ms", "launch_chained_ms", ".3f"),
+                       ("dispatch ms", "dispatch_ms", ".3f")])
     Path(args.out, "launch_cost.json").write_text(json.dumps(rows, indent=1))
 
 

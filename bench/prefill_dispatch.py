@@ -21,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+from bench.table import print_table
 from bench.variant_runs import add_variant_args, run_variants
 
 VARIANTS = {  # name: (XLA_FLAGS, profile)
@@ -113,14 +114,9 @@ def main() -> None:
                         ["--shape", args.shape, "--prompt", str(args.prompt), "--ops", args.ops,
                          "--models", args.models], args.timeout)
     print(f"\n{args.shape}, prompt {args.prompt}, ops {args.ops}")
-    print("| variant | TTFT ms | host ms | launch ms | wait ms | raw step ms | compile s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['variant']} | failed: {r['error'][:100]} | | | | | |")
-        else:
-            print(f"| {r['variant']} | {r['ttft_ms']:.2f} | {r['host_ms']:.2f} | {r['launch_ms']:.2f} | "
-                  f"{r['wait_ms']:.2f} | {r['raw_ms']:.2f} | {r['compile_s']:.1f} |")
+    print_table(rows, [("variant", "variant", ""), ("TTFT ms", "ttft_ms", ".2f"), ("host ms", "host_ms", ".2f"),
+                       ("launch ms", "launch_ms", ".2f"), ("wait ms", "wait_ms", ".2f"),
+                       ("raw step ms", "raw_ms", ".2f"), ("compile s", "compile_s", ".1f")])
     Path(args.out, "prefill_dispatch.json").write_text(json.dumps(rows, indent=1))
 
 

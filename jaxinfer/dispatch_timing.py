@@ -10,6 +10,7 @@ import time
 
 POLL = 0.001   # seconds between looks at the running decode dispatch while waiting for newcomers
 
+
 class DispatchTiming:
     """Estimates of how long a decode dispatch runs on the device (per batch bucket) and how long the
     host takes to launch one, for `Engine.chain_at`.

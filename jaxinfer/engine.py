@@ -257,7 +257,7 @@ class Engine:
     def inflight_done(self) -> bool:
         """Whether the decode dispatch in flight has finished on the device (no wait); its end is
         timed the first time this sees it."""
-        if self._inflight is None or not all(a.is_ready() for a in self._inflight[2][:1]):
+        if self._inflight is None or not self._inflight[2][0].is_ready():
             return False
         self._timing.finished()
         return True
@@ -339,10 +339,7 @@ class Engine:
             if need[seq]:
                 seq.pages += self.pages.allocate(need[seq])
             page_table[b, :len(seq.pages)] = seq.pages
-        t0 = time.perf_counter()
-        advanced, outs = self.runner.launch_decode(advanced.replace(page_table=jax.device_put(page_table)),
-                                                   greedy=_all_greedy(seqs))
-        self._timing.launched(time.perf_counter() - t0)
+        advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
         return seqs, advanced, outs
 
     def _launch_decode(self, seqs: list[Sequence]):
@@ -359,10 +356,16 @@ class Engine:
             a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
-        self._decode_started = t0 = time.perf_counter()
-        out = r.launch_decode(to_device(DecodeBatch(**a, sampling=sampling)), greedy=_all_greedy(seqs))
-        self._timing.launched(time.perf_counter() - t0)
+        self._decode_started = time.perf_counter()
+        out = self._launch(to_device(DecodeBatch(**a, sampling=sampling)), seqs)
         self._timing.started()
+        return out
+
+    def _launch(self, batch: DecodeBatch, seqs: list[Sequence]):
+        """runner.launch_decode, its host time fed to the dispatch timing."""
+        t0 = time.perf_counter()
+        out = self.runner.launch_decode(batch, greedy=_all_greedy(seqs))
+        self._timing.launched(time.perf_counter() - t0)
         return out
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:

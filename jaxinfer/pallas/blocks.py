@@ -57,6 +57,23 @@ def split_range(n_blocks, split, num_splits: int):
     return start, jnp.minimum(start + per_split, n_blocks)
 
 
+def head_rms_norm(x1, x2, w1, w2, hd: int, eps: float, dtype):
+    """RMSNorm of heads held as rotate-half halves x1, x2 [..., hd/2] (float32) with weight halves
+    w1, w2, rounded as reference.rms_norm rounds: normalised in float32, rounded to dtype, times
+    the weight. Returns float32 halves holding dtype values."""
+    f32 = jnp.float32
+    keep = x1.ndim > 1          # one head as 1-D halves: a scalar sum
+    inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=keep) + jnp.sum(x2 * x2, axis=-1, keepdims=keep))
+                        / hd + eps)
+    r = lambda x, w: ((x * inv).astype(dtype).astype(f32) * w.astype(f32)).astype(dtype).astype(f32)
+    return r(x1, w1), r(x2, w2)
+
+
+def rope_halves(x1, x2, c1, c2, s1, s2, dtype):
+    """Rotate-half RoPE on halves (float32 in), rounded to dtype."""
+    return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
+
+
 def online_softmax_update(acc, m, l, sc, v, prec):
     """Fold one block of base-2 scores sc [M, block_k] (masked entries very negative) and its values
     v [block_k, D] into the running max m [M], sum l [M] and float32 accumulator acc [M, D]."""

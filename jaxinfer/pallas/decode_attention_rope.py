@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least,
-                                     split_range)
+from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, online_softmax_update, page_slots,
+                                     pow2_at_least, rope_halves, split_range)
 from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
 
 f32 = jnp.float32
@@ -38,21 +38,6 @@ f32 = jnp.float32
 
 def supports(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 32
-
-
-def head_rms_norm(x1, x2, w1, w2, hd: int, eps: float, dtype):
-    """RMSNorm of heads held as rotate-half halves x1, x2 [..., hd/2] (float32) with weight halves
-    w1, w2, rounded as reference.rms_norm rounds: normalised in float32, rounded to dtype, times
-    the weight. Returns float32 halves holding dtype values."""
-    inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=True) + jnp.sum(x2 * x2, axis=-1, keepdims=True))
-                        / hd + eps)
-    r = lambda x, w: ((x * inv).astype(dtype).astype(f32) * w.astype(f32)).astype(dtype).astype(f32)
-    return r(x1, w1), r(x2, w2)
-
-
-def rope_halves(x1, x2, c1, c2, s1, s2, dtype):
-    """Rotate-half RoPE on halves (float32 in), rounded to dtype."""
-    return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
 
 
 def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size, n_pages,

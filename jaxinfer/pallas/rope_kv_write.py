@@ -17,6 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas.blocks import head_rms_norm, rope_halves
+
 f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
 
@@ -39,14 +41,11 @@ def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_
         x2 = qkv_ref[t, pl.ds(h * hd + half, half)].astype(f32)
 
         def norm(x1, x2, n_ref):
-            inv = jax.lax.rsqrt((jnp.sum(x1 * x1) + jnp.sum(x2 * x2)) / hd + eps)
-            r = lambda x, part: ((x * inv).astype(dtype).astype(f32) * n_ref[norm_layer, part].astype(f32)).astype(dtype)
-            return r(x1, lo).astype(f32), r(x2, hi).astype(f32)
+            return head_rms_norm(x1, x2, n_ref[norm_layer, lo], n_ref[norm_layer, hi], hd, eps, dtype)
 
         def rope(x1, x2):
-            c1, c2 = cos_ref[t, lo].astype(f32), cos_ref[t, hi].astype(f32)
-            s1, s2 = sin_ref[t, lo].astype(f32), sin_ref[t, hi].astype(f32)
-            return (x1 * c1 - x2 * s1).astype(dtype), (x2 * c2 + x1 * s2).astype(dtype)
+            return rope_halves(x1, x2, cos_ref[t, lo].astype(f32), cos_ref[t, hi].astype(f32),
+                               sin_ref[t, lo].astype(f32), sin_ref[t, hi].astype(f32), dtype)
 
         def transform(n_ref):
             y1, y2 = norm(x1, x2, n_ref) if has_norm else (x1, x2)
