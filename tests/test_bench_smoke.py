@@ -33,6 +33,7 @@ def _run(tmp_path, script, *args, timeout=300):
                        "--max-num-seqs", "2", "--runs", "1"], "warm_start_serve.json"),
     ("kernels_l2_prefetch.py", ["--interpret"], "l2_prefetch.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
+    ("trace_cost.py", ["--layers", "2", "--ops", "reference"], "trace_cost.json"),
     ("launch_cost.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--steps", "1", "2"],
      "launch_cost.json"),
     ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
