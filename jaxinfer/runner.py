@@ -14,6 +14,7 @@ import functools
 import time
 import warnings
 from types import ModuleType
+from typing import Any
 
 import flax.struct
 import jax
@@ -257,6 +258,19 @@ class ModelRunner:
             active=np.zeros(B, bool),
         )
 
+    def bucket_calls(self) -> list[tuple[Any, StepBatch | DecodeBatch]]:
+        """Every compiled step with an inert batch of its bucket: (jitted step, batch), called as
+        step(params, kv, state, batch)."""
+        calls = []
+        for t in self.token_buckets:
+            batch = to_device(StepBatch(**self.empty_mixed(t),
+                                        sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
+            calls += [(self._mixed, batch)] + ([(self._mixed_prompt, batch)] if self._mixed_prompt is not None else [])
+        for b in self.batch_buckets:
+            batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
+            calls += [(self._decode[False], batch), (self._decode[True], batch)]
+        return calls
+
     def warmup(self, progress: bool = True, threads: int = 1) -> float:
         """Compile every bucket now (inert batches touch only the scratch page). Returns seconds.
 
@@ -265,14 +279,7 @@ class ModelRunner:
         follows each one finds its executable in JAX's cache."""
         t0 = time.perf_counter()
         self.start_sequence(self.scratch_row, [0], [])
-        calls = []   # (compiled step, batch)
-        for t in self.token_buckets:
-            batch = to_device(StepBatch(**self.empty_mixed(t),
-                                        sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(self._mixed, batch)] + ([(self._mixed_prompt, batch)] if self._mixed_prompt is not None else [])
-        for b in self.batch_buckets:
-            batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
-            calls += [(self._decode[False], batch), (self._decode[True], batch)]
+        calls = self.bucket_calls()
         bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
         if threads > 1:
             from concurrent.futures import ThreadPoolExecutor, as_completed

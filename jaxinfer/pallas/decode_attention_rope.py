@@ -111,9 +111,11 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
     first = s == 0
     new_sc = (jnp.sum(q1.astype(f32) * k1.astype(f32)[None, :], axis=1)
               + jnp.sum(q2.astype(f32) * k2.astype(f32)[None, :], axis=1)) * qk_scale   # [G]
-    m0 = jnp.where(first, new_sc, NEG)
-    l0 = jnp.where(first, 1.0, 0.0) + jnp.zeros((G,), f32)
-    acc0 = jnp.where(first, 1.0, 0.0) * jnp.broadcast_to(v_new.astype(f32)[None, :], (G, hd))
+    # (Full-shape operands in each where: a scalar-bool where broadcast into arithmetic lowers to an
+    # i1 + f32 add that Triton rejects.)
+    m0 = jnp.where(first, new_sc, jnp.full((G,), NEG, f32))
+    l0 = jnp.where(first, jnp.ones((G,), f32), jnp.zeros((G,), f32))
+    acc0 = jnp.where(first, jnp.broadcast_to(v_new.astype(f32)[None, :], (G, hd)), jnp.zeros((G, hd), f32))
     acc, m, l, _ = jax.lax.fori_loop(start, stop, body, (acc0, m0, l0, slots_of(start)))
 
     nonempty = l > 0

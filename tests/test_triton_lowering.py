@@ -1,0 +1,89 @@
+"""Every Pallas kernel lowers to Triton IR for an H200, on the CPU.
+
+Interpret mode (the other kernel tests) runs a kernel's jaxpr with XLA's CPU ops, so it never meets
+the Triton lowering's own limits: a kernel can pass every interpret test and fail to lower on the
+GPU (2026-11-29: a scalar-bool `where` broadcast into an add lowered to `i1 + f32`). Here the
+engine's compiled steps, each op set's, and the decode attention kernels at the real models' shapes
+are lowered for the `cuda` platform with the GPU's description stubbed in (Pallas asks the device
+for its compute capability; this machine has none). Lowering stops before ptxas, so a Triton
+compile error can still surface only on the GPU; a lowering error cannot.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.pallas.triton import gpu_info
+
+from jaxinfer.config import load_config
+from jaxinfer.model import split_layers
+from jaxinfer.ops import get_ops
+from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
+from jaxinfer.random_model import LLAMA3_8B, QWEN3_0_6B, QWEN3_4B, write_random_model
+from jaxinfer.runner import ModelRunner
+from jaxinfer.weights import load_params
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+
+TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"   # how a lowered Pallas Triton kernel appears in the module
+
+
+def _lower(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Head dim 128 and grouped queries, as the real models have, at a few MB of weights.
+SMALL = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 512, "max_position_embeddings": 1024}
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama3"])
+def small_model(request, tmp_path_factory):
+    base = QWEN3_0_6B if request.param == "qwen3" else LLAMA3_8B
+    return write_random_model(tmp_path_factory.mktemp(request.param) / "m", {**base, **SMALL}, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("ops", ["pallas", "pallas-fused-rope", "pallas-xla-attention"])
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
+def test_engine_steps_lower(small_model, ops, unroll):
+    cfg = load_config(small_model, "bfloat16")
+    params = load_params(small_model, cfg, progress=False)
+    runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops(ops), num_pages=33, page_size=16,
+                         max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
+                         unroll_layers=unroll)
+    calls = runner.bucket_calls()
+    assert len(calls) >= 6
+    for step, batch in calls:
+        text = step.trace(runner.params, runner.kv, runner.state, batch).lower(lowering_platforms=("cuda",)).as_text()
+        assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
+@pytest.mark.parametrize("batch,context", [(1, 1024), (1, 8192), (8, 1024), (64, 1024), (256, 2048)])
+def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context):
+    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = shape.get("head_dim") or shape["hidden_size"] // H
+    ps, L = 16, 2
+    P = context // ps
+    sd = jax.ShapeDtypeStruct
+    cache = sd((L, K, (batch * P + 1) * ps, hd), jnp.bfloat16)
+    rows, pt, i32 = sd((batch,), jnp.int32), sd((batch, P), jnp.int32), sd((), jnp.int32)
+    norm = sd((L, hd), jnp.bfloat16) if shape is QWEN3_4B else None   # Qwen3 has per-head q/k norms
+    config = DA.choose_config(batch, K, P * ps)
+
+    def fused(qkv, cs, qn, kc, vc, layer, slots, pt, cl):
+        return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,
+                                           scale=hd ** -0.5, num_heads=H, num_kv_heads=K, config=config)
+
+    text = _lower(fused, sd((batch, (H + 2 * K) * hd), jnp.bfloat16), sd((batch, hd), jnp.bfloat16), norm,
+                  cache, cache, i32, rows, pt, rows)
+    assert TRITON_CALL in text
+
+    def plain(q, kc, vc, layer, pt, cl):
+        return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config)
+
+    assert TRITON_CALL in _lower(plain, sd((batch, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows)
