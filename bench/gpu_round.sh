@@ -50,7 +50,7 @@ case "${1:-1}" in
   fused)     # the decode attention kernel with RoPE and the cache write folded in: parity, then A/B
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_decode_attention_rope_gpu.py
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
-    step 240 python3 bench/decode.py --shapes qwen3-4b llama3-8b --paths ${PATHS:-pallas pallas-fused-rope reference} \
+    step 240 python3 bench/decode.py --shapes qwen3-4b llama3-8b --paths ${PATHS:-pallas pallas-unfused-rope reference} \
          --long qwen3-4b:8192 --out "$OUT"
     [ -n "$NO_TOPK" ] || step 60 python3 bench/kernels_top_k.py --out "$OUT"
     ;;

@@ -47,7 +47,7 @@ def small_model(request, tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp(request.param) / "m", {**base, **SMALL}, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("ops", ["pallas", "pallas-fused-rope", "pallas-xla-attention"])
+@pytest.mark.parametrize("ops", ["pallas", "pallas-unfused-rope", "pallas-xla-attention"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
 def test_engine_steps_lower(small_model, ops, unroll):
     cfg = load_config(small_model, "bfloat16")

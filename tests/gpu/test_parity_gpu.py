@@ -38,7 +38,7 @@ def _greedy(model_dir, ops, dtype, prompt, n):
     return tokens
 
 
-@pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-fused-rope")])
+@pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-unfused-rope")])
 def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
     model_dir = STORIES if which == "stories" else qwen3_dir
     prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
