@@ -68,6 +68,21 @@ case "${1:-1}" in
     fi
     step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --long --out "$OUT"
     ;;
+  warm)      # the fifth session: where a warm server start goes (pallas vs reference: Triton kernels
+             # reloaded from the persistent cache?), then serving with the fused decode attention,
+             # the bucket trimming and the two-stage top-k
+    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    for ops in ${WARM_OPS:-pallas reference}; do
+      step 150 python3 bench/warm_start.py --serve --shape qwen3-4b --ops $ops --max-num-seqs 256 --runs 2 --out "$OUT"
+      cp "$OUT/warm_start_serve.json" "$OUT/warm_start_serve_$ops.json"
+    done
+    step 170 python3 bench/serving.py \
+         --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
+         --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json" \
+         --plot "$OUT/serving.png"
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"

@@ -149,7 +149,8 @@ class Engine:
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "
-                  f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s]", file=sys.stderr)
+                  f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s "
+                  f"({', '.join(f'{k} {v:.1f} s' for k, v in self.runner.warmup_breakdown.items())})]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,

@@ -174,6 +174,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
+        self.warmup_breakdown: dict[str, float] = {}
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         # Two decode variants: batches that are all greedy and ask for no top logprobs (the host knows)
         # skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
@@ -276,28 +277,46 @@ class ModelRunner:
 
         threads > 1: the steps are traced one by one, then compiled side by side (XLA compiles
         outside the GIL; the unrolled steps of a large model take seconds each), and the call that
-        follows each one finds its executable in JAX's cache."""
+        follows each one finds its executable in JAX's cache. Where the time went is left in
+        `warmup_breakdown` (seconds): `lower` (tracing and lowering, summed), `compile` (each step's
+        compile or load from the persistent cache, summed over the threads), `compile_wall` (the
+        parallel phase, lowering included) and `first_runs` (running each step once)."""
         t0 = time.perf_counter()
         self.start_sequence(self.scratch_row, [0], [])
         calls = self.bucket_calls()
+        spent = dict(lower=0.0, compile=0.0, compile_wall=0.0, first_runs=0.0)
         bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
         if threads > 1:
             from concurrent.futures import ThreadPoolExecutor, as_completed
 
+            def timed_compile(lowered):
+                t = time.perf_counter()
+                lowered.compile()
+                return time.perf_counter() - t
+
+            t1 = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
-                futures = [pool.submit(step.lower(self.params, self.kv, self.state, batch).compile)
-                           for step, batch in calls]
+                futures = []
+                for step, batch in calls:
+                    t = time.perf_counter()
+                    lowered = step.lower(self.params, self.kv, self.state, batch)
+                    spent["lower"] += time.perf_counter() - t
+                    futures.append(pool.submit(timed_compile, lowered))
                 for f in as_completed(futures):
                     try:
-                        f.result()
+                        spent["compile"] += f.result()
                     except Exception as e:  # the loop below compiles it again, on this thread
                         warnings.warn(f"parallel compilation of a step failed ({type(e).__name__}: {e}); "
                                       "compiling it on the main thread")
                     bar.update()
+            spent["compile_wall"] = time.perf_counter() - t1
             bar.reset(total=len(calls))
+        t1 = time.perf_counter()
         for step, batch in calls:   # run each once (from the cache if compiled above)
             self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
             jax.block_until_ready(out)
             bar.update()
+        spent["first_runs"] = time.perf_counter() - t1
         bar.close()
+        self.warmup_breakdown = spent
         return time.perf_counter() - t0
