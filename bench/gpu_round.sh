@@ -82,6 +82,7 @@ case "${1:-1}" in
          --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json" \
          --plot "$OUT/serving.png"
+    [ -z "$DECODE" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"

@@ -78,7 +78,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
     def raw(n):
         out = None
         for _ in range(n):
-            r.kv, r.state, *out = r._mixed(r.params, r.kv, r.state, batch)
+            r.kv, r.state, *out = r._call("mixed", batch)
         jax.block_until_ready(out)
 
     raw(2)

@@ -26,6 +26,7 @@ import numpy as np
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig, load_config
 from jaxinfer.dispatch_timing import DispatchTiming
+from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
 from jaxinfer.kv_cache import bytes_per_page, slots_for
 from jaxinfer.model import split_layers
@@ -65,16 +66,22 @@ class EngineConfig:
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
     progress: bool = True
-    compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")
+    compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")   # JAX's, keyed by the lowered step
+    # Whole executables keyed by source, versions and shapes: a warm start skips tracing and lowering.
+    # None: ~/.cache/jaxinfer/executables on GPUs, off on CPUs (XLA:CPU executables loaded back can
+    # miss their kernels: "Function wrapped_iota not found", jax 0.11.2); "" turns it off.
+    executable_cache: str | None = None
     # Steps compiled side by side at start-up; None: up to 8 on GPUs (half the host's cores), 1 on CPUs.
     compile_threads: int | None = None
 
     def for_backend(self, backend: str) -> "EngineConfig":
         """This config with the backend-dependent defaults (the fields left None) filled in: on GPUs,
-        layers unrolled over per-layer weights, a 2,048-token step budget and parallel compilation."""
+        layers unrolled over per-layer weights, a 2,048-token step budget, parallel compilation and
+        the executable cache."""
         gpu = backend == "gpu"
         defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512,
-                        compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1)
+                        compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
+                        executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     def validate(self) -> None:
@@ -141,7 +148,9 @@ class Engine:
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
                                   unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
-                                  prompt_logprobs=config.enable_prompt_logprobs)
+                                  prompt_logprobs=config.enable_prompt_logprobs,
+                                  executable_cache=ExecutableCache(config.executable_cache)
+                                  if config.executable_cache else None)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
         self.load_seconds = time.perf_counter() - t0

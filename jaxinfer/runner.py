@@ -25,6 +25,7 @@ from tqdm import tqdm
 from jaxinfer import model
 from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
+from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
 from jaxinfer.sampling import SamplingArrays, sample, top_logprobs
 from jaxinfer.transfer import to_device
@@ -159,7 +160,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None):
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -184,6 +185,14 @@ class ModelRunner:
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
                                       donate_argnums=(1, 2)) if prompt_logprobs else None)
+        self.steps = {"mixed": self._mixed, "decode": self._decode[False], "decode-greedy": self._decode[True]}
+        if self._mixed_prompt is not None:
+            self.steps["mixed-prompt-logprobs"] = self._mixed_prompt
+        # What the steps are built from besides their arguments: the executable cache's key.
+        self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), steps_per_decode,
+                               unroll_layers, max_logprobs))
+        self.executable_cache = executable_cache
+        self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets if b >= n)
@@ -202,11 +211,10 @@ class ModelRunner:
     def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row."""
-        step = self._mixed_prompt if prompt_logprobs else self._mixed
         # The call returns only once the device has chosen the sampling branch (its predicate is read
         # back), i.e. after most of the step: that time counts as waiting on the device too.
         t0 = time.perf_counter()
-        self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
+        self.kv, self.state, *out = self._call("mixed-prompt-logprobs" if prompt_logprobs else "mixed", batch)
         self.device_wait_seconds += time.perf_counter() - t0
         return self.fetch(out)
 
@@ -227,8 +235,21 @@ class ModelRunner:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
         on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
         active row has temperature 0 and wants no top logprobs (then K = 0)."""
-        self.kv, self.state, advanced, *out = self._decode[greedy](self.params, self.kv, self.state, batch)
+        self.kv, self.state, advanced, *out = self._call("decode-greedy" if greedy else "decode", batch)
         return advanced, tuple(out)
+
+    def _call(self, name: str, batch: StepBatch | DecodeBatch):
+        """Run a step on (params, kv, state, batch): its executable from warm-up for the batch's bucket,
+        else the jitted step (which compiles an unseen shape)."""
+        args = (self.params, self.kv, self.state, batch)
+        exe = self._executables.get((name, batch.tokens.shape[0]))
+        if exe is not None:
+            try:
+                return exe(*args)
+            except TypeError as e:   # the arguments' types differ from warm-up's: checked before running
+                warnings.warn(f"step {name}: {e}; using the jitted step")
+                del self._executables[(name, batch.tokens.shape[0])]
+        return self.steps[name](*args)
 
     def run_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
@@ -259,61 +280,79 @@ class ModelRunner:
             active=np.zeros(B, bool),
         )
 
-    def bucket_calls(self) -> list[tuple[Any, StepBatch | DecodeBatch]]:
-        """Every compiled step with an inert batch of its bucket: (jitted step, batch), called as
-        step(params, kv, state, batch)."""
+    def bucket_calls(self) -> list[tuple[str, StepBatch | DecodeBatch]]:
+        """Every compiled step with an inert batch of its bucket: (name in `steps`, batch); the step is
+        called as steps[name](params, kv, state, batch)."""
         calls = []
         for t in self.token_buckets:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(self._mixed, batch)] + ([(self._mixed_prompt, batch)] if self._mixed_prompt is not None else [])
+            calls += [(name, batch) for name in ("mixed", "mixed-prompt-logprobs") if name in self.steps]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
-            calls += [(self._decode[False], batch), (self._decode[True], batch)]
+            calls += [("decode", batch), ("decode-greedy", batch)]
         return calls
 
     def warmup(self, progress: bool = True, threads: int = 1) -> float:
-        """Compile every bucket now (inert batches touch only the scratch page). Returns seconds.
+        """Compile every bucket now (inert batches touch only the scratch page) and run each once.
+        Returns seconds.
 
-        threads > 1: the steps are traced one by one, then compiled side by side (XLA compiles
-        outside the GIL; the unrolled steps of a large model take seconds each), and the call that
-        follows each one finds its executable in JAX's cache. Where the time went is left in
-        `warmup_breakdown` (seconds): `lower` (tracing and lowering, summed), `compile` (each step's
-        compile or load from the persistent cache, summed over the threads), `compile_wall` (the
-        parallel phase, lowering included) and `first_runs` (running each step once)."""
+        With an executable cache, a step found there is loaded (no tracing, no lowering); the others
+        are traced and lowered one by one on this thread and compiled on `threads` threads side by
+        side (XLA compiles outside the GIL; the unrolled steps of a large model take seconds each),
+        then saved. Where the time went is left in `warmup_breakdown` (seconds): `load` (from the
+        executable cache), `lower` (tracing and lowering, summed), `compile` (summed over the
+        threads), `compile_wall` (the parallel phase, lowering included) and `first_runs`."""
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         t0 = time.perf_counter()
         self.start_sequence(self.scratch_row, [0], [])
         calls = self.bucket_calls()
-        spent = dict(lower=0.0, compile=0.0, compile_wall=0.0, first_runs=0.0)
+        cache = self.executable_cache
+        keys = [cache.key(name, self._settings, (self.params, self.kv, self.state, batch)) if cache else None
+                for name, batch in calls]
+        spent = dict(load=0.0, lower=0.0, compile=0.0, compile_wall=0.0, first_runs=0.0)
         bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
-        if threads > 1:
-            from concurrent.futures import ThreadPoolExecutor, as_completed
 
-            def timed_compile(lowered):
-                t = time.perf_counter()
-                lowered.compile()
-                return time.perf_counter() - t
+        def load(i):
+            exe = cache.load(keys[i])
+            if exe is not None:
+                self._executables[(calls[i][0], calls[i][1].tokens.shape[0])] = exe
+            return exe is not None
 
+        def compile_and_save(i, lowered):
+            t = time.perf_counter()
+            exe = lowered.compile()
+            self._executables[(calls[i][0], calls[i][1].tokens.shape[0])] = exe
+            seconds = time.perf_counter() - t
+            if cache:
+                cache.save(keys[i], exe)
+            return seconds
+
+        with ThreadPoolExecutor(max(1, threads)) as pool:
             t1 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                futures = []
-                for step, batch in calls:
+            loaded = list(pool.map(load, range(len(calls)))) if cache else [False] * len(calls)
+            spent["load"] = time.perf_counter() - t1
+            bar.update(sum(loaded))
+            t1 = time.perf_counter()
+            futures = []
+            for i, (name, batch) in enumerate(calls):
+                if not loaded[i]:
                     t = time.perf_counter()
-                    lowered = step.lower(self.params, self.kv, self.state, batch)
+                    lowered = self.steps[name].lower(self.params, self.kv, self.state, batch)
                     spent["lower"] += time.perf_counter() - t
-                    futures.append(pool.submit(timed_compile, lowered))
-                for f in as_completed(futures):
-                    try:
-                        spent["compile"] += f.result()
-                    except Exception as e:  # the loop below compiles it again, on this thread
-                        warnings.warn(f"parallel compilation of a step failed ({type(e).__name__}: {e}); "
-                                      "compiling it on the main thread")
-                    bar.update()
+                    futures.append(pool.submit(compile_and_save, i, lowered))
+            for f in as_completed(futures):
+                try:
+                    spent["compile"] += f.result()
+                except Exception as e:  # the first run below compiles it again, through the jit
+                    warnings.warn(f"compiling a step failed ({type(e).__name__}: {e}); compiling it on the main thread")
+                bar.update()
             spent["compile_wall"] = time.perf_counter() - t1
-            bar.reset(total=len(calls))
+        bar.reset(total=len(calls))
         t1 = time.perf_counter()
-        for step, batch in calls:   # run each once (from the cache if compiled above)
-            self.kv, self.state, *out = step(self.params, self.kv, self.state, batch)
+        for name, batch in calls:
+            self.kv, self.state, *out = self._call(name, batch)
             jax.block_until_ready(out)
             bar.update()
         spent["first_runs"] = time.perf_counter() - t1

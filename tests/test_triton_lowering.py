@@ -57,8 +57,9 @@ def test_engine_steps_lower(small_model, ops, unroll):
                          unroll_layers=unroll)
     calls = runner.bucket_calls()
     assert len(calls) >= 6
-    for step, batch in calls:
-        text = step.trace(runner.params, runner.kv, runner.state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    for name, batch in calls:
+        traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert TRITON_CALL in text
 
 
