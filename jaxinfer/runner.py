@@ -346,7 +346,8 @@ class ModelRunner:
                 try:
                     spent["compile"] += f.result()
                 except Exception as e:  # the first run below compiles it again, through the jit
-                    warnings.warn(f"compiling a step failed ({type(e).__name__}: {e}); compiling it on the main thread")
+                    warnings.warn(f"parallel compilation of a step failed ({type(e).__name__}: {e}); "
+                                  "compiling it on the main thread")
                 bar.update()
             spent["compile_wall"] = time.perf_counter() - t1
         bar.reset(total=len(calls))
