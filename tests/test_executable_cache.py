@@ -22,8 +22,8 @@ CHILD = """
 import json, sys
 from jaxinfer.engine import LLM
 from jaxinfer.sampling import SamplingParams
-llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
-          progress=False, compilation_cache=None, executable_cache=sys.argv[2])
+llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
+          progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True)
 params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
 out = [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
@@ -34,31 +34,35 @@ print(json.dumps(dict(tokens=out, hits=c and c.hits, misses=c and c.misses,
 """
 
 
-def _start(model_dir, cache_dir) -> tuple[dict, str]:
-    p = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(cache_dir)], capture_output=True, text=True,
+def start_engine(model_dir, cache_dir, dtype: str = "float32") -> tuple[dict, str]:
+    """Start an engine in a new process with the executable cache at `cache_dir` ("" for none), generate
+    two requests (greedy and seeded): (its tokens, cache hits and misses, step count, lowering seconds;
+    its stderr)."""
+    p = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(cache_dir), dtype], capture_output=True,
+                       text=True,
                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
 def test_second_start_loads_every_step_and_generates_the_same(stories_dir, tmp_path):
-    first, _ = _start(stories_dir, tmp_path)
+    first, _ = start_engine(stories_dir, tmp_path)
     n = first["steps"]
     assert (first["hits"], first["misses"]) == (0, n)
     assert len(list(tmp_path.glob("*.exe"))) == n
-    second, _ = _start(stories_dir, tmp_path)
+    second, _ = start_engine(stories_dir, tmp_path)
     assert (second["hits"], second["misses"]) == (n, 0)
     assert second["lower"] == 0.0                 # nothing traced or lowered
     assert second["tokens"] == first["tokens"]
-    uncached, _ = _start(stories_dir, "")
+    uncached, _ = start_engine(stories_dir, "")
     assert uncached["tokens"] == first["tokens"]
 
 
 def test_a_corrupt_entry_is_a_miss(stories_dir, tmp_path):
-    first, _ = _start(stories_dir, tmp_path)
+    first, _ = start_engine(stories_dir, tmp_path)
     victim = sorted(tmp_path.glob("*.exe"))[0]
     victim.write_bytes(b"not a pickle")
-    second, log = _start(stories_dir, tmp_path)
+    second, log = start_engine(stories_dir, tmp_path)
     assert "dropping unreadable" in log
     assert (second["hits"], second["misses"]) == (first["steps"] - 1, 1)
     assert victim.stat().st_size > 100            # compiled again and saved
