@@ -194,10 +194,14 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
         for key, name in (("busy", "jaxinfer_engine_busy_seconds_total"),
                           ("wait", "jaxinfer_engine_device_wait_seconds_total"),
                           ("ttft_sum", "jaxinfer_time_to_first_token_seconds_sum"),
-                          ("ttft_count", "jaxinfer_time_to_first_token_seconds_count")):
+                          ("ttft_count", "jaxinfer_time_to_first_token_seconds_count"),
+                          ("queue_sum", "jaxinfer_request_queue_time_seconds_sum"),
+                          ("prefill_sum", "jaxinfer_request_prefill_time_seconds_sum"),
+                          ("handoff_sum", "jaxinfer_first_token_handoff_seconds_sum"),
+                          ("split_count", "jaxinfer_first_token_handoff_seconds_count")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
-    return out if len(out) == 4 else None
+    return out if len(out) == 8 else None
 
 
 PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
@@ -231,6 +235,14 @@ def print_table(rows: list[dict]) -> None:
                       f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%  "
                       f"(server-side TTFT mean {s['server_ttft_mean_ms']:.1f} ms; client-side "
                       f"{s['ttft_ms']['mean']:.1f})")
+        print("server-side TTFT, mean ms: queue (arrival until the engine thread takes the request in) + prefill")
+        print("(the engine's steps to the first token) + handoff (back to the event loop); client-side - server-side")
+        print("= HTTP both ways, parsing, and a first token whose text waits for the next one")
+        for s in rows:
+            if "server_ttft_split_ms" in s:
+                q = s["server_ttft_split_ms"]
+                print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
+                      f"handoff {q['handoff']:6.2f}  client - server {s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f}")
     for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
@@ -360,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
                 # the server's own TTFT (arrival to the first token id on its event loop; the client's
                 # waits for the first chunk with text, which a token ending mid-character delays)
                 rows[-1]["server_ttft_mean_ms"] = 1e3 * ttft_sum / ttft_n if ttft_n else math.nan
+                # ... in parts: waiting to be taken in, the engine's steps to the first token, back to the loop
+                n = after["split_count"] - before["split_count"]
+                rows[-1]["server_ttft_split_ms"] = {
+                    part: 1e3 * (after[f"{part}_sum"] - before[f"{part}_sum"]) / n if n else math.nan
+                    for part in ("queue", "prefill", "handoff")}
             if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
                 time.sleep(0.3)           # its next write covers the whole rate
                 after_prof = host_profile_report()

@@ -547,6 +547,13 @@ def test_metrics_exposition(stories):
     # where the engine thread's time went: busy >= blocked on the device > 0
     busy, wait = m["jaxinfer_engine_busy_seconds_total"], m["jaxinfer_engine_device_wait_seconds_total"]
     assert busy >= wait > 0
+    # the server's TTFT in three parts that add up to it: queue + prefill + handoff
+    parts = ("jaxinfer_request_queue_time_seconds", "jaxinfer_request_prefill_time_seconds",
+             "jaxinfer_first_token_handoff_seconds")
+    ttft = "jaxinfer_time_to_first_token_seconds"
+    assert all(m[f"{p}_count"] == m[f"{ttft}_count"] for p in parts)
+    assert all(m[f"{p}_sum"] >= 0 for p in parts) and m["jaxinfer_request_prefill_time_seconds_sum"] > 0
+    assert sum(m[f"{p}_sum"] for p in parts) == pytest.approx(m[f"{ttft}_sum"], rel=1e-6)
 
 
 def test_schemathesis_finds_no_server_errors():

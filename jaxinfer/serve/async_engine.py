@@ -62,7 +62,10 @@ class _Request:
     params: SamplingParams
     rid: int | None = None     # the engine's id, once added
     done: bool = False
-    # timing, on the event loop's clock (perf_counter)
+    # timing (perf_counter, one clock for both threads): taken into the engine and first token id
+    # produced, on the engine thread; first and last token seen, on the event loop
+    added_at: float | None = None
+    first_token_engine_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
@@ -188,7 +191,7 @@ class AsyncEngine:
             if req.first_token_at is None:
                 req.first_token_at = now
                 if self.metrics:
-                    self.metrics.ttft.observe(now - req.group.arrived)
+                    self.metrics.on_first_token(req.group.arrived, req.added_at, req.first_token_engine_at, now)
             req.last_token_at = now
             req.num_tokens += n
             if self.metrics:
@@ -300,6 +303,7 @@ class AsyncEngine:
     def _add_group(self, g: Group) -> BaseException | None:
         for req in g.requests:
             try:
+                req.added_at = time.perf_counter()
                 req.rid = self.engine.add_request(req.prompt_ids, req.params)
                 self._live[req.rid] = req
                 continue
@@ -319,11 +323,14 @@ class AsyncEngine:
 
     def _step(self) -> None:
         deltas = self.engine.step()
+        now = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         for d in deltas:
             req = self._live.get(d.request_id)
             if req is None:
                 continue
+            if req.first_token_engine_at is None and d.token_ids:
+                req.first_token_engine_at = now
             out = None
             if d.finished:
                 del self._live[d.request_id]

@@ -51,6 +51,18 @@ class Metrics:
               "engine_device_wait_seconds")
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time from arrival to the first token.",
                               ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        # The server's TTFT in three parts: waiting to be taken into the engine (behind the decode
+        # dispatch in flight), the engine's steps up to the first token id, and its way back to the
+        # event loop. (vLLM has the first two as request_queue_time / request_prefill_time.)
+        self.queue_time = Histogram("jaxinfer_request_queue_time_seconds",
+                                    "Time from arrival until the engine thread took the request in.",
+                                    ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.prefill_time = Histogram("jaxinfer_request_prefill_time_seconds",
+                                      "Time from being taken in until the engine produced the first token.",
+                                      ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.handoff_time = Histogram("jaxinfer_first_token_handoff_seconds",
+                                      "Time from the engine producing the first token until the event loop saw it.",
+                                      ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", ["model_name"],
                               buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
@@ -80,6 +92,13 @@ class Metrics:
 
     def on_submit(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_first_token(self, arrived: float, added: float | None, produced: float | None, seen: float) -> None:
+        self.ttft.observe(seen - arrived)
+        if added is not None and produced is not None:
+            self.queue_time.observe(added - arrived)
+            self.prefill_time.observe(produced - added)
+            self.handoff_time.observe(seen - produced)
 
     def on_finish(self, arrived: float, first: float | None, last: float | None, num_tokens: int,
                   reason: str | None) -> None:
