@@ -198,10 +198,11 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
                           ("queue_sum", "jaxinfer_request_queue_time_seconds_sum"),
                           ("prefill_sum", "jaxinfer_request_prefill_time_seconds_sum"),
                           ("handoff_sum", "jaxinfer_first_token_handoff_seconds_sum"),
+                          ("parse_sum", "jaxinfer_request_parse_seconds_sum"),
                           ("split_count", "jaxinfer_first_token_handoff_seconds_count")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
-    return out if len(out) == 8 else None
+    return out if len(out) == 9 else None
 
 
 PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
@@ -237,12 +238,14 @@ def print_table(rows: list[dict]) -> None:
                       f"{s['ttft_ms']['mean']:.1f})")
         print("server-side TTFT, mean ms: queue (arrival until the engine thread takes the request in) + prefill")
         print("(the engine's steps to the first token) + handoff (back to the event loop); client-side - server-side")
-        print("= HTTP both ways, parsing, and a first token whose text waits for the next one")
+        print("= parse (reading and validating the body, before the server's clock starts) + the network both")
+        print("ways + a first token whose text waits for the next one")
         for s in rows:
             if "server_ttft_split_ms" in s:
                 q = s["server_ttft_split_ms"]
                 print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
-                      f"handoff {q['handoff']:6.2f}  client - server {s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f}")
+                      f"handoff {q['handoff']:6.2f}  client - server "
+                      f"{s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f} (parse {q['parse']:5.2f})")
     for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
@@ -377,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows[-1]["server_ttft_split_ms"] = {
                     part: 1e3 * (after[f"{part}_sum"] - before[f"{part}_sum"]) / n if n else math.nan
                     for part in ("queue", "prefill", "handoff")}
+                rows[-1]["server_ttft_split_ms"]["parse"] = 1e3 * (after["parse_sum"] - before["parse_sum"]) / n \
+                    if n else math.nan
             if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
                 time.sleep(0.3)           # its next write covers the whole rate
                 after_prof = host_profile_report()

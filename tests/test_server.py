@@ -554,6 +554,8 @@ def test_metrics_exposition(stories):
     assert all(m[f"{p}_count"] == m[f"{ttft}_count"] for p in parts)
     assert all(m[f"{p}_sum"] >= 0 for p in parts) and m["jaxinfer_request_prefill_time_seconds_sum"] > 0
     assert sum(m[f"{p}_sum"] for p in parts) == pytest.approx(m[f"{ttft}_sum"], rel=1e-6)
+    assert m["jaxinfer_request_parse_seconds_count"] >= m[f"{ttft}_count"]   # before the clock: body read, validated
+    assert m["jaxinfer_request_parse_seconds_sum"] > 0
 
 
 def test_schemathesis_finds_no_server_errors():

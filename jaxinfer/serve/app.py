@@ -21,7 +21,7 @@ from jaxinfer.serve.chat import create_chat_completion
 from jaxinfer.serve.completions import create_completion
 from jaxinfer.serve.errors import APIError, install_handlers
 from jaxinfer.serve.logprobs import TokenText
-from jaxinfer.serve.metrics import CONTENT_TYPE, Metrics
+from jaxinfer.serve.metrics import CONTENT_TYPE, Metrics, StampReceived
 from jaxinfer.serve.params import ModelInfo
 from jaxinfer.serve.protocol import (
     ChatCompletionRequest,
@@ -120,4 +120,5 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     app.openapi = openapi  # type: ignore[method-assign]
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(StampReceived)   # outermost: the stamp is taken first
     return app

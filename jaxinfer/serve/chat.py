@@ -12,6 +12,7 @@ from jaxinfer.serve.async_engine import Event, Group
 from jaxinfer.serve.logprobs import chat_logprobs
 from jaxinfer.serve.params import prepare_chat
 from jaxinfer.serve.protocol import ChatCompletionRequest
+from jaxinfer.serve.metrics import received_at
 from jaxinfer.serve.state import ServerState
 from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, final_events, new_id, now,
                                       off_loop, usage)
@@ -19,6 +20,8 @@ from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     arrived = time.perf_counter()
+    if state.metrics:
+        state.metrics.parse_time.observe(arrived - received_at(request, arrived))
     prep = await off_loop(prepare_chat, req, state.info)
     ids = prep.prompts[0].ids
     group = await state.engine.submit([ids] * prep.n, prep.params, arrived)

@@ -8,6 +8,8 @@ time per output token over the rest of the request, end-to-end latency.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -24,6 +26,23 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class StampReceived:
+    """Plain ASGI middleware: stamps each HTTP request with the time it reached the app
+    (`request.state.received_at`, perf_counter), before its body is read and validated."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope.setdefault("state", {})["received_at"] = time.perf_counter()
+        await self.app(scope, receive, send)
+
+
+def received_at(request, default: float) -> float:
+    return getattr(request.state, "received_at", default)
 
 
 class Metrics:
@@ -60,6 +79,10 @@ class Metrics:
         self.prefill_time = Histogram("jaxinfer_request_prefill_time_seconds",
                                       "Time from being taken in until the engine produced the first token.",
                                       ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.parse_time = Histogram("jaxinfer_request_parse_seconds",
+                                    "Time from the request reaching the app until its handler started (reading "
+                                    "and validating the body).", ["model_name"], buckets=_TTFT_BUCKETS,
+                                    registry=r).labels(**labels)
         self.handoff_time = Histogram("jaxinfer_first_token_handoff_seconds",
                                       "Time from the engine producing the first token until the event loop saw it.",
                                       ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
