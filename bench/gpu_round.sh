@@ -84,6 +84,20 @@ case "${1:-1}" in
          --plot "$OUT/serving.png"
     [ -z "$DECODE" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
+  steps)     # the sixth session's first call: serving with 8, 4 and 2 decode steps per dispatch, the server's
+             # TTFT split (queue / prefill / handoff / parse) printed per rate; the executable cache makes
+             # each server's start after the first ~20 s
+    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    for ds in ${DECODE_STEPS:-8 4 2}; do
+      step 150 python3 bench/serving.py \
+           --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --decode-steps $ds" \
+           --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 \
+           --out "$OUT/serving-ds$ds.json"
+    done
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"
