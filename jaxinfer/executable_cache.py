@@ -8,7 +8,9 @@ device and its runtime, the XLA flags, the step's name and settings, and the tre
 of its arguments. It holds the executable serialized by `jax.experimental.serialize_executable`.
 
 A file that fails to load (truncated, written by another build) is a miss: it is removed and the
-step compiled again. Only load files this process's user wrote: unpickling runs code.
+step compiled again. Every code change makes new keys, so the folder is kept under `max_bytes`: after a
+save, the least recently used files (loading one touches it) go first. Only load files this process's
+user wrote: unpickling runs code.
 """
 
 from __future__ import annotations
@@ -60,10 +62,11 @@ def _signature(args: Any) -> str:
 
 
 class ExecutableCache:
-    """Serialized executables in `directory`, one file per key."""
+    """Serialized executables in `directory`, one file per key, at most `max_bytes` in all."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, max_bytes: int = 20 << 30):
         self.directory = Path(directory)
+        self.max_bytes = max_bytes
         self.hits = self.misses = 0
 
     def key(self, name: str, settings: str, args: Any) -> str:
@@ -90,6 +93,7 @@ class ExecutableCache:
             self.misses += 1
             return None
         self.hits += 1
+        os.utime(path)   # recently used
         return compiled
 
     def save(self, key: str, compiled: jax.stages.Compiled) -> None:
@@ -101,5 +105,23 @@ class ExecutableCache:
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, self._path(key))
+            self._trim(keep=self._path(key))
         except Exception as e:  # noqa: BLE001 -- a cache that cannot be written costs the next start only
             warnings.warn(f"executable cache: could not save to {self.directory} ({type(e).__name__}: {e})")
+
+    def _trim(self, keep: Path) -> None:
+        """Remove the least recently used files until the folder fits in max_bytes (never `keep`)."""
+        files = []
+        for p in self.directory.glob("*.exe"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:   # another process trimmed it
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if p != keep:
+                p.unlink(missing_ok=True)
+                total -= size

@@ -97,3 +97,26 @@ def test_on_by_default_on_gpus_only():
     assert EngineConfig().for_backend("gpu").executable_cache.endswith("executables")
     assert EngineConfig().for_backend("cpu").executable_cache == ""
     assert EngineConfig(executable_cache="").for_backend("gpu").executable_cache == ""
+
+
+def test_the_folder_is_kept_under_its_size_least_recently_used_first(tmp_path):
+    import os
+    import time
+
+    import jax
+
+    x = jnp.zeros(5)
+    compiled = jax.jit(lambda x: x * 2).lower(x).compile()
+    cache = ExecutableCache(tmp_path, max_bytes=1)   # room for the newest file only
+    keys = [cache.key("f", f"settings {i}", (x,)) for i in range(5)]   # same program, same file size
+    for k in keys[:3]:
+        cache.save(k, compiled)
+    assert [p.stem for p in tmp_path.glob("*.exe")] == [keys[2]]
+    cache.max_bytes = 1 << 30
+    for i, k in enumerate(keys[:3]):
+        cache.save(k, compiled)
+        os.utime(tmp_path / f"{k}.exe", (time.time() - 100 + i,) * 2)     # keys[0] the least recent
+    assert cache.load(keys[0]) is not None           # ... until loaded
+    cache.max_bytes = 2 * (tmp_path / f"{keys[0]}.exe").stat().st_size
+    cache.save(keys[3], compiled)
+    assert sorted(p.stem for p in tmp_path.glob("*.exe")) == sorted([keys[0], keys[3]])   # the unused two went
