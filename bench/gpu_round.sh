@@ -90,6 +90,8 @@ case "${1:-1}" in
     python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    # the server's steps as XLA planned their memory (a KV pool copy would show); fills the executable cache
+    step 120 python3 bench/step_memory.py --shape qwen3-4b --max-num-seqs 64 --max-model-len 40960 --out "$OUT"
     for ds in ${DECODE_STEPS:-8 4 2}; do
       step 150 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
