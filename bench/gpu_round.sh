@@ -84,7 +84,8 @@ case "${1:-1}" in
          --plot "$OUT/serving.png"
     [ -z "$DECODE" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
-  steps)     # the sixth session's first call: serving with 8, 4 and 2 decode steps per dispatch, the server's
+  steps)     # the sixth session's first call: serving with 8, 2, short-at-small-batch and 4 decode steps per
+             # dispatch (VARIANTS), after the steps' memory plan; the server's
              # TTFT split (queue / prefill / handoff / parse) printed per rate; the executable cache makes
              # each server's start after the first ~20 s
     python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
@@ -92,12 +93,17 @@ case "${1:-1}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
     # the server's steps as XLA planned their memory (a KV pool copy would show); fills the executable cache
     step 120 python3 bench/step_memory.py --shape qwen3-4b --max-num-seqs 64 --max-model-len 40960 --out "$OUT"
-    for ds in ${DECODE_STEPS:-8 4 2}; do
+    # variants: dsN = N decode steps per dispatch; short = 8, but 2 for batches of up to 4 sequences
+    for v in ${VARIANTS:-ds8 ds2 short ds4}; do
+      case $v in
+        short) extra="--decode-steps 8 --short-decode-max-batch 4 --short-decode-steps 2" ;;
+        *)     extra="--decode-steps ${v#ds}" ;;
+      esac
       step 150 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --decode-steps $ds" \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 $extra" \
            --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 \
-           --out "$OUT/serving-ds$ds.json"
+           --out "$OUT/serving-$v.json"
     done
     ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces

@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token budget of a prompt step (default: 2048 on GPUs, 512 on CPUs)")
     s.add_argument("--decode-steps", type=int, default=None,
                    help="decode steps per dispatch (default 8): fewer let a new request start sooner")
+    s.add_argument("--short-decode-max-batch", type=int, default=None,
+                   help="batches of at most this many sequences run dispatches of --short-decode-steps "
+                        "(default 0: off)")
+    s.add_argument("--short-decode-steps", type=int, default=None,
+                   help="decode steps per dispatch of those small batches (default 2)")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="share of device memory for weights and KV cache")
     s.add_argument("--enable-prompt-logprobs", action="store_true",
@@ -166,7 +171,8 @@ def cmd_serve(args) -> None:
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
-          enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps)
+          enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
+          short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps)
 
 
 def cmd_bench(args) -> None:

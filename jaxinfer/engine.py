@@ -54,6 +54,11 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
+    # Batches of at most this many sequences run dispatches of `short_decode_steps` instead: a request
+    # that arrives while one runs waits for less of it (its time to first token), where the batch is
+    # small enough for the host to launch and read back more often. 0: off.
+    short_decode_max_batch: int = 0
+    short_decode_steps: int = 2
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
     # Layers as straight-line code over per-layer weight arrays (no device loop, no weight copies in
     # XLA's GEMMs; longer compiles). None: on GPUs, where both costs were measured (bench/NOTES.md).
@@ -85,9 +90,15 @@ class EngineConfig:
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "compile_threads"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "compile_threads",
+                     "short_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.short_decode_max_batch < 0:
+            raise ValueError(f"short_decode_max_batch must be >= 0, got {self.short_decode_max_batch}")
+        if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:
+            raise ValueError(f"short_decode_steps ({self.short_decode_steps}) must be at most decode_steps "
+                             f"({self.decode_steps})")
 
 
 @dataclasses.dataclass
@@ -147,6 +158,7 @@ class Engine:
                                   max_model_len=self.max_model_len,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
+                                  short_decode=(config.short_decode_max_batch, config.short_decode_steps),
                                   unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
                                   prompt_logprobs=config.enable_prompt_logprobs,
                                   executable_cache=ExecutableCache(config.executable_cache)

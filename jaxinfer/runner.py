@@ -142,6 +142,10 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
 
+def _decode_name(greedy: bool, n_steps: int) -> str:
+    return f"decode{'-greedy' if greedy else ''}-{n_steps}"
+
+
 # DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
 CARRIED = ("tokens", "positions", "step_index", "remaining", "active")
 
@@ -160,7 +164,10 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, *, num_pages: int, page_size: int,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
-                 prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None):
+                 prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
+                 short_decode: tuple[int, int] = (0, 1)):
+        """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
+        decode steps, the others `steps_per_decode`."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -179,20 +186,29 @@ class ModelRunner:
         self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         # Two decode variants: batches that are all greedy and ask for no top logprobs (the host knows)
         # skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
-        self._decode = {greedy: jax.jit(functools.partial(decode_steps, cfg, ops, steps_per_decode, unroll_layers,
-                                                          0 if greedy else max_logprobs, greedy),
-                                        donate_argnums=(1, 2)) for greedy in (False, True)}
+        self.short_decode = short_decode
+        step_counts = {self.decode_steps_for(b) for b in self.batch_buckets}
+        self._decode = {(greedy, n): jax.jit(functools.partial(decode_steps, cfg, ops, n, unroll_layers,
+                                                               0 if greedy else max_logprobs, greedy),
+                                             donate_argnums=(1, 2))
+                        for greedy in (False, True) for n in step_counts}
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
                                       donate_argnums=(1, 2)) if prompt_logprobs else None)
-        self.steps = {"mixed": self._mixed, "decode": self._decode[False], "decode-greedy": self._decode[True]}
+        self.steps = {"mixed": self._mixed}
+        self.steps.update({_decode_name(greedy, n): step for (greedy, n), step in self._decode.items()})
         if self._mixed_prompt is not None:
             self.steps["mixed-prompt-logprobs"] = self._mixed_prompt
         # What the steps are built from besides their arguments: the executable cache's key.
-        self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), steps_per_decode,
-                               unroll_layers, max_logprobs))
+        self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
+                               max_logprobs))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
+
+    def decode_steps_for(self, batch_bucket: int) -> int:
+        """Decode steps in one dispatch of a batch of this bucket."""
+        max_batch, steps = self.short_decode
+        return steps if batch_bucket <= max_batch else self.steps_per_decode
 
     def token_bucket(self, n: int) -> int:
         return next(b for b in self.token_buckets if b >= n)
@@ -235,7 +251,8 @@ class ModelRunner:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
         on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
         active row has temperature 0 and wants no top logprobs (then K = 0)."""
-        self.kv, self.state, advanced, *out = self._call("decode-greedy" if greedy else "decode", batch)
+        name = _decode_name(greedy, self.decode_steps_for(batch.tokens.shape[0]))
+        self.kv, self.state, advanced, *out = self._call(name, batch)
         return advanced, tuple(out)
 
     def _call(self, name: str, batch: StepBatch | DecodeBatch):
@@ -290,7 +307,7 @@ class ModelRunner:
             calls += [(name, batch) for name in ("mixed", "mixed-prompt-logprobs") if name in self.steps]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
-            calls += [("decode", batch), ("decode-greedy", batch)]
+            calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]
         return calls
 
     def warmup(self, progress: bool = True, threads: int = 1) -> float:

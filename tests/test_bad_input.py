@@ -141,3 +141,16 @@ def test_cli_generate_streams_and_reports_speed():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("Once upon a time, there was a little girl named Lily")
     assert "prefill" in r.stderr and "decode" in r.stderr and "tok/s" in r.stderr
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(decode_steps=0), "decode_steps must be >= 1"),
+    (dict(short_decode_max_batch=2, short_decode_steps=9), "short_decode_steps"),
+    (dict(short_decode_max_batch=-1), "short_decode_max_batch"),
+    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+])
+def test_invalid_engine_options(options, message):
+    from jaxinfer.engine import Engine
+
+    with pytest.raises(ValueError, match=message):
+        Engine(STORIES, progress=False, **options)

@@ -109,6 +109,28 @@ def test_no_compilation_after_warmup(stories):
     assert events == []
 
 
+def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
+    """Batches of up to 2 sequences decode 2 steps per dispatch, larger ones 8: as the batch of 4
+    shrinks (different lengths) it crosses over; greedy and seeded tokens are those of 8 steps
+    throughout, and nothing compiles after start-up."""
+    short = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, short_decode_max_batch=2, short_decode_steps=2,
+                progress=False)
+    r = short.engine.runner
+    assert [r.decode_steps_for(b) for b in r.batch_buckets] == [2, 2, 8]
+    params = [SamplingParams(max_tokens=n, temperature=t, seed=7, ignore_eos=True)
+              for n, t in zip((5, 17, 33, 50), (0, 0.8, 0, 1.0))]
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        got = [o.token_ids for o in short.generate(PROMPTS[:4], params)]
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    assert got == [o.token_ids for o in stories.generate(PROMPTS[:4], params)]
+    assert [len(t) for t in got] == [5, 17, 33, 50]
+
+
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     """compile_threads > 1 compiles every step in a pool thread; each step's first call on the main
     thread must then find its executable in the cache, and later requests compile nothing."""
