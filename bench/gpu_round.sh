@@ -106,6 +106,10 @@ case "${1:-1}" in
            --out "$OUT/serving-$v.json"
     done
     ;;
+  gemmflags) # prefill 1k with XLA free to put any GEMM in a Triton fusion (elementwise work fused in)
+    step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default triton-gemm-any \
+         --out "$OUT"
+    ;;
   profile)   # where the time goes: prefill host/launch/device split, batched decode traces
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --out "$OUT"
     step 380 python3 bench/throughput.py --shape qwen3-4b --requests 300 --profile 8 64 --out "$OUT"

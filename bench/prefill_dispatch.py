@@ -28,6 +28,9 @@ VARIANTS = {  # name: (XLA_FLAGS, profile)
     "default": ("", False),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False),
     "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True),
+    # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
+    # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
+    "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False),
 }
 
 
