@@ -86,7 +86,9 @@ class ExecutableCache:
             return None
         try:
             blob, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+            # the engine runs on the default device: load for it alone (not every device of the host)
+            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree,
+                                                                 execution_devices=jax.devices()[:1])
         except Exception as e:  # noqa: BLE001 -- any unreadable entry is a miss, never a failed start
             warnings.warn(f"executable cache: dropping unreadable {path.name} ({type(e).__name__}: {e})")
             path.unlink(missing_ok=True)
