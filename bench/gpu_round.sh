@@ -12,6 +12,12 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
+# For the server: random Qwen3-4B weights with the real tokenizer, and the server's wheels (.whl)
+serve_setup() {
+  python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+  cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+}
 case "${1:-1}" in
   skinny)    # the batched-decode GEMM: GPU parity, config sweep and kernel-vs-XLA table, engine check
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
@@ -36,9 +42,7 @@ case "${1:-1}" in
     [ -n "${NO_L2:-}" ] || step 120 python3 bench/kernels_l2_prefetch.py
     [ -z "${DISPATCH:-}" ] || step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants $DISPATCH --out "$OUT"
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
-      python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
-      cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+      serve_setup
       export JAXINFER_HOST_PROFILE="$OUT/host_profile.json"
       step 240 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
@@ -57,9 +61,7 @@ case "${1:-1}" in
   final)     # after the nested-jit layers: GPU parity, warm start of the server, serving, batch-1 decode
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
-      python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
-      cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+      serve_setup
       step 150 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
       step 150 python3 bench/serving.py \
            --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
@@ -71,9 +73,7 @@ case "${1:-1}" in
   warm)      # the fifth session: where a warm server start goes (pallas vs reference: Triton kernels
              # reloaded from the persistent cache?), then serving with the fused decode attention,
              # the bucket trimming and the two-stage top-k
-    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
-    cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    serve_setup
     for ops in ${WARM_OPS:-pallas reference}; do
       step 150 python3 bench/warm_start.py --serve --shape qwen3-4b --ops $ops --max-num-seqs 256 --runs 2 --out "$OUT"
       cp "$OUT/warm_start_serve.json" "$OUT/warm_start_serve_$ops.json"
@@ -88,9 +88,7 @@ case "${1:-1}" in
              # dispatch (VARIANTS), after the steps' memory plan; the server's
              # TTFT split (queue / prefill / handoff / parse) printed per rate; the executable cache makes
              # each server's start after the first ~20 s
-    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
-    cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+    serve_setup
     # the server's steps as XLA planned their memory (a KV pool copy would show); fills the executable cache
     step 120 python3 bench/step_memory.py --shape qwen3-4b --max-num-seqs 64 --max-model-len 40960 --out "$OUT"
     # variants: dsN = N decode steps per dispatch; short = 8, but 2 for batches of up to 4 sequences
@@ -123,9 +121,7 @@ case "${1:-1}" in
     ;;
   2)
     if [ -d .whl ] && [ -d .carry/qwen3 ]; then
-      python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
-      cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/   # the server needs a tokenizer
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+      serve_setup
       # the same workload offline, same batch size: the bar for serving throughput under load
       step 150 python3 -m jaxinfer.cli bench --model /tmp/jaxinfer-bench-models/qwen3-4b --dtype bfloat16 --ops pallas \
            --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64

@@ -42,12 +42,8 @@ def main() -> None:
     print(f"# KV pool {engine.kv_bytes / GIB:.2f} GiB; {len(r.bucket_calls())} steps", flush=True)
     rows = []
     for name, batch in r.bucket_calls():
-        bucket = batch.tokens.shape[0]
-        exe = r._executables.get((name, bucket))
-        if exe is None:
-            exe = r.steps[name].lower(r.params, r.kv, r.state, batch).compile()
-        m = exe.memory_analysis()
-        rows.append(dict(step=f"{name} {bucket}", arguments=m.argument_size_in_bytes / GIB,
+        m = r.compiled(name, batch).memory_analysis()
+        rows.append(dict(step=f"{name} {batch.tokens.shape[0]}", arguments=m.argument_size_in_bytes / GIB,
                          outputs=m.output_size_in_bytes / GIB, aliased=m.alias_size_in_bytes / GIB,
                          temporaries=m.temp_size_in_bytes / GIB))
         print(f"# {json.dumps(rows[-1])}", flush=True)

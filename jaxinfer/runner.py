@@ -142,6 +142,11 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
 
+def _bucket_key(name: str, batch) -> tuple[str, int]:
+    """Which executable runs `batch`: the step's name and the batch's bucket (its leading size)."""
+    return name, batch.tokens.shape[0]
+
+
 def _decode_name(greedy: bool, n_steps: int) -> str:
     return f"decode{'-greedy' if greedy else ''}-{n_steps}"
 
@@ -183,22 +188,20 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
         self.warmup_breakdown: dict[str, float] = {}
-        self._mixed = jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))
-        # Two decode variants: batches that are all greedy and ask for no top logprobs (the host knows)
-        # skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
         self.short_decode = short_decode
-        step_counts = {self.decode_steps_for(b) for b in self.batch_buckets}
-        self._decode = {(greedy, n): jax.jit(functools.partial(decode_steps, cfg, ops, n, unroll_layers,
-                                                               0 if greedy else max_logprobs, greedy),
-                                             donate_argnums=(1, 2))
-                        for greedy in (False, True) for n in step_counts}
+        # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
+        # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
+        # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
+        self.steps = {"mixed": jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))}
+        for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
+            for greedy in (False, True):
+                self.steps[_decode_name(greedy, n)] = jax.jit(
+                    functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy),
+                    donate_argnums=(1, 2))
+        if prompt_logprobs:
+            self.steps["mixed-prompt-logprobs"] = jax.jit(
+                functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
-        self._mixed_prompt = (jax.jit(functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs),
-                                      donate_argnums=(1, 2)) if prompt_logprobs else None)
-        self.steps = {"mixed": self._mixed}
-        self.steps.update({_decode_name(greedy, n): step for (greedy, n), step in self._decode.items()})
-        if self._mixed_prompt is not None:
-            self.steps["mixed-prompt-logprobs"] = self._mixed_prompt
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
                                max_logprobs))
@@ -259,14 +262,19 @@ class ModelRunner:
         """Run a step on (params, kv, state, batch): its executable from warm-up for the batch's bucket,
         else the jitted step (which compiles an unseen shape)."""
         args = (self.params, self.kv, self.state, batch)
-        exe = self._executables.get((name, batch.tokens.shape[0]))
+        exe = self._executables.get(_bucket_key(name, batch))
         if exe is not None:
             try:
                 return exe(*args)
             except TypeError as e:   # the arguments' types differ from warm-up's: checked before running
                 warnings.warn(f"step {name}: {e}; using the jitted step")
-                del self._executables[(name, batch.tokens.shape[0])]
+                del self._executables[_bucket_key(name, batch)]
         return self.steps[name](*args)
+
+    def compiled(self, name: str, batch: StepBatch | DecodeBatch):
+        """The step's executable for the batch's bucket: warm-up's, else compiled now (benches)."""
+        exe = self._executables.get(_bucket_key(name, batch))
+        return exe or self.steps[name].lower(self.params, self.kv, self.state, batch).compile()
 
     def run_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
@@ -334,13 +342,13 @@ class ModelRunner:
         def load(i):
             exe = cache.load(keys[i])
             if exe is not None:
-                self._executables[(calls[i][0], calls[i][1].tokens.shape[0])] = exe
+                self._executables[_bucket_key(*calls[i])] = exe
             return exe is not None
 
         def compile_and_save(i, lowered):
             t = time.perf_counter()
             exe = lowered.compile()
-            self._executables[(calls[i][0], calls[i][1].tokens.shape[0])] = exe
+            self._executables[_bucket_key(*calls[i])] = exe
             seconds = time.perf_counter() - t
             if cache:
                 cache.save(keys[i], exe)

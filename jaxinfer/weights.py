@@ -117,7 +117,6 @@ class CheckpointReader:
     tensor out first): assembling the parameters then copies each byte once, from the page cache."""
 
     def __init__(self, model_dir: Path):
-        self._model_dir = model_dir
         index = model_dir / "model.safetensors.index.json"
         if index.is_file():
             try:
@@ -129,8 +128,6 @@ class CheckpointReader:
             files = ["model.safetensors"]
         else:
             raise ModelLoadError(f"{model_dir} holds no model.safetensors (nor model.safetensors.index.json)")
-        self._handles: dict[str, Any] = {}
-        self._where: dict[str, str] = {}
         self._maps: dict[str, np.memmap] = {}
         self._entries: dict[str, tuple[str, Any, Shape, int, int]] = {}   # name -> (file, dtype, shape, start, end)
         for name in files:
@@ -139,8 +136,8 @@ class CheckpointReader:
                 raise ModelLoadError(f"{path} is listed in the index but missing")
             try:
                 header_len, header = self._check_size(path)
-                handle = safe_open(str(path), framework="np")   # its checks of the header
-                keys = list(handle.keys())
+                with safe_open(str(path), framework="np") as handle:   # its checks of the header
+                    keys = list(handle.keys())
                 base = 8 + header_len
                 for k in keys:
                     v = header[k]
@@ -150,9 +147,7 @@ class CheckpointReader:
                 if isinstance(e, ModelLoadError):
                     raise
                 raise ModelLoadError(f"{path} is not a readable safetensors file ({e})") from None
-            self._handles[name] = handle
-            for k in keys:
-                self._where[k] = name
+            self._maps[name] = np.memmap(path, dtype=np.uint8, mode="r")
 
     @staticmethod
     def _check_size(path: Path) -> tuple[int, dict]:
@@ -168,25 +163,16 @@ class CheckpointReader:
         return header_len, header
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._entries
 
     def keys(self) -> list[str]:
-        return list(self._where)
+        return list(self._entries)
 
     def get(self, name: str) -> np.ndarray:
-        file, dtype, shape, start, end = self._entries[name]
-        if dtype is not None and end - start == int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
-            if file not in self._maps:
-                self._maps[file] = np.memmap(self._model_dir / file, dtype=np.uint8, mode="r")
-            return self._maps[file][start:end].view(dtype).reshape(shape)
-        handle = self._handles[self._where[name]]
-        try:
-            return handle.get_tensor(name)
-        except (SafetensorError, TypeError, ValueError):
-            # numpy has no bfloat16: read raw bytes and view them through ml_dtypes.
-            sl = handle.get_slice(name)
-            dtype = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}[sl.get_dtype()]
-            return np.asarray(sl[:]).view(dtype).reshape(sl.get_shape())
+        file, dtype, shape, start, end = self._entries[name]   # offsets checked against shape by safe_open
+        if dtype is None:
+            raise ModelLoadError(f"{file}: tensor {name!r} has a dtype this reader does not know")
+        return self._maps[file][start:end].view(dtype).reshape(shape)
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
