@@ -33,6 +33,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -199,10 +200,15 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
                           ("prefill_sum", "jaxinfer_request_prefill_time_seconds_sum"),
                           ("handoff_sum", "jaxinfer_first_token_handoff_seconds_sum"),
                           ("parse_sum", "jaxinfer_request_parse_seconds_sum"),
-                          ("split_count", "jaxinfer_first_token_handoff_seconds_count")):
+                          ("split_count", "jaxinfer_first_token_handoff_seconds_count"),
+                          ("steps_sum", "jaxinfer_request_prefill_steps_sum")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
-    return out if len(out) == 9 else None
+        # mixed steps by token bucket: mixed_<tokens>_sum / _count
+        m = re.match(r'^jaxinfer_engine_mixed_step_seconds_(sum|count)\{.*tokens="(\d+)".*\} (\S+)$', line)
+        if m:
+            out[f"mixed_{m.group(2)}_{m.group(1)}"] = float(m.group(3))
+    return out if len(out) >= 9 else None
 
 
 PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
@@ -246,6 +252,12 @@ def print_table(rows: list[dict]) -> None:
                 print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
                       f"handoff {q['handoff']:6.2f}  client - server "
                       f"{s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f} (parse {q['parse']:5.2f})")
+        print("engine steps from take-in to the first token (mean), and the mixed (prefill) steps by token bucket:")
+        print("count x mean wall ms on the engine thread (host work + device + read-back)")
+        for s in rows:
+            if "mixed_steps" in s:
+                print(f"{s['request_rate']:>6}  steps to first token {s.get('prefill_steps_mean', math.nan):5.2f}  mixed: "
+                      + ", ".join(f"{t}: {v['count']} x {v['mean_ms']:.2f}" for t, v in s["mixed_steps"].items()))
     for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
@@ -382,6 +394,18 @@ def main(argv: list[str] | None = None) -> int:
                     for part in ("queue", "prefill", "handoff")}
                 rows[-1]["server_ttft_split_ms"]["parse"] = 1e3 * (after["parse_sum"] - before["parse_sum"]) / n \
                     if n else math.nan
+                if "steps_sum" in after:
+                    rows[-1]["prefill_steps_mean"] = (after["steps_sum"] - before.get("steps_sum", 0)) / n if n else math.nan
+                # the mixed (prefill) steps of this rate, by token bucket: how many, and their mean wall time
+                mixed = {}
+                for key in after:
+                    if key.startswith("mixed_") and key.endswith("_count"):
+                        tokens = key.split("_")[1]
+                        count = after[key] - before.get(key, 0)
+                        if count:
+                            total = after[f"mixed_{tokens}_sum"] - before.get(f"mixed_{tokens}_sum", 0)
+                            mixed[tokens] = dict(count=int(count), mean_ms=1e3 * total / count)
+                rows[-1]["mixed_steps"] = dict(sorted(mixed.items(), key=lambda kv: int(kv[0])))
             if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
                 time.sleep(0.3)           # its next write covers the whole rate
                 after_prof = host_profile_report()

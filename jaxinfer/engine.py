@@ -182,6 +182,7 @@ class Engine:
         self._timing = DispatchTiming()
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
+        self.last_mixed_tokens: int | None = None   # the token bucket of the last step, if it was a mixed one
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
 
     def _num_pages(self) -> int:
@@ -309,6 +310,7 @@ class Engine:
         the device does not wait on Python. Sequences that turn out to have finished are computed
         once more and their extra tokens dropped.
         """
+        self.last_mixed_tokens = None
         if self._inflight is not None:
             seqs, advanced, outs = self._inflight
             bucket = self.runner.batch_bucket(len(seqs))
@@ -410,7 +412,8 @@ class Engine:
     def _mixed_step(self, chunks: list[tuple[Sequence, int]]) -> list[StreamDelta]:
         r, ps = self.runner, self.config.page_size
         total = sum(n for _, n in chunks)
-        a = r.empty_mixed(r.token_bucket(total))
+        self.last_mixed_tokens = r.token_bucket(total)   # for the server's step-time metrics
+        a = r.empty_mixed(self.last_mixed_tokens)
         t = 0
         for b, (seq, n) in enumerate(chunks):
             start = seq.num_computed

@@ -66,4 +66,6 @@ def test_serving_bench_with_the_host_profile(tmp_path):
     assert row["completed"] == 4 and row["failed"] == 0
     assert row["host_profile"]["jaxinfer-engine"]["samples"] > 0
     assert row["server_ttft_mean_ms"] > 0
+    assert row["prefill_steps_mean"] >= 1 and sum(v["count"] for v in row["mixed_steps"].values()) >= 1
+    assert "steps to first token" in r.stdout
     assert "host profile, rate inf, thread jaxinfer-engine" in r.stdout

@@ -140,25 +140,58 @@ def _seq(i, n_prompt, generated=0):
 
 
 def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
-    """1,024 prompt tokens beside one running decode would run at the 2,048-token bucket; the prompt
-    gives back one token instead and finishes in a small step (buckets from TRIM_FROM on)."""
+    """1,024 prompt tokens beside one running decode would run at the 2,048-token bucket. The decode
+    waits one step instead, so the newcomer's first token comes from this step; when the prompt does not
+    finish in the step (or the excess is more than its decodes), the prompt gives back the excess and
+    finishes in a small step (buckets from TRIM_FROM on)."""
     from jaxinfer.paging import PageAllocator
     from jaxinfer.serve.scheduler import Scheduler
 
-    sched = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
-                      token_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+    def scheduler():
+        return Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
+                         token_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+
+    sched = scheduler()
     running, newcomer = _seq(0, 40, generated=3), _seq(1, 1024)
     sched.add(running)
     sched.schedule()
     running.num_computed = len(running.tokens) - 1          # its prompt is done: it decodes
     sched.add(newcomer)
     plan = sched.schedule()
-    assert plan.kind == "mixed" and [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1023)]
-    newcomer.num_computed += 1023
-    running.num_computed += 1
-    running.output_ids.append(7)
+    assert plan.kind == "mixed" and [(s.request_id, n) for s, n in plan.chunks] == [(1, 1024)]
+    newcomer.num_computed += 1024
+    newcomer.output_ids.append(7)
     plan = sched.schedule()
-    assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1)]
+    assert plan.kind == "decode" and [s.request_id for s, _ in plan.chunks] == [0, 1]
+
+    # a 1,030-token prompt beside two decodes: 6 too many, more than the decodes: the prompt gives them back
+    sched = scheduler()
+    old, running, newcomer = _seq(0, 40, generated=3), _seq(1, 40, generated=3), _seq(2, 1030)
+    for s in (old, running):
+        sched.add(s)
+    sched.schedule()
+    for s in (old, running):
+        s.num_computed = len(s.tokens) - 1
+    sched.add(newcomer)
+    plan = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1), (2, 1022)]
+    newcomer.num_computed += 1022
+    for s in (old, running):
+        s.num_computed += 1
+        s.output_ids.append(7)
+    plan = sched.schedule()
+    assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1), (2, 8)]
+
+    # one token too many beside two decodes: the younger decode waits
+    sched = scheduler()
+    old, running, newcomer = _seq(0, 40, generated=3), _seq(1, 40, generated=3), _seq(2, 1023)
+    for s in (old, running):
+        sched.add(s)
+    sched.schedule()
+    for s in (old, running):
+        s.num_computed = len(s.tokens) - 1
+    sched.add(newcomer)
+    assert [(s.request_id, n) for s, n in sched.schedule().chunks] == [(0, 1), (2, 1023)]
 
     # far past the bucket (more than half of it): the step runs whole at the next bucket
     wide = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,

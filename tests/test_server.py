@@ -556,6 +556,11 @@ def test_metrics_exposition(stories):
     assert sum(m[f"{p}_sum"] for p in parts) == pytest.approx(m[f"{ttft}_sum"], rel=1e-6)
     assert m["jaxinfer_request_parse_seconds_count"] >= m[f"{ttft}_count"]   # before the clock: body read, validated
     assert m["jaxinfer_request_parse_seconds_sum"] > 0
+    # the engine steps each request took to its first token (at least its prefill), and mixed steps timed
+    assert m["jaxinfer_request_prefill_steps_count"] == m[f"{ttft}_count"]
+    assert m["jaxinfer_request_prefill_steps_sum"] >= m["jaxinfer_request_prefill_steps_count"]
+    text = httpx.get(stories.url + "/metrics").text
+    assert re.search(r'^jaxinfer_engine_mixed_step_seconds_count\{[^}]*tokens="\d+"[^}]*\} [1-9]', text, re.M)
 
 
 def test_schemathesis_finds_no_server_errors():

@@ -267,21 +267,18 @@ def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, *, page_s
 # ---------------------------------------------------------------------------------------------------
 # Configuration table
 
-# NOT YET MEASURED: first guesses, to be replaced by the sweep of bench/kernels_prefill_attention.py on
-# the H200 (bench/NOTES.md). Rows (max tokens T of the call, tile rows, config), first match wins; the
-# tile rows (block_q x the heads of a program, padded to a power of two) fix block_q for the model's
-# group, so one row serves every GQA shape. Guesses: long prompts take the flash-attention shape that
-# Triton's tutorial found best on Hopper (128-row tiles, 64-key blocks, 8 warps, 3 stages); short ones
-# take one head per program and 16-row tiles, for enough programs to fill 132 SMs (T=128 with 128-row
-# tiles of a group of 4 would be 32 programs). The crossover (here T <= 256) is for the sweep to find.
-# An offline compile of this kernel for sm_90a (Triton 3.9 from PyPI on its TTIR; jaxlib bundles its own
-# Triton, so only indicative), Qwen3-4B shape, bf16: 128-row tiles use wgmma and cp.async pipelining,
-# 8 warps: 228 (2 stages) / 242 (3 stages) registers, no spills, 96 / 128 KB shared memory; with 4 warps
-# they spill 1.1-1.5 KB; 256-row tiles spill at 4 or 8 warps; 16-row one-head tiles use mma.sync, 96
-# registers at 4 warps. Shared memory passes the 227 KB limit for 256 rows x 128 keys at 3 stages.
+# Measured on the H200 (bench/kernels_prefill_attention.py --sweep, 2026-11-29, bench/results/
+# 2026-11-29f-h200-3-*): rows (max tokens T of the call, tile rows, config), first match wins; the tile
+# rows (block_q x the heads of a program, padded to a power of two) fix block_q for the model's group,
+# so one row serves every GQA shape. Up to 256 tokens the best was 16-row tiles of the whole group with
+# 128-key blocks (prompt 128: 6.1 us against 7.4 for one head per program). From 1k on, the long-prompt
+# guess (128-row tiles, 64-key blocks, 8 warps, 3 stages) was within 4% of the best of 48 configs at
+# every case (1k 60 us / best 58; 8k 1.89 ms / 1.88; a 2k chunk after 6k 0.87 / 0.84; 4 x 1k 0.161 /
+# 0.161), so it stays: at 1k every config lands at 58-61 us, a floor that no tile shape moves.
+# Shared memory passes the 227 KB limit for 128-key blocks at 4 stages (RESOURCE_EXHAUSTED).
 _BIG = 1 << 62
 _TABLE: list[tuple[int, int, PrefillConfig]] = [
-    (256, 16, PrefillConfig(block_k=64, heads=1, num_warps=4, num_stages=2)),
+    (256, 16, PrefillConfig(block_k=128, heads=0, num_warps=4, num_stages=2)),
     (_BIG, 128, PrefillConfig(block_k=64, heads=0, num_warps=8, num_stages=3)),
 ]
 

@@ -69,6 +69,7 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
+    steps_to_first: int = 0    # engine steps from being taken in to the first token id
 
 
 class Group:
@@ -191,7 +192,8 @@ class AsyncEngine:
             if req.first_token_at is None:
                 req.first_token_at = now
                 if self.metrics:
-                    self.metrics.on_first_token(req.group.arrived, req.added_at, req.first_token_engine_at, now)
+                    self.metrics.on_first_token(req.group.arrived, req.added_at, req.first_token_engine_at, now,
+                                            req.steps_to_first)
             req.last_token_at = now
             req.num_tokens += n
             if self.metrics:
@@ -322,8 +324,14 @@ class AsyncEngine:
         return None
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         deltas = self.engine.step()
         now = time.perf_counter()
+        if self.metrics and self.engine.last_mixed_tokens is not None:
+            self.metrics.mixed_step(self.engine.last_mixed_tokens, now - t0)
+        for req in self._live.values():
+            if req.first_token_engine_at is None:
+                req.steps_to_first += 1
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         for d in deltas:
             req = self._live.get(d.request_id)

@@ -86,6 +86,14 @@ class Metrics:
         self.handoff_time = Histogram("jaxinfer_first_token_handoff_seconds",
                                       "Time from the engine producing the first token until the event loop saw it.",
                                       ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
+        self.prefill_steps = Histogram("jaxinfer_request_prefill_steps",
+                                       "Engine steps from being taken in until the first token (prefill chunks, "
+                                       "and the decode dispatch read back before them).", ["model_name"],
+                                       buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64), registry=r).labels(**labels)
+        # A mixed (prefill) step on the engine thread, host work and device together, by its token bucket.
+        self._mixed_step = Histogram("jaxinfer_engine_mixed_step_seconds",
+                                     "Wall time of a mixed (prefill) step on the engine thread, by token bucket.",
+                                     ["model_name", "tokens"], buckets=_TTFT_BUCKETS, registry=r)
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", ["model_name"],
                               buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
@@ -116,12 +124,17 @@ class Metrics:
     def on_submit(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
 
-    def on_first_token(self, arrived: float, added: float | None, produced: float | None, seen: float) -> None:
+    def on_first_token(self, arrived: float, added: float | None, produced: float | None, seen: float,
+                       steps: int = 0) -> None:
         self.ttft.observe(seen - arrived)
         if added is not None and produced is not None:
             self.queue_time.observe(added - arrived)
             self.prefill_time.observe(produced - added)
             self.handoff_time.observe(seen - produced)
+            self.prefill_steps.observe(steps)
+
+    def mixed_step(self, tokens: int, seconds: float) -> None:
+        self._mixed_step.labels(**self._finished_labels, tokens=str(tokens)).observe(seconds)
 
     def on_finish(self, arrived: float, first: float | None, last: float | None, num_tokens: int,
                   reason: str | None) -> None:

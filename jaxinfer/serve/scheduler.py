@@ -195,15 +195,22 @@ class Scheduler:
     def _fit_bucket(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """A step runs at the smallest compiled token bucket that holds it, padding included. When its
         tokens pass a bucket b >= TRIM_FROM by at most b / 2 (a newcomer's 1,024-token prompt beside
-        one running decode: 1,025 tokens, run at 2,048), the last prompt chunks give back the excess
-        and finish in a later step: a step of b and a small one cost less than one of 2b, on the GPU
-        where a prefill step's time grows with its padded size."""
+        one running decode: 1,025 tokens, run at 2,048), the excess waits for a later step: a step of b
+        and a small one cost less than one of 2b, on the GPU where a prefill step's time grows with its
+        padded size. What waits: if this step completes every prompt in it and the excess is no more
+        than its decodes, the youngest decodes (they lose one step; the newcomers' first tokens come
+        now, not after one more step); otherwise the last prompt chunks give back the excess."""
         total = sum(n for _, n in chunks)
         lo = max((b for b in self.token_buckets if b <= total), default=0)
         excess = total - lo
         prompt_tokens = sum(n for seq, n in chunks if seq.prefilling)
         if lo < TRIM_FROM or excess == 0 or excess > lo // 2 or excess >= prompt_tokens:
             return chunks
+        decodes = [i for i, (seq, _) in enumerate(chunks) if not seq.prefilling]
+        completes = all(seq.num_computed + n >= len(seq.tokens) for seq, n in chunks if seq.prefilling)
+        if completes and excess <= len(decodes):
+            wait = set(decodes[-excess:])   # decodes come oldest first
+            return [c for i, c in enumerate(chunks) if i not in wait]
         out = []
         for seq, n in reversed(chunks):
             if seq.prefilling and excess:
