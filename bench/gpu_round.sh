@@ -82,7 +82,7 @@ case "${1:-1}" in
          --serve-model /tmp/jaxinfer-bench-models/qwen3-4b --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json" \
          --plot "$OUT/serving.png"
-    [ -z "$DECODE" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
+    [ -z "${DECODE:-}" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
   steps)     # the sixth session's first call: serving with 8, 2, short-at-small-batch and 4 decode steps per
              # dispatch (VARIANTS), after the steps' memory plan; the server's
@@ -103,6 +103,18 @@ case "${1:-1}" in
            --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 \
            --out "$OUT/serving-$v.json"
     done
+    ;;
+  gap)       # the server's throughput against offline: offline as before, offline with the engine built as
+             # `jaxinfer serve` builds it (tokenizer + detokenizing, top logprobs, prefix caching, 40,960 context),
+             # the same with a 1,153-token context, then the server itself all at once
+    serve_setup
+    M=/tmp/jaxinfer-bench-models/qwen3-4b
+    B="--model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64"
+    step 120 python3 -m jaxinfer.cli bench $B
+    step 120 python3 -m jaxinfer.cli bench $B --like-serve --max-model-len 40960
+    step 120 python3 -m jaxinfer.cli bench $B --like-serve --max-model-len 1153
+    step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
+         --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
   gemmflags) # prefill 1k with XLA free to put any GEMM in a Triton fusion (elementwise work fused in)
     step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default triton-gemm-any \

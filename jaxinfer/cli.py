@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=8, help="requests running at once")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--like-serve", action="store_true",
+                   help="build the engine as `jaxinfer serve` does (tokenizer loaded and outputs detokenized, top "
+                        "logprobs computed, prefix caching, the model's context length unless --max-model-len): "
+                        "the offline figure for a server's throughput")
     return parser
 
 
@@ -184,10 +188,16 @@ def cmd_bench(args) -> None:
 
     if min(args.input_len, args.output_len, args.batch_size, args.num_prompts) < 1:
         raise ValueError("--input-len, --output-len, --batch-size and --num-prompts must be >= 1")
-    engine = Engine(args.model, dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
-                    max_model_len=args.max_model_len or args.input_len + args.output_len + 1,
-                    max_num_batched_tokens=max(16, min(2048, args.input_len * args.batch_size)),
-                    skip_tokenizer_init=True, max_logprobs=0, enable_prefix_caching=False)
+    if args.like_serve:
+        from jaxinfer.serve.server import engine_options
+
+        engine = Engine(args.model, **engine_options(dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
+                                                     max_model_len=args.max_model_len))
+    else:
+        engine = Engine(args.model, dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
+                        max_model_len=args.max_model_len or args.input_len + args.output_len + 1,
+                        max_num_batched_tokens=max(16, min(2048, args.input_len * args.batch_size)),
+                        skip_tokenizer_init=True, max_logprobs=0, enable_prefix_caching=False)
     rng = np.random.default_rng(args.seed)
     vocab = engine.cfg.vocab_size
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
@@ -208,11 +218,14 @@ def cmd_bench(args) -> None:
     print(f"single request: {args.input_len} prompt + {args.output_len} new tokens in {single * 1e3:.1f} ms; "
           f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):,.0f} tok/s, "
           f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):,.0f} tok/s")
+    engine.stats = {k: 0 for k in engine.stats}
     wall = run(args.num_prompts)
+    s = engine.stats
     tokens = args.num_prompts * args.output_len
     print(f"throughput: {args.num_prompts} requests at batch {args.batch_size} in {wall:.2f} s = "
           f"{args.num_prompts / wall:.2f} req/s, {tokens / wall:,.0f} output tok/s, "
-          f"{args.num_prompts * (args.input_len + args.output_len) / wall:,.0f} total tok/s")
+          f"{args.num_prompts * (args.input_len + args.output_len) / wall:,.0f} total tok/s; of the wall time "
+          f"prefill steps {s['prefill_seconds'] / wall:.0%}, decode {s['decode_seconds'] / wall:.0%}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import STORIES
 
 
@@ -39,13 +41,15 @@ def test_chat_with_template_on_random_qwen3(tmp_path):
     assert r.stdout.count("> ") == 3
 
 
-def test_bench_prints_latency_and_throughput():
+@pytest.mark.parametrize("like_serve", [False, True])
+def test_bench_prints_latency_and_throughput(like_serve):
     r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "bench", "--model", str(STORIES), "--input-len", "16",
-                        "--output-len", "8", "--batch-size", "4", "--num-prompts", "8"],
-                       capture_output=True, text=True, timeout=300)
+                        "--output-len", "8", "--batch-size", "4", "--num-prompts", "8"]
+                       + ["--like-serve"] * like_serve, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "single request: 16 prompt + 8 new tokens" in r.stdout and "decode" in r.stdout
     assert "throughput: 8 requests at batch 4" in r.stdout and "output tok/s" in r.stdout
+    assert "of the wall time prefill steps" in r.stdout
 
 
 def test_bench_rejects_bad_sizes():
