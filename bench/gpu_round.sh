@@ -116,15 +116,6 @@ case "${1:-1}" in
     step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
-  gil)       # serving with the GIL switch interval at Python's 5 ms against the server's 0.5 ms default
-    serve_setup
-    for ms in ${SWITCH:-5 0.5}; do
-      step 150 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --gil-switch-interval $ms" \
-           --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 \
-           --out "$OUT/serving-gil$ms.json" --plot "$OUT/serving-gil$ms.png"
-    done
-    ;;
   gemmflags) # prefill 1k with XLA free to put any GEMM in a Triton fusion (elementwise work fused in)
     step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default triton-gemm-any \
          --out "$OUT"

@@ -68,10 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="score prompt tokens too (completions with echo and logprobs); compiles more steps")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond that, 503 at once")
-    s.add_argument("--gil-switch-interval", type=float, default=0.5, metavar="MS",
-                   help="how long (ms) a Python thread may hold the GIL while another waits for it (Python's "
-                        "default is 5): the engine thread, back from the device, waits at most this long for "
-                        "the event loop")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     b = sub.add_parser("bench", help="offline latency and throughput on random prompts")
     _engine_args(b)
@@ -171,13 +167,10 @@ def cmd_serve(args) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    if not args.gil_switch_interval > 0:
-        raise ValueError(f"--gil-switch-interval must be > 0 ms, got {args.gil_switch_interval}")
     if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
         raise ValueError(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction}")
     from jaxinfer.serve.server import serve
 
-    sys.setswitchinterval(args.gil_switch_interval / 1e3)
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
           dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
