@@ -116,6 +116,16 @@ case "${1:-1}" in
     step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
+  loaded)    # offline throughput with steps compiled in the process, then with the same steps loaded from
+             # the executable cache (a server's warm start); then the GPU parity tests
+    serve_setup
+    B="--model /tmp/jaxinfer-bench-models/qwen3-4b --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128"
+    B="$B --batch-size 64 --num-prompts 64 --like-serve --max-model-len 40960"
+    rm -rf ~/.cache/jaxinfer/executables
+    step 120 python3 -m jaxinfer.cli bench $B
+    step 100 python3 -m jaxinfer.cli bench $B
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
+    ;;
   gemmflags) # prefill 1k with XLA free to put any GEMM in a Triton fusion (elementwise work fused in)
     step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default triton-gemm-any \
          --out "$OUT"
