@@ -116,6 +116,14 @@ case "${1:-1}" in
     step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
+  trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
+             # where it idles (light load: between decode dispatches; all at once: around the prefill steps)
+    serve_setup
+    step 200 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates ${RATES:-2,inf} \
+         --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-trace.json" \
+         --device-trace /tmp/traces --device-trace-seconds ${TRACE_S:-1}
+    ;;
   loaded)    # offline throughput with steps compiled in the process, then with the same steps loaded from
              # the executable cache (a server's warm start); then the GPU parity tests
     serve_setup

@@ -37,6 +37,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +212,47 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
     return out if len(out) >= 9 else None
 
 
+class trace_window(threading.Thread):
+    """Trace the server's device (its /debug/device_trace routes) from `delay` s for `seconds` s, in the
+    background; `result` is the trace's folder, or an error message."""
+
+    def __init__(self, url: str, headers: dict, name: str, delay: float, seconds: float):
+        super().__init__(daemon=True)
+        self.url, self.headers, self.name, self.delay, self.seconds = url, headers, name, delay, seconds
+        self.result: str = "not run"
+        self.start()
+
+    def run(self) -> None:
+        time.sleep(self.delay)
+        try:
+            r = httpx.post(self.url + "/debug/device_trace/start", params={"name": self.name}, headers=self.headers,
+                           timeout=60)
+            if r.status_code != 200:
+                self.result = f"start: HTTP {r.status_code} {r.text[:200]}"
+                return
+            time.sleep(self.seconds)
+            r = httpx.post(self.url + "/debug/device_trace/stop", headers=self.headers, timeout=300)
+            self.result = r.json()["dir"] if r.status_code == 200 else f"stop: HTTP {r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            self.result = f"{type(e).__name__}: {e}"
+
+
+def device_trace_summary(result: str) -> dict:
+    """The device's busy share and idle gaps over a traced window (bench/trace_kernels.summarize)."""
+    from bench.trace_kernels import summarize
+
+    if not Path(result).is_dir():
+        return dict(error=result)
+    try:
+        s = summarize(result, steps=1)
+    except (FileNotFoundError, OSError, ValueError) as e:
+        return dict(error=f"{type(e).__name__}: {e}")
+    if "error" in s:
+        return s
+    return dict(dir=result, span_ms=s["span_us_per_step"] / 1e3, busy_share=s["busy_us_per_step"] / s["span_us_per_step"],
+                kernels=s["kernels_per_step"], gaps=s["gaps_over"], top=s["top"][:8])
+
+
 PROFILED_THREADS = ("jaxinfer-engine", "MainThread")   # the engine's thread and the event loop's
 
 
@@ -259,6 +301,17 @@ def print_table(rows: list[dict]) -> None:
                 print(f"{s['request_rate']:>6}  steps to first token {s.get('prefill_steps_mean', math.nan):5.2f}  mixed: "
                       + ", ".join(f"{t}: {v['count']} x {v['mean_ms']:.2f}" for t, v in s["mixed_steps"].items()))
     for s in rows:
+        if "device_trace" in s:
+            t = s["device_trace"]
+            if "error" in t:
+                print(f"device trace, rate {s['request_rate']}: {t['error']}")
+                continue
+            g = t["gaps"]
+            print(f"device trace, rate {s['request_rate']}: busy {100 * t['busy_share']:.1f}% of {t['span_ms']:.0f} ms, "
+                  f"{t['kernels']:.0f} kernels; idle gaps >= {g['us']:.0f} us: {g['count']}, {g['total_us'] / 1e3:.1f} ms "
+                  f"(largest {', '.join(f'{x / 1e3:.2f}' for x in g['largest_us'])} ms); top kernels: "
+                  + ", ".join(f"{k['name']} {k['us_per_step'] / 1e3:.1f} ms" for k in t["top"][:5]))
+    for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
                   "left out); share of the busy samples:")
@@ -301,7 +354,11 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if args.api_key:
         cmd += ["--api-key", args.api_key]
     print("[starting:", " ".join(cmd), "]", file=sys.stderr)
-    proc = subprocess.Popen(cmd)
+    env = dict(os.environ)
+    if args.device_trace:   # the server's /debug/device_trace routes, command buffers kept on while tracing
+        env["JAXINFER_DEVICE_TRACE"] = str(Path(args.device_trace).resolve())
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_enable_command_buffers_during_profiling=true").strip()
+    proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.startup_timeout
     while time.monotonic() < deadline:
@@ -339,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of latency against throughput here")
+    p.add_argument("--device-trace", default=None, metavar="DIR",
+                   help="with --serve-model: trace the server's device for --device-trace-seconds of each rate "
+                        "(from a third of the way in; all-at-once rates from 0.2 s) and print its busy share and "
+                        "idle gaps; traces under DIR/rate-R")
+    p.add_argument("--device-trace-seconds", type=float, default=1.0)
     args = p.parse_args(argv)
     if not (args.base_url or args.serve_model):
         p.error("give --base-url or --serve-model")
@@ -375,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
                                      args.range_ratio, args.prefix_len, args.seed + 100 + i)
             before = engine_seconds(url, headers)
             prof_before = host_profile_report()
+            tracer = None
+            if args.device_trace and args.serve_model:
+                delay = 0.2 if math.isinf(rate) else args.num_prompts / rate / 3
+                tracer = trace_window(url, headers, f"rate-{rate}", delay, args.device_trace_seconds)
             results, duration = asyncio.run(run_rate(url, args.api_key, args.endpoint, model, workload, rate,
                                                      args.burstiness, args.max_concurrency, tokenizer, args.seed + i,
                                                      extra))
@@ -406,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
                             total = after[f"mixed_{tokens}_sum"] - before.get(f"mixed_{tokens}_sum", 0)
                             mixed[tokens] = dict(count=int(count), mean_ms=1e3 * total / count)
                 rows[-1]["mixed_steps"] = dict(sorted(mixed.items(), key=lambda kv: int(kv[0])))
+            if tracer is not None:
+                tracer.join()
+                rows[-1]["device_trace"] = device_trace_summary(tracer.result)
             if prof_before is not None:   # the server samples its threads (JAXINFER_HOST_PROFILE)
                 time.sleep(0.3)           # its next write covers the whole rate
                 after_prof = host_profile_report()

@@ -51,6 +51,9 @@ def _device_events(log_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0]
 
 
+GAP_US = 100.0   # idle gaps at least this long are counted apart (launches, host syncs, waits for the host)
+
+
 def _short(name: str) -> str:
     """Group kernel instances: drop numeric suffixes (fusion.123 -> fusion)."""
     return re.sub(r"[._]\d+$", "", re.sub(r"\(.*", "", name))[:60]
@@ -65,13 +68,16 @@ def summarize(log_dir: str, steps: int) -> dict:
         return dict(error="no device kernel events in the trace")
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
     busy, cur_s, cur_e = 0.0, *spans[0]
+    gaps = []                                   # idle time between kernels, us
     for s, e in spans[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
+            gaps.append(s - cur_e)
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
+    long_gaps = sorted((g for g in gaps if g >= GAP_US), reverse=True)
     span = spans[-1][1] - spans[0][0]
     per = defaultdict(lambda: [0, 0.0])
     for e in kernels:
@@ -82,6 +88,7 @@ def summarize(log_dir: str, steps: int) -> dict:
     return dict(
         steps=steps, kernels_per_step=len(kernels) / steps, kernel_us_per_step=sum(e["dur"] for e in kernels) / steps,
         busy_us_per_step=busy / steps, span_us_per_step=span / steps,
+        gaps_over=dict(us=GAP_US, count=len(long_gaps), total_us=sum(long_gaps), largest_us=long_gaps[:5]),
         copies_per_step=len(copies) / steps, copy_names=sorted({_short(e["name"]) for e in copies})[:8],
         top=[dict(name=n, per_step=c / steps, us_per_step=t / steps, us_each=t / c) for n, (c, t) in top[:20]])
 

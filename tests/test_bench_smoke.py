@@ -53,14 +53,15 @@ def test_bench_runs(tmp_path, script, args, out):
 
 def test_serving_bench_with_the_host_profile(tmp_path):
     """bench/serving.py starts a server on stories260k, loads it, and reports the engine thread's
-    shares and where its busy samples went (JAXINFER_HOST_PROFILE)."""
+    shares and where its busy samples went (JAXINFER_HOST_PROFILE), and traces the server's device."""
     from conftest import STORIES
 
     out = tmp_path / "serving.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_HOST_PROFILE": str(tmp_path / "host.json")}
     r = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py"), "--serve-model", str(STORIES),
                         "--request-rates", "inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+                        "--out", str(out), "--device-trace", str(tmp_path / "traces"), "--device-trace-seconds", "0.3"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads(out.read_text())["results"][0]
     assert row["completed"] == 4 and row["failed"] == 0
@@ -68,4 +69,8 @@ def test_serving_bench_with_the_host_profile(tmp_path):
     assert row["server_ttft_mean_ms"] > 0
     assert row["prefill_steps_mean"] >= 1 and sum(v["count"] for v in row["mixed_steps"].values()) >= 1
     assert "steps to first token" in r.stdout
+    # the device trace window ran; on the CPU the trace has no device kernels to summarize
+    assert list((tmp_path / "traces" / "rate-inf").rglob("perfetto_trace.json.gz"))
+    assert row["device_trace"] == {"error": "no device kernel events in the trace"}, row["device_trace"]
+    assert "device trace, rate inf" in r.stdout
     assert "host profile, rate inf, thread jaxinfer-engine" in r.stdout

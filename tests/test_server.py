@@ -717,3 +717,25 @@ def test_echo_with_logprobs_scores_the_prompt():
         assert streamed.status_code == 400 and "stream" in streamed.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_device_trace_routes(tmp_path, monkeypatch, stories):
+    """JAXINFER_DEVICE_TRACE=DIR adds /debug/device_trace/start and /stop (a jax.profiler trace of the
+    process between them, under DIR/NAME); without it the routes do not exist; misuse gets clear errors."""
+    assert httpx.post(stories.url + "/debug/device_trace/start", params={"name": "x"}).status_code == 404
+    monkeypatch.setenv("JAXINFER_DEVICE_TRACE", str(tmp_path / "traces"))
+    engine = Engine(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+    with ServerThread(create_app(engine)) as server:
+        assert "/debug/device_trace/start" not in httpx.get(server.url + "/openapi.json").json()["paths"]
+        start, stop = server.url + "/debug/device_trace/start", server.url + "/debug/device_trace/stop"
+        r = httpx.post(start, params={"name": "../up"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+        assert httpx.post(stop).json()["error"]["code"] == "no_trace"
+        r = httpx.post(start, params={"name": "rate-inf"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(start, params={"name": "again"}).status_code == 409
+        client(server).completions.create(model="stories260k", prompt="Once upon a time", max_tokens=5)
+        r = httpx.post(stop, timeout=120)
+        assert r.status_code == 200 and r.json()["dir"] == str(tmp_path / "traces" / "rate-inf")
+        assert list((tmp_path / "traces" / "rate-inf").rglob("perfetto_trace.json.gz"))
+        assert httpx.post(stop).status_code == 409

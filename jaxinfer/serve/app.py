@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
-from jaxinfer.serve import host_profile
+from jaxinfer.serve import device_trace, host_profile
 from jaxinfer.serve.async_engine import AsyncEngine
 from jaxinfer.serve.auth import APIKeyMiddleware
 from jaxinfer.serve.chat import create_chat_completion
@@ -118,6 +118,8 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if (tracer := device_trace.from_env()) is not None:   # JAXINFER_DEVICE_TRACE=DIR: /debug/device_trace/*
+        device_trace.install(app, tracer)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(StampReceived)   # outermost: the stamp is taken first

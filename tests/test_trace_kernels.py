@@ -1,0 +1,37 @@
+"""bench/trace_kernels.summarize on a hand-made trace: kernel time, busy time (overlaps merged), idle gaps."""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.trace_kernels import summarize  # noqa: E402
+
+
+def _trace(tmp_path, kernels):
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 2, "name": "host work", "ts": 0, "dur": 10_000}]
+    events += [{"ph": "X", "pid": 1, "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(tmp_path)
+
+
+def test_busy_time_and_idle_gaps(tmp_path):
+    # gemm 0-50, fusion.1 40-60 (overlaps), gap 60-260 (200 us), gemm 260-300, gap 40 us, fusion.2 340-350
+    s = summarize(_trace(tmp_path, [("gemm", 0, 50), ("fusion.1", 40, 20), ("gemm", 260, 40), ("fusion.2", 340, 10)]),
+                  steps=2)
+    assert s["kernel_us_per_step"] == 120 / 2 and s["busy_us_per_step"] == 110 / 2 and s["span_us_per_step"] == 350 / 2
+    assert s["gaps_over"] == {"us": 100.0, "count": 1, "total_us": 200, "largest_us": [200]}
+    top = {t["name"]: t for t in s["top"]}
+    assert top["gemm"]["per_step"] == 1 and top["fusion"]["us_each"] == 15
+
+
+def test_no_device_kernels(tmp_path):
+    assert "error" in summarize(_trace(tmp_path, []), steps=1)
