@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.trace_kernels import summarize  # noqa: E402
+from bench.trace_kernels import summarize
 
 
 def _trace(tmp_path, kernels):
