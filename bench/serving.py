@@ -205,6 +205,13 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
                           ("steps_sum", "jaxinfer_request_prefill_steps_sum")):
             if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
+        # the event loop's wake-up lag: mean, and the samples later than 1 and 5 ms
+        m = re.match(r'^jaxinfer_event_loop_lag_seconds_(sum|count)(?:\{[^}]*\})? (\S+)$', line)
+        if m:
+            out[f"lag_{m.group(1)}"] = float(m.group(2))
+        m = re.match(r'^jaxinfer_event_loop_lag_seconds_bucket\{.*le="([^"]+)".*\} (\S+)$', line)
+        if m and m.group(1) in ("0.001", "0.005"):
+            out[f"lag_le_{m.group(1)}"] = float(m.group(2))
         # mixed steps by token bucket: mixed_<tokens>_sum / _count
         m = re.match(r'^jaxinfer_engine_mixed_step_seconds_(sum|count)\{.*tokens="(\d+)".*\} (\S+)$', line)
         if m:
@@ -294,6 +301,12 @@ def print_table(rows: list[dict]) -> None:
                 print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
                       f"handoff {q['handoff']:6.2f}  client - server "
                       f"{s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f} (parse {q['parse']:5.2f})")
+        print("event loop: how late it wakes from a 5 ms sleep (mean; share of wake-ups later than 1 and 5 ms)")
+        for s in rows:
+            if "event_loop_lag" in s:
+                lag = s["event_loop_lag"]
+                print(f"{s['request_rate']:>6}  lag {lag['mean_ms']:6.2f} ms  > 1 ms {100 * lag['over_1ms']:5.1f}%  "
+                      f"> 5 ms {100 * lag['over_5ms']:5.1f}%  ({lag['samples']} wake-ups)")
         print("engine steps from take-in to the first token (mean), and the mixed (prefill) steps by token bucket:")
         print("count x mean wall ms on the engine thread (host work + device + read-back)")
         for s in rows:
@@ -472,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
                             total = after[f"mixed_{tokens}_sum"] - before.get(f"mixed_{tokens}_sum", 0)
                             mixed[tokens] = dict(count=int(count), mean_ms=1e3 * total / count)
                 rows[-1]["mixed_steps"] = dict(sorted(mixed.items(), key=lambda kv: int(kv[0])))
+                if "lag_count" in after:
+                    k = after["lag_count"] - before.get("lag_count", 0)
+                    rows[-1]["event_loop_lag"] = dict(
+                        samples=int(k), mean_ms=1e3 * (after["lag_sum"] - before.get("lag_sum", 0)) / k if k else math.nan,
+                        over_1ms=(k - (after["lag_le_0.001"] - before.get("lag_le_0.001", 0))) / k if k else math.nan,
+                        over_5ms=(k - (after["lag_le_0.005"] - before.get("lag_le_0.005", 0))) / k if k else math.nan)
             if tracer is not None:
                 tracer.join()
                 rows[-1]["device_trace"] = device_trace_summary(tracer.result)

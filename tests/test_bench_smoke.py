@@ -69,6 +69,7 @@ def test_serving_bench_with_the_host_profile(tmp_path):
     assert row["server_ttft_mean_ms"] > 0
     assert row["prefill_steps_mean"] >= 1 and sum(v["count"] for v in row["mixed_steps"].values()) >= 1
     assert "steps to first token" in r.stdout
+    assert row["event_loop_lag"]["samples"] > 0 and row["event_loop_lag"]["mean_ms"] >= 0
     # the device trace window ran; on the CPU the trace has no device kernels to summarize
     assert list((tmp_path / "traces" / "rate-inf").rglob("perfetto_trace.json.gz"))
     assert row["device_trace"] == {"error": "no device kernel events in the trace"}, row["device_trace"]

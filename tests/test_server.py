@@ -536,6 +536,7 @@ def test_a_failing_engine_step_fails_its_requests_and_the_server_goes_on(stories
 
 
 def test_metrics_exposition(stories):
+    before = metrics(stories)
     client(stories).completions.create(model="stories260k", prompt="Once upon a time", max_tokens=20, temperature=0)
     time.sleep(0.2)    # the engine thread publishes its counters after the step
     m = metrics(stories)
@@ -554,8 +555,12 @@ def test_metrics_exposition(stories):
     assert all(m[f"{p}_count"] == m[f"{ttft}_count"] for p in parts)
     assert all(m[f"{p}_sum"] >= 0 for p in parts) and m["jaxinfer_request_prefill_time_seconds_sum"] > 0
     assert sum(m[f"{p}_sum"] for p in parts) == pytest.approx(m[f"{ttft}_sum"], rel=1e-6)
-    assert m["jaxinfer_request_parse_seconds_count"] >= m[f"{ttft}_count"]   # before the clock: body read, validated
+    # before the clock: body read and validated, once per HTTP request (this one: one choice, one first token)
+    new = {k: m[k] - before.get(k, 0) for k in (f"{ttft}_count", "jaxinfer_request_parse_seconds_count")}
+    assert new == {f"{ttft}_count": 1, "jaxinfer_request_parse_seconds_count": 1}
     assert m["jaxinfer_request_parse_seconds_sum"] > 0
+    # the event loop's wake-up lag is sampled all along
+    assert m["jaxinfer_event_loop_lag_seconds_count"] > 0 and m["jaxinfer_event_loop_lag_seconds_sum"] >= 0
     # the engine steps each request took to its first token (at least its prefill), and mixed steps timed
     assert m["jaxinfer_request_prefill_steps_count"] == m[f"{ttft}_count"]
     assert m["jaxinfer_request_prefill_steps_sum"] >= m["jaxinfer_request_prefill_steps_count"]

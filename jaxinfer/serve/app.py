@@ -6,6 +6,7 @@ handlers live in completions.py and chat.py; request models in protocol.py; erro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from jaxinfer.serve.chat import create_chat_completion
 from jaxinfer.serve.completions import create_completion
 from jaxinfer.serve.errors import APIError, install_handlers
 from jaxinfer.serve.logprobs import TokenText
-from jaxinfer.serve.metrics import CONTENT_TYPE, Metrics, StampReceived
+from jaxinfer.serve.metrics import CONTENT_TYPE, Metrics, StampReceived, probe_loop_lag
 from jaxinfer.serve.params import ModelInfo
 from jaxinfer.serve.protocol import (
     ChatCompletionRequest,
@@ -62,7 +63,9 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         profiler = host_profile.from_env()    # JAXINFER_HOST_PROFILE=PATH: sample the threads' stacks
+        lag = asyncio.ensure_future(probe_loop_lag(metrics.loop_lag.observe))
         yield
+        lag.cancel()
         driver.shutdown()
         if profiler:
             profiler.stop()

@@ -8,6 +8,7 @@ time per output token over the rest of the request, end-to-end latency.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from prometheus_client import (
@@ -25,7 +26,19 @@ _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0
                  0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
+_LAG_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1)
+LAG_PROBE_S = 0.005
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+async def probe_loop_lag(observe) -> None:
+    """Sleep LAG_PROBE_S again and again on the running loop, observing how late each wake-up is."""
+    loop = asyncio.get_running_loop()
+    while True:
+        t = loop.time()
+        await asyncio.sleep(LAG_PROBE_S)
+        observe(max(0.0, loop.time() - t - LAG_PROBE_S))
 
 
 class StampReceived:
@@ -94,6 +107,11 @@ class Metrics:
         self._mixed_step = Histogram("jaxinfer_engine_mixed_step_seconds",
                                      "Wall time of a mixed (prefill) step on the engine thread, by token bucket.",
                                      ["model_name", "tokens"], buckets=_TTFT_BUCKETS, registry=r)
+        # How late the event loop wakes from a short sleep: a loop held up (by handler work, or by another
+        # thread keeping the GIL) delays every request it serves, before and after the engine's part.
+        self.loop_lag = Histogram("jaxinfer_event_loop_lag_seconds",
+                                  f"How late the event loop wakes from a {LAG_PROBE_S * 1e3:g} ms sleep.", ["model_name"],
+                                  buckets=_LAG_BUCKETS, registry=r).labels(**labels)
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", ["model_name"],
                               buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
