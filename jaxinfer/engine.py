@@ -28,7 +28,7 @@ from jaxinfer.config import ModelConfig, load_config
 from jaxinfer.dispatch_timing import DispatchTiming
 from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
-from jaxinfer.kv_cache import bytes_per_page, slots_for
+from jaxinfer.kv_cache import KV_CACHE_DTYPES, bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
@@ -52,6 +52,7 @@ class EngineConfig:
     # step: each step also reads every weight and pays its launch), 512 on CPUs.
     max_num_batched_tokens: int | None = None
     page_size: int = 16
+    kv_cache_dtype: str = "auto"              # "auto": the model's dtype; "fp8": float8 e4m3 (half the bytes)
     num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
     decode_steps: int = 8                     # decode steps per dispatch
     # Batches of at most this many sequences run dispatches of `short_decode_steps` instead: a request
@@ -94,6 +95,8 @@ class EngineConfig:
                      "short_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.short_decode_max_batch < 0:
             raise ValueError(f"short_decode_max_batch must be >= 0, got {self.short_decode_max_batch}")
         if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:
@@ -152,6 +155,7 @@ class Engine:
         params = load_params(model_dir, self.cfg, progress=config.progress)
         if config.unroll_layers:
             params = split_layers(params)
+        self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         num_pages = self._num_pages()
         self.runner = ModelRunner(self.cfg, params, get_ops(config.ops), num_pages=num_pages,
                                   page_size=config.page_size, max_num_seqs=config.max_num_seqs,
@@ -162,14 +166,15 @@ class Engine:
                                   unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
                                   prompt_logprobs=config.enable_prompt_logprobs,
                                   executable_cache=ExecutableCache(config.executable_cache)
-                                  if config.executable_cache else None)
+                                  if config.executable_cache else None, kv_dtype=self.kv_dtype)
         self.pages = PageAllocator(num_pages)
-        self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size)
+        self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads)
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
-                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB); "
+                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB, "
+                  f"{jax.numpy.dtype(self.kv_dtype).name}); "
                   f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s "
                   f"({', '.join(f'{k} {v:.1f} s' for k, v in self.runner.warmup_breakdown.items())})]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
@@ -199,7 +204,7 @@ class Engine:
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
             # Leave room for the activations of the largest step.
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
-            num_pages = min(int(free // bytes_per_page(self.cfg, c.page_size)),
+            num_pages = min(int(free // bytes_per_page(self.cfg, c.page_size, self.kv_dtype)),
                             2 * c.max_num_seqs * pages_per_seq + 1)
             if num_pages - 1 < pages_per_seq:
                 raise ValueError(

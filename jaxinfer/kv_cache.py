@@ -4,6 +4,12 @@ K and V of every layer live in arrays [L, KVH, num_pages * page_size, hd]: page 
 p * page_size .. (p + 1) * page_size - 1, so one page of one KV head is a contiguous
 [page_size, hd] block (what attention kernels load). Page 0 is the scratch page: padding rows of a step write
 there and padding entries of a page table point there, so no valid page is ever touched by padding.
+
+The cache is kept in the model's dtype, or in float8 (e4m3, `kv_cache_dtype="fp8"`, as vLLM's
+`--kv-cache-dtype fp8`): half the bytes, so twice the tokens in the pool and half the KV reads of a
+decode step, for a 3-bit mantissa. Values are stored unscaled, clipped to e4m3's +-448 (a plain cast
+would turn them into NaN); every writer goes through `to_cache` and every reader casts back to the
+compute dtype.
 """
 
 from __future__ import annotations
@@ -18,6 +24,29 @@ from jaxinfer.config import ModelConfig
 SCRATCH_PAGE = 0
 
 
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+
+
+def kv_cache_dtype(cfg: ModelConfig, name: str = "auto"):
+    """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype) or "fp8"."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or cfg.jnp_dtype
+
+
+def is_float8(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def to_cache(x: jax.Array, dtype) -> jax.Array:
+    """x as stored in a cache of `dtype`: float8 clipped to its finite range first (e4m3 has no
+    infinity: an overflowing cast gives NaN). Also usable inside Pallas kernels."""
+    if is_float8(dtype):
+        big = float(jnp.finfo(dtype).max)
+        return jnp.clip(x.astype(jnp.float32), -big, big).astype(dtype)
+    return x.astype(dtype)
+
+
 @flax.struct.dataclass
 class KVCache:
     k: jax.Array                                   # [L, KVH, slots, hd]
@@ -29,13 +58,15 @@ class KVCache:
         return self.k.shape[2] // self.page_size
 
     @staticmethod
-    def allocate(cfg: ModelConfig, num_pages: int, page_size: int) -> "KVCache":
+    def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> "KVCache":
+        """dtype: the cache's (default the model's; see kv_cache_dtype)."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
-        return KVCache(jnp.zeros(shape, cfg.jnp_dtype), jnp.zeros(shape, cfg.jnp_dtype), page_size)
+        dtype = dtype or cfg.jnp_dtype
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.kv_size * np.dtype(cfg.jnp_dtype).itemsize
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None) -> int:
+    return 2 * cfg.num_layers * page_size * cfg.kv_size * np.dtype(dtype or cfg.jnp_dtype).itemsize
 
 
 def slots_for(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:

@@ -170,9 +170,9 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
-                 short_decode: tuple[int, int] = (0, 1)):
+                 short_decode: tuple[int, int] = (0, 1), kv_dtype=None):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
-        decode steps, the others `steps_per_decode`."""
+        decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's)."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -181,7 +181,7 @@ class ModelRunner:
         self.token_buckets = sorted(set(token_buckets or []) | {max_num_batched_tokens}) if token_buckets else \
             pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.batch_buckets = pow2_buckets(1, max_num_seqs)
-        self.kv = KVCache.allocate(cfg, num_pages, page_size)
+        self.kv = KVCache.allocate(cfg, num_pages, page_size, kv_dtype)
         self.state = SamplerState.allocate(max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = max_num_seqs
         self.max_model_len = max_model_len

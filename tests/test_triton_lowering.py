@@ -47,14 +47,17 @@ def small_model(request, tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp(request.param) / "m", {**base, **SMALL}, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("ops", ["pallas", "pallas-unfused-rope", "pallas-xla-attention"])
+@pytest.mark.parametrize("ops, kv", [("pallas", None), ("pallas-unfused-rope", None), ("pallas-xla-attention", None),
+                                     ("pallas", jnp.float8_e4m3fn), ("pallas-unfused-rope", jnp.float8_e4m3fn)],
+                         ids=["pallas", "pallas-unfused-rope", "pallas-xla-attention", "pallas-fp8-kv",
+                              "pallas-unfused-rope-fp8-kv"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
-def test_engine_steps_lower(small_model, ops, unroll):
+def test_engine_steps_lower(small_model, ops, kv, unroll):
     cfg = load_config(small_model, "bfloat16")
     params = load_params(small_model, cfg, progress=False)
     runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops(ops), num_pages=33, page_size=16,
                          max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
-                         unroll_layers=unroll)
+                         unroll_layers=unroll, kv_dtype=kv)
     calls = runner.bucket_calls()
     assert len(calls) >= 6
     for name, batch in calls:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.kv_cache import to_cache
 from jaxinfer.ops import weight
 
 f32 = jnp.float32
@@ -91,7 +92,8 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Ar
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Write k, v [T, KVH, hd] into the caches [L, KVH, slots, hd] of `layer` at slot_mapping [T]."""
     # Two advanced indices around a slice: numpy puts the indexed dims first, so the target is [T, KVH, hd].
-    return k_cache.at[layer, :, slot_mapping].set(k), v_cache.at[layer, :, slot_mapping].set(v)
+    return (k_cache.at[layer, :, slot_mapping].set(to_cache(k, k_cache.dtype)),
+            v_cache.at[layer, :, slot_mapping].set(to_cache(v, v_cache.dtype)))
 
 
 def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, q_norm, k_norm, eps: float,
@@ -136,6 +138,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     per_sequence = 2 * B * H <= kvh * hd * q.dtype.itemsize   # scores cost less than gathered keys
     if per_sequence:
         k_seq, v_seq = k_cache[layer, :, slots], v_cache[layer, :, slots]   # [B, ctx, KVH, hd], once
+        k_seq, v_seq = k_seq.astype(q.dtype), v_seq.astype(q.dtype)        # (a float8 cache: to the compute dtype)
 
     def attend(args):
         qc, seq, pos = args
@@ -150,7 +153,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
             out = jnp.einsum("tkgbc,bckd->tkgd", probs, v_seq, precision=HIGHEST, preferred_element_type=f32)
         else:
             s = slots[seq]                                      # [Tc, ctx]
-            k, v = k_cache[layer, :, s], v_cache[layer, :, s]   # [Tc, ctx, KVH, hd]
+            k, v = k_cache[layer, :, s].astype(q.dtype), v_cache[layer, :, s].astype(q.dtype)   # [Tc, ctx, KVH, hd]
             scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
             visible = jnp.arange(ctx)[None, :] <= pos[:, None]
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)

@@ -94,10 +94,10 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
         # table lookup is off the loop's latency chain.
         nxt = slots_of(i + 1)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
-        if k.dtype != q.dtype:
-            k = k.astype(q.dtype)
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
+        if k.dtype != q.dtype:   # a float8 cache: to the compute dtype
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                     # [G, block_k]
         return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kv_cache import to_cache
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, online_softmax_update, page_slots,
                                      pow2_at_least, rope_halves, split_range)
 from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
@@ -78,12 +79,19 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
     else:
         q1, q2, k1, k2 = q1.astype(dtype), q2.astype(dtype), k1.astype(dtype), k2.astype(dtype)
 
+    # The new token as the cache holds it (a float8 cache rounds it), for the write and for split 0,
+    # so that this step sees what the next ones will read back.
+    kq1, kq2, vq = to_cache(k1, kc_ref.dtype), to_cache(k2, kc_ref.dtype), to_cache(v_new, vc_ref.dtype)
+
     @pl.when(s == 0)
     def _():
         slot = slot_ref[b]
-        kc_ref[layer, h, slot, lo] = k1.astype(kc_ref.dtype)
-        kc_ref[layer, h, slot, hi] = k2.astype(kc_ref.dtype)
-        vc_ref[layer, h, slot, pl.ds(0, hd)] = v_new.astype(vc_ref.dtype)
+        kc_ref[layer, h, slot, lo] = kq1
+        kc_ref[layer, h, slot, hi] = kq2
+        vc_ref[layer, h, slot, pl.ds(0, hd)] = vq
+
+    if kc_ref.dtype != dtype:
+        k1, k2, v_new = kq1.astype(dtype), kq2.astype(dtype), vq.astype(dtype)
 
     # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
     cached = ctx - 1
@@ -98,9 +106,9 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
         acc, m, l, slot = carry
         valid = i * block_k + offs < cached
         nxt = slots_of(i + 1)
-        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0)
-        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
+        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(dtype)
         dims = (((1,), (1,)), ((), ()))
         sc = (jax.lax.dot_general(q1, ka.astype(dtype), dims, precision=prec, preferred_element_type=f32)
               + jax.lax.dot_general(q2, kb.astype(dtype), dims, precision=prec, preferred_element_type=f32))

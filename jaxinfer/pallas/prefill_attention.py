@@ -200,7 +200,7 @@ def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *
                 kv_mask = in_range[:, None] & col_ok[None, :] if ragged_cols else in_range[:, None]
             else:
                 kv_mask = col_ok[None, :] if ragged_cols else None
-            other = None if kv_mask is None else 0
+            other = None if kv_mask is None else 0.0   # a float: Triton casts no int to float8
             k = plgpu.load(k_ref.at[layer, kvh, slot[:, None], cols[None, :]], mask=kv_mask, other=other)
             v = plgpu.load(v_ref.at[layer, kvh, slot[:, None], cols[None, :]], mask=kv_mask, other=other)
             if k.dtype != q.dtype:

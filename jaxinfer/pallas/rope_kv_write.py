@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.kv_cache import to_cache
 from jaxinfer.pallas.blocks import head_rms_norm, rope_halves
 
 f32 = jnp.float32
@@ -62,13 +63,13 @@ def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_
         @pl.when((h >= H) & (h < H + K))
         def _():
             y1, y2 = transform(kn_ref)
-            kc_ref[layer, h - H, slot, lo] = y1
-            kc_ref[layer, h - H, slot, hi] = y2
+            kc_ref[layer, h - H, slot, lo] = to_cache(y1, kc_ref.dtype)
+            kc_ref[layer, h - H, slot, hi] = to_cache(y2, kc_ref.dtype)
 
         @pl.when(h >= H + K)
         def _():
-            vc_ref[layer, h - H - K, slot, lo] = x1.astype(dtype)
-            vc_ref[layer, h - H - K, slot, hi] = x2.astype(dtype)
+            vc_ref[layer, h - H - K, slot, lo] = to_cache(x1.astype(dtype), vc_ref.dtype)
+            vc_ref[layer, h - H - K, slot, hi] = to_cache(x2.astype(dtype), vc_ref.dtype)
 
     # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
     # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
