@@ -116,6 +116,15 @@ case "${1:-1}" in
     step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
+  fp8)       # the float8 KV cache: GPU parity with the reference path, then batched decode with bf16 and with
+             # float8 pages (issue 5: B64 <= 1.5 x B1 needs the KV bytes halved), then serving with float8 pages
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float8
+    for kv in auto fp8; do
+      step 200 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 128 --requests 100 --system 64 \
+           --kv-cache-dtype $kv --out "$OUT"
+      cp "$OUT/throughput.json" "$OUT/throughput-$kv.json"
+    done
+    ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps)
     serve_setup

@@ -61,7 +61,7 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         full, _ = run_all(engine, prompts, params)
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
         weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
-        kv = 2 * 2 * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
+        kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
         flops = 2 * cfg.num_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
         roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
         raw_ms = raw_decode_step_ms(engine, B, context)
@@ -128,6 +128,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
     ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                    help="fp8: float8 KV pages (the roofline counts their bytes)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
@@ -152,7 +154,8 @@ def main() -> None:
     # serves the second engine, which differs only in prefix caching).
     max_len = max(args.context + 2 * args.steps + 32, 1024 + 512 + 16, args.system + 256)
     t0 = time.perf_counter()
-    engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False)
+    engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
+                        kv_cache_dtype=args.kv_cache_dtype)
     out["start_s"] = dict(total=time.perf_counter() - t0, compile=engine.compile_seconds)
     print(f"# engine start {out['start_s']['total']:.1f} s (compile {engine.compile_seconds:.1f} s)", flush=True)
 
@@ -180,7 +183,8 @@ def main() -> None:
             del engine
             gc.collect()
             t0 = time.perf_counter()
-            engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=True)
+            engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=True,
+                                kv_cache_dtype=args.kv_cache_dtype)
             out["start_s"]["second_engine"] = time.perf_counter() - t0
         run_all(engine, [system + [7] * 8], [one])                          # warm; fills the cache
         ttft[caching] = min(run_all(engine, [system + [int(x)] * 8], [one])[0] for x in (11, 12, 13))

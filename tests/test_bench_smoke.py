@@ -26,7 +26,7 @@ def _run(tmp_path, script, *args, timeout=300):
                    "--new", "9", "--steps", "4"], "decode.json"),
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
-                       "--requests", "5", "--system", "64"], "throughput.json"),
+                       "--requests", "5", "--system", "64", "--kv-cache-dtype", "fp8"], "throughput.json"),
     ("warm_start.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64"],
      "warm_start.json"),
     ("warm_start.py", ["--serve", "--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64",

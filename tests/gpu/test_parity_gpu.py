@@ -26,9 +26,10 @@ def qwen3_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("q") / "qwen3", QWEN3_SMALL, dtype="float32", std=0.05)
 
 
-def _greedy(model_dir, ops, dtype, prompt, n):
+def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto"):
     engine = Engine(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-                    progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1)
+                    progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1,
+                    kv_cache_dtype=kv_cache_dtype)
     engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
@@ -44,4 +45,14 @@ def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
     prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
     ref = _greedy(model_dir, "reference", "float32", prompt, 256)
     pal = _greedy(model_dir, ops, "float32", prompt, 256)
+    assert pal == ref
+
+
+@pytest.mark.parametrize("which", ["stories", "qwen3"])
+def test_pallas_greedy_equals_reference_with_a_float8_cache(which, qwen3_dir):
+    """Both paths store the same float8 K/V (to_cache: clip, round) and read them back alike."""
+    model_dir = STORIES if which == "stories" else qwen3_dir
+    prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
+    ref = _greedy(model_dir, "reference", "float32", prompt, 128, kv_cache_dtype="fp8")
+    pal = _greedy(model_dir, "pallas", "float32", prompt, 128, kv_cache_dtype="fp8")
     assert pal == ref
