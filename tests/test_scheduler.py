@@ -147,16 +147,21 @@ def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
     from jaxinfer.paging import PageAllocator
     from jaxinfer.serve.scheduler import Scheduler
 
-    def scheduler():
-        return Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
-                         token_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+    def decoding_then(prompt_len: int, n_decoding: int):
+        """A scheduler with n_decoding sequences past their prompts, then a newcomer of prompt_len."""
+        sched = Scheduler(PageAllocator(400), 16, 4, 2048, 8, on_start=lambda s: None, prefix_caching=False,
+                          token_buckets=[16, 32, 64, 128, 256, 512, 1024, 2048])
+        decoding = [_seq(i, 40, generated=3) for i in range(n_decoding)]
+        for s in decoding:
+            sched.add(s)
+        sched.schedule()
+        for s in decoding:
+            s.num_computed = len(s.tokens) - 1              # its prompt is done: it decodes
+        newcomer = _seq(n_decoding, prompt_len)
+        sched.add(newcomer)
+        return sched, decoding, newcomer
 
-    sched = scheduler()
-    running, newcomer = _seq(0, 40, generated=3), _seq(1, 1024)
-    sched.add(running)
-    sched.schedule()
-    running.num_computed = len(running.tokens) - 1          # its prompt is done: it decodes
-    sched.add(newcomer)
+    sched, decoding, newcomer = decoding_then(1024, 1)
     plan = sched.schedule()
     assert plan.kind == "mixed" and [(s.request_id, n) for s, n in plan.chunks] == [(1, 1024)]
     newcomer.num_computed += 1024
@@ -165,32 +170,18 @@ def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
     assert plan.kind == "decode" and [s.request_id for s, _ in plan.chunks] == [0, 1]
 
     # a 1,030-token prompt beside two decodes: 6 too many, more than the decodes: the prompt gives them back
-    sched = scheduler()
-    old, running, newcomer = _seq(0, 40, generated=3), _seq(1, 40, generated=3), _seq(2, 1030)
-    for s in (old, running):
-        sched.add(s)
-    sched.schedule()
-    for s in (old, running):
-        s.num_computed = len(s.tokens) - 1
-    sched.add(newcomer)
+    sched, decoding, newcomer = decoding_then(1030, 2)
     plan = sched.schedule()
     assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1), (2, 1022)]
     newcomer.num_computed += 1022
-    for s in (old, running):
+    for s in decoding:
         s.num_computed += 1
         s.output_ids.append(7)
     plan = sched.schedule()
     assert [(s.request_id, n) for s, n in plan.chunks] == [(0, 1), (1, 1), (2, 8)]
 
     # one token too many beside two decodes: the younger decode waits
-    sched = scheduler()
-    old, running, newcomer = _seq(0, 40, generated=3), _seq(1, 40, generated=3), _seq(2, 1023)
-    for s in (old, running):
-        sched.add(s)
-    sched.schedule()
-    for s in (old, running):
-        s.num_computed = len(s.tokens) - 1
-    sched.add(newcomer)
+    sched, _, _ = decoding_then(1023, 2)
     assert [(s.request_id, n) for s, n in sched.schedule().chunks] == [(0, 1), (2, 1023)]
 
     # far past the bucket (more than half of it): the step runs whole at the next bucket
