@@ -116,6 +116,12 @@ case "${1:-1}" in
     step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving.json"
     ;;
+  gemm)      # the tensor-core GEMM tiled over prompt rows against XLA's (issue 4): GPU tests, sweep at 1k rows,
+             # table at 128-8,192 rows; then the decode GEMM's table again (its grid gained an M axis)
+    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
+    step 330 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 200
+    step 120 python3 bench/kernels_skinny_gemm.py --models qwen3-4b
+    ;;
   fp8)       # the float8 KV cache: GPU parity with the reference path, then batched decode with bf16 and with
              # float8 pages (issue 5: B64 <= 1.5 x B1 needs the KV bytes halved), then serving with float8 pages
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float8

@@ -12,6 +12,12 @@ the HBM read ceiling measured in the same run.
 --sweep first searches configs at M = 16 and 64 on the Qwen3-4B shapes (phase A: block_n x block_k x
 split_k at 4 warps / 4 stages; phase B: the best three with other warps and stages) and prints the
 best per case: what fills skinny_gemm._TABLE. JSON to $OUT/skinny_gemm.json when OUT is set.
+
+--prefill: the same kernel tiled over prompt rows (block_m) against XLA's GEMM at M = 128 ... 8,192
+(compute-bound: TFLOP/s and the share of the dense bf16 GEMM rate measured in the same run); its
+--sweep (at M = 1,024: block_m x block_n x block_k, then warps and stages) fills
+skinny_gemm._PREFILL_TABLE where the kernel wins. Both sides compute the plain product for the
+residual shapes (XLA's extra add kernel, ~5 us at 1k rows, is left out: in XLA's favour).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import bench.kernels_gemv as KG
-from bench.ceilings import hbm_read_ceiling
+from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
 from bench.kernel_timing import log, save_results
 
 from jaxinfer.ops import reference
@@ -42,6 +48,9 @@ SHAPES = {"qwen3-4b": [(6144, 2560, "none"), (2560, 4096, "residual"), (19456, 2
                         (4096, 14336, "residual")]}
 MS = [2, 8, 16, 32, 64, 128]
 SWEEP_MS = [16, 64]
+PREFILL_MS = [128, 512, 1024, 2048, 8192]
+PREFILL_SWEEP_MS = [1024]
+PREFILL = False
 INTERPRET = False
 
 
@@ -75,13 +84,34 @@ def phase_a(K):
     return cfgs
 
 
+def phase_a_prefill(K):
+    cfgs = []
+    for bm in (64, 128):
+        for bn in (64, 128, 256):
+            for bk in (32, 64):
+                if bm * bn <= 128 * 256:
+                    cfgs.append(SG.SkinnyConfig(block_n=bn, block_k=bk, num_warps=8 if bm * bn >= 128 * 128 else 4,
+                                                num_stages=3, block_m=bm))
+    return cfgs
+
+
 def phase_b(best):
     return [dataclasses.replace(c, num_warps=w, num_stages=s) for c in best for w in (4, 8) for s in (2, 3, 4, 5, 6)
             if (w, s) != (c.num_warps, c.num_stages)]
 
 
 def cfg_str(c: SG.SkinnyConfig):
-    return f"{c.block_n}/{c.block_k}/w{c.num_warps}/s{c.num_stages}/k{c.split_k}"
+    return (f"{c.block_m or 'all'}/" if c.block_m or PREFILL else "") + \
+        f"{c.block_n}/{c.block_k}/w{c.num_warps}/s{c.num_stages}/k{c.split_k}"
+
+
+def speed(p, us: float, ceiling: float) -> tuple[str, float]:
+    """(unit, share of the ceiling): TB/s of weights for decode rows, TFLOP/s for prompt rows."""
+    if PREFILL:
+        rate = 2 * p.T * p.n_out * p.n_in / (us * 1e-6)
+        return f"{rate / 1e12:.0f} TFLOP/s", rate / ceiling
+    rate = p.wbytes / (us * 1e-6)
+    return f"{rate / 1e12:.2f} TB/s", rate / ceiling
 
 
 def main():
@@ -91,17 +121,25 @@ def main():
     ap.add_argument("--models", default="qwen3-4b,llama3-8b")
     ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
+    ap.add_argument("--prefill", action="store_true", help="prompt rows: the kernel tiled over M against XLA")
     args = ap.parse_args()
-    global INTERPRET, SHAPES, MS, SWEEP_MS
+    global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL
     INTERPRET = KG.INTERPRET = args.interpret
+    PREFILL = args.prefill
+    if PREFILL:
+        MS, SWEEP_MS = PREFILL_MS, PREFILL_SWEEP_MS
     if INTERPRET:
         SHAPES = {"tiny": [(96, 64, "none"), (128, 64, "swiglu")]}
-        MS, SWEEP_MS = [2, 16], [16]
+        MS, SWEEP_MS = ([80, 130], [80]) if PREFILL else ([2, 16], [16])
     t_start = time.time()
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
-    bw = hbm_read_ceiling(0.125 if INTERPRET else 4)
-    log(f"HBM read ceiling {bw / 1e12:.2f} TB/s")
+    if PREFILL:
+        bw = dense_gemm_rate(256 if INTERPRET else 8192)
+        log(f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s")
+    else:
+        bw = hbm_read_ceiling(0.125 if INTERPRET else 4)
+        log(f"HBM read ceiling {bw / 1e12:.2f} TB/s")
     results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "bw": bw,
                "date": datetime.datetime.now().isoformat(), "sweep": [], "rows": []}
     pool = cf.ThreadPoolExecutor(args.threads)
@@ -112,7 +150,11 @@ def main():
         for n_out, n_in, ep in SHAPES[first]:
             for M in SWEEP_MS:
                 p = problem(n_out, n_in, M, ep)
-                a = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in phase_a(n_in)}, pool, deadline)
+                first_phase = phase_a_prefill(n_in) if PREFILL else phase_a(n_in)
+                if INTERPRET and PREFILL:
+                    first_phase = [dataclasses.replace(c, block_m=min(c.block_m, 32), block_n=32, block_k=32)
+                                   for c in first_phase[:2]]
+                a = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in first_phase}, pool, deadline)
                 ranked = sorted((r["us"], c) for c, r in a.items() if r.get("ok"))
                 top3 = [c for _, c in ranked[:3]]
                 b = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in phase_b(top3)}, pool, deadline)
@@ -125,7 +167,7 @@ def main():
                 results["sweep"].append(entry)
                 if best:
                     log(f"sweep {n_out}x{n_in} {ep} M={M}: best {best[1]} {best[0]:.2f} us "
-                        f"({p.wbytes / best[0] / 1e6:.2f} TB/s); top5 " +
+                        f"({speed(p, best[0], bw)[0]}); top5 " +
                         " ".join(f"{s}:{u:.1f}" for u, s, _ in ranked[:5]))
                 del p
     deadline = float("inf")
@@ -134,6 +176,8 @@ def main():
             for M in MS:
                 p = problem(n_out, n_in, M, ep)
                 cfg = SG.choose_config(M, n_out, n_in, ep)
+                if INTERPRET and PREFILL:
+                    cfg = dataclasses.replace(cfg, block_m=32, block_n=32, block_k=32)
                 r = KG.compile_then_time(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
                 row = dict(model=model, shape=[n_out, n_in], epilogue=ep, M=M, cfg=dataclasses.asdict(cfg), **{
                     f"{k}_{f}": v for k, d in r.items() for f, v in d.items()})
@@ -143,19 +187,21 @@ def main():
                     for k, d in r.items()))
                 del p
     pool.shutdown()
-    print(f"\nBatched-decode projections, bf16, on {dev.device_kind}, jax {jax.__version__}; HBM read {bw / 1e12:.2f} TB/s")
+    what, ceiling = (("Prompt-row projections", f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s") if PREFILL else
+                     ("Batched-decode projections", f"HBM read {bw / 1e12:.2f} TB/s"))
+    print(f"\n{what}, bf16, on {dev.device_kind}, jax {jax.__version__}; {ceiling}")
     print("| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
-        wb = r["shape"][0] * r["shape"][1] * 2
+        p = KG.Problem(r["shape"][0], r["shape"][1], r["M"], (), (), [])
         k_ok, x_ok = r.get("kernel_ok"), r.get("xla_ok")
-        ks = f"{r['kernel_us']:.2f} | {wb / (r['kernel_us'] * 1e-6) / bw:.0%}" if k_ok else "failed | "
-        xs = f"{r['xla_us']:.2f} | {wb / (r['xla_us'] * 1e-6) / bw:.0%}" if x_ok else "failed | "
+        ks = f"{r['kernel_us']:.2f} | {speed(p, r['kernel_us'], bw)[1]:.0%}" if k_ok else "failed | "
+        xs = f"{r['xla_us']:.2f} | {speed(p, r['xla_us'], bw)[1]:.0%}" if x_ok else "failed | "
         sp = f"{r['xla_us'] / r['kernel_us']:.2f}x" if k_ok and x_ok else ""
         print(f"| {r['model']} | {r['shape'][0]} x {r['shape'][1]} | {r['epilogue']} | {r['M']} | "
               f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |")
     print(f"total {time.time() - t_start:.0f} s")
-    save_results(results, "skinny_gemm.json")
+    save_results(results, "prefill_gemm.json" if PREFILL else "skinny_gemm.json")
 
 
 if __name__ == "__main__":

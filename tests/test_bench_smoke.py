@@ -39,6 +39,7 @@ def _run(tmp_path, script, *args, timeout=300):
     ("launch_cost.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--steps", "1", "2"],
      "launch_cost.json"),
     ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
+    ("kernels_skinny_gemm.py", ["--interpret", "--prefill", "--sweep", "--budget", "30"], "prefill_gemm.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
      "prefill_dispatch.json"),
     ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",

@@ -91,3 +91,25 @@ def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context):
         return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config)
 
     assert TRITON_CALL in _lower(plain, sd((batch, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows)
+
+
+@pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
+@pytest.mark.parametrize("M", [1000, 2048])
+def test_prefill_gemm_lowers_at_real_shapes(shape, M):
+    """The tensor-core GEMM tiled over prompt rows (skinny_gemm with block_m), each projection of a layer."""
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    D, I = shape["hidden_size"], shape["intermediate_size"]
+    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = shape.get("head_dim") or D // H
+    sd = jax.ShapeDtypeStruct
+    for n, k, epilogue in [((H + 2 * K) * hd, D, "none"), (D, H * hd, "residual"), (2 * I, D, "swiglu"),
+                           (D, I, "residual")]:
+        cfg = SG.choose_config(M, n, k, epilogue)
+        assert cfg.block_m
+        res = sd((M, n), jnp.bfloat16) if epilogue == "residual" else None
+
+        def gemm(x, w, r, epilogue=epilogue, cfg=cfg):
+            return SG.skinny_gemm(x, w, 1, residual=r, epilogue=epilogue, config=cfg)
+
+        assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), res)

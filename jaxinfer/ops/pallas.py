@@ -5,7 +5,8 @@ tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the proje
 it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
 residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
-(in interpret mode: always, so the CPU tests cover it); the rest, and prefill, go to XLA's GEMM. Decode attention is
+(in interpret mode: always, so the CPU tests cover it); prompt rows go to the same kernel tiled over
+rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
@@ -57,13 +58,16 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
 
     def skinny_config(x, w, epilogue="none"):
-        """The tensor-core kernel's config for a batched decode step's rows, at a shape where its
-        measured table beat XLA (in interpret mode at every shape, so the CPU tests cover it); else None."""
-        if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
+        """The tensor-core kernel's config for these rows (a batched decode step's, or a prompt's: then
+        in row tiles), at a shape where its measured tables beat XLA (in interpret mode at every
+        shape, so the CPU tests cover it); else None (XLA's GEMM)."""
+        if not (x.ndim == 2 and x.shape[0] > MAX_T):
             return None
         n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
-        pick = skinny_gemm.choose_config if interpret else skinny_gemm.table_config
-        return pick(x.shape[0], n, k, epilogue)
+        if interpret:
+            return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
+        table = skinny_gemm.table_config if x.shape[0] <= skinny_gemm.MAX_T else skinny_gemm.prefill_table_config
+        return table(x.shape[0], n, k, epilogue)
 
     def linear(x, w, b=None):
         if small(x):

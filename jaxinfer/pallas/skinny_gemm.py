@@ -1,5 +1,8 @@
-"""Projections of a batched decode step on tensor cores: y [M, N] = epilogue(x [M, K] @ W[layer].T + b),
-M = 2..MAX_T rows (one per sequence), N and K the model's.
+"""Projections on tensor cores with fused epilogues: y [M, N] = epilogue(x [M, K] @ W[layer].T + b).
+
+Made for a batched decode step (M = 2..MAX_T rows, one per sequence; every row in one tile); with
+`block_m` set it tiles M as well, as a prefill GEMM (issue 4: XLA's GEMM is the bar, a measured table
+picks per shape; `prefill_table_config`).
 
 At these M the product is bound by reading W once (8 GB per Qwen3-4B step), as at batch 1, but the
 batch-1 GEMV (one warp per output row, CUDA-core FMAs) would re-read x per row and spend M times the
@@ -9,6 +12,9 @@ streams W[layer, n0:n0+block_n, :] in [block_n, block_k] tiles through a softwar
 columns (N = 2,560: o_proj, down) give few programs; `split_k` then gives each column block several
 programs over equal shares of K, which write float32 partial sums that a small XLA epilogue adds.
 W is the stacked [L, N, K] array read in place at `layer` (no per-layer copy).
+With `block_m` (a prefill GEMM), programs own [block_m, block_n] tiles; the grid walks the M tiles
+fastest, so the programs running at one time share W's column blocks (read from HBM about once) and x
+(a few MB) stays in L2.
 
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
 residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
@@ -44,6 +50,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
+    block_m: int = 0      # rows per tile; 0: all M rows in one tile (padded to a power of two >= 16)
 
 
 # Measured (H200, 2026-11-29, bench/kernels_skinny_gemm.py --sweep, bf16; bench/NOTES.md): the best
@@ -70,7 +77,9 @@ def table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig
 
 def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig:
     """The table's config; elsewhere enough programs to keep every SM streaming (split K when the
-    column blocks alone are few)."""
+    column blocks alone are few). Above MAX_T rows: the prefill table's, else PREFILL_DEFAULT."""
+    if M > MAX_T:
+        return prefill_table_config(M, N, K, epilogue) or PREFILL_DEFAULT
     cfg = table_config(M, N, K, epilogue)
     if cfg is not None:
         return cfg
@@ -83,10 +92,28 @@ def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfi
     return SkinnyConfig(block_n=block_n, block_k=128, num_warps=4, num_stages=4, split_k=split)
 
 
+# Prefill GEMMs (M > MAX_T) where the Pallas kernel measured faster than XLA's: none yet (to be filled
+# by `bench/kernels_skinny_gemm.py --prefill --sweep` on the H200). Keys (N, K, epilogue).
+_PREFILL_TABLE: dict[tuple[int, int, str], SkinnyConfig] = {}
+PREFILL_DEFAULT = SkinnyConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128)
+
+
+def prefill_table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
+    """The measured prefill config for this product (M > MAX_T), or None where XLA's GEMM is the faster."""
+    if M <= MAX_T:
+        return None
+    return _PREFILL_TABLE.get((N, K, epilogue))
+
+
+def block_rows(cfg: SkinnyConfig, M: int) -> int:
+    """Rows per tile: block_m, or all M rows padded to a power of two >= 16."""
+    return cfg.block_m or pow2_at_least(M, 16)
+
+
 def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> SkinnyConfig:
     """Fewer pipeline stages where the tiles of M rows would overflow shared memory (M = 128 with
     4 stages of 64 x 128 did, on the H200)."""
-    BM = pow2_at_least(M, 16)
+    BM = block_rows(cfg, M)
     n_w = 2 if epilogue == "swiglu" else 1
     per_stage = (BM + n_w * cfg.block_n) * cfg.block_k * itemsize
     stages = max(1, min(cfg.num_stages, SMEM_BYTES // per_stage))
@@ -102,11 +129,12 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
-    n0 = pl.program_id(0) * BN
+    m0 = pl.program_id(0) * BM
+    n0 = pl.program_id(1) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
     ragged_n = cols_n % BN != 0
     ragged_k = K % BK != 0 or (S > 1 and pl.cdiv(K, BK) % S != 0)
-    rows = jnp.arange(BM, dtype=i32)
+    rows = m0 + jnp.arange(BM, dtype=i32)
     row_ok = rows < M
     rows_ld = jnp.minimum(rows, M - 1)
     n = n0 + jnp.arange(BN, dtype=i32)
@@ -116,7 +144,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     bases = (0, half) if epilogue == "swiglu" else (0,)
     prec = dot_precision(x_ref.dtype)
     k_tiles = pl.cdiv(K, BK)
-    t_lo = pl.program_id(1) * tiles_per_split if partial else 0
+    t_lo = pl.program_id(2) * tiles_per_split if partial else 0
     t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
 
     def body(t, accs):
@@ -124,7 +152,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
         k = k0 + lanes
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
-        x_mask = tile_mask(row_ok if M != BM else None, k_ok if ragged_k else None, (BM, BK))
+        x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
         x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
@@ -140,7 +168,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
     mask = row_ok[:, None] & n_ok[None, :]
     if partial:   # [S, M, N_full]
-        s = pl.program_id(1)
+        s = pl.program_id(2)
         for base, acc in zip(bases, accs):
             plgpu.store(o_ref.at[s, rows[:, None], (base + n)[None, :]], acc, mask=mask)
         return
@@ -193,11 +221,11 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
     cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
-            and cfg.split_k >= 1):
+            and cfg.split_k >= 1 and (cfg.block_m == 0 or (is_pow2(cfg.block_m) and cfg.block_m >= 16))):
         raise ValueError(f"skinny_gemm: bad config {cfg}")
     half = N // 2
     cols = half if epilogue == "swiglu" else N
-    BM = pow2_at_least(M, 16)
+    BM = block_rows(cfg, M)
     k_tiles = -(-K // cfg.block_k)
     S = min(cfg.split_k, k_tiles)
     cfg = dataclasses.replace(cfg, split_k=S)
@@ -213,7 +241,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
                                epilogue="none" if partial else epilogue, half=half,
                                tiles_per_split=tiles_per_split)
     y = pl.pallas_call(
-        kernel, out_shape=out_shape, grid=(pl.cdiv(N if partial else cols, cfg.block_n), S), interpret=interpret,
+        kernel, out_shape=out_shape, grid=(pl.cdiv(M, BM), pl.cdiv(N if partial else cols, cfg.block_n), S),
+        interpret=interpret,
         name=f"skinny_gemm_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)

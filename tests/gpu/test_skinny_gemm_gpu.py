@@ -1,5 +1,6 @@
-"""The batched-decode tensor-core GEMM on the GPU at real shapes (Qwen3-4B, Llama-3-8B), against
-the reference ops, with the config the table picks and at row counts on and off the 16-row tile.
+"""The tensor-core GEMM on the GPU at real shapes (Qwen3-4B, Llama-3-8B), against the reference ops,
+with the config the tables pick: batched decode rows (on and off the 16-row tile) and prompt rows
+(above 64: tiled over M).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
@@ -26,7 +27,7 @@ def _rel(y, ref):
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
 
 
-@pytest.mark.parametrize("M", [2, 8, 27, 64, 128])
+@pytest.mark.parametrize("M", [2, 8, 27, 64, 128, 1000])   # above 64: prompt rows, tiled over M
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}-{e}" for n, k, e in SHAPES])
 def test_skinny_gemm_at_real_shapes(shape, M):
     N, K, ep = shape
