@@ -132,12 +132,16 @@ case "${1:-1}" in
     done
     ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
-             # where it idles (light load: between decode dispatches; all at once: around the prefill steps)
+             # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
+             # first 2 req/s with the httpx client as before, then with aiohttp (vLLM's bench client)
     serve_setup
+    step 150 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2 \
+         --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-httpx.json" --client httpx
     step 200 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates ${RATES:-2,inf} \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-trace.json" \
-         --device-trace /tmp/traces --device-trace-seconds ${TRACE_S:-1}
+         --device-trace /tmp/traces --device-trace-seconds ${TRACE_S:-1} --client ${CLIENT:-aiohttp}
     ;;
   loaded)    # offline throughput with steps compiled in the process, then with the same steps loaded from
              # the executable cache (a server's warm start); then the GPU parity tests

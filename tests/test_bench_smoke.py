@@ -52,7 +52,8 @@ def test_bench_runs(tmp_path, script, args, out):
     assert "failed" not in stdout and "error" not in json.dumps(data), stdout[-2000:]
 
 
-def test_serving_bench_with_the_host_profile(tmp_path):
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+def test_serving_bench_with_the_host_profile(tmp_path, client):
     """bench/serving.py starts a server on stories260k, loads it, and reports the engine thread's
     shares and where its busy samples went (JAXINFER_HOST_PROFILE), and traces the server's device."""
     from conftest import STORIES
@@ -61,7 +62,8 @@ def test_serving_bench_with_the_host_profile(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_HOST_PROFILE": str(tmp_path / "host.json")}
     r = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py"), "--serve-model", str(STORIES),
                         "--request-rates", "inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-                        "--out", str(out), "--device-trace", str(tmp_path / "traces"), "--device-trace-seconds", "0.3"],
+                        "--out", str(out), "--device-trace", str(tmp_path / "traces"), "--device-trace-seconds", "0.3",
+                        "--client", client],
                        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
     row = json.loads(out.read_text())["results"][0]
