@@ -261,7 +261,7 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
     return out if len(out) >= 9 else None
 
 
-class trace_window(threading.Thread):
+class TraceWindow(threading.Thread):
     """Trace the server's device (its /debug/device_trace routes) from `delay` s for `seconds` s, in the
     background; `result` is the trace's folder, or an error message."""
 
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
             tracer = None
             if args.device_trace and args.serve_model:
                 delay = 0.2 if math.isinf(rate) else args.num_prompts / rate / 3
-                tracer = trace_window(url, headers, f"rate-{rate}", delay, args.device_trace_seconds)
+                tracer = TraceWindow(url, headers, f"rate-{rate}", delay, args.device_trace_seconds)
             results, duration = asyncio.run(run_rate(url, args.api_key, args.endpoint, model, workload, rate,
                                                      args.burstiness, args.max_concurrency, tokenizer, args.seed + i,
                                                      extra, args.client))
