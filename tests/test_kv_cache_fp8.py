@@ -143,3 +143,13 @@ def test_engine_with_a_float8_cache():
     assert a == b
     agree = np.mean([x == y for s, t in zip(a, c) for x, y in zip(s, t)])
     assert agree > 0.8, agree
+
+
+def test_the_commands_pass_the_option_on():
+    from jaxinfer.cli import build_parser
+    from jaxinfer.serve.server import engine_options
+
+    for cmd in ("generate", "chat", "bench", "serve"):
+        assert build_parser().parse_args([cmd, "--kv-cache-dtype", "fp8"] + (["x"] if cmd == "generate" else [])
+                                         ).kv_cache_dtype == "fp8"
+    assert engine_options(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8"
