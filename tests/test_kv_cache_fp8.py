@@ -153,3 +153,20 @@ def test_the_commands_pass_the_option_on():
         assert build_parser().parse_args([cmd, "--kv-cache-dtype", "fp8"] + (["x"] if cmd == "generate" else [])
                                          ).kv_cache_dtype == "fp8"
     assert engine_options(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8"
+
+
+def test_prefix_hits_and_preemption_with_a_float8_cache():
+    """Cached float8 pages hold what a fresh prefill writes, and a preempted sequence recomputes the same
+    pages: with prefix-cache hits and a pool too small for everyone, each request's greedy tokens equal
+    its tokens alone."""
+    opts = dict(kv_cache_dtype="fp8", max_num_batched_tokens=64, progress=False)
+    system = "once upon a time there was a little girl named lily. she liked to play in the park. " * 2
+    prompts = [system + w for w in ("the dog", "a red ball", "her mom said", "one day", "they went home",
+                                    "the sun", "lily saw", "he was sad")]
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    alone = LLM(STORIES, max_num_seqs=1, enable_prefix_caching=False, max_model_len=128, **opts)
+    expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    tight = LLM(STORIES, max_num_seqs=8, num_pages=13, max_model_len=128, **opts)   # 12 usable pages
+    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.prefix_cache_hit_rate > 0
+    assert tight.engine.pages.num_free == tight.engine.pages.capacity
