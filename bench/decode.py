@@ -33,25 +33,32 @@ from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
-def step_bytes(cfg, context: float) -> float:
-    """Bytes one batch-1 decode step must read: weights (the input embedding is one row) + KV at `context`."""
-    item = 2
+def step_bytes(cfg, context: float, kv_item: int = 2) -> float:
+    """Bytes one batch-1 decode step must read: bf16 weights (the input embedding is one row) + KV at
+    `context` (kv_item bytes a value: 1 with a float8 cache)."""
     weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
     kv = 2 * cfg.num_layers * context * cfg.kv_size
-    return item * (weights + kv)
+    return 2 * weights + kv_item * kv
+
+
+def kv_of(path: str) -> str:
+    """A path's KV cache dtype: "-fp8" at the end of a jaxinfer path asks for float8 pages."""
+    return "fp8" if path.endswith("-fp8") else "auto"
 
 
 def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int,
                  profile_dir: str | None = None) -> dict:
     """path: an ops backend ("pallas", "reference"); "-unroll" / "-scan" force the layer loop's form
-    (default: the engine's, unrolled on GPUs)."""
+    (default: the engine's, unrolled on GPUs); a final "-fp8" keeps the KV cache in float8."""
+    kv_cache_dtype = kv_of(path)
+    path = path.removesuffix("-fp8")
     ops = path.removesuffix("-unroll").removesuffix("-scan")
     unroll = True if path.endswith("-unroll") else False if path.endswith("-scan") else None
     chunk = min(len(prompt), 2048)
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=unroll, max_num_seqs=1,
                     max_model_len=len(prompt) + new + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
-                    skip_tokenizer_init=True, max_logprobs=0,  # no top-k over the vocabulary per step
+                    skip_tokenizer_init=True, max_logprobs=0, kv_cache_dtype=kv_cache_dtype,  # max_logprobs 0: no top-k
                     num_pages=-(-(len(prompt) + new + 16) // 16) + 1)  # one sequence's pages, as measured
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     out = None
@@ -152,8 +159,10 @@ def main() -> None:
             except Exception as e:  # a path that fails is reported, not fatal to the table
                 results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
             r = results[path]
+            if kv_of(path) == "fp8":   # its own roofline: the KV bytes are half
+                r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=1) / bw)
             if "step_ms" in r:
-                r.update(tok_s=1e3 / r["step_ms"], roofline_share=roof_ms / r["step_ms"])
+                r.update(tok_s=1e3 / r["step_ms"], roofline_share=r.get("roofline_ms", roof_ms) / r["step_ms"])
             print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k not in ('tokens', 'profile')})}",
                   flush=True)
         ref_tokens = next((r["tokens"] for p, r in results.items() if p.startswith("reference") and "tokens" in r),
@@ -162,8 +171,8 @@ def main() -> None:
             if ref_tokens and "tokens" in r:
                 r["greedy_match_vs_reference"] = int(np.argmin(np.array(r["tokens"]) == np.array(ref_tokens))) \
                     if r["tokens"] != ref_tokens else len(ref_tokens)
-            rows.append(dict(shape=shape, context=ctx, path=path, roofline_ms=roof_ms, step_bytes=roof_bytes,
-                             **{k: v for k, v in r.items() if k != "tokens"}))
+            rows.append({**dict(shape=shape, context=ctx, path=path, roofline_ms=roof_ms, step_bytes=roof_bytes),
+                         **{k: v for k, v in r.items() if k != "tokens"}})   # (an fp8 path's own roofline_ms wins)
         gc.collect()
 
     print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "

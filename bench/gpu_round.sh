@@ -131,6 +131,8 @@ case "${1:-1}" in
            --kv-cache-dtype $kv --out "$OUT"
       cp "$OUT/throughput.json" "$OUT/throughput-$kv.json"
     done
+    # batch 1: the KV share of a step grows with context (8k: ~1.2 of ~8.5 GB)
+    step 100 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 --paths pallas pallas-fp8 --out "$OUT"
     ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);

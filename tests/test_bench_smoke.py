@@ -22,7 +22,7 @@ def _run(tmp_path, script, *args, timeout=300):
 
 
 @pytest.mark.parametrize("script,args,out", [
-    ("decode.py", ["--shapes", "tiny", "--long", "--paths", "reference", "reference-scan", "--prompt", "40",
+    ("decode.py", ["--shapes", "tiny", "--long", "--paths", "reference", "reference-scan", "reference-fp8", "--prompt", "40",
                    "--new", "9", "--steps", "4"], "decode.json"),
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
