@@ -102,7 +102,7 @@ async def post_stream(client, url: str, body: dict):
             yield r.status, lines(), r.read
 
 
-def client_errors() -> tuple[type[BaseException], ...]:
+def _client_errors() -> tuple[type[BaseException], ...]:
     errors: tuple[type[BaseException], ...] = (httpx.HTTPError, json.JSONDecodeError)
     try:
         import aiohttp
@@ -110,6 +110,9 @@ def client_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return errors
+
+
+CLIENT_ERRORS = _client_errors()   # what a failed request raises, with either client
 
 
 async def one_request(client, endpoint: str, model: str, prompt_ids: list[int], output_len: int,
@@ -154,7 +157,7 @@ async def one_request(client, endpoint: str, model: str, prompt_ids: list[int], 
                         res.chunks += 1
         res.latency = (last or time.perf_counter()) - t0
         res.ok = True
-    except client_errors() as e:
+    except CLIENT_ERRORS as e:
         res.error = f"{type(e).__name__}: {e}"
     return res
 
@@ -261,6 +264,40 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
     return out if len(out) >= 9 else None
 
 
+def server_breakdown(before: dict, after: dict, duration: float) -> dict:
+    """What a jaxinfer server's /metrics say of one rate (`engine_seconds` before and after it): the
+    engine thread's shares, the server's TTFT and its parts, steps to the first token, the prefill steps
+    by token bucket, the event loop's lag."""
+    def d(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    def per(x, n):
+        return x / n if n else math.nan
+
+    busy, wait = d("busy"), d("wait")
+    n = d("split_count")
+    out = dict(
+        engine_thread=dict(busy=busy / duration, device_wait=wait / duration, host=(busy - wait) / duration),
+        # the server's own TTFT (arrival to the first token id on its event loop; the client's waits for
+        # the first chunk with text, which a token ending mid-character delays) ...
+        server_ttft_mean_ms=1e3 * per(d("ttft_sum"), d("ttft_count")),
+        # ... in parts: waiting to be taken in, the engine's steps to the first token, back to the loop;
+        # and the body's parse, before the server's clock starts
+        server_ttft_split_ms={part: 1e3 * per(d(f"{part}_sum"), n) for part in ("queue", "prefill", "handoff", "parse")})
+    if "steps_sum" in after:
+        out["prefill_steps_mean"] = per(d("steps_sum"), n)
+    # the mixed (prefill) steps of this rate, by token bucket: how many, and their mean wall time
+    buckets = sorted((int(k.split("_")[1]) for k in after if k.startswith("mixed_") and k.endswith("_count")))
+    out["mixed_steps"] = {str(t): dict(count=int(d(f"mixed_{t}_count")),
+                                       mean_ms=1e3 * per(d(f"mixed_{t}_sum"), d(f"mixed_{t}_count")))
+                          for t in buckets if d(f"mixed_{t}_count")}
+    if "lag_count" in after:
+        k = d("lag_count")
+        out["event_loop_lag"] = dict(samples=int(k), mean_ms=1e3 * per(d("lag_sum"), k),
+                                     over_1ms=per(k - d("lag_le_0.001"), k), over_5ms=per(k - d("lag_le_0.005"), k))
+    return out
+
+
 class TraceWindow(threading.Thread):
     """Trace the server's device (its /debug/device_trace routes) from `delay` s for `seconds` s, in the
     background; `result` is the trace's folder, or an error message."""
@@ -312,6 +349,11 @@ def host_profile_report() -> dict | None:
     return json.loads(Path(path).read_text())
 
 
+def having(rows: list[dict], key: str):
+    """(row, row[key]) for the rows (one a rate) that have key."""
+    return ((s, s[key]) for s in rows if key in s)
+
+
 def print_table(rows: list[dict]) -> None:
     head = (f"{'rate':>6} {'done':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} "
             f"{'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} {'tok/chunk':>9}")
@@ -326,46 +368,37 @@ def print_table(rows: list[dict]) -> None:
     if any("engine_thread" in s for s in rows):
         print("engine thread, share of wall time: busy = blocked on the device + host work (Python: scheduling,")
         print("batch building, dispatch, detokenizing); host near 100% would make the host the bottleneck")
-        for s in rows:
-            if "engine_thread" in s:
-                e = s["engine_thread"]
-                print(f"{s['request_rate']:>6}  busy {100 * e['busy']:5.1f}%  "
-                      f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%  "
-                      f"(server-side TTFT mean {s['server_ttft_mean_ms']:.1f} ms; client-side "
-                      f"{s['ttft_ms']['mean']:.1f})")
+        for s, e in having(rows, "engine_thread"):
+            print(f"{s['request_rate']:>6}  busy {100 * e['busy']:5.1f}%  "
+                  f"device wait {100 * e['device_wait']:5.1f}%  host {100 * e['host']:5.1f}%  "
+                  f"(server-side TTFT mean {s['server_ttft_mean_ms']:.1f} ms; client-side "
+                  f"{s['ttft_ms']['mean']:.1f})")
         print("server-side TTFT, mean ms: queue (arrival until the engine thread takes the request in) + prefill")
         print("(the engine's steps to the first token) + handoff (back to the event loop); client-side - server-side")
         print("= parse (reading and validating the body, before the server's clock starts) + the network both")
         print("ways + a first token whose text waits for the next one")
-        for s in rows:
-            if "server_ttft_split_ms" in s:
-                q = s["server_ttft_split_ms"]
-                print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
-                      f"handoff {q['handoff']:6.2f}  client - server "
-                      f"{s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f} (parse {q['parse']:5.2f})")
+        for s, q in having(rows, "server_ttft_split_ms"):
+            print(f"{s['request_rate']:>6}  queue {q['queue']:7.2f}  prefill {q['prefill']:7.2f}  "
+                  f"handoff {q['handoff']:6.2f}  client - server "
+                  f"{s['ttft_ms']['mean'] - s['server_ttft_mean_ms']:6.2f} (parse {q['parse']:5.2f})")
         print("event loop: how late it wakes from a 5 ms sleep (mean; share of wake-ups later than 1 and 5 ms)")
-        for s in rows:
-            if "event_loop_lag" in s:
-                lag = s["event_loop_lag"]
-                print(f"{s['request_rate']:>6}  lag {lag['mean_ms']:6.2f} ms  > 1 ms {100 * lag['over_1ms']:5.1f}%  "
-                      f"> 5 ms {100 * lag['over_5ms']:5.1f}%  ({lag['samples']} wake-ups)")
+        for s, lag in having(rows, "event_loop_lag"):
+            print(f"{s['request_rate']:>6}  lag {lag['mean_ms']:6.2f} ms  > 1 ms {100 * lag['over_1ms']:5.1f}%  "
+                  f"> 5 ms {100 * lag['over_5ms']:5.1f}%  ({lag['samples']} wake-ups)")
         print("engine steps from take-in to the first token (mean), and the mixed (prefill) steps by token bucket:")
         print("count x mean wall ms on the engine thread (host work + device + read-back)")
-        for s in rows:
-            if "mixed_steps" in s:
-                print(f"{s['request_rate']:>6}  steps to first token {s.get('prefill_steps_mean', math.nan):5.2f}  mixed: "
-                      + ", ".join(f"{t}: {v['count']} x {v['mean_ms']:.2f}" for t, v in s["mixed_steps"].items()))
-    for s in rows:
-        if "device_trace" in s:
-            t = s["device_trace"]
-            if "error" in t:
-                print(f"device trace, rate {s['request_rate']}: {t['error']}")
-                continue
-            g = t["gaps"]
-            print(f"device trace, rate {s['request_rate']}: busy {100 * t['busy_share']:.1f}% of {t['span_ms']:.0f} ms, "
-                  f"{t['kernels']:.0f} kernels; idle gaps >= {g['us']:.0f} us: {g['count']}, {g['total_us'] / 1e3:.1f} ms "
-                  f"(largest {', '.join(f'{x / 1e3:.2f}' for x in g['largest_us'])} ms); top kernels: "
-                  + ", ".join(f"{k['name']} {k['us_per_step'] / 1e3:.1f} ms" for k in t["top"][:5]))
+        for s, mixed in having(rows, "mixed_steps"):
+            print(f"{s['request_rate']:>6}  steps to first token {s.get('prefill_steps_mean', math.nan):5.2f}  mixed: "
+                  + ", ".join(f"{t}: {v['count']} x {v['mean_ms']:.2f}" for t, v in mixed.items()))
+    for s, t in having(rows, "device_trace"):
+        if "error" in t:
+            print(f"device trace, rate {s['request_rate']}: {t['error']}")
+            continue
+        g = t["gaps"]
+        print(f"device trace, rate {s['request_rate']}: busy {100 * t['busy_share']:.1f}% of {t['span_ms']:.0f} ms, "
+              f"{t['kernels']:.0f} kernels; idle gaps >= {g['us']:.0f} us: {g['count']}, {g['total_us'] / 1e3:.1f} ms "
+              f"(largest {', '.join(f'{x / 1e3:.2f}' for x in g['largest_us'])} ms); top kernels: "
+              + ", ".join(f"{k['name']} {k['us_per_step'] / 1e3:.1f} ms" for k in t["top"][:5]))
     for s in rows:
         for thread, p in s.get("host_profile", {}).items():
             print(f"host profile, rate {s['request_rate']}, thread {thread}: {p['samples']} busy samples ({p['idle']} idle "
@@ -505,37 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarize(results, duration, rate))
             after = engine_seconds(url, headers)
             if before and after:   # a jaxinfer server: where its engine thread's time went
-                busy, wait, ttft_sum, ttft_n = (after[k] - before[k] for k in ("busy", "wait", "ttft_sum", "ttft_count"))
-                rows[-1]["engine_thread"] = dict(busy=busy / duration, device_wait=wait / duration,
-                                                 host=(busy - wait) / duration)
-                # the server's own TTFT (arrival to the first token id on its event loop; the client's
-                # waits for the first chunk with text, which a token ending mid-character delays)
-                rows[-1]["server_ttft_mean_ms"] = 1e3 * ttft_sum / ttft_n if ttft_n else math.nan
-                # ... in parts: waiting to be taken in, the engine's steps to the first token, back to the loop
-                n = after["split_count"] - before["split_count"]
-                rows[-1]["server_ttft_split_ms"] = {
-                    part: 1e3 * (after[f"{part}_sum"] - before[f"{part}_sum"]) / n if n else math.nan
-                    for part in ("queue", "prefill", "handoff")}
-                rows[-1]["server_ttft_split_ms"]["parse"] = 1e3 * (after["parse_sum"] - before["parse_sum"]) / n \
-                    if n else math.nan
-                if "steps_sum" in after:
-                    rows[-1]["prefill_steps_mean"] = (after["steps_sum"] - before.get("steps_sum", 0)) / n if n else math.nan
-                # the mixed (prefill) steps of this rate, by token bucket: how many, and their mean wall time
-                mixed = {}
-                for key in after:
-                    if key.startswith("mixed_") and key.endswith("_count"):
-                        tokens = key.split("_")[1]
-                        count = after[key] - before.get(key, 0)
-                        if count:
-                            total = after[f"mixed_{tokens}_sum"] - before.get(f"mixed_{tokens}_sum", 0)
-                            mixed[tokens] = dict(count=int(count), mean_ms=1e3 * total / count)
-                rows[-1]["mixed_steps"] = dict(sorted(mixed.items(), key=lambda kv: int(kv[0])))
-                if "lag_count" in after:
-                    k = after["lag_count"] - before.get("lag_count", 0)
-                    rows[-1]["event_loop_lag"] = dict(
-                        samples=int(k), mean_ms=1e3 * (after["lag_sum"] - before.get("lag_sum", 0)) / k if k else math.nan,
-                        over_1ms=(k - (after["lag_le_0.001"] - before.get("lag_le_0.001", 0))) / k if k else math.nan,
-                        over_5ms=(k - (after["lag_le_0.005"] - before.get("lag_le_0.005", 0))) / k if k else math.nan)
+                rows[-1].update(server_breakdown(before, after, duration))
             if tracer is not None:
                 tracer.join()
                 rows[-1]["device_trace"] = device_trace_summary(tracer.result)

@@ -28,7 +28,7 @@ from jaxinfer.config import ModelConfig, load_config
 from jaxinfer.dispatch_timing import DispatchTiming
 from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
-from jaxinfer.kv_cache import KV_CACHE_DTYPES, bytes_per_page, kv_cache_dtype, slots_for
+from jaxinfer.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dtype, slots_for
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
@@ -95,8 +95,7 @@ class EngineConfig:
                      "short_decode_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.short_decode_max_batch < 0:
             raise ValueError(f"short_decode_max_batch must be >= 0, got {self.short_decode_max_batch}")
         if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:

@@ -27,10 +27,14 @@ SCRATCH_PAGE = 0
 KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
 
 
-def kv_cache_dtype(cfg: ModelConfig, name: str = "auto"):
-    """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype) or "fp8"."""
+def check_kv_cache_dtype(name: str) -> None:
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+
+
+def kv_cache_dtype(cfg: ModelConfig, name: str = "auto"):
+    """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype) or "fp8"."""
+    check_kv_cache_dtype(name)
     return KV_CACHE_DTYPES[name] or cfg.jnp_dtype
 
 

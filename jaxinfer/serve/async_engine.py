@@ -69,6 +69,7 @@ class _Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_tokens: int = 0
+    added_step: int = 0        # the engine thread's step count when this request was taken in
     steps_to_first: int = 0    # engine steps from being taken in to the first token id
 
 
@@ -127,6 +128,7 @@ class AsyncEngine:
         self._pending = 0                    # adds queued, not yet in the engine
         self._live: dict[int, _Request] = {}  # engine id -> request (engine thread only)
         self._busy = 0.0                     # seconds the engine thread spent working
+        self._steps = 0                      # engine steps run (engine thread only)
         self._since: float | None = None     # start of the work in progress
         self.snapshot: dict[str, float] = {}
         self._publish()
@@ -306,6 +308,7 @@ class AsyncEngine:
         for req in g.requests:
             try:
                 req.added_at = time.perf_counter()
+                req.added_step = self._steps
                 req.rid = self.engine.add_request(req.prompt_ids, req.params)
                 self._live[req.rid] = req
                 continue
@@ -327,11 +330,9 @@ class AsyncEngine:
         t0 = time.perf_counter()
         deltas = self.engine.step()
         now = time.perf_counter()
+        self._steps += 1
         if self.metrics and self.engine.last_mixed_tokens is not None:
             self.metrics.mixed_step(self.engine.last_mixed_tokens, now - t0)
-        for req in self._live.values():
-            if req.first_token_engine_at is None:
-                req.steps_to_first += 1
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         for d in deltas:
             req = self._live.get(d.request_id)
@@ -339,6 +340,7 @@ class AsyncEngine:
                 continue
             if req.first_token_engine_at is None and d.token_ids:
                 req.first_token_engine_at = now
+                req.steps_to_first = self._steps - req.added_step
             out = None
             if d.finished:
                 del self._live[d.request_id]
