@@ -134,6 +134,14 @@ case "${1:-1}" in
     # batch 1: the KV share of a step grows with context (8k: ~1.2 of ~8.5 GB)
     step 100 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 --paths pallas pallas-fp8 --out "$OUT"
     ;;
+  regress)   # the seventh session: batched decode came back slower (B8 3.52 -> 5.32 ms) after the GEMM's row tiles
+             # and norm prologue; the prologue against XLA's norm per kernel, traces of B8 and B64, and the
+             # same at the commit before the prologue (PRE=.ab/pre_norm: that commit's jaxinfer/, carried)
+    step 150 python3 bench/kernels_skinny_gemm.py --norm --models qwen3-4b
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
+    mkdir -p "$OUT/pre"; [ -z "${PRE:-}" ] || PYTHONPATH=$PRE:. step 120 python3 bench/throughput.py --shape qwen3-4b --batches 8 64 \
+         --requests 30 --system 64 --out "$OUT/pre"
+    ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
              # first 2 req/s with the httpx client as before, then with aiohttp (vLLM's bench client)

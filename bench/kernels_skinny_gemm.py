@@ -18,6 +18,10 @@ best per case: what fills skinny_gemm._TABLE. JSON to $OUT/skinny_gemm.json when
 --sweep (at M = 1,024: block_m x block_n x block_k, then warps and stages) fills
 skinny_gemm._PREFILL_TABLE where the kernel wins. Both sides compute the plain product for the
 residual shapes (XLA's extra add kernel, ~5 us at 1k rows, is left out: in XLA's favour).
+
+--norm: the products that follow an RMSNorm (QKV, gate/up) with the norm in: XLA's rms_norm_linear /
+rms_norm_swiglu, the kernel with the norm as its prologue ("kernel", as ops.pallas calls it), and the
+norm as an XLA kernel before the plain kernel ("kernel_xla_norm", as before the prologue).
 """
 
 from __future__ import annotations
@@ -52,23 +56,48 @@ PREFILL_MS = [128, 512, 1024, 2048, 8192]
 PREFILL_SWEEP_MS = [1024]
 PREFILL = False
 INTERPRET = False
+NORM = False
+EPS = 1e-6
 
 
 def problem(n_out, n_in, M, epilogue, seed=0):
     p = KG.make_problem(n_out, n_in, M, seed)
+    if NORM:   # the reference of rms_norm(x) @ w.T (unit scale), in float32
+        f32 = jnp.float32
+        with jax.default_matmul_precision("highest"):
+            p.ref = [jnp.dot(reference.rms_norm(p.xs[i].astype(f32), jnp.ones((n_in,), f32), EPS),
+                             p.ws[i].astype(f32).T) for i in (0, -1)]
     if epilogue == "swiglu":
         p.ref = [reference.swiglu(r) for r in p.ref]
     return p
+
+
+def norm_scale(x):
+    return jnp.ones((x.shape[-1],), x.dtype)
 
 
 def kernel_fn(cfg, epilogue):
     # The residual epilogue reads one more [M, N] array; its cost is that of the plain product plus
     # M x N x 2 bytes, so the plain product stands for it here.
     ep = "swiglu" if epilogue == "swiglu" else "none"
-    return functools.partial(SG.skinny_gemm, epilogue=ep, config=cfg, interpret=INTERPRET)
+    fn = functools.partial(SG.skinny_gemm, epilogue=ep, config=cfg, interpret=INTERPRET)
+    if NORM:
+        return lambda x, w: fn(x, w, scale=norm_scale(x), eps=EPS)
+    return fn
+
+
+def xla_norm_kernel_fn(cfg, epilogue):
+    """The norm as its own XLA kernel, then the plain kernel (ops.pallas before the prologue)."""
+    fn = functools.partial(SG.skinny_gemm, epilogue="swiglu" if epilogue == "swiglu" else "none", config=cfg,
+                           interpret=INTERPRET)
+    return lambda x, w: fn(reference.rms_norm(x, norm_scale(x), EPS), w)
 
 
 def xla_fn(epilogue):
+    if NORM:
+        if epilogue == "swiglu":
+            return lambda x, w: reference.rms_norm_swiglu(x, norm_scale(x), EPS, w)
+        return lambda x, w: reference.rms_norm_linear(x, norm_scale(x), EPS, w)
     if epilogue == "swiglu":
         return lambda x, w: reference.swiglu(reference.linear(x, w))
     return reference.linear
@@ -122,10 +151,14 @@ def main():
     ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
     ap.add_argument("--prefill", action="store_true", help="prompt rows: the kernel tiled over M against XLA")
+    ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm: prologue vs XLA norm")
     args = ap.parse_args()
-    global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL
+    global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL, NORM
     INTERPRET = KG.INTERPRET = args.interpret
     PREFILL = args.prefill
+    NORM = args.norm
+    if NORM:
+        SHAPES = {m: [s for s in shapes if s[2] != "residual"] for m, shapes in SHAPES.items()}
     if PREFILL:
         MS, SWEEP_MS = PREFILL_MS, PREFILL_SWEEP_MS
     if INTERPRET:
@@ -178,7 +211,10 @@ def main():
                 cfg = SG.choose_config(M, n_out, n_in, ep)
                 if INTERPRET and PREFILL:
                     cfg = dataclasses.replace(cfg, block_m=32, block_n=32, block_k=32)
-                r = KG.compile_then_time(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
+                fns = {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}
+                if NORM:
+                    fns["kernel_xla_norm"] = xla_norm_kernel_fn(cfg, ep)
+                r = KG.compile_then_time(p, fns, pool, deadline)
                 row = dict(model=model, shape=[n_out, n_in], epilogue=ep, M=M, cfg=dataclasses.asdict(cfg), **{
                     f"{k}_{f}": v for k, d in r.items() for f, v in d.items()})
                 results["rows"].append(row)
@@ -190,18 +226,22 @@ def main():
     what, ceiling = (("Prompt-row projections", f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s") if PREFILL else
                      ("Batched-decode projections", f"HBM read {bw / 1e12:.2f} TB/s"))
     print(f"\n{what}, bf16, on {dev.device_kind}, jax {jax.__version__}; {ceiling}")
-    print("| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    extra = " kernel after XLA's norm us |" if NORM else ""
+    print(f"| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |{extra}")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if NORM else ""))
     for r in results["rows"]:
         p = KG.Problem(r["shape"][0], r["shape"][1], r["M"], (), (), [])
         k_ok, x_ok = r.get("kernel_ok"), r.get("xla_ok")
         ks = f"{r['kernel_us']:.2f} | {speed(p, r['kernel_us'], bw)[1]:.0%}" if k_ok else "failed | "
         xs = f"{r['xla_us']:.2f} | {speed(p, r['xla_us'], bw)[1]:.0%}" if x_ok else "failed | "
         sp = f"{r['xla_us'] / r['kernel_us']:.2f}x" if k_ok and x_ok else ""
+        nk = ""
+        if NORM:
+            nk = f" {r['kernel_xla_norm_us']:.2f} |" if r.get("kernel_xla_norm_ok") else " failed |"
         print(f"| {r['model']} | {r['shape'][0]} x {r['shape'][1]} | {r['epilogue']} | {r['M']} | "
-              f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |")
+              f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |{nk}")
     print(f"total {time.time() - t_start:.0f} s")
-    save_results(results, "prefill_gemm.json" if PREFILL else "skinny_gemm.json")
+    save_results(results, "prefill_gemm.json" if PREFILL else "skinny_norm_gemm.json" if NORM else "skinny_gemm.json")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def _run(tmp_path, script, *args, timeout=300):
      "launch_cost.json"),
     ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
     ("kernels_skinny_gemm.py", ["--interpret", "--prefill", "--sweep", "--budget", "30"], "prefill_gemm.json"),
+    ("kernels_skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
      "prefill_dispatch.json"),
     ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
