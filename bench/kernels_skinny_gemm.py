@@ -20,8 +20,8 @@ skinny_gemm._PREFILL_TABLE where the kernel wins. Both sides compute the plain p
 residual shapes (XLA's extra add kernel, ~5 us at 1k rows, is left out: in XLA's favour).
 
 --norm: the products that follow an RMSNorm (QKV, gate/up) with the norm in: XLA's rms_norm_linear /
-rms_norm_swiglu, the kernel with the norm as its prologue ("kernel", as ops.pallas calls it), and the
-norm as an XLA kernel before the plain kernel ("kernel_xla_norm", as before the prologue).
+rms_norm_swiglu against XLA's norm then the kernel (as ops.pallas calls it). (A norm prologue inside
+the kernel, x * scale on the loaded tiles, measured 2-3x slower than this on the H200; bench/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -81,16 +81,9 @@ def kernel_fn(cfg, epilogue):
     # M x N x 2 bytes, so the plain product stands for it here.
     ep = "swiglu" if epilogue == "swiglu" else "none"
     fn = functools.partial(SG.skinny_gemm, epilogue=ep, config=cfg, interpret=INTERPRET)
-    if NORM:
-        return lambda x, w: fn(x, w, scale=norm_scale(x), eps=EPS)
+    if NORM:   # the norm as its own XLA kernel first, as ops.pallas runs it
+        return lambda x, w: fn(reference.rms_norm(x, norm_scale(x), EPS), w)
     return fn
-
-
-def xla_norm_kernel_fn(cfg, epilogue):
-    """The norm as its own XLA kernel, then the plain kernel (ops.pallas before the prologue)."""
-    fn = functools.partial(SG.skinny_gemm, epilogue="swiglu" if epilogue == "swiglu" else "none", config=cfg,
-                           interpret=INTERPRET)
-    return lambda x, w: fn(reference.rms_norm(x, norm_scale(x), EPS), w)
 
 
 def xla_fn(epilogue):
@@ -151,7 +144,7 @@ def main():
     ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
     ap.add_argument("--prefill", action="store_true", help="prompt rows: the kernel tiled over M against XLA")
-    ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm: prologue vs XLA norm")
+    ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm in the product")
     args = ap.parse_args()
     global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL, NORM
     INTERPRET = KG.INTERPRET = args.interpret
@@ -211,10 +204,7 @@ def main():
                 cfg = SG.choose_config(M, n_out, n_in, ep)
                 if INTERPRET and PREFILL:
                     cfg = dataclasses.replace(cfg, block_m=32, block_n=32, block_k=32)
-                fns = {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}
-                if NORM:
-                    fns["kernel_xla_norm"] = xla_norm_kernel_fn(cfg, ep)
-                r = KG.compile_then_time(p, fns, pool, deadline)
+                r = KG.compile_then_time(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
                 row = dict(model=model, shape=[n_out, n_in], epilogue=ep, M=M, cfg=dataclasses.asdict(cfg), **{
                     f"{k}_{f}": v for k, d in r.items() for f, v in d.items()})
                 results["rows"].append(row)
@@ -226,20 +216,16 @@ def main():
     what, ceiling = (("Prompt-row projections", f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s") if PREFILL else
                      ("Batched-decode projections", f"HBM read {bw / 1e12:.2f} TB/s"))
     print(f"\n{what}, bf16, on {dev.device_kind}, jax {jax.__version__}; {ceiling}")
-    extra = " kernel after XLA's norm us |" if NORM else ""
-    print(f"| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |{extra}")
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if NORM else ""))
+    print("| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["rows"]:
         p = KG.Problem(r["shape"][0], r["shape"][1], r["M"], (), (), [])
         k_ok, x_ok = r.get("kernel_ok"), r.get("xla_ok")
         ks = f"{r['kernel_us']:.2f} | {speed(p, r['kernel_us'], bw)[1]:.0%}" if k_ok else "failed | "
         xs = f"{r['xla_us']:.2f} | {speed(p, r['xla_us'], bw)[1]:.0%}" if x_ok else "failed | "
         sp = f"{r['xla_us'] / r['kernel_us']:.2f}x" if k_ok and x_ok else ""
-        nk = ""
-        if NORM:
-            nk = f" {r['kernel_xla_norm_us']:.2f} |" if r.get("kernel_xla_norm_ok") else " failed |"
         print(f"| {r['model']} | {r['shape'][0]} x {r['shape'][1]} | {r['epilogue']} | {r['M']} | "
-              f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |{nk}")
+              f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |")
     print(f"total {time.time() - t_start:.0f} s")
     save_results(results, "prefill_gemm.json" if PREFILL else "skinny_norm_gemm.json" if NORM else "skinny_gemm.json")
 

@@ -113,23 +113,3 @@ def test_prefill_gemm_lowers_at_real_shapes(shape, M):
             return SG.skinny_gemm(x, w, 1, residual=r, epilogue=epilogue, config=cfg)
 
         assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), res)
-
-
-@pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
-@pytest.mark.parametrize("M", [8, 64, 1000])
-def test_gemm_with_the_norm_prologue_lowers(shape, M):
-    """The RMSNorm prologue of the tensor-core GEMM (QKV; gate/up with SwiGLU; o_proj-shaped with split-K),
-    for decode rows (the measured table's configs) and prompt rows."""
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    D, I = shape["hidden_size"], shape["intermediate_size"]
-    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
-    hd = shape.get("head_dim") or D // H
-    sd = jax.ShapeDtypeStruct
-    for n, k, epilogue in [((H + 2 * K) * hd, D, "none"), (2 * I, D, "swiglu"), (D, H * hd, "none")]:
-        cfg = SG.choose_config(M, n, k, epilogue)
-
-        def gemm(x, w, scale, epilogue=epilogue, cfg=cfg):
-            return SG.skinny_gemm(x, w, 1, scale=scale, eps=1e-6, epilogue=epilogue, config=cfg)
-
-        assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), sd((2, k), jnp.bfloat16))

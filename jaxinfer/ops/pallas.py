@@ -4,7 +4,7 @@ Ops not overridden here are the reference ops. The projections of a batch-1 deco
 tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows
 it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
-residual and SwiGLU epilogues, the RMSNorm as its prologue) at the shapes where its measured table beat XLA
+residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
 (in interpret mode: always, so the CPU tests cover it); prompt rows go to the same kernel tiled over
 rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
@@ -50,9 +50,9 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
                           interpret=interpret, **kw)
 
-    def _skinny(x, w, b=None, scale=None, **kw):
-        stacked, layer, (b, scale) = _stacked(w, b, scale)
-        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, scale=scale, interpret=interpret, **kw)
+    def _skinny(x, w, b=None, **kw):
+        stacked, layer, (b,) = _stacked(w, b)
+        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, interpret=interpret, **kw)
 
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
@@ -80,14 +80,14 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
         if (cfg := skinny_config(x, w)) is not None:
-            return _skinny(x, w, b, scale=scale, eps=eps, config=cfg)
+            return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg)
         return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
         if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
-            return _skinny(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu", config=cfg)
+            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def linear_residual(x, w, b, residual):

@@ -19,10 +19,6 @@ fastest, so the programs running at one time share W's column blocks (read from 
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
 residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
 reads rows I + n, and writes silu(gate) * up [M, I].
-Prologue: with `scale` (an RMSNorm's weight [L, K]) the product is of rms_norm(x) without a pass of
-its own, as the batch-1 GEMV does it: rms_norm(x) . w = rsqrt(mean(x^2) + eps) * ((x * scale) . w),
-the sum of squares taken from the x tiles the loop loads anyway (one kernel fewer per norm; with
-split-K, XLA's epilogue applies the factor).
 """
 
 from __future__ import annotations
@@ -124,11 +120,10 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
     return dataclasses.replace(cfg, num_stages=stages)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, has_norm, eps, epilogue,
-            half, tiles_per_split):
+def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
+            tiles_per_split):
     refs = list(refs)
     o_ref = refs.pop()
-    scale_ref = refs.pop(0) if has_norm else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
@@ -152,20 +147,13 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     t_lo = pl.program_id(2) * tiles_per_split if partial else 0
     t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
 
-    def body(t, carry):
-        accs, sumsq = carry
+    def body(t, accs):
         k0 = pl.multiple_of(t * BK, BK)
         k = k0 + lanes
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
         x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
         x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
-        if has_norm:   # x * scale into the dot; the squares of x into the row sums
-            xf = x.astype(f32)       # (masked lanes were loaded as 0)
-            sumsq = sumsq + jnp.sum(xf * xf, axis=1)
-            sc = plgpu.load(scale_ref.at[layer, kk[0]], mask=k_ok if ragged_k else None,
-                            other=0.0 if ragged_k else None).astype(f32)
-            x = (xf * sc[None, :]).astype(x.dtype)
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
@@ -175,10 +163,9 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
             out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
                                                  preferred_element_type=f32))
-        return tuple(out), sumsq
+        return tuple(out)
 
-    init = (tuple(jnp.zeros((BM, BN), f32) for _ in bases), jnp.zeros((BM,), f32))
-    accs, sumsq = jax.lax.fori_loop(t_lo, t_hi, body, init)
+    accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
     mask = row_ok[:, None] & n_ok[None, :]
     if partial:   # [S, M, N_full]
         s = pl.program_id(2)
@@ -186,9 +173,6 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
             plgpu.store(o_ref.at[s, rows[:, None], (base + n)[None, :]], acc, mask=mask)
         return
     dtype = o_ref.dtype
-    if has_norm:
-        inv = jax.lax.rsqrt(sumsq / K + eps)
-        accs = tuple(acc * inv[:, None] for acc in accs)
     ys = []
     for base, acc in zip(bases, accs):
         if has_bias:
@@ -203,13 +187,9 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(dtype), mask=mask)
 
 
-def _finish(partial, b, residual, epilogue, dtype, norm_of=None, eps=1e-6):
-    """The split-K epilogue in XLA: sum the partials (times the RMSNorm factor of norm_of's rows, with
-    the prologue), then as the reference ops round."""
+def _finish(partial, b, residual, epilogue, dtype):
+    """The split-K epilogue in XLA: sum the partials, then as the reference ops round."""
     y = jnp.sum(partial, axis=0)
-    if norm_of is not None:
-        h = norm_of.astype(f32)
-        y = y * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     if b is not None:
         y = y + b.astype(f32)
     y = y.astype(dtype)
@@ -220,17 +200,15 @@ def _finish(partial, b, residual, epilogue, dtype, norm_of=None, eps=1e-6):
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret", "eps"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
-                scale: jax.Array | None = None, eps: float = 1e-6, interpret: bool = False) -> jax.Array:
-    """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b, scale count as one layer); b [L, N];
-    scale [L, K]: the product is of rms_norm(x, scale[layer], eps); epilogue "residual" adds residual
-    [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and returns [M, I]. config: None picks
-    `choose_config`."""
+                interpret: bool = False) -> jax.Array:
+    """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [L, N];
+    epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
+    returns [M, I]. config: None picks `choose_config`."""
     if w.ndim == 2:
         w, b = w[None], None if b is None else b[None]
-        scale = None if scale is None else scale[None]
     M, K = x.shape
     _, N, K_w = w.shape
     if K_w != K:
@@ -241,8 +219,6 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError("skinny_gemm: a residual goes with epilogue='residual'")
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
-    if scale is not None and scale.shape[-1] != K:
-        raise ValueError(f"skinny_gemm: norm scale {scale.shape} for x {x.shape}")
     cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
             and cfg.split_k >= 1 and (cfg.block_m == 0 or (is_pow2(cfg.block_m) and cfg.block_m >= 16))):
@@ -257,14 +233,13 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     partial = S > 1
     layer = jnp.asarray(layer, i32).reshape(1)
     if partial:
-        args, out_shape = [layer, x, w] + ([scale] if scale is not None else []), jax.ShapeDtypeStruct((S, M, N), f32)
+        args, out_shape = [layer, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
-        args = [layer, x, w] + [a for a in (scale, b, residual) if a is not None]
+        args = [layer, x, w] + [a for a in (b, residual) if a is not None]
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
-    # With split-K the kernel applies the scale, XLA's epilogue the row factor (it needs all of K).
     kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
-                               has_norm=scale is not None, eps=eps, epilogue="none" if partial else epilogue,
-                               half=half, tiles_per_split=tiles_per_split)
+                               epilogue="none" if partial else epilogue, half=half,
+                               tiles_per_split=tiles_per_split)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(M, BM), pl.cdiv(N if partial else cols, cfg.block_n), S),
         interpret=interpret,
@@ -272,6 +247,5 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial:
-        return _finish(y, None if b is None else b[layer[0]], residual, epilogue, x.dtype,
-                       norm_of=x if scale is not None else None, eps=eps)
+        return _finish(y, None if b is None else b[layer[0]], residual, epilogue, x.dtype)
     return y
