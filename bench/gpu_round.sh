@@ -142,6 +142,16 @@ case "${1:-1}" in
     mkdir -p "$OUT/pre"; [ -z "${PRE:-}" ] || PYTHONPATH=$PRE:. step 120 python3 bench/throughput.py --shape qwen3-4b --batches 8 64 \
          --requests 30 --system 64 --out "$OUT/pre"
     ;;
+  fp8b)      # after the prologue's revert: float8 decode attention swept (its first table doubles bf16's block_k),
+             # then batched decode with bf16 and with float8 pages (issue 5: B64 <= 1.5 x B1)
+    step 200 python3 bench/kernels_decode_attention.py --kv-cache-dtype fp8 --sweep --no-table --budget ${SWEEP_S:-140} \
+         --points 64:1024 16:1024 1:8192 128:1024 1:1024 4:8192 64:8192
+    for kv in auto fp8; do
+      step 160 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 128 --requests 100 --system 64 \
+           --kv-cache-dtype $kv --out "$OUT"
+      cp "$OUT/throughput.json" "$OUT/throughput-$kv.json"
+    done
+    ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
              # first 2 req/s with the httpx client as before, then with aiohttp (vLLM's bench client)

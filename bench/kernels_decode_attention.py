@@ -17,6 +17,10 @@ time, also as a share of the HBM read ceiling measured in the same run (jnp.sum 
 1024, 8192, 32768 (phase A: num_splits x block_k; phase B: the best two with other num_warps /
 num_stages and the jnp merge), printing the best per point: what fills decode_attention._TABLE.
 JSON of everything to $OUT/decode_attention.json when OUT is set.
+
+--kv-cache-dtype fp8: the caches in float8 e4m3 (as `--kv-cache-dtype fp8` stores them; half the bytes,
+the same kernels casting reads back to bf16), the bytes and bandwidth counted at 1 byte;
+what fills decode_attention._TABLE_FP8. --points B:ctx ... replaces the sweep's points.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 
+from jaxinfer.kv_cache import KV_CACHE_DTYPES, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 
@@ -45,6 +50,8 @@ BATCHES = [1, 32]
 L2_BYTES = 50e6
 TOL = 2e-2
 INTERPRET = False
+KV_DTYPE = jnp.bfloat16
+POINTS = None   # --points: the sweep's (B, ctx) points
 
 
 @dataclasses.dataclass
@@ -59,20 +66,20 @@ class Problem:
 
     @property
     def kv_bytes(self):
-        return self.B * self.ctx * self.KVH * self.hd * 2 * 2
+        return self.B * self.ctx * self.KVH * self.hd * 2 * jnp.dtype(KV_DTYPE).itemsize
 
 
 def make_problem(H, KVH, hd, B, ctx, seed=0):
     P = -(-ctx // PS)
-    per_layer = B * P * PS * KVH * hd * 2 * 2
+    per_layer = B * P * PS * KVH * hd * 2 * jnp.dtype(KV_DTYPE).itemsize
     L = int(min(16, max(1, math.ceil(4 * L2_BYTES / per_layer))))
     if INTERPRET:
         L = 1
     n_pages = B * P + 1
     kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
     shape = (L, KVH, n_pages * PS, hd)
-    k = jax.random.normal(kk, shape, jnp.bfloat16)
-    v = jax.random.normal(kv, shape, jnp.bfloat16)
+    k = to_cache(jax.random.normal(kk, shape, jnp.bfloat16), KV_DTYPE)
+    v = to_cache(jax.random.normal(kv, shape, jnp.bfloat16), KV_DTYPE)
     q = jax.random.normal(kq, (B, H, hd), jnp.bfloat16)
     pt = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
     cl = jnp.full((B,), ctx, jnp.int32)
@@ -166,7 +173,9 @@ def sweep(results, pool, deadline, t_start):
     name, H, KVH, hd = SHAPES[0]
     points = [(1, 32768), (1, 8192), (16, 8192), (64, 8192), (4, 32768), (1, 1024), (16, 32768),
               (4, 8192), (64, 1024), (16, 1024), (4, 1024), (1, 100), (64, 100), (64, 32768)]
-    if INTERPRET:
+    if POINTS:
+        points = POINTS
+    elif INTERPRET:
         points = [(1, 100), (2, 300)]
     out = []
     for i, (B, ctx) in enumerate(points):
@@ -201,7 +210,7 @@ def table_mode(results, pool, t_start):
         for B in BATCHES:
             for ctx in CONTEXTS:
                 p = make_problem(H, KVH, hd, B, ctx, seed=ctx + B)
-                cfg = DA.choose_config(B, KVH, -(-ctx // PS) * PS)
+                cfg = DA.choose_config(B, KVH, -(-ctx // PS) * PS, jnp.dtype(KV_DTYPE).itemsize)
                 n = n_chain(est_time(p))
                 n_ref = max(2, n_chain(est_time(p) * 4) // 2)
                 fut_jnp = (pool.submit(build, pallas_op(dataclasses.replace(cfg, merge="jnp")), p, n)
@@ -237,9 +246,13 @@ def table_mode(results, pool, t_start):
 def main():
     ap = argparse.ArgumentParser()
     add_sweep_args(ap, budget=120.0)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--points", nargs="*", default=None, help="the sweep's points as B:ctx")
     args = ap.parse_args()
-    global INTERPRET, CONTEXTS, BATCHES
+    global INTERPRET, CONTEXTS, BATCHES, KV_DTYPE, POINTS
     INTERPRET = args.interpret
+    KV_DTYPE = KV_CACHE_DTYPES[args.kv_cache_dtype] or jnp.bfloat16
+    POINTS = [tuple(int(v) for v in pt.split(":")) for pt in args.points] if args.points else None
     if INTERPRET:
         CONTEXTS, BATCHES = [1, 100], [1, 2]
     gib = 0.25 if INTERPRET else 4
@@ -248,7 +261,7 @@ def main():
     dev = jax.devices()[0]
     bw = max(bw0, bw1)
 
-    print(f"\nPaged decode attention, bf16, page 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
+    print(f"\nPaged decode attention, bf16 queries, {jnp.dtype(KV_DTYPE).name} pages of 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
           f"ceiling {bw0 / 1e12:.2f} / {bw1 / 1e12:.2f} TB/s (start / end), shares against the larger")
     hdr = (f"{'shape (H/KVH/hd)':>30} {'ctx':>6} {'B':>3} {'config':>18} {'us':>8} {'TB/s':>5} "
            f"{'share':>5} {'ref us':>8} {'speedup':>7} {'jnp-merge us':>12}")

@@ -128,9 +128,11 @@ def test_choose_config_shapes():
     for B in (1, 2, 8, 32, 64, 256):
         for span in (16, 1024, 8192, 32768):
             for kvh in (2, 8, 16):
-                c = DA.choose_config(B, kvh, span)
-                assert DA.is_pow2(c.num_splits) and 1 <= c.num_splits <= 64
-                assert DA.is_pow2(c.block_k) and c.block_k >= 16
+                for itemsize in (2, 1):   # bf16 and float8 pages
+                    c = DA.choose_config(B, kvh, span, itemsize)
+                    assert DA.is_pow2(c.num_splits) and 1 <= c.num_splits <= 64
+                    assert DA.is_pow2(c.block_k) and c.block_k >= 16
+                    assert c.num_splits * c.block_k < 2 * span or c.num_splits == 1
     assert DA.choose_config(1, 8, 32768).num_splits >= 16     # batch 1, long context: many splits
     assert DA.choose_config(64, 8, 1024).num_splits <= 2
 

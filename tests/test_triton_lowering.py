@@ -68,16 +68,17 @@ def test_engine_steps_lower(small_model, ops, kv, unroll):
 
 @pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
 @pytest.mark.parametrize("batch,context", [(1, 1024), (1, 8192), (8, 1024), (64, 1024), (256, 2048)])
-def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context):
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context, kv_dtype):
     H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
     hd = shape.get("head_dim") or shape["hidden_size"] // H
     ps, L = 16, 2
     P = context // ps
     sd = jax.ShapeDtypeStruct
-    cache = sd((L, K, (batch * P + 1) * ps, hd), jnp.bfloat16)
+    cache = sd((L, K, (batch * P + 1) * ps, hd), kv_dtype)
     rows, pt, i32 = sd((batch,), jnp.int32), sd((batch, P), jnp.int32), sd((), jnp.int32)
     norm = sd((L, hd), jnp.bfloat16) if shape is QWEN3_4B else None   # Qwen3 has per-head q/k norms
-    config = DA.choose_config(batch, K, P * ps)
+    config = DA.choose_config(batch, K, P * ps, jnp.dtype(kv_dtype).itemsize)
 
     def fused(qkv, cs, qn, kc, vc, layer, slots, pt, cl):
         return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,

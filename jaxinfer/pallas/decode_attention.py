@@ -227,10 +227,19 @@ _TABLE: list[tuple[int, int, SplitConfig]] = [
 ]
 
 
-def choose_config(batch: int, kv_heads: int, span: int) -> SplitConfig:
-    """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`."""
+# Float8 pages (1 byte a value): a block of block_k positions is half the bytes of bf16's, and the loop
+# is latency-bound per block (fp8 at the bf16 configs ran no faster, bench/NOTES.md), so the first guess
+# doubles block_k: the same bytes a block, half the blocks. Until a float8 sweep replaces it.
+_TABLE_FP8: list[tuple[int, int, SplitConfig]] = [
+    (max_sh, max_span, dataclasses.replace(c, block_k=2 * c.block_k)) for max_sh, max_span, c in _TABLE]
+
+
+def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) -> SplitConfig:
+    """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`,
+    pages of `kv_itemsize`-byte values (1: float8)."""
     seq_heads = batch * kv_heads
-    cfg = next(c for max_sh, max_span, c in _TABLE if seq_heads <= max_sh and span <= max_span)
+    table = _TABLE_FP8 if kv_itemsize == 1 else _TABLE
+    cfg = next(c for max_sh, max_span, c in table if seq_heads <= max_sh and span <= max_span)
     # Never more splits than blocks in the span (the extra ones would only be empty programs).
     s = cfg.num_splits
     while s > 1 and s * cfg.block_k >= 2 * span:
@@ -248,7 +257,7 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     table (tests and benchmarks).
     """
     if config is None:
-        config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size)
+        config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize)
     return paged_decode_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,

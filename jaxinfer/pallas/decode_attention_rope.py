@@ -156,7 +156,7 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     if not supports(hd) or hd_c != hd or KVH != K or H % K or v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention_rope_write: qkv {qkv.shape} with {H}/{K} heads, caches {k_cache.shape}")
     if config is None:
-        config = choose_config(B, K, page_table.shape[1] * page_size)
+        config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize)
     group = H // K
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None
