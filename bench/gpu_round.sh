@@ -152,6 +152,15 @@ case "${1:-1}" in
       cp "$OUT/throughput.json" "$OUT/throughput-$kv.json"
     done
     ;;
+  fp8c)      # float8 decode attention with float16 queries (e4m3 -> f16 is one instruction; -> bf16 is not),
+             # then the server traced (the trace round)
+    for qd in bfloat16 float16; do
+      step 90 python3 bench/kernels_decode_attention.py --kv-cache-dtype fp8 --query-dtype $qd --sweep --no-table \
+           --budget 45 --points 64:1024 128:1024 1:8192
+      cp "$OUT/decode_attention.json" "$OUT/decode_attention-fp8-$qd.json"
+    done
+    bash bench/gpu_round.sh trace
+    ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
              # first 2 req/s with the httpx client as before, then with aiohttp (vLLM's bench client)

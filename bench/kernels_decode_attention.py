@@ -21,6 +21,8 @@ JSON of everything to $OUT/decode_attention.json when OUT is set.
 --kv-cache-dtype fp8: the caches in float8 e4m3 (as `--kv-cache-dtype fp8` stores them; half the bytes,
 the same kernels casting reads back to bf16), the bytes and bandwidth counted at 1 byte;
 what fills decode_attention._TABLE_FP8. --points B:ctx ... replaces the sweep's points.
+--query-dtype float16: queries (and so the kernels' compute dtype, which pages are cast to) in float16
+(float8 e4m3 converts to float16 in one instruction; to bfloat16 it does not).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ L2_BYTES = 50e6
 TOL = 2e-2
 INTERPRET = False
 KV_DTYPE = jnp.bfloat16
+Q_DTYPE = jnp.bfloat16
 POINTS = None   # --points: the sweep's (B, ctx) points
 
 
@@ -80,7 +83,7 @@ def make_problem(H, KVH, hd, B, ctx, seed=0):
     shape = (L, KVH, n_pages * PS, hd)
     k = to_cache(jax.random.normal(kk, shape, jnp.bfloat16), KV_DTYPE)
     v = to_cache(jax.random.normal(kv, shape, jnp.bfloat16), KV_DTYPE)
-    q = jax.random.normal(kq, (B, H, hd), jnp.bfloat16)
+    q = jax.random.normal(kq, (B, H, hd), Q_DTYPE)
     pt = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
     cl = jnp.full((B,), ctx, jnp.int32)
     jax.block_until_ready((q, k, v, pt, cl))
@@ -248,8 +251,10 @@ def main():
     add_sweep_args(ap, budget=120.0)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--points", nargs="*", default=None, help="the sweep's points as B:ctx")
+    ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()
-    global INTERPRET, CONTEXTS, BATCHES, KV_DTYPE, POINTS
+    global INTERPRET, CONTEXTS, BATCHES, KV_DTYPE, POINTS, Q_DTYPE
+    Q_DTYPE = jnp.dtype(args.query_dtype)
     INTERPRET = args.interpret
     KV_DTYPE = KV_CACHE_DTYPES[args.kv_cache_dtype] or jnp.bfloat16
     POINTS = [tuple(int(v) for v in pt.split(":")) for pt in args.points] if args.points else None
@@ -261,7 +266,7 @@ def main():
     dev = jax.devices()[0]
     bw = max(bw0, bw1)
 
-    print(f"\nPaged decode attention, bf16 queries, {jnp.dtype(KV_DTYPE).name} pages of 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
+    print(f"\nPaged decode attention, {jnp.dtype(Q_DTYPE).name} queries, {jnp.dtype(KV_DTYPE).name} pages of 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
           f"ceiling {bw0 / 1e12:.2f} / {bw1 / 1e12:.2f} TB/s (start / end), shares against the larger")
     hdr = (f"{'shape (H/KVH/hd)':>30} {'ctx':>6} {'B':>3} {'config':>18} {'us':>8} {'TB/s':>5} "
            f"{'share':>5} {'ref us':>8} {'speedup':>7} {'jnp-merge us':>12}")

@@ -227,11 +227,24 @@ _TABLE: list[tuple[int, int, SplitConfig]] = [
 ]
 
 
-# Float8 pages (1 byte a value): a block of block_k positions is half the bytes of bf16's, and the loop
-# is latency-bound per block (fp8 at the bf16 configs ran no faster, bench/NOTES.md), so the first guess
-# doubles block_k: the same bytes a block, half the blocks. Until a float8 sweep replaces it.
+# Float8 pages (1 byte a value), measured (H200, 2026-11-29, bench/kernels_decode_attention.py --kv-cache-dtype
+# fp8 --sweep; bench/NOTES.md). At every point the float8 kernel ran about as long as the bf16 one at
+# bf16's bytes (B64 ctx 1,024: 59.4 against 56.8 us): it is not bound by HBM reads. Rows where no point
+# was swept keep bf16's config.
 _TABLE_FP8: list[tuple[int, int, SplitConfig]] = [
-    (max_sh, max_span, dataclasses.replace(c, block_k=2 * c.block_k)) for max_sh, max_span, c in _TABLE]
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(16, 64)),                                  # batch 1: ctx 1,024 5.9 us
+    (8, _BIG, SplitConfig(64, 64, num_warps=2)),                     # ctx 8,192 13.8 us
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(16, 64)),
+    (32, _BIG, SplitConfig(32, 128, num_stages=3)),                  # batch 4: ctx 8,192 37.8 us
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(2, 128, num_stages=3)),                  # batch 16: ctx 1,024 20.5 us
+    (128, _BIG, SplitConfig(4, 128, num_stages=3)),                  # as batch 64 at 8,192 (not swept)
+    (256, 128, SplitConfig(1, 64)),
+    (256, _BIG, SplitConfig(2, 128, num_stages=3)),                  # as batch 16 (not swept)
+    (_BIG, _BIG, SplitConfig(1, 64, num_warps=2, num_stages=3)),     # batch 64: ctx 1,024 59.4 us; 128: 115.6
+]
 
 
 def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) -> SplitConfig:
