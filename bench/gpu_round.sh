@@ -161,6 +161,13 @@ case "${1:-1}" in
     done
     bash bench/gpu_round.sh trace
     ;;
+  fp8d)      # float8 pages multiplied in float16: GPU parity with a float8 cache, batched decode with float8 pages,
+             # then (time allowed) the prefill GEMM's default config against XLA's
+    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float8
+    step 130 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 128 --requests 100 --system 64 \
+         --kv-cache-dtype fp8 --out "$OUT"
+    step ${GEMM_S:-100} python3 bench/kernels_skinny_gemm.py --prefill --models qwen3-4b
+    ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
              # first 2 req/s with the httpx client as before, then with aiohttp (vLLM's bench client)

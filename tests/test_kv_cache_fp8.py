@@ -18,6 +18,7 @@ from jaxinfer.kv_cache import kv_cache_dtype, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas import prefill_attention as PA
+from jaxinfer.pallas.blocks import page_compute_dtype, to_compute
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 from jaxinfer.pallas.rope_kv_write import qkv_rope_write
 from jaxinfer.sampling import SamplingParams
@@ -33,6 +34,21 @@ def test_to_cache_clips_then_rounds():
     inside = np.array([0, 1, 2, 6])
     assert np.array_equal(y[inside], np.asarray(x.astype(F8).astype(jnp.float32))[inside])
     assert to_cache(x, jnp.bfloat16).dtype == jnp.bfloat16      # other dtypes: a plain cast
+
+
+def test_float8_pages_multiply_in_float16():
+    """bf16 queries over float8 pages compute in float16 (exact for e4m3 and for bf16 in f16's range);
+    queries beyond f16's range are clipped, not turned into inf."""
+    assert page_compute_dtype(F8, jnp.bfloat16) == jnp.float16
+    assert page_compute_dtype(jnp.bfloat16, jnp.bfloat16) == jnp.bfloat16
+    assert page_compute_dtype(F8, jnp.float32) == jnp.float32
+    every_e4m3 = jnp.arange(256, dtype=jnp.uint8).view(F8)
+    finite = np.isfinite(np.asarray(every_e4m3.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(every_e4m3.astype(jnp.float16).astype(jnp.float32))[finite],
+                                  np.asarray(every_e4m3.astype(jnp.float32))[finite])
+    q = jnp.asarray([1e5, -3.0, 1.5e-3, 7e4], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(to_compute(q, jnp.float16), np.float32),
+                                  [65504.0, -3.0, np.float32(jnp.bfloat16(1.5e-3)), 65504.0])
 
 
 def test_kv_cache_dtype_option():

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least,
-                                     split_range)
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
+                                     pow2_at_least, split_range, to_compute)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -81,7 +81,9 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
 
     start, stop = split_range(pl.cdiv(ctx, block_k), s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    prec = dot_precision(q.dtype)
+    cdt = page_compute_dtype(k_ref.dtype, q.dtype)   # float8 pages: float16 products
+    q = to_compute(q, cdt)
+    prec = dot_precision(cdt)
 
     def slots_of(i):
         """Cache slots of block i's positions, gathered from the page table (slot 0 past ctx)."""
@@ -96,8 +98,8 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
         k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
         v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
-        if k.dtype != q.dtype:   # a float8 cache: to the compute dtype
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        if k.dtype != cdt:   # a float8 cache: to the compute dtype
+            k, v = k.astype(cdt), v.astype(cdt)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                     # [G, block_k]
         return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
@@ -228,13 +230,14 @@ _TABLE: list[tuple[int, int, SplitConfig]] = [
 
 
 # Float8 pages (1 byte a value), measured (H200, 2026-11-29, bench/kernels_decode_attention.py --kv-cache-dtype
-# fp8 --sweep; bench/NOTES.md). At every point the float8 kernel ran about as long as the bf16 one at
-# bf16's bytes (B64 ctx 1,024: 59.4 against 56.8 us): it is not bound by HBM reads. Rows where no point
-# was swept keep bf16's config.
+# fp8 --sweep; bench/NOTES.md). The float8 kernel is not bound by HBM reads: with bf16 products it ran
+# as long as bf16 pages (B64 ctx 1,024: 59.0 against 56.8 us); with float16 products (page_compute_dtype)
+# B64 52.7 us, B128 88.0 (bf16 pages ~113). Rows marked f16 were swept with float16 products, the
+# others with bf16 products; rows where no point was swept keep bf16's config.
 _TABLE_FP8: list[tuple[int, int, SplitConfig]] = [
     (8, 128, SplitConfig(1, 64)),
     (8, 1024, SplitConfig(16, 64)),                                  # batch 1: ctx 1,024 5.9 us
-    (8, _BIG, SplitConfig(64, 64, num_warps=2)),                     # ctx 8,192 13.8 us
+    (8, _BIG, SplitConfig(32, 128)),                                 # f16: ctx 8,192 12.6 us
     (32, 128, SplitConfig(1, 64)),
     (32, 1024, SplitConfig(16, 64)),
     (32, _BIG, SplitConfig(32, 128, num_stages=3)),                  # batch 4: ctx 8,192 37.8 us
@@ -243,7 +246,8 @@ _TABLE_FP8: list[tuple[int, int, SplitConfig]] = [
     (128, _BIG, SplitConfig(4, 128, num_stages=3)),                  # as batch 64 at 8,192 (not swept)
     (256, 128, SplitConfig(1, 64)),
     (256, _BIG, SplitConfig(2, 128, num_stages=3)),                  # as batch 16 (not swept)
-    (_BIG, _BIG, SplitConfig(1, 64, num_warps=2, num_stages=3)),     # batch 64: ctx 1,024 59.4 us; 128: 115.6
+    (512, _BIG, SplitConfig(1, 128, num_stages=3)),                  # f16: batch 64, ctx 1,024 52.7 us
+    (_BIG, _BIG, SplitConfig(1, 64, num_warps=2, num_stages=3)),     # f16: batch 128, ctx 1,024 88.0 us
 ]
 
 

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kv_cache import to_cache
-from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, online_softmax_update, page_slots,
-                                     pow2_at_least, rope_halves, split_range)
+from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, online_softmax_update, page_compute_dtype,
+                                     page_slots, pow2_at_least, rope_halves, split_range, to_compute)
 from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
 
 f32 = jnp.float32
@@ -97,7 +97,9 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
     cached = ctx - 1
     start, stop = split_range(pl.cdiv(cached, block_k), s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
-    prec = dot_precision(dtype)
+    cdt = page_compute_dtype(kc_ref.dtype, dtype)   # float8 pages: float16 products
+    q1c, q2c = to_compute(q1, cdt), to_compute(q2, cdt)
+    prec = dot_precision(cdt)
 
     def slots_of(i):
         return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
@@ -108,10 +110,10 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
         nxt = slots_of(i + 1)
         ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
         kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(dtype)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(cdt)
         dims = (((1,), (1,)), ((), ()))
-        sc = (jax.lax.dot_general(q1, ka.astype(dtype), dims, precision=prec, preferred_element_type=f32)
-              + jax.lax.dot_general(q2, kb.astype(dtype), dims, precision=prec, preferred_element_type=f32))
+        sc = (jax.lax.dot_general(q1c, ka.astype(cdt), dims, precision=prec, preferred_element_type=f32)
+              + jax.lax.dot_general(q2c, kb.astype(cdt), dims, precision=prec, preferred_element_type=f32))
         sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
         return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
 
