@@ -68,6 +68,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
     overlap_decode: bool = True               # read decode dispatches back one dispatch late
+    # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
+    # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
+    # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
+    greedy_mixed_step: bool | None = None
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
@@ -85,7 +89,7 @@ class EngineConfig:
         layers unrolled over per-layer weights, a 2,048-token step budget, parallel compilation and
         the executable cache."""
         gpu = backend == "gpu"
-        defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512,
+        defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512, greedy_mixed_step=gpu,
                         compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
                         executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
@@ -165,7 +169,8 @@ class Engine:
                                   unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
                                   prompt_logprobs=config.enable_prompt_logprobs,
                                   executable_cache=ExecutableCache(config.executable_cache)
-                                  if config.executable_cache else None, kv_dtype=self.kv_dtype)
+                                  if config.executable_cache else None, kv_dtype=self.kv_dtype,
+                                  greedy_mixed=config.greedy_mixed_step)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -436,7 +441,8 @@ class Engine:
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks],
                                               r.max_num_seqs)
         t0 = time.perf_counter()
-        out = r.run_mixed(to_device(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored))
+        greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
+        out = r.run_mixed(to_device(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored), greedy=greedy)
         tokens, logprobs, top_v, top_i = out[:4]
         self.stats["prefill_tokens"] += total
         self.stats["prefill_seconds"] += time.perf_counter() - t0
@@ -551,7 +557,7 @@ def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:
-    """The batch can run the greedy-only decode variant: argmax rows, no top logprobs wanted."""
+    """The batch can run a greedy-only step variant: argmax rows, no top logprobs wanted."""
     return all(seq.params.temperature == 0 and not seq.params.logprobs for seq in seqs)
 
 

@@ -83,12 +83,14 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch):
+               batch: StepBatch, greedy: bool = False):
     """Prompt chunks and decode tokens together.
-    Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top])."""
+    Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
+    greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
+    read back mid-step, so the call returns at once, as a decode dispatch's does)."""
     kv, logits = model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index)
-    return (kv, *_sample_rows(logits, n_top, state, batch))
+    return (kv, *_sample_rows(logits, n_top, state, batch, greedy))
 
 
 def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache,
@@ -105,10 +107,10 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
             *top_logprobs(logits, n_top))
 
 
-def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch):
+def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch, greedy: bool = False):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
-    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy)
     state = _count(state, rows, tokens, batch.emits)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
@@ -170,9 +172,10 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
-                 short_decode: tuple[int, int] = (0, 1), kv_dtype=None):
+                 short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
-        decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's)."""
+        decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
+        greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy")."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -198,6 +201,9 @@ class ModelRunner:
                 self.steps[_decode_name(greedy, n)] = jax.jit(
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy),
                     donate_argnums=(1, 2))
+        if greedy_mixed:
+            self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
+                                                 donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
@@ -227,13 +233,16 @@ class ModelRunner:
         self.state = self._init_row(self.state, *to_device((np.int32(row), ids, np.int32(len(prompt_ids)),
                                                             np.int32(len(tokens)))))
 
-    def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False) -> tuple[np.ndarray, ...]:
+    def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
-        prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row."""
-        # The call returns only once the device has chosen the sampling branch (its predicate is read
-        # back), i.e. after most of the step: that time counts as waiting on the device too.
+        prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
+        (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0."""
+        # The sampling step's call returns only once the device has chosen the sampling branch (its
+        # predicate is read back), i.e. after most of the step: that time counts as waiting on the
+        # device too.
+        name = "mixed-prompt-logprobs" if prompt_logprobs else "mixed-greedy" if greedy else "mixed"
         t0 = time.perf_counter()
-        self.kv, self.state, *out = self._call("mixed-prompt-logprobs" if prompt_logprobs else "mixed", batch)
+        self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
         return self.fetch(out)
 
@@ -312,7 +321,7 @@ class ModelRunner:
         for t in self.token_buckets:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(name, batch) for name in ("mixed", "mixed-prompt-logprobs") if name in self.steps]
+            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-prompt-logprobs") if name in self.steps]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]

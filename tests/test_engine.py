@@ -131,6 +131,44 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
     assert [len(t) for t in got] == [5, 17, 33, 50]
 
 
+def test_greedy_mixed_steps_give_the_same_tokens(stories):
+    """With greedy_mixed_step (the GPU default) all-greedy prompt steps run the greedy-only mixed step;
+    a step with a sampled row or a row wanting logprobs runs the sampling one. Greedy, seeded and
+    logprob outputs equal the engine's without it, and nothing compiles after start-up."""
+    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
+    r = llm.engine.runner
+    ran = []
+    call = r._call
+    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+    cases = [
+        [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3,
+        [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)],
+        [SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)],
+    ]
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        got = []
+        for params in cases:
+            ran.clear()
+            got.append(llm.generate(PROMPTS[:len(params)], params))
+            mixed = {n for n in ran if n.startswith("mixed")}
+            assert mixed == ({"mixed-greedy"} if params is cases[0] else {"mixed"})
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    for params, outs in zip(cases, got):
+        want = stories.generate(PROMPTS[:len(params)], params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        np.testing.assert_allclose([lp for o in outs for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+                                   rtol=1e-5, atol=1e-5)
+    tops, want_tops = got[2][0].top_logprobs, stories.generate(PROMPTS[:1], cases[2])[0].top_logprobs
+    assert len(tops) == 6 and [[i for i, _ in t] for t in tops] == [[i for i, _ in t] for t in want_tops]
+    np.testing.assert_allclose([v for t in tops for _, v in t], [v for t in want_tops for _, v in t], atol=1e-5)
+
+
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     """compile_threads > 1 compiles every step in a pool thread; each step's first call on the main
     thread must then find its executable in the cache, and later requests compile nothing."""
