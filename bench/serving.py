@@ -257,6 +257,10 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
         m = re.match(r'^jaxinfer_event_loop_lag_seconds_bucket\{.*le="([^"]+)".*\} (\S+)$', line)
         if m and m.group(1) in ("0.001", "0.005"):
             out[f"lag_le_{m.group(1)}"] = float(m.group(2))
+        # Python's garbage collections by generation: gc<gen>_sum / _count
+        m = re.match(r'^jaxinfer_gc_pause_seconds_(sum|count)\{.*generation="(\d)".*\} (\S+)$', line)
+        if m:
+            out[f"gc{m.group(2)}_{m.group(1)}"] = float(m.group(3))
         # mixed steps by token bucket: mixed_<tokens>_sum / _count
         m = re.match(r'^jaxinfer_engine_mixed_step_seconds_(sum|count)\{.*tokens="(\d+)".*\} (\S+)$', line)
         if m:
@@ -291,6 +295,10 @@ def server_breakdown(before: dict, after: dict, duration: float) -> dict:
     out["mixed_steps"] = {str(t): dict(count=int(d(f"mixed_{t}_count")),
                                        mean_ms=1e3 * per(d(f"mixed_{t}_sum"), d(f"mixed_{t}_count")))
                           for t in buckets if d(f"mixed_{t}_count")}
+    gens = sorted(k[2] for k in after if re.fullmatch(r"gc\d_count", k))
+    if gens:   # collections during the rate and their total pause, by generation
+        out["gc_pauses"] = {g: dict(count=int(d(f"gc{g}_count")), total_ms=1e3 * d(f"gc{g}_sum"),
+                                    mean_ms=1e3 * per(d(f"gc{g}_sum"), d(f"gc{g}_count"))) for g in gens}
     if "lag_count" in after:
         k = d("lag_count")
         out["event_loop_lag"] = dict(samples=int(k), mean_ms=1e3 * per(d("lag_sum"), k),
@@ -385,6 +393,10 @@ def print_table(rows: list[dict]) -> None:
         for s, lag in having(rows, "event_loop_lag"):
             print(f"{s['request_rate']:>6}  lag {lag['mean_ms']:6.2f} ms  > 1 ms {100 * lag['over_1ms']:5.1f}%  "
                   f"> 5 ms {100 * lag['over_5ms']:5.1f}%  ({lag['samples']} wake-ups)")
+        print("Python's garbage collections during the rate, by generation: count x mean ms (total ms)")
+        for s, gcs in having(rows, "gc_pauses"):
+            print(f"{s['request_rate']:>6}  " + ", ".join(f"gen {g}: {v['count']} x {v['mean_ms']:.2f} ({v['total_ms']:.1f})"
+                                                      for g, v in gcs.items()))
         print("engine steps from take-in to the first token (mean), and the mixed (prefill) steps by token bucket:")
         print("count x mean wall ms on the engine thread (host work + device + read-back)")
         for s, mixed in having(rows, "mixed_steps"):

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond that, 503 at once")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-freeze-gc", action="store_true",
+                   help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
+                        "after start-up: shorter collections while serving)")
     b = sub.add_parser("bench", help="offline latency and throughput on random prompts")
     _engine_args(b)
     b.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
@@ -176,7 +179,7 @@ def cmd_serve(args) -> None:
 
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
-          dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          freeze_gc=not args.no_freeze_gc, dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
           enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import re
 import time
@@ -21,6 +22,7 @@ from conftest import DATA, STORIES, TOKENIZERS
 
 from jaxinfer.engine import Engine
 from jaxinfer.serve.app import create_app
+from jaxinfer.serve.gc_pauses import GCPauses, freeze_heap
 from jaxinfer.serve.server import ServerThread
 
 KEY = "sk-test-key"
@@ -566,6 +568,39 @@ def test_metrics_exposition(stories):
     assert m["jaxinfer_request_prefill_steps_sum"] >= m["jaxinfer_request_prefill_steps_count"]
     text = httpx.get(stories.url + "/metrics").text
     assert re.search(r'^jaxinfer_engine_mixed_step_seconds_count\{[^}]*tokens="\d+"[^}]*\} [1-9]', text, re.M)
+    # Python's collections are timed while the server runs (this process's: the server is a thread here)
+    gc.collect()
+    text = httpx.get(stories.url + "/metrics").text
+    assert re.search(r'^jaxinfer_gc_pause_seconds_count\{[^}]*generation="2"[^}]*\} [1-9]', text, re.M)
+
+
+def test_gc_pauses_and_heap_freeze():
+    seen = []
+    pauses = GCPauses(lambda gen, s: seen.append((gen, s))).install()
+    try:
+        gc.collect(1)
+    finally:
+        pauses.remove()
+    gc.collect()
+    n = len(seen)
+    assert any(g == 1 for g, _ in seen) and all(t >= 0 for _, t in seen)
+    gc.collect()
+    assert len(seen) == n   # removed: no longer called
+    try:
+        assert freeze_heap() > 1000 and gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+
+
+def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
+    import jaxinfer.serve.server as server
+    from jaxinfer.cli import build_parser, cmd_serve
+
+    got = []
+    monkeypatch.setattr(server, "serve", lambda model, **kw: got.append(kw["freeze_gc"]))
+    for extra in ([], ["--no-freeze-gc"]):
+        cmd_serve(build_parser().parse_args(["serve", "--model", str(STORIES)] + extra))
+    assert got == [True, False]
 
 
 def test_schemathesis_finds_no_server_errors():

@@ -21,6 +21,7 @@ from jaxinfer.serve.auth import APIKeyMiddleware
 from jaxinfer.serve.chat import create_chat_completion
 from jaxinfer.serve.completions import create_completion
 from jaxinfer.serve.errors import APIError, install_handlers
+from jaxinfer.serve.gc_pauses import GCPauses
 from jaxinfer.serve.logprobs import TokenText
 from jaxinfer.serve.metrics import CONTENT_TYPE, Metrics, StampReceived, probe_loop_lag
 from jaxinfer.serve.params import ModelInfo
@@ -64,7 +65,9 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
     async def lifespan(app: FastAPI):
         profiler = host_profile.from_env()    # JAXINFER_HOST_PROFILE=PATH: sample the threads' stacks
         lag = asyncio.ensure_future(probe_loop_lag(metrics.loop_lag.observe))
+        pauses = GCPauses(metrics.gc_pause).install()
         yield
+        pauses.remove()
         lag.cancel()
         driver.shutdown()
         if profiler:

@@ -112,6 +112,9 @@ class Metrics:
         self.loop_lag = Histogram("jaxinfer_event_loop_lag_seconds",
                                   f"How late the event loop wakes from a {LAG_PROBE_S * 1e3:g} ms sleep.", ["model_name"],
                                   buckets=_LAG_BUCKETS, registry=r).labels(**labels)
+        # Python's garbage collections, by generation: each one holds the GIL (engine thread and event loop).
+        self._gc_pause = Histogram("jaxinfer_gc_pause_seconds", "Duration of Python garbage collections, by generation.",
+                                   ["model_name", "generation"], buckets=_LAG_BUCKETS, registry=r)
         self.tpot = Histogram("jaxinfer_time_per_output_token_seconds",
                               "Mean time per output token after the first, per request.", ["model_name"],
                               buckets=_TPOT_BUCKETS, registry=r).labels(**labels)
@@ -150,6 +153,9 @@ class Metrics:
             self.prefill_time.observe(produced - added)
             self.handoff_time.observe(seen - produced)
             self.prefill_steps.observe(steps)
+
+    def gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pause.labels(**self._finished_labels, generation=str(generation)).observe(seconds)
 
     def mixed_step(self, tokens: int, seconds: float) -> None:
         self._mixed_step.labels(**self._finished_labels, tokens=str(tokens)).observe(seconds)

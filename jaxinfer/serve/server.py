@@ -12,6 +12,7 @@ import time
 import uvicorn
 
 from jaxinfer.serve.app import create_app
+from jaxinfer.serve.gc_pauses import freeze_heap
 
 
 def engine_options(max_num_seqs: int | None = None, max_model_len: int | None = None,
@@ -30,11 +31,13 @@ def engine_options(max_num_seqs: int | None = None, max_model_len: int | None = 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 256, log_level: str = "info",
-          **engine_kwargs) -> None:
+          freeze_gc: bool = True, **engine_kwargs) -> None:
     from jaxinfer.engine import Engine
 
     engine = Engine(model, **engine_options(**engine_kwargs))
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting)
+    if freeze_gc:   # start-up's objects out of every later collection's scan (gc_pauses.py)
+        freeze_heap()
     name = served_model_name or engine.model_dir.name
     print(f"[serving '{name}' on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_num_seqs {engine.config.max_num_seqs}, waiting queue {max_waiting}"
