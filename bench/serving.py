@@ -257,6 +257,10 @@ def engine_seconds(url: str, headers: dict) -> dict[str, float] | None:
         m = re.match(r'^jaxinfer_event_loop_lag_seconds_bucket\{.*le="([^"]+)".*\} (\S+)$', line)
         if m and m.group(1) in ("0.001", "0.005"):
             out[f"lag_le_{m.group(1)}"] = float(m.group(2))
+        # the engine thread's seconds by phase: phase_<name>
+        m = re.match(r'^jaxinfer_engine_phase_seconds_total\{.*phase="(\w+)".*\} (\S+)$', line)
+        if m:
+            out[f"phase_{m.group(1)}"] = float(m.group(2))
         # Python's garbage collections by generation: gc<gen>_sum / _count
         m = re.match(r'^jaxinfer_gc_pause_seconds_(sum|count)\{.*generation="(\d)".*\} (\S+)$', line)
         if m:
@@ -295,6 +299,9 @@ def server_breakdown(before: dict, after: dict, duration: float) -> dict:
     out["mixed_steps"] = {str(t): dict(count=int(d(f"mixed_{t}_count")),
                                        mean_ms=1e3 * per(d(f"mixed_{t}_sum"), d(f"mixed_{t}_count")))
                           for t in buckets if d(f"mixed_{t}_count")}
+    phases = [k[len("phase_"):] for k in after if k.startswith("phase_")]
+    if phases:   # share of the rate's wall time the engine thread spent in each phase
+        out["engine_phases"] = {p: d(f"phase_{p}") / duration for p in phases}
     gens = sorted(k[2] for k in after if re.fullmatch(r"gc\d_count", k))
     if gens:   # collections during the rate and their total pause, by generation
         out["gc_pauses"] = {g: dict(count=int(d(f"gc{g}_count")), total_ms=1e3 * d(f"gc{g}_sum"),
@@ -393,6 +400,10 @@ def print_table(rows: list[dict]) -> None:
         for s, lag in having(rows, "event_loop_lag"):
             print(f"{s['request_rate']:>6}  lag {lag['mean_ms']:6.2f} ms  > 1 ms {100 * lag['over_1ms']:5.1f}%  "
                   f"> 5 ms {100 * lag['over_5ms']:5.1f}%  ({lag['samples']} wake-ups)")
+        print("engine thread by phase, share of wall time: run = a mixed step's call and read-back (mostly the")
+        print("device); chain/collect = decode dispatches launched / read back; the rest is host work between steps")
+        for s, ph in having(rows, "engine_phases"):
+            print(f"{s['request_rate']:>6}  " + "  ".join(f"{p} {100 * v:.1f}%" for p, v in ph.items()))
         print("Python's garbage collections during the rate, by generation: count x mean ms (total ms)")
         for s, gcs in having(rows, "gc_pauses"):
             print(f"{s['request_rate']:>6}  " + ", ".join(f"gen {g}: {v['count']} x {v['mean_ms']:.2f} ({v['total_ms']:.1f})"

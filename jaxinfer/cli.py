@@ -228,6 +228,7 @@ def cmd_bench(args) -> None:
           f"prefill {s['prefill_tokens'] / max(s['prefill_seconds'], 1e-9):,.0f} tok/s, "
           f"decode {s['decode_tokens'] / max(s['decode_seconds'], 1e-9):,.0f} tok/s")
     engine.stats = {k: 0 for k in engine.stats}
+    engine.phase_seconds = dict.fromkeys(engine.phase_seconds, 0.0)
     wall = run(args.num_prompts)
     s = engine.stats
     tokens = args.num_prompts * args.output_len
@@ -235,6 +236,8 @@ def cmd_bench(args) -> None:
           f"{args.num_prompts / wall:.2f} req/s, {tokens / wall:,.0f} output tok/s, "
           f"{args.num_prompts * (args.input_len + args.output_len) / wall:,.0f} total tok/s; of the wall time "
           f"prefill steps {s['prefill_seconds'] / wall:.0%}, decode {s['decode_seconds'] / wall:.0%}")
+    print("engine phases, share of the wall time: " + ", ".join(f"{p} {v / wall:.1%}"
+                                                               for p, v in engine.phase_seconds.items()))
 
 
 def main(argv: list[str] | None = None) -> int:

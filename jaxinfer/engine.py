@@ -40,6 +40,11 @@ from jaxinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokeni
 from jaxinfer.weights import load_params
 
 MAX_STOP_IDS = 8
+# Engine.phase_seconds: schedule (the scheduler's plan), build (a mixed step's arrays and their copy to
+# the device), run (a mixed step's call and read-back: mostly waiting on the device), append (its tokens
+# into text, stop checks), settle (prefix-cache blocks, releasing finished sequences), chain (building
+# and launching a decode dispatch), collect (reading a decode dispatch back and appending its tokens).
+STEP_PHASES = ("schedule", "build", "run", "append", "settle", "chain", "collect")
 
 
 @dataclasses.dataclass
@@ -193,6 +198,9 @@ class Engine:
         self._rng = random.Random(config.seed)
         self.last_mixed_tokens: int | None = None   # the token bucket of the last step, if it was a mixed one
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
+        # Where step() spends its time, by phase (seconds, summed; see STEP_PHASES): what the host does
+        # between two device steps, beside waiting for them.
+        self.phase_seconds = dict.fromkeys(STEP_PHASES, 0.0)
 
     def _num_pages(self) -> int:
         """Pages for the KV pool: as configured; else a fraction of the device memory left after the
@@ -320,28 +328,39 @@ class Engine:
         once more and their extra tokens dropped.
         """
         self.last_mixed_tokens = None
+        ph, t0 = self.phase_seconds, time.perf_counter()
         if self._inflight is not None:
             seqs, advanced, outs = self._inflight
             bucket = self.runner.batch_bucket(len(seqs))
             expected_end = self._timing.expected_end(bucket)
             self._inflight = self._chain(seqs, advanced)
+            t1 = time.perf_counter()
             deltas = self._collect_decode(seqs, outs)
             self._timing.finished()
             self._timing.record(bucket)
+            t2 = time.perf_counter()
             if self._inflight is None:
                 self._settle(seqs)
             else:   # the chained dispatch runs from the end of this one: expected, or seen if earlier
                 self._timing.started(at=expected_end)
+            ph["chain"] += t1 - t0
+            ph["collect"] += t2 - t1
+            ph["settle"] += time.perf_counter() - t2
             return deltas
         plan = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        ph["schedule"] += t1 - t0
         if plan is None:
             return []
         if plan.kind == "mixed":
             deltas = self._mixed_step(plan.chunks)
+            t2 = time.perf_counter()
             self._settle([s for s, _ in plan.chunks])
+            ph["settle"] += time.perf_counter() - t2
             return deltas
         seqs = [s for s, _ in plan.chunks]
         self._inflight = (seqs, *self._launch_decode(seqs))
+        ph["chain"] += time.perf_counter() - t1
         return []
 
     def _settle(self, seqs: list[Sequence]) -> None:
@@ -420,6 +439,7 @@ class Engine:
 
     def _mixed_step(self, chunks: list[tuple[Sequence, int]]) -> list[StreamDelta]:
         r, ps = self.runner, self.config.page_size
+        t_build = time.perf_counter()
         total = sum(n for _, n in chunks)
         self.last_mixed_tokens = r.token_bucket(total)   # for the server's step-time metrics
         a = r.empty_mixed(self.last_mixed_tokens)
@@ -442,10 +462,15 @@ class Engine:
                                               r.max_num_seqs)
         t0 = time.perf_counter()
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
-        out = r.run_mixed(to_device(StepBatch(**a, sampling=sampling)), prompt_logprobs=bool(scored), greedy=greedy)
+        batch = to_device(StepBatch(**a, sampling=sampling))
+        t1 = time.perf_counter()
+        out = r.run_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy)
         tokens, logprobs, top_v, top_i = out[:4]
+        t2 = time.perf_counter()
         self.stats["prefill_tokens"] += total
-        self.stats["prefill_seconds"] += time.perf_counter() - t0
+        self.stats["prefill_seconds"] += t2 - t0
+        self.phase_seconds["build"] += t1 - t_build
+        self.phase_seconds["run"] += t2 - t1
         for seq, row, pos in scored:   # the logprob of prompt token pos + 1, scored at row
             if len(seq.prompt_logprobs) == pos + 1:
                 k = seq.params.prompt_logprobs
@@ -458,6 +483,7 @@ class Engine:
                 deltas.append(self._append(seq, tokens[b:b + 1], logprobs[b:b + 1], top_v[b:b + 1], top_i[b:b + 1]))
                 if seq.finish_reason is not None:
                     self._finished[seq.request_id] = seq
+        self.phase_seconds["append"] += time.perf_counter() - t2
         return deltas
 
     @staticmethod

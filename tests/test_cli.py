@@ -1,5 +1,6 @@
 """The CLI end to end: chat loops (plain continuation on a model without a chat template)."""
 
+import re
 import subprocess
 import sys
 
@@ -50,6 +51,9 @@ def test_bench_prints_latency_and_throughput(like_serve):
     assert "single request: 16 prompt + 8 new tokens" in r.stdout and "decode" in r.stdout
     assert "throughput: 8 requests at batch 4" in r.stdout and "output tok/s" in r.stdout
     assert "of the wall time prefill steps" in r.stdout
+    shares = dict(re.findall(r"(\w+) (\d+\.\d)%", r.stdout.split("engine phases, share of the wall time:")[1]))
+    assert set(shares) == {"schedule", "build", "run", "append", "settle", "chain", "collect"}
+    assert 0 < sum(float(v) for v in shares.values()) <= 100.5
 
 
 def test_bench_rejects_bad_sizes():

@@ -568,6 +568,13 @@ def test_metrics_exposition(stories):
     assert m["jaxinfer_request_prefill_steps_sum"] >= m["jaxinfer_request_prefill_steps_count"]
     text = httpx.get(stories.url + "/metrics").text
     assert re.search(r'^jaxinfer_engine_mixed_step_seconds_count\{[^}]*tokens="\d+"[^}]*\} [1-9]', text, re.M)
+    # the engine thread's time by phase: a mixed step ran, its arrays were built, the deltas delivered
+    phase = {k: float(v) for k, v in re.findall(r'^jaxinfer_engine_phase_seconds_total\{[^}]*phase="(\w+)"[^}]*\} (\S+)$',
+                                                 text, re.M)}
+    assert set(phase) == {"schedule", "build", "run", "append", "settle", "chain", "collect", "commands", "wait",
+                          "deliver"}
+    assert phase["run"] > 0 and phase["build"] > 0 and phase["deliver"] > 0
+    assert sum(phase.values()) <= m["jaxinfer_engine_busy_seconds_total"] * 1.01 + 0.01
     # Python's collections are timed while the server runs (this process's: the server is a thread here)
     gc.collect()
     text = httpx.get(stories.url + "/metrics").text

@@ -41,6 +41,9 @@ log = logging.getLogger("jaxinfer.serve")
 _PARAMS = {f.name for f in dataclasses.fields(SamplingParams)} | {"prompt"}
 
 
+THREAD_PHASES = ("commands", "wait", "deliver")
+
+
 class EngineDeadError(RuntimeError):
     pass
 
@@ -130,6 +133,10 @@ class AsyncEngine:
         self._busy = 0.0                     # seconds the engine thread spent working
         self._steps = 0                      # engine steps run (engine thread only)
         self._since: float | None = None     # start of the work in progress
+        # The thread's own phases beside the engine's (Engine.phase_seconds): commands (adding and
+        # aborting requests), wait (for newcomers before a step, commands arriving then included),
+        # deliver (routing a step's deltas to the event loops, publishing the snapshot).
+        self._phases = dict.fromkeys(THREAD_PHASES, 0.0)
         self.snapshot: dict[str, float] = {}
         self._publish()
         self.error: BaseException | None = None
@@ -221,6 +228,7 @@ class AsyncEngine:
             # and within that, blocked on the device; the rest of busy is host work
             "engine_busy_seconds": self._busy + (time.perf_counter() - self._since if self._since else 0.0),
             "engine_device_wait_seconds": e.runner.device_wait_seconds,
+            "phases": {**getattr(e, "phase_seconds", {}), **getattr(self, "_phases", {})},
         }
 
     def _run(self) -> None:
@@ -229,12 +237,15 @@ class AsyncEngine:
                 cmds = self._take_commands(block=not self.engine.has_unfinished())
                 self._since = time.perf_counter()
                 self._handle(cmds)
+                self._phases["commands"] += time.perf_counter() - self._since
                 if self._stop:
                     break
                 if self.engine.has_unfinished():
                     try:
                         if self.engine.num_running < self.slots:
+                            t0 = time.perf_counter()
                             self._wait_for_newcomers()
+                            self._phases["wait"] += time.perf_counter() - t0
                         self._step()
                     except Exception as e:  # a bug hit by some request: fail those running, keep serving
                         log.exception("engine step failed; aborting the %d live requests", len(self._live))
@@ -346,13 +357,16 @@ class AsyncEngine:
                 del self._live[d.request_id]
                 out = self.engine.take_finished(d.request_id)
             by_loop.setdefault(req.group.loop, []).append((req.group.queue, Event(req.index, d, out)))
+        self._phases["deliver"] += time.perf_counter() - now   # (published with the time so far)
         with self._lock:
             self._publish()
+        t0 = time.perf_counter()
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:   # that loop is closed (its server stopped): nobody is listening
                 pass
+        self._phases["deliver"] += time.perf_counter() - t0
 
     def _fail_all(self, err: BaseException, abort: bool) -> None:
         for rid, req in list(self._live.items()):

@@ -20,6 +20,9 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from jaxinfer.engine import STEP_PHASES
+from jaxinfer.serve.async_engine import THREAD_PHASES
+
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
@@ -81,6 +84,12 @@ class Metrics:
         gauge("jaxinfer_engine_device_wait_seconds_total",
               "Seconds of that the engine thread spent blocked on the device (the rest is host work).",
               "engine_device_wait_seconds")
+        phases = Gauge("jaxinfer_engine_phase_seconds_total",
+                       "Seconds the engine thread spent in each phase of its loop (engine.STEP_PHASES, "
+                       "async_engine.THREAD_PHASES): the host's work between device steps, and the waits.",
+                       ["model_name", "phase"], registry=r)
+        for phase in STEP_PHASES + THREAD_PHASES:
+            phases.labels(**labels, phase=phase).set_function(lambda p=phase: self._read_phase(p))
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "Time from arrival to the first token.",
                               ["model_name"], buckets=_TTFT_BUCKETS, registry=r).labels(**labels)
         # The server's TTFT in three parts: waiting to be taken into the engine (behind the decode
@@ -141,6 +150,10 @@ class Metrics:
         if key == "pages_usage":
             return s["pages_in_use"] / s["pages_total"] if s.get("pages_total") else 0.0
         return float(s.get(key, 0.0))
+
+    def _read_phase(self, phase: str) -> float:
+        s = self._source.snapshot if self._source is not None else {}
+        return float(s.get("phases", {}).get(phase, 0.0))
 
     def on_submit(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
