@@ -179,7 +179,8 @@ def cmd_serve(args) -> None:
 
     serve(args.model, host=args.host, port=args.port, api_key=args.api_key,
           served_model_name=args.served_model_name, max_waiting=args.max_waiting, log_level=args.log_level,
-          freeze_gc=not args.no_freeze_gc, dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          freeze_gc=not args.no_freeze_gc, dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs,
+          max_model_len=args.max_model_len,
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
           enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,
