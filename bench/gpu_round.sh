@@ -171,18 +171,29 @@ case "${1:-1}" in
   gaps)      # the eighth session's first call: where the server's device idles under load (a third of the time in
              # run 4 of the seventh, in 15-18 ms gaps): the engine thread's phases and Python's collections
              # printed per rate beside a device trace (traces kept as a tarball: the device tool drops deep
-             # folders), then the same all at once without the heap freeze; then the 1k prefill with the
-             # greedy-only mixed step (prefill_dispatch times the step the engine runs)
+             # folders); then prompt steps read back one step late (--overlap-mixed), in the server all at
+             # once and offline (jaxinfer bench --like-serve, without and with)
     serve_setup
     M=/tmp/jaxinfer-bench-models/qwen3-4b
     step 200 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
          --request-rates ${RATES:-2,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-gaps.json" \
          --device-trace /tmp/traces --device-trace-seconds ${TRACE_S:-1} --client aiohttp
     tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
-    step 120 python3 bench/serving.py --serve-model $M \
+    step 130 python3 bench/serving.py --serve-model $M \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --overlap-mixed" --request-rates 2,inf \
+         --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-overlap.json" --client aiohttp
+    B="--model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64"
+    step 100 python3 -m jaxinfer.cli bench $B --like-serve
+    step 100 python3 -m jaxinfer.cli bench $B --like-serve --overlap-mixed
+    ;;
+  gaps2)     # then: all at once without the heap freeze; the 1k prefill with the greedy-only mixed step
+             # (prefill_dispatch times the step the engine runs); the prefill GEMM sweep
+    serve_setup
+    step 130 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --no-freeze-gc" --request-rates inf \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-nofreeze.json" --client aiohttp
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+    step 300 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 200 --models qwen3-4b
     ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);

@@ -73,6 +73,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
     overlap_decode: bool = True               # read decode dispatches back one dispatch late
+    # Read mixed (prompt) steps back one step late: the next one, planned from what is known before
+    # (prompt chunks; decodes of sequences not waiting on the step in flight), is launched first, so
+    # the host's work between steps overlaps the device's. A step waits on its sampling branch's
+    # predicate unless it runs the greedy-only variant (greedy_mixed_step). Off until measured on a GPU.
+    overlap_mixed: bool = False
     # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
@@ -110,6 +115,18 @@ class EngineConfig:
         if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:
             raise ValueError(f"short_decode_steps ({self.short_decode_steps}) must be at most decode_steps "
                              f"({self.decode_steps})")
+
+
+@dataclasses.dataclass
+class MixedInFlight:
+    """A mixed step launched and not yet read back."""
+
+    chunks: list[tuple[Sequence, int]]
+    emits: list[bool]          # per chunk: this step samples the sequence's next token
+    scored: list               # prompt-logprob rows (Engine._prompt_rows)
+    outs: tuple                # device arrays: tokens, logprobs, top values, top ids (, prompt logprobs)
+    launched: float            # perf_counter before the launch
+    tokens: int                # prompt and decode tokens computed
 
 
 @dataclasses.dataclass
@@ -192,6 +209,8 @@ class Engine:
                                    token_buckets=self.runner.token_buckets)
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
+        self._inflight_mixed: MixedInFlight | None = None   # a mixed step not yet read back (overlap_mixed)
+        self._mixed_read = 0.0                   # when the last mixed step was read back
         self._decode_started = 0.0
         self._timing = DispatchTiming()
         self._ids = itertools.count()
@@ -303,7 +322,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_work()
+        return self._inflight is not None or self._inflight_mixed is not None or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -347,10 +366,15 @@ class Engine:
             ph["collect"] += t2 - t1
             ph["settle"] += time.perf_counter() - t2
             return deltas
+        if self._inflight_mixed is not None:
+            return self._step_mixed_ahead()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         ph["schedule"] += t1 - t0
         if plan is None:
+            return []
+        if plan.kind == "mixed" and self.config.overlap_mixed:   # read back one step late
+            self._inflight_mixed = self._launch_mixed(plan.chunks)
             return []
         if plan.kind == "mixed":
             deltas = self._mixed_step(plan.chunks)
@@ -438,6 +462,11 @@ class Engine:
         return deltas
 
     def _mixed_step(self, chunks: list[tuple[Sequence, int]]) -> list[StreamDelta]:
+        return self._collect_mixed(self._launch_mixed(chunks))
+
+    def _launch_mixed(self, chunks: list[tuple[Sequence, int]]) -> MixedInFlight:
+        """Build a mixed step's arrays and start it on the device. The chunks' tokens count as computed
+        from here on (a step planned ahead continues after them)."""
         r, ps = self.runner, self.config.page_size
         t_build = time.perf_counter()
         total = sum(n for _, n in chunks)
@@ -464,26 +493,51 @@ class Engine:
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
-        out = r.run_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy)
+        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy)
+        for seq, n in chunks:
+            seq.num_computed += n
+        self.phase_seconds["build"] += t1 - t_build
+        self.phase_seconds["run"] += time.perf_counter() - t1
+        return MixedInFlight(chunks, a["emits"][:len(chunks)].tolist(), scored, outs, t0, total)
+
+    def _collect_mixed(self, step: MixedInFlight) -> list[StreamDelta]:
+        """Read a mixed step back and append its tokens (not to sequences that ended meanwhile)."""
+        t1 = time.perf_counter()
+        out = self.runner.fetch(step.outs)
         tokens, logprobs, top_v, top_i = out[:4]
         t2 = time.perf_counter()
-        self.stats["prefill_tokens"] += total
-        self.stats["prefill_seconds"] += t2 - t0
-        self.phase_seconds["build"] += t1 - t_build
+        self.stats["prefill_tokens"] += step.tokens
+        self.stats["prefill_seconds"] += t2 - max(step.launched, self._mixed_read)   # overlapping steps once
+        self._mixed_read = t2
         self.phase_seconds["run"] += t2 - t1
-        for seq, row, pos in scored:   # the logprob of prompt token pos + 1, scored at row
+        for seq, row, pos in step.scored:   # the logprob of prompt token pos + 1, scored at row
             if len(seq.prompt_logprobs) == pos + 1:
                 k = seq.params.prompt_logprobs
                 top = [(int(i), float(v)) for i, v in zip(out[6][row][:k], out[5][row][:k])]
                 seq.prompt_logprobs.append((float(out[4][row]), top))
         deltas = []
-        for b, (seq, n) in enumerate(chunks):
-            seq.num_computed += n
-            if a["emits"][b]:
+        for b, ((seq, _), emits) in enumerate(zip(step.chunks, step.emits)):
+            if emits and seq.finish_reason is None:
                 deltas.append(self._append(seq, tokens[b:b + 1], logprobs[b:b + 1], top_v[b:b + 1], top_i[b:b + 1]))
                 if seq.finish_reason is not None:
                     self._finished[seq.request_id] = seq
         self.phase_seconds["append"] += time.perf_counter() - t2
+        return deltas
+
+    def _step_mixed_ahead(self) -> list[StreamDelta]:
+        """With a mixed step in flight: plan and launch the next one before reading this one back (its
+        prompt chunks need none of this step's tokens), then read this one back."""
+        ph, t0 = self.phase_seconds, time.perf_counter()
+        step, self._inflight_mixed = self._inflight_mixed, None
+        pending = {seq for (seq, _), emits in zip(step.chunks, step.emits) if emits}
+        plan = self.scheduler.schedule_ahead(pending)
+        ph["schedule"] += time.perf_counter() - t0
+        if plan is not None:
+            self._inflight_mixed = self._launch_mixed(plan.chunks)
+        deltas = self._collect_mixed(step)
+        t2 = time.perf_counter()
+        self._settle([s for s, _ in step.chunks])
+        ph["settle"] += time.perf_counter() - t2
         return deltas
 
     @staticmethod

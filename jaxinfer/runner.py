@@ -240,11 +240,16 @@ class ModelRunner:
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.
+        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy))
+
+    def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False) -> tuple:
+        """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
+        Only the greedy variant returns at once on a GPU; the others block on their sampling branch."""
         name = "mixed-prompt-logprobs" if prompt_logprobs else "mixed-greedy" if greedy else "mixed"
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
-        return self.fetch(out)
+        return tuple(out)
 
     def fetch(self, arrays) -> tuple[np.ndarray, ...]:
         """Read device arrays back, counting the time spent waiting in `device_wait_seconds`."""

@@ -130,6 +130,58 @@ def test_abort_while_a_decode_dispatch_is_in_flight(alone_engine):
     engine.pages.check()
 
 
+OVERLAP = dict(overlap_mixed=True, greedy_mixed_step=True)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling-with-penalties"])
+def test_mixed_steps_read_back_one_step_late(alone_engine, sampled):
+    """overlap_mixed: each mixed step is launched before the one in flight is read back. 64 concurrent
+    requests with small prompt chunks (many steps planned ahead), then with prefix-cache hits, then with
+    a pool too small for all (preemption only in steps planned after a read-back): each request gets
+    its tokens alone, and the pool is whole again."""
+    engine = _engine(enable_prefix_caching=False, max_num_batched_tokens=32, **OVERLAP)
+    launched, ahead = [], []
+    launch, plan_ahead = engine._launch_mixed, engine.scheduler.schedule_ahead
+    engine._launch_mixed = lambda chunks: (launched.append(len(chunks)), launch(chunks))[1]
+    engine.scheduler.schedule_ahead = lambda pending: (ahead.append(p := plan_ahead(pending)), p)[1]
+    prompts, params = _prompts(64, 7), _params(64, 7, sampled)
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.pages.num_free == engine.pages.capacity
+    assert sum(p is not None for p in ahead) > 10 and len(launched) > 20   # steps were planned ahead
+
+    system = "once upon a time there was a little girl named lily. she liked to play in the park with her dog. " * 2
+    prompts, params = _prompts(48, 8, prefix=system), _params(48, 8, sampled)
+    engine = _engine(**OVERLAP)
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.prefix_cache_hit_rate > 0.5 and engine.pages.num_free == engine.pages.capacity
+    engine.pages.check()
+
+    prompts, params = _prompts(48, 9), _params(48, 9, sampled)
+    engine = _engine(num_pages=13, max_model_len=128, **OVERLAP)
+    assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0 and engine.pages.num_free == engine.pages.capacity
+    engine.pages.check()
+
+
+def test_abort_while_a_mixed_step_is_in_flight(alone_engine):
+    """Aborting a request whose prompt step is in flight (read back one step late) frees its pages at once;
+    the step's token for it is dropped and the others' output is unchanged."""
+    engine = _engine(max_num_batched_tokens=16, **OVERLAP)
+    prompts, params = _prompts(6, 11, prefix="lily " * 10), [SamplingParams(max_tokens=20, temperature=0)] * 6
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.step()
+    assert engine._inflight_mixed is not None
+    engine.step()
+    engine.abort(ids[1])
+    while engine.has_unfinished():
+        engine.step()
+    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[1]}
+    want = _alone(alone_engine, prompts, params)
+    assert [outs[i] for i in ids if i != ids[1]] == [w for j, w in enumerate(want) if j != 1]
+    assert engine.pages.num_free == engine.pages.capacity
+    engine.pages.check()
+
+
 def _seq(i, n_prompt, generated=0):
     from jaxinfer.serve.scheduler import Sequence
 

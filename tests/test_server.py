@@ -233,6 +233,22 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park"
 
 
 def test_64_concurrent_streams_match_each_alone(stories):
+    _concurrent_streams_match_each_alone(stories)
+
+
+def test_concurrent_streams_with_prompt_steps_read_back_late():
+    """The same with overlap_mixed (each prompt step launched before the one in flight is read back)
+    and the greedy-only prompt step, as a GPU server would run them, with small prompt chunks."""
+    engine = Engine(STORIES, max_num_seqs=16, max_num_batched_tokens=32, overlap_mixed=True, greedy_mixed_step=True,
+                    progress=False)
+    server = _serve(engine, max_waiting=128)
+    try:
+        _concurrent_streams_match_each_alone(server)
+    finally:
+        server.stop()
+
+
+def _concurrent_streams_match_each_alone(stories):
     c = client(stories)
     alone = {p: c.completions.create(model="stories260k", prompt=p, max_tokens=32, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text for p in PROMPTS}
@@ -604,10 +620,12 @@ def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
     from jaxinfer.cli import build_parser, cmd_serve
 
     got = []
-    monkeypatch.setattr(server, "serve", lambda model, **kw: got.append(kw["freeze_gc"]))
-    for extra in ([], ["--no-freeze-gc"]):
+    monkeypatch.setattr(server, "serve", lambda model, **kw: got.append((kw["freeze_gc"], kw["overlap_mixed"])))
+    for extra in ([], ["--no-freeze-gc", "--overlap-mixed"]):
         cmd_serve(build_parser().parse_args(["serve", "--model", str(STORIES)] + extra))
-    assert got == [True, False]
+    assert got == [(True, None), (False, True)]
+    assert server.engine_options(overlap_mixed=True)["overlap_mixed"] is True
+    assert build_parser().parse_args(["bench", "--overlap-mixed"]).overlap_mixed
 
 
 def test_schemathesis_finds_no_server_errors():

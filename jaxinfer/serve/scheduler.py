@@ -192,6 +192,41 @@ class Scheduler:
         chunks = self._fit_bucket(chunks)
         return Plan("mixed", chunks) if chunks else self.schedule()
 
+    def schedule_ahead(self, pending: set[Sequence]) -> Plan | None:
+        """The next mixed step, planned while the one in flight runs and before its tokens are read
+        back: prompt chunks, and one decode token for each generating sequence that is not `pending`
+        (waiting for a token from the step in flight). It never preempts (a sequence that would need
+        it is left out: the step in flight still writes to the running sequences' pages, and a
+        preempted one's token is still to come); None when no prompt chunk fits, and then the step in
+        flight is read back first."""
+        self._admit()
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        order = [s for s in sorted(self.running, key=lambda s: s.admitted) if s not in pending]
+        for seq in order:   # decodes first, oldest first
+            if not seq.prefilling and budget > 0 and self._hold(seq, len(seq.tokens)):
+                chunks.append((seq, 1))
+                budget -= 1
+        for seq in order:
+            if seq.prefilling and budget > 0:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                if self._hold(seq, seq.num_computed + n):
+                    chunks.append((seq, n))
+                    budget -= n
+        if not any(seq.prefilling for seq, _ in chunks):
+            return None
+        chunks = self._fit_bucket(chunks)
+        return Plan("mixed", chunks) if chunks else None
+
+    def _hold(self, seq: Sequence, n_tokens: int) -> bool:
+        """Pages for the sequence's first n_tokens from the free pool only (no preemption)."""
+        need = -(-n_tokens // self.page_size) - len(seq.pages)
+        if need > self.pages.num_free:
+            return False
+        if need > 0:
+            seq.pages += self.pages.allocate(need)
+        return True
+
     def _fit_bucket(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """A step runs at the smallest compiled token bucket that holds it, padding included. When its
         tokens pass a bucket b >= TRIM_FROM by at most b / 2 (a newcomer's 1,024-token prompt beside
