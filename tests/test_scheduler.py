@@ -120,12 +120,16 @@ def test_abort_while_a_decode_dispatch_is_in_flight(alone_engine):
     while engine._inflight is None:          # run until decode dispatches are being chained
         engine.step()
     engine.step()
-    engine.abort(ids[2])
+    _abort_then_finish(engine, ids, 2, _alone(alone_engine, prompts, params))
+
+
+def _abort_then_finish(engine, ids, k, want):
+    """Abort request k now, run the rest to the end: the others' tokens are `want`'s, the pool is whole."""
+    engine.abort(ids[k])
     while engine.has_unfinished():
         engine.step()
-    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[2]}
-    want = _alone(alone_engine, prompts, params)
-    assert [outs[i] for i in ids if i != ids[2]] == [w for j, w in enumerate(want) if j != 2]
+    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[k]}
+    assert [outs[i] for i in ids if i != ids[k]] == [w for j, w in enumerate(want) if j != k]
     assert engine.pages.num_free == engine.pages.capacity
     engine.pages.check()
 
@@ -172,14 +176,7 @@ def test_abort_while_a_mixed_step_is_in_flight(alone_engine):
     engine.step()
     assert engine._inflight_mixed is not None
     engine.step()
-    engine.abort(ids[1])
-    while engine.has_unfinished():
-        engine.step()
-    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[1]}
-    want = _alone(alone_engine, prompts, params)
-    assert [outs[i] for i in ids if i != ids[1]] == [w for j, w in enumerate(want) if j != 1]
-    assert engine.pages.num_free == engine.pages.capacity
-    engine.pages.check()
+    _abort_then_finish(engine, ids, 1, _alone(alone_engine, prompts, params))
 
 
 def _seq(i, n_prompt, generated=0):
