@@ -20,6 +20,8 @@ class StepBatch:
     slot_mapping: jax.Array    # int32, where its K/V row is written
     token_seq: jax.Array       # int32, its sequence's row in the per-sequence arrays
     next_tokens: jax.Array     # int32, the prompt token that follows it (for prompt logprobs; else 0)
+    from_state: jax.Array      # bool, the token is the one the previous mixed step sampled for its
+                               # sequence, not yet read back (SamplerState.last_tokens); `tokens` ignored
     # per sequence [B]
     page_table: jax.Array      # int32 [B, P]
     query_start: jax.Array     # int32 [B + 1], first token row of each sequence

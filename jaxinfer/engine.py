@@ -475,15 +475,20 @@ class Engine:
         t = 0
         for b, (seq, n) in enumerate(chunks):
             start = seq.num_computed
-            a["tokens"][t:t + n] = seq.tokens[start:start + n]
+            tokens = seq.tokens
+            # A sequence whose token at `start` the step in flight is sampling (planned ahead): the
+            # device reads it from the sampler state.
+            pending = start == len(tokens)
+            a["tokens"][t:t + n] = tokens[start:start + n] if not pending else 0
+            a["from_state"][t:t + n] = pending
             a["positions"][t:t + n] = np.arange(start, start + n)
             a["slot_mapping"][t:t + n] = slots_for(seq.pages, start, start + n, ps)
             a["token_seq"][t:t + n] = b
             a["page_table"][b, :len(seq.pages)] = seq.pages
             a["sample_index"][b] = t + n - 1
-            a["emits"][b] = start + n >= len(seq.tokens)
+            a["emits"][b] = pending or start + n >= len(tokens)
             a["state_row"][b] = seq.row
-            a["step_index"][b] = len(seq.output_ids)
+            a["step_index"][b] = len(seq.output_ids) + pending
             t += n
             a["query_start"][b + 1:] = t
         scored = self._prompt_rows(chunks, a["next_tokens"])

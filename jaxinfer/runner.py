@@ -37,10 +37,14 @@ class SamplerState:
 
     prompt_mask: jax.Array     # bool [rows, V]: token occurs in the prompt
     output_counts: jax.Array   # int32 [rows, V]: times the token was generated
+    # int32 [rows]: the token a mixed step last sampled for the row, for a step launched before the
+    # host has read it back (StepBatch.from_state)
+    last_tokens: jax.Array
 
     @staticmethod
     def allocate(rows: int, vocab: int) -> "SamplerState":
-        return SamplerState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32))
+        return SamplerState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32),
+                            jnp.zeros((rows,), jnp.int32))
 
 
 @flax.struct.dataclass
@@ -88,9 +92,16 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
     read back mid-step, so the call returns at once, as a decode dispatch's does)."""
-    kv, logits = model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
+    kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index)
     return (kv, *_sample_rows(logits, n_top, state, batch, greedy))
+
+
+def _step_tokens(state: SamplerState, batch: StepBatch) -> jax.Array:
+    """The step's input tokens: the host's, or where from_state, the one the previous mixed step sampled
+    for the token's sequence (not yet read back by the host)."""
+    carried = state.last_tokens[batch.state_row[batch.token_seq]]
+    return jnp.where(batch.from_state, carried, batch.tokens)
 
 
 def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache,
@@ -98,7 +109,7 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
     """mixed_step, plus logits for every token row: the logprob of the prompt token that follows each
     row ([T]) and the top n_top there ([T, n_top] values, ids). Compiled only when an engine serves
     prompt logprobs: it computes [T, V] logits."""
-    kv, h = model.hidden_states(cfg, ops, params, kv, batch.tokens, batch.positions, batch.slot_mapping,
+    kv, h = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                 batch.token_seq, batch.page_table)
     logits = model.lm_head(cfg, ops, params, h)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -112,6 +123,8 @@ def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: Step
     pm, oc = _gather_rows(state, rows)
     tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy)
     state = _count(state, rows, tokens, batch.emits)
+    scratch = state.last_tokens.shape[0] - 1
+    state = state.replace(last_tokens=state.last_tokens.at[jnp.where(batch.emits, rows, scratch)].set(tokens))
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
@@ -300,7 +313,7 @@ class ModelRunner:
         return dict(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
-            next_tokens=np.zeros(T, np.int32),
+            next_tokens=np.zeros(T, np.int32), from_state=np.zeros(T, bool),
             page_table=self.empty_page_table(B), query_start=np.zeros(B + 1, np.int32),
             sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
             state_row=np.full(B, self.scratch_row, np.int32),

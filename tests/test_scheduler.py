@@ -139,19 +139,23 @@ OVERLAP = dict(overlap_mixed=True, greedy_mixed_step=True)
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling-with-penalties"])
 def test_mixed_steps_read_back_one_step_late(alone_engine, sampled):
-    """overlap_mixed: each mixed step is launched before the one in flight is read back. 64 concurrent
-    requests with small prompt chunks (many steps planned ahead), then with prefix-cache hits, then with
+    """overlap_mixed: each mixed step is launched before the one in flight is read back, its decode rows
+    reading the tokens the step in flight samples on the device. 64 concurrent requests with small prompt
+    chunks (many steps planned ahead), then with prefix-cache hits, then with
     a pool too small for all (preemption only in steps planned after a read-back): each request gets
     its tokens alone, and the pool is whole again."""
     engine = _engine(enable_prefix_caching=False, max_num_batched_tokens=32, **OVERLAP)
     launched, ahead = [], []
     launch, plan_ahead = engine._launch_mixed, engine.scheduler.schedule_ahead
-    engine._launch_mixed = lambda chunks: (launched.append(len(chunks)), launch(chunks))[1]
+    # per launch: how many rows decode a token the step in flight samples (read on the device)
+    engine._launch_mixed = lambda chunks: (launched.append(sum(s.num_computed == len(s.tokens) for s, _ in chunks)),
+                                           launch(chunks))[1]
     engine.scheduler.schedule_ahead = lambda pending: (ahead.append(p := plan_ahead(pending)), p)[1]
     prompts, params = _prompts(64, 7), _params(64, 7, sampled)
     assert _run(engine, prompts, params) == _alone(alone_engine, prompts, params)
     assert engine.pages.num_free == engine.pages.capacity
     assert sum(p is not None for p in ahead) > 10 and len(launched) > 20   # steps were planned ahead
+    assert sum(launched) > 20   # and their decode rows took tokens the step in flight sampled
 
     system = "once upon a time there was a little girl named lily. she liked to play in the park with her dog. " * 2
     prompts, params = _prompts(48, 8, prefix=system), _params(48, 8, sampled)

@@ -26,7 +26,7 @@ def test_step_batch_arrives_whole():
     B, T = 3, 8
     batch = StepBatch(tokens=np.arange(T, dtype=np.int32), positions=np.arange(T, dtype=np.int32),
                       slot_mapping=np.arange(T, dtype=np.int32) + 5, token_seq=np.zeros(T, np.int32),
-                      next_tokens=np.zeros(T, np.int32), page_table=np.arange(B * 4, dtype=np.int32).reshape(B, 4),
+                      next_tokens=np.zeros(T, np.int32), from_state=np.arange(T) % 3 == 0, page_table=np.arange(B * 4, dtype=np.int32).reshape(B, 4),
                       query_start=np.array([0, 8, 8, 8], np.int32), sample_index=np.array([7, 0, 0], np.int32),
                       emits=np.array([True, False, False]), state_row=np.arange(B, dtype=np.int32),
                       step_index=np.zeros(B, np.int32),

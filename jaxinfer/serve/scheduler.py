@@ -194,21 +194,27 @@ class Scheduler:
 
     def schedule_ahead(self, pending: set[Sequence]) -> Plan | None:
         """The next mixed step, planned while the one in flight runs and before its tokens are read
-        back: prompt chunks, and one decode token for each generating sequence that is not `pending`
-        (waiting for a token from the step in flight). It never preempts (a sequence that would need
-        it is left out: the step in flight still writes to the running sequences' pages, and a
-        preempted one's token is still to come); None when no prompt chunk fits, and then the step in
-        flight is read back first."""
+        back: prompt chunks, and one decode token for each generating sequence. A `pending` sequence
+        (the step in flight samples its next token, which the host has not seen) decodes that token:
+        its row reads it on the device (StepBatch.from_state) at position len(tokens); it is left
+        out when that token may be its last by length (a stop token or string can still end it: its
+        extra token is then dropped). It never preempts (a sequence that would need it is left out: the
+        step in flight still writes to the running sequences' pages); None when no prompt chunk fits,
+        and then the step in flight is read back first."""
         self._admit()
         budget = self.max_num_batched_tokens
         chunks: list[tuple[Sequence, int]] = []
-        order = [s for s in sorted(self.running, key=lambda s: s.admitted) if s not in pending]
+        order = sorted(self.running, key=lambda s: s.admitted)
         for seq in order:   # decodes first, oldest first
-            if not seq.prefilling and budget > 0 and self._hold(seq, len(seq.tokens)):
+            if seq in pending:
+                if len(seq.output_ids) + 1 < seq.max_new and budget > 0 and self._hold(seq, len(seq.tokens) + 1):
+                    chunks.append((seq, 1))
+                    budget -= 1
+            elif not seq.prefilling and budget > 0 and self._hold(seq, len(seq.tokens)):
                 chunks.append((seq, 1))
                 budget -= 1
         for seq in order:
-            if seq.prefilling and budget > 0:
+            if seq.prefilling and seq not in pending and budget > 0:
                 n = min(len(seq.tokens) - seq.num_computed, budget)
                 if self._hold(seq, seq.num_computed + n):
                     chunks.append((seq, n))
