@@ -168,11 +168,12 @@ case "${1:-1}" in
          --kv-cache-dtype fp8 --out "$OUT"
     step ${GEMM_S:-100} python3 bench/kernels_skinny_gemm.py --prefill --models qwen3-4b
     ;;
-  gaps)      # the eighth session's first call: where the server's device idles under load (a third of the time in
-             # run 4 of the seventh, in 15-18 ms gaps): the engine thread's phases and Python's collections
-             # printed per rate beside a device trace (traces kept as a tarball: the device tool drops deep
-             # folders); then prompt steps read back one step late (--overlap-mixed), in the server all at
-             # once and offline (jaxinfer bench --like-serve, without and with)
+  gaps)      # the eighth session's first call: GPU parity (the greedy-only prompt step is on by default on GPUs,
+             # not yet run there); where the server's device idles under load (a third of the time in run 4 of
+             # the seventh, in 15-18 ms gaps): the engine thread's phases and Python's collections printed per
+             # rate beside a device trace (traces kept as a tarball: the device tool drops deep folders); then
+             # the server with prompt steps read back one step late (--overlap-mixed)
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
     serve_setup
     M=/tmp/jaxinfer-bench-models/qwen3-4b
     step 200 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
@@ -182,18 +183,19 @@ case "${1:-1}" in
     step 130 python3 bench/serving.py --serve-model $M \
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --overlap-mixed" --request-rates 2,inf \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-overlap.json" --client aiohttp
+    ;;
+  gaps2)     # then: offline like the server without and with --overlap-mixed; all at once without the heap
+             # freeze; the 1k prefill with the greedy-only prompt step (prefill_dispatch times the step the
+             # engine runs)
+    serve_setup
+    M=/tmp/jaxinfer-bench-models/qwen3-4b
     B="--model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64"
     step 100 python3 -m jaxinfer.cli bench $B --like-serve
     step 100 python3 -m jaxinfer.cli bench $B --like-serve --overlap-mixed
-    ;;
-  gaps2)     # then: all at once without the heap freeze; the 1k prefill with the greedy-only mixed step
-             # (prefill_dispatch times the step the engine runs); the prefill GEMM sweep
-    serve_setup
-    step 130 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+    step 130 python3 bench/serving.py --serve-model $M \
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --no-freeze-gc" --request-rates inf \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-nofreeze.json" --client aiohttp
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
-    step 300 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 200 --models qwen3-4b
     ;;
   trace)     # serving with the server's device traced for a second of each rate: how busy the device is and
              # where it idles (light load: between decode dispatches; all at once: around the prefill steps);
