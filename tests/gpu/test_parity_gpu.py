@@ -56,3 +56,25 @@ def test_pallas_greedy_equals_reference_with_a_float8_cache(which, qwen3_dir):
     ref = _greedy(model_dir, "reference", "float32", prompt, 128, kv_cache_dtype="fp8")
     pal = _greedy(model_dir, "pallas", "float32", prompt, 128, kv_cache_dtype="fp8")
     assert pal == ref
+
+
+def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_dir):
+    """overlap_mixed on the GPU (with the greedy-only prompt step, a GPU default): 12 concurrent requests with
+    prompt chunks of 64 tokens, each step launched before the one in flight is read back, give each
+    request the tokens it gets alone on the synchronous engine."""
+    opts = dict(dtype="float32", ops="pallas", max_model_len=512, max_num_batched_tokens=64, progress=False,
+                skip_tokenizer_init=True)
+    prompts = [list(range(1000 + 7 * i, 1000 + 7 * i + 30 + 11 * i)) for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(engine, batch):
+        ids = [engine.add_request(p, params) for p in batch]
+        while engine.has_unfinished():
+            engine.step()
+        return [engine.take_finished(i).token_ids for i in ids]
+
+    alone_engine = Engine(qwen3_dir, max_num_seqs=1, **opts)
+    alone = [run(alone_engine, [p])[0] for p in prompts]
+    del alone_engine
+    gc.collect()
+    assert run(Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, **opts), prompts) == alone
