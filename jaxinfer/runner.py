@@ -66,10 +66,14 @@ def _gather_rows(state: SamplerState, rows: jax.Array) -> tuple[jax.Array, jax.A
     return state.prompt_mask[rows], state.output_counts[rows]
 
 
-def _count(state: SamplerState, rows: jax.Array, tokens: jax.Array, emits: jax.Array) -> SamplerState:
+def _count(state: SamplerState, rows: jax.Array, tokens: jax.Array, emits: jax.Array,
+           keep_last: bool = False) -> SamplerState:
+    """Count the emitting rows' tokens for the penalties (and with keep_last, store them as the rows'
+    last_tokens: a mixed step's, for a step launched before they are read back)."""
     scratch = state.output_counts.shape[0] - 1
     rows = jnp.where(emits, rows, scratch)
-    return state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
+    state = state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
+    return state.replace(last_tokens=state.last_tokens.at[rows].set(tokens)) if keep_last else state
 
 
 def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt: jax.Array,
@@ -122,9 +126,7 @@ def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: Step
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
     tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy)
-    state = _count(state, rows, tokens, batch.emits)
-    scratch = state.last_tokens.shape[0] - 1
-    state = state.replace(last_tokens=state.last_tokens.at[jnp.where(batch.emits, rows, scratch)].set(tokens))
+    state = _count(state, rows, tokens, batch.emits, keep_last=True)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 

@@ -132,10 +132,12 @@ class Scheduler:
         self.running.remove(seq)
         self.waiting.appendleft(seq)
 
-    def _reserve(self, seq: Sequence, n_tokens: int) -> bool:
-        """Hold pages for the sequence's first n_tokens, preempting younger sequences if needed.
-        False when `seq` itself had to be preempted."""
+    def _reserve(self, seq: Sequence, n_tokens: int, preempt: bool = True) -> bool:
+        """Hold pages for the sequence's first n_tokens, preempting younger sequences if needed (with
+        `preempt`; else False when the free pool is short). False when `seq` itself had to be preempted."""
         need = -(-n_tokens // self.page_size) - len(seq.pages)
+        if not preempt and need > self.pages.num_free:
+            return False
         while need > self.pages.num_free:
             victim = max(self.running, key=lambda s: s.admitted)
             self._preempt(victim)
@@ -175,63 +177,53 @@ class Scheduler:
         return self._decode()
 
     def _mixed(self) -> Plan | None:
-        budget = self.max_num_batched_tokens
-        chunks: list[tuple[Sequence, int]] = []
-        for seq in sorted(self.running, key=lambda s: s.admitted):   # decodes first, oldest first
-            if not seq.prefilling and budget > 0 and seq in self.running:
-                if self._reserve(seq, len(seq.tokens)):
-                    chunks.append((seq, 1))
-                    budget -= 1
-        for seq in sorted(self.running, key=lambda s: s.admitted):
-            if seq.prefilling and budget > 0 and seq in self.running:
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                if self._reserve(seq, seq.num_computed + n):
-                    chunks.append((seq, n))
-                    budget -= n
-        chunks = [(s, n) for s, n in chunks if s in self.running]   # drop any preempted after being chosen
-        chunks = self._fit_bucket(chunks)
+        chunks = self._fit_bucket(self._chunks())
         return Plan("mixed", chunks) if chunks else self.schedule()
 
     def schedule_ahead(self, pending: set[Sequence]) -> Plan | None:
         """The next mixed step, planned while the one in flight runs and before its tokens are read
-        back: prompt chunks, and one decode token for each generating sequence. A `pending` sequence
-        (the step in flight samples its next token, which the host has not seen) decodes that token:
-        its row reads it on the device (StepBatch.from_state) at position len(tokens); it is left
-        out when that token may be its last by length (a stop token or string can still end it: its
-        extra token is then dropped). It never preempts (a sequence that would need it is left out: the
-        step in flight still writes to the running sequences' pages); None when no prompt chunk fits,
-        and then the step in flight is read back first."""
+        back (`_chunks` says what the `pending` sequences, whose next token it samples, do). It never
+        preempts (a sequence that would need it is left out: the step in flight still writes to the
+        running sequences' pages); None when no prompt chunk fits, and then the step in flight is read
+        back first."""
         self._admit()
-        budget = self.max_num_batched_tokens
-        chunks: list[tuple[Sequence, int]] = []
-        order = sorted(self.running, key=lambda s: s.admitted)
-        for seq in order:   # decodes first, oldest first
-            if seq in pending:
-                if len(seq.output_ids) + 1 < seq.max_new and budget > 0 and self._hold(seq, len(seq.tokens) + 1):
-                    chunks.append((seq, 1))
-                    budget -= 1
-            elif not seq.prefilling and budget > 0 and self._hold(seq, len(seq.tokens)):
-                chunks.append((seq, 1))
-                budget -= 1
-        for seq in order:
-            if seq.prefilling and seq not in pending and budget > 0:
-                n = min(len(seq.tokens) - seq.num_computed, budget)
-                if self._hold(seq, seq.num_computed + n):
-                    chunks.append((seq, n))
-                    budget -= n
+        chunks = self._chunks(pending, preempt=False)
         if not any(seq.prefilling for seq, _ in chunks):
             return None
         chunks = self._fit_bucket(chunks)
         return Plan("mixed", chunks) if chunks else None
 
-    def _hold(self, seq: Sequence, n_tokens: int) -> bool:
-        """Pages for the sequence's first n_tokens from the free pool only (no preemption)."""
-        need = -(-n_tokens // self.page_size) - len(seq.pages)
-        if need > self.pages.num_free:
-            return False
-        if need > 0:
-            seq.pages += self.pages.allocate(need)
-        return True
+    def _chunks(self, pending: set[Sequence] | frozenset = frozenset(),
+                preempt: bool = True) -> list[tuple[Sequence, int]]:
+        """The token budget shared out, oldest first: one decode token for every generating sequence,
+        then prompt chunks. A `pending` sequence (a step in flight samples its next token, which the
+        host has not seen) decodes that token, its row reading it on the device (StepBatch.from_state)
+        at position len(tokens); it is left out when that token may be its last by length (a stop
+        token or string can still end it: its extra token is then dropped)."""
+        budget = self.max_num_batched_tokens
+        chunks: list[tuple[Sequence, int]] = []
+        order = sorted(self.running, key=lambda s: s.admitted)
+        for seq in order:   # decodes first
+            if budget <= 0 or seq not in self.running:
+                continue
+            if seq in pending:
+                if len(seq.output_ids) + 1 >= seq.max_new:
+                    continue
+                upto = len(seq.tokens) + 1
+            elif seq.prefilling:
+                continue
+            else:
+                upto = len(seq.tokens)
+            if self._reserve(seq, upto, preempt):
+                chunks.append((seq, 1))
+                budget -= 1
+        for seq in order:
+            if seq.prefilling and seq not in pending and budget > 0 and seq in self.running:
+                n = min(len(seq.tokens) - seq.num_computed, budget)
+                if self._reserve(seq, seq.num_computed + n, preempt):
+                    chunks.append((seq, n))
+                    budget -= n
+        return [(s, n) for s, n in chunks if s in self.running]   # drop any preempted after being chosen
 
     def _fit_bucket(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """A step runs at the smallest compiled token bucket that holds it, padding included. When its
