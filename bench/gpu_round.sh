@@ -184,6 +184,33 @@ case "${1:-1}" in
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --overlap-mixed" --request-rates 2,inf \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-overlap.json" --client aiohttp
     ;;
+  gaps3)     # after run 1 of the eighth session (the default server died with CUDA_ERROR_LAUNCH_FAILED in
+             # jit_mixed_step 0.7 s into a device trace): the rest of GPU parity, the default server untraced at
+             # 2 req/s and all at once (the side-by-side for --overlap-mixed), then offline like the server
+             # without and with --overlap-mixed
+    step 260 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k "float8 or late"
+    serve_setup
+    M=/tmp/jaxinfer-bench-models/qwen3-4b
+    step 150 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
+         --request-rates 2,inf --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-default.json" \
+         --client aiohttp
+    B="--model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 --batch-size 64 --num-prompts 64"
+    step 90 python3 -m jaxinfer.cli bench $B --like-serve
+    step 90 python3 -m jaxinfer.cli bench $B --like-serve --overlap-mixed
+    ;;
+  margin)    # the float8 parity failure of run 2 (qwen3: tokens part at 109 of 128): how close the call was there,
+             # and whether the greedy-only prompt step changed it; then the server with and without
+             # --overlap-mixed side by side (light-load TTFT, all-at-once throughput)
+    step 240 python3 bench/parity_margin.py --models qwen3 --kv auto fp8 --greedy-kv fp8
+    serve_setup
+    M=/tmp/jaxinfer-bench-models/qwen3-4b
+    for v in default overlap; do
+      extra=""; [ $v = overlap ] && extra="--overlap-mixed"
+      step 140 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 $extra" \
+           --request-rates 2,inf --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-$v.json" \
+           --client aiohttp
+    done
+    ;;
   gaps2)     # then: offline like the server without and with --overlap-mixed; all at once without the heap
              # freeze; the 1k prefill with the greedy-only prompt step (prefill_dispatch times the step the
              # engine runs)
