@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="requests that may wait for a slot; beyond that, 503 at once")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--overlap-mixed", action="store_true",
-                   help="launch each prompt step before reading the previous one back (experimental: the host's "
-                        "work between prompt steps overlaps the device's)")
+    s.add_argument("--overlap-mixed", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each prompt step before reading the previous one back, so the host's work between "
+                        "prompt steps overlaps the device's (default: on GPUs)")
     s.add_argument("--no-freeze-gc", action="store_true",
                    help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
                         "after start-up: shorter collections while serving)")
@@ -85,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-size", type=int, default=8, help="requests running at once")
     b.add_argument("--num-prompts", type=int, default=32)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--overlap-mixed", action="store_true",
-                   help="launch each prompt step before reading the previous one back (experimental)")
+    b.add_argument("--overlap-mixed", action=argparse.BooleanOptionalAction, default=None,
+                   help="launch each prompt step before reading the previous one back (default: on GPUs)")
     b.add_argument("--like-serve", action="store_true",
                    help="build the engine as `jaxinfer serve` does (tokenizer loaded and outputs detokenized, top "
                         "logprobs computed, prefix caching, the model's context length unless --max-model-len): "
@@ -189,7 +189,7 @@ def cmd_serve(args) -> None:
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
           enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,
-          kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed or None)
+          kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed)
 
 
 def cmd_bench(args) -> None:
@@ -207,7 +207,7 @@ def cmd_bench(args) -> None:
         engine = Engine(args.model, **engine_options(dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
                                                      max_model_len=args.max_model_len,
                                                      kv_cache_dtype=args.kv_cache_dtype,
-                                                     overlap_mixed=args.overlap_mixed or None))
+                                                     overlap_mixed=args.overlap_mixed))
     else:
         engine = Engine(args.model, dtype=args.dtype, ops=args.ops, max_num_seqs=args.batch_size,
                         max_model_len=args.max_model_len or args.input_len + args.output_len + 1,

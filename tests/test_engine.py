@@ -131,6 +131,16 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
     assert [len(t) for t in got] == [5, 17, 33, 50]
 
 
+def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
+    """On GPUs both are on by default (measured there); on CPUs both off; an explicit value stays."""
+    from jaxinfer.engine import EngineConfig
+
+    gpu, cpu = EngineConfig().for_backend("gpu"), EngineConfig().for_backend("cpu")
+    assert (gpu.overlap_mixed, gpu.greedy_mixed_step) == (True, True)
+    assert (cpu.overlap_mixed, cpu.greedy_mixed_step) == (False, False)
+    assert EngineConfig(overlap_mixed=False).for_backend("gpu").overlap_mixed is False
+
+
 def test_greedy_mixed_steps_give_the_same_tokens(stories):
     """With greedy_mixed_step (the GPU default) all-greedy prompt steps run the greedy-only mixed step;
     a step with a sampled row or a row wanting logprobs runs the sampling one. Greedy, seeded and

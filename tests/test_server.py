@@ -621,11 +621,13 @@ def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
 
     got = []
     monkeypatch.setattr(server, "serve", lambda model, **kw: got.append((kw["freeze_gc"], kw["overlap_mixed"])))
-    for extra in ([], ["--no-freeze-gc", "--overlap-mixed"]):
+    for extra in ([], ["--no-freeze-gc", "--overlap-mixed"], ["--no-overlap-mixed"]):
         cmd_serve(build_parser().parse_args(["serve", "--model", str(STORIES)] + extra))
-    assert got == [(True, None), (False, True)]
+    assert got == [(True, None), (False, True), (True, False)]
     assert server.engine_options(overlap_mixed=True)["overlap_mixed"] is True
+    assert server.engine_options(overlap_mixed=False)["overlap_mixed"] is False
     assert build_parser().parse_args(["bench", "--overlap-mixed"]).overlap_mixed
+    assert build_parser().parse_args(["bench", "--no-overlap-mixed"]).overlap_mixed is False
 
 
 def test_schemathesis_finds_no_server_errors():

@@ -26,17 +26,18 @@ def qwen3_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("q") / "qwen3", QWEN3_SMALL, dtype="float32", std=0.05)
 
 
-def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto"):
+def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto", logprobs=None):
+    """The greedy token ids; with logprobs, the request's whole output (the top `logprobs` per token)."""
     engine = Engine(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
                     progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1,
                     kv_cache_dtype=kv_cache_dtype)
-    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))
     while engine.has_unfinished():
         engine.step()
-    tokens = engine.take_finished(0).token_ids
+    out = engine.take_finished(0)
     del engine
     gc.collect()
-    return tokens
+    return out if logprobs else out.token_ids
 
 
 @pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-unfused-rope")])
@@ -48,14 +49,31 @@ def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
     assert pal == ref
 
 
+# Float8 K/V: where the two paths' float32 K/V straddle a rounding point of e4m3 (steps of 2^-3 relative),
+# they store neighbouring values, which moves the logprobs by ~1e-3 (at most 1.6e-3 over 128 tokens of the
+# random Qwen3 in run 3 of the eighth session, bench/parity_margin.py). Greedy tokens may then part where
+# the top two are that close (its run 2 parted at token 109; XLA's autotuned GEMMs differ between
+# processes): a parting is accepted only at a near tie, with the Pallas token the reference's second
+# choice. A wrong kernel moves logprobs far more than the tolerance.
+FLOAT8_TOLERANCE = 1e-2   # nats
+
+
 @pytest.mark.parametrize("which", ["stories", "qwen3"])
 def test_pallas_greedy_equals_reference_with_a_float8_cache(which, qwen3_dir):
-    """Both paths store the same float8 K/V (to_cache: clip, round) and read them back alike."""
+    """Both paths store the same float8 K/V (to_cache: clip, round) and read them back alike: the same
+    greedy tokens, or a parting at a near tie (FLOAT8_TOLERANCE)."""
     model_dir = STORIES if which == "stories" else qwen3_dir
     prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
-    ref = _greedy(model_dir, "reference", "float32", prompt, 128, kv_cache_dtype="fp8")
-    pal = _greedy(model_dir, "pallas", "float32", prompt, 128, kv_cache_dtype="fp8")
-    assert pal == ref
+    ref = _greedy(model_dir, "reference", "float32", prompt, 128, kv_cache_dtype="fp8", logprobs=2)
+    pal = _greedy(model_dir, "pallas", "float32", prompt, 128, kv_cache_dtype="fp8", logprobs=2)
+    parts = next((i for i, (a, b) in enumerate(zip(ref.token_ids, pal.token_ids)) if a != b), len(ref.token_ids))
+    noise = max(abs(a - b) for a, b in zip(ref.logprobs[:parts], pal.logprobs[:parts]))
+    assert noise < FLOAT8_TOLERANCE, f"chosen-token logprobs differ by {noise:.2e} before token {parts}"
+    if parts < len(ref.token_ids):
+        top = sorted(ref.top_logprobs[parts], key=lambda t: -t[1])
+        margin = top[0][1] - top[1][1]
+        assert margin < FLOAT8_TOLERANCE and pal.token_ids[parts] == top[1][0], \
+            f"parted at token {parts} where the reference's top two are {margin:.2e} apart: {top}"
 
 
 def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_dir):
