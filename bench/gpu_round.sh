@@ -211,6 +211,12 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
+  parity2)   # after overlap_mixed became a GPU default: the whole GPU parity file (float32 tests now read prompt
+             # steps back late; the float8 test accepts partings at near ties), then the prefill GEMM's sweep
+             # at 1k rows against XLA's (issue 4)
+    step 330 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
+    step 200 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget ${SWEEP_S:-110} --models qwen3-4b
+    ;;
   gaps2)     # then: offline like the server without and with --overlap-mixed; all at once without the heap
              # freeze; the 1k prefill with the greedy-only prompt step (prefill_dispatch times the step the
              # engine runs)
