@@ -352,11 +352,19 @@ class Engine:
         ph, t0 = self.phase_seconds, time.perf_counter()
         if self._inflight is not None:
             seqs, advanced, outs = self._inflight
+            if self._newcomers_fit():   # their prompt step goes on the device behind this dispatch
+                plan = self.scheduler.schedule_ahead(set(), busy=set(seqs))
+                ph["schedule"] += time.perf_counter() - t0
+                if plan is not None:
+                    self._inflight_mixed = self._launch_mixed(plan.chunks)
+                t0 = time.perf_counter()
             bucket = self.runner.batch_bucket(len(seqs))
             expected_end = self._timing.expected_end(bucket)
             self._inflight = self._chain(seqs, advanced)
             t1 = time.perf_counter()
             deltas = self._collect_decode(seqs, outs)
+            if self._inflight_mixed is not None:   # its prefill time counts from here
+                self._mixed_read = time.perf_counter()
             self._timing.finished()
             self._timing.record(bucket)
             t2 = time.perf_counter()
@@ -388,6 +396,12 @@ class Engine:
         self._inflight = (seqs, *self._launch_decode(seqs))
         ph["chain"] += time.perf_counter() - t1
         return []
+
+    def _newcomers_fit(self) -> bool:
+        """With overlap_mixed: whether waiting requests can be taken in now (a free row), so that their
+        prompt step can be launched before the decode dispatch in flight is read back."""
+        s = self.scheduler
+        return bool(self.config.overlap_mixed and self._inflight_mixed is None and s.waiting and s.free_rows)
 
     def _settle(self, seqs: list[Sequence]) -> None:
         """After a read-back with nothing in flight: register new full blocks, release the finished."""

@@ -171,6 +171,37 @@ def test_mixed_steps_read_back_one_step_late(alone_engine, sampled):
     engine.pages.check()
 
 
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampling-with-penalties"])
+def test_newcomers_prompt_steps_go_behind_the_decode_dispatch_in_flight(alone_engine, sampled):
+    """overlap_mixed: requests that arrive while a decode dispatch runs are taken in and their prompt step
+    is launched before that dispatch is read back (the dispatch's sequences sit the step out: the host
+    does not know yet how many tokens they got). Requests arriving a few at a time between steps, with
+    prefix-cache hits, then with a pool small enough to preempt: each gets its tokens alone; the pool is
+    whole again."""
+    system = "once upon a time there was a little girl named lily. " * 2
+    prompts, params = _prompts(40, 12, prefix=system), _params(40, 12, sampled)
+    want = _alone(alone_engine, prompts, params)
+    for pool, rows in ((None, 32), (20, 16)):
+        engine = _engine(num_pages=pool, max_num_seqs=rows, max_model_len=128, decode_steps=4, **OVERLAP)
+        behind = []
+        launch = engine._launch_mixed
+        engine._launch_mixed = lambda chunks: (behind.append(engine._inflight is not None), launch(chunks))[1]
+        rng, ids, queue = random.Random(5), [], list(zip(prompts, params))
+        while queue or engine.has_unfinished():
+            for _ in range(rng.choice([0, 0, 0, 1, 2]) if engine.has_unfinished() else 1):
+                if queue:
+                    ids.append(engine.add_request(*queue.pop(0)))
+            engine.step()
+        assert [engine.take_finished(i).token_ids for i in ids] == want
+        if pool is None:
+            assert sum(behind) >= 5   # prompt steps launched behind a decode dispatch in flight
+            assert engine.prefix_cache_hit_rate > 0.3
+        else:
+            assert engine.scheduler.num_preemptions > 0
+        assert engine.pages.num_free == engine.pages.capacity
+        engine.pages.check()
+
+
 def test_abort_while_a_mixed_step_is_in_flight(alone_engine):
     """Aborting a request whose prompt step is in flight (read back one step late) frees its pages at once;
     the step's token for it is dropped and the others' output is unchanged."""

@@ -260,10 +260,14 @@ class AsyncEngine:
 
     def _wait_for_newcomers(self) -> None:
         """Block on the command queue until the dispatch in flight is due to be chained; a command
-        that arrives first ends the wait: then the dispatch is let finish and the commands handled."""
+        that arrives first ends the wait: then the dispatch is let finish (unless overlap_mixed) and
+        the commands handled."""
+        # With overlap_mixed a newcomer is taken in at once: its prompt step is launched behind the
+        # dispatch in flight (Engine.step), the host's work for it done while the dispatch runs.
+        let_finish = self.engine.wait if not self.engine.config.overlap_mixed else lambda: None
         at = self.engine.chain_at()
         if at is None:            # nothing in flight, or its batch size not yet timed: as a newcomer would
-            self.engine.wait()
+            let_finish()
             self._handle(self._take_commands(block=False))
             return
         cmds = []
@@ -280,7 +284,7 @@ class AsyncEngine:
         self.engine.runner.device_wait_seconds += time.perf_counter() - t0   # the device was working
         cmds += self._take_commands(block=False)
         if cmds:
-            self.engine.wait()
+            let_finish()
             self._handle(cmds + self._take_commands(block=False))
 
     def _take_commands(self, block: bool) -> list[tuple[str, Any]]:

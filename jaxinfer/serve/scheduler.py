@@ -180,21 +180,22 @@ class Scheduler:
         chunks = self._fit_bucket(self._chunks())
         return Plan("mixed", chunks) if chunks else self.schedule()
 
-    def schedule_ahead(self, pending: set[Sequence]) -> Plan | None:
+    def schedule_ahead(self, pending: set[Sequence], busy: set[Sequence] | frozenset = frozenset()) -> Plan | None:
         """The next mixed step, planned while the one in flight runs and before its tokens are read
-        back (`_chunks` says what the `pending` sequences, whose next token it samples, do). It never
-        preempts (a sequence that would need it is left out: the step in flight still writes to the
-        running sequences' pages); None when no prompt chunk fits, and then the step in flight is read
-        back first."""
+        back (`_chunks` says what the `pending` sequences, whose next token it samples, do; `busy` ones,
+        in a decode dispatch in flight whose token count the host does not know yet, sit it out). It
+        never preempts (a sequence that would need it is left out: the step in flight still writes to
+        the running sequences' pages); None when no prompt chunk fits, and then the step in flight is
+        read back first."""
         self._admit()
-        chunks = self._chunks(pending, preempt=False)
+        chunks = self._chunks(pending, preempt=False, skip=busy)
         if not any(seq.prefilling for seq, _ in chunks):
             return None
         chunks = self._fit_bucket(chunks)
         return Plan("mixed", chunks) if chunks else None
 
-    def _chunks(self, pending: set[Sequence] | frozenset = frozenset(),
-                preempt: bool = True) -> list[tuple[Sequence, int]]:
+    def _chunks(self, pending: set[Sequence] | frozenset = frozenset(), preempt: bool = True,
+                skip: set[Sequence] | frozenset = frozenset()) -> list[tuple[Sequence, int]]:
         """The token budget shared out, oldest first: one decode token for every generating sequence,
         then prompt chunks. A `pending` sequence (a step in flight samples its next token, which the
         host has not seen) decodes that token, its row reading it on the device (StepBatch.from_state)
@@ -204,7 +205,7 @@ class Scheduler:
         chunks: list[tuple[Sequence, int]] = []
         order = sorted(self.running, key=lambda s: s.admitted)
         for seq in order:   # decodes first
-            if budget <= 0 or seq not in self.running:
+            if budget <= 0 or seq not in self.running or seq in skip:
                 continue
             if seq in pending:
                 if len(seq.output_ids) + 1 >= seq.max_new:
