@@ -11,7 +11,9 @@ filled with one `call_soon_threadsafe` per step and event loop (not one per toke
 The wait keeps a request that arrives during a decode dispatch from also waiting for the next
 one: the engine chains dispatches (launches N+1 before reading N back) only while nobody waits
 to join. A newcomer that arrives while N runs wakes the thread at once; it lets N finish, takes
-the newcomer, and the next step is its prefill. If nobody comes by N's expected end less the
+the newcomer, and the next step is its prefill (with overlap_mixed, the GPU default, it takes the
+newcomer at once and the engine launches the prefill behind N before reading N back). If nobody
+comes by N's expected end less the
 time a launch takes (`Engine.chain_at`, measured), the thread steps: N+1 is launched as N ends,
 so the device does not sit idle for the launch (~1 decode step on the H200). Skipped when the
 batch has no free slot (nobody could join).
