@@ -409,7 +409,8 @@ def print_table(rows: list[dict]) -> None:
             print(f"{s['request_rate']:>6}  " + ", ".join(f"gen {g}: {v['count']} x {v['mean_ms']:.2f} ({v['total_ms']:.1f})"
                                                       for g, v in gcs.items()))
         print("engine steps from take-in to the first token (mean), and the mixed (prefill) steps by token bucket:")
-        print("count x mean wall ms on the engine thread (host work + device + read-back)")
+        print("count x mean ms on the engine thread, from the later of its launch and the previous mixed read-back to")
+        print("its own read-back (host work + device + read-back; steps read back late counted once)")
         for s, mixed in having(rows, "mixed_steps"):
             print(f"{s['request_rate']:>6}  steps to first token {s.get('prefill_steps_mean', math.nan):5.2f}  mixed: "
                   + ", ".join(f"{t}: {v['count']} x {v['mean_ms']:.2f}" for t, v in mixed.items()))

@@ -10,6 +10,7 @@ into text (incremental detokenization, stop tokens and strings, finish reasons):
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -129,6 +130,7 @@ class MixedInFlight:
     outs: tuple                # device arrays: tokens, logprobs, top values, top ids (, prompt logprobs)
     launched: float            # perf_counter before the launch
     tokens: int                # prompt and decode tokens computed
+    bucket: int                # the token bucket it runs at
 
 
 @dataclasses.dataclass
@@ -217,7 +219,10 @@ class Engine:
         self._timing = DispatchTiming()
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.last_mixed_tokens: int | None = None   # the token bucket of the last step, if it was a mixed one
+        # Mixed steps read back since the server last took them: (token bucket, seconds from the later of
+        # its launch and the previous read-back to its own read-back: its share of the engine thread,
+        # overlapped or not), for the server's step-time metrics.
+        self.mixed_step_times: collections.deque[tuple[int, float]] = collections.deque(maxlen=1024)
         self.stats = {"prefill_tokens": 0, "prefill_seconds": 0.0, "decode_tokens": 0, "decode_seconds": 0.0}
         # Where step() spends its time, by phase (seconds, summed; see STEP_PHASES): what the host does
         # between two device steps, beside waiting for them.
@@ -348,7 +353,6 @@ class Engine:
         the device does not wait on Python. Sequences that turn out to have finished are computed
         once more and their extra tokens dropped.
         """
-        self.last_mixed_tokens = None
         ph, t0 = self.phase_seconds, time.perf_counter()
         if self._inflight is not None:
             seqs, advanced, outs = self._inflight
@@ -486,8 +490,8 @@ class Engine:
         r, ps = self.runner, self.config.page_size
         t_build = time.perf_counter()
         total = sum(n for _, n in chunks)
-        self.last_mixed_tokens = r.token_bucket(total)   # for the server's step-time metrics
-        a = r.empty_mixed(self.last_mixed_tokens)
+        bucket = r.token_bucket(total)
+        a = r.empty_mixed(bucket)
         t = 0
         for b, (seq, n) in enumerate(chunks):
             start = seq.num_computed
@@ -519,7 +523,7 @@ class Engine:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build
         self.phase_seconds["run"] += time.perf_counter() - t1
-        return MixedInFlight(chunks, a["emits"][:len(chunks)].tolist(), scored, outs, t0, total)
+        return MixedInFlight(chunks, a["emits"][:len(chunks)].tolist(), scored, outs, t0, total, bucket)
 
     def _collect_mixed(self, step: MixedInFlight) -> list[StreamDelta]:
         """Read a mixed step back and append its tokens (not to sequences that ended meanwhile)."""
@@ -528,7 +532,9 @@ class Engine:
         tokens, logprobs, top_v, top_i = out[:4]
         t2 = time.perf_counter()
         self.stats["prefill_tokens"] += step.tokens
-        self.stats["prefill_seconds"] += t2 - max(step.launched, self._mixed_read)   # overlapping steps once
+        seconds = t2 - max(step.launched, self._mixed_read)   # overlapping steps counted once
+        self.stats["prefill_seconds"] += seconds
+        self.mixed_step_times.append((step.bucket, seconds))
         self._mixed_read = t2
         self.phase_seconds["run"] += t2 - t1
         for seq, row, pos in step.scored:   # the logprob of prompt token pos + 1, scored at row

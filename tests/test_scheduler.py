@@ -193,6 +193,11 @@ def test_newcomers_prompt_steps_go_behind_the_decode_dispatch_in_flight(alone_en
                     ids.append(engine.add_request(*queue.pop(0)))
             engine.step()
         assert [engine.take_finished(i).token_ids for i in ids] == want
+        # one step-time record per mixed step, overlapped ones counted once: they sum to the prefill time
+        times = list(engine.mixed_step_times)
+        assert len(times) == len(behind) and {b for b, _ in times} <= set(engine.runner.token_buckets)
+        assert min(t for _, t in times) > 0 and sum(t for _, t in times) == pytest.approx(
+            engine.stats["prefill_seconds"])
         if pool is None:
             assert sum(behind) >= 5   # prompt steps launched behind a decode dispatch in flight
             assert engine.prefix_cache_hit_rate > 0.3

@@ -344,12 +344,14 @@ class AsyncEngine:
         return None
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
         deltas = self.engine.step()
         now = time.perf_counter()
         self._steps += 1
-        if self.metrics and self.engine.last_mixed_tokens is not None:
-            self.metrics.mixed_step(self.engine.last_mixed_tokens, now - t0)
+        if self.engine.mixed_step_times:
+            if self.metrics:
+                for bucket, seconds in self.engine.mixed_step_times:
+                    self.metrics.mixed_step(bucket, seconds)
+            self.engine.mixed_step_times.clear()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
         for d in deltas:
             req = self._live.get(d.request_id)

@@ -112,9 +112,11 @@ class Metrics:
                                        "Engine steps from being taken in until the first token (prefill chunks, "
                                        "and the decode dispatch read back before them).", ["model_name"],
                                        buckets=(1, 2, 3, 4, 6, 8, 16, 32, 64), registry=r).labels(**labels)
-        # A mixed (prefill) step on the engine thread, host work and device together, by its token bucket.
+        # A mixed (prefill) step, host work and device together, by its token bucket: from the later of its
+        # launch and the previous mixed read-back to its own read-back (steps read back late count once).
         self._mixed_step = Histogram("jaxinfer_engine_mixed_step_seconds",
-                                     "Wall time of a mixed (prefill) step on the engine thread, by token bucket.",
+                                     "Time of a mixed (prefill) step on the engine thread, from the later of its "
+                                     "launch and the previous mixed step's read-back to its read-back, by token bucket.",
                                      ["model_name", "tokens"], buckets=_TTFT_BUCKETS, registry=r)
         # How late the event loop wakes from a short sleep: a loop held up (by handler work, or by another
         # thread keeping the GIL) delays every request it serves, before and after the engine's part.
