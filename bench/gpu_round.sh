@@ -229,11 +229,13 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
-  attn)      # issue 4's 1k prefill (16.2 ms on the device, ~15 targeted): the paged flash kernel against cuDNN's
-             # flash attention (jax.nn.dot_product_attention) on contiguous K/V for fresh prompts, then the 1k
-             # prefill step split (host / launch / device) with the GPU defaults of the eighth session
-    step 240 python3 bench/kernels_prefill_attention.py --fused
-    step 150 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+  attn)      # issue 4's 1k prefill (16.2 ms on the device, ~15 targeted): cuDNN's flash attention for a step that
+             # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
+             # bench beside the paged flash kernel, then the 1k prefill step with and without it
+    step 120 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
+    step 200 python3 bench/kernels_prefill_attention.py --fused
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default fresh-attention \
+         --out "$OUT"
     ;;
   gaps2)     # then: offline like the server without and with --overlap-mixed; all at once without the heap
              # freeze; the 1k prefill with the greedy-only prompt step (prefill_dispatch times the step the

@@ -24,17 +24,19 @@ from pathlib import Path
 from bench.table import print_table
 from bench.variant_runs import add_variant_args, run_variants
 
-VARIANTS = {  # name: (XLA_FLAGS, profile)
-    "default": ("", False),
-    "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False),
-    "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True),
+VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
+    "default": ("", False, {}),
+    "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
+    "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True, {}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
-    "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False),
+    "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
+    # the prompt's attention on its own rows by cuDNN's flash attention (EngineConfig.fresh_prompt_attention)
+    "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
 }
 
 
-def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
+def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dict:
     import jax
     import numpy as np
 
@@ -44,7 +46,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
     t0 = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=T + 16,
                     max_num_batched_tokens=T, token_buckets=[T], progress=False, skip_tokenizer_init=True,
-                    max_logprobs=0, enable_prefix_caching=False, num_pages=-(-(T + 16) // 16) + 1)
+                    max_logprobs=0, enable_prefix_caching=False, num_pages=-(-(T + 16) // 16) + 1, **options)
     res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)
     r = engine.runner
     marks: dict = {}
@@ -78,7 +80,8 @@ def child(model_dir: str, ops: str, T: int, profile: bool) -> dict:
 
     batch = jax.device_put(marks["batch"])
 
-    name = "mixed-greedy" if "mixed-greedy" in r.steps else "mixed"   # as the engine runs this greedy prompt
+    # as the engine runs this greedy prompt
+    name = next(n for n in ("mixed-greedy-fresh", "mixed-greedy", "mixed") if n in r.steps)
 
     def raw(n):
         out = None
@@ -110,7 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = str(Path(args.models) / args.shape)
     if args.child:
-        print("RESULT " + json.dumps(child(model_dir, args.ops, args.prompt, VARIANTS[args.child][1])), flush=True)
+        _, profile, options = VARIANTS[args.child]
+        print("RESULT " + json.dumps(child(model_dir, args.ops, args.prompt, profile, options)), flush=True)
         return
     from jaxinfer.random_model import bench_model
 

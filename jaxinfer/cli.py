@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--overlap-mixed", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each prompt step before reading the previous one back, so the host's work between "
                         "prompt steps overlaps the device's (default: on GPUs)")
+    s.add_argument("--fresh-prompt-attention", action="store_true",
+                   help="a prompt step that is one prompt from position 0 runs its attention on cuDNN's flash "
+                        "attention instead of the paged kernel (experimental)")
     s.add_argument("--no-freeze-gc", action="store_true",
                    help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
                         "after start-up: shorter collections while serving)")
@@ -189,7 +192,8 @@ def cmd_serve(args) -> None:
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
           enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,
-          kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed)
+          kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
+          fresh_prompt_attention=args.fresh_prompt_attention or None)
 
 
 def cmd_bench(args) -> None:

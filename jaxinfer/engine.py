@@ -84,6 +84,10 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
+    # An all-greedy prompt step that is one prompt from position 0 (the light-load case) runs attention
+    # as jax.nn.dot_product_attention on its own rows (cuDNN's flash attention on GPUs) instead of the
+    # paged kernel: one more executable per token bucket. Experimental, off until measured on a GPU.
+    fresh_prompt_attention: bool = False
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
@@ -196,7 +200,8 @@ class Engine:
                                   prompt_logprobs=config.enable_prompt_logprobs,
                                   executable_cache=ExecutableCache(config.executable_cache)
                                   if config.executable_cache else None, kv_dtype=self.kv_dtype,
-                                  greedy_mixed=config.greedy_mixed_step)
+                                  greedy_mixed=config.greedy_mixed_step,
+                                  fresh_prompt=config.fresh_prompt_attention)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -518,7 +523,8 @@ class Engine:
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
-        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy)
+        fresh = greedy and self.config.fresh_prompt_attention and len(chunks) == 1 and chunks[0][0].num_computed == 0
+        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, fresh=fresh)
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build

@@ -91,13 +91,14 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False):
+               batch: StepBatch, greedy: bool = False, fresh: bool = False):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
-    read back mid-step, so the call returns at once, as a decode dispatch's does)."""
+    read back mid-step, so the call returns at once, as a decode dispatch's does).
+    fresh: the step is one prompt from position 0 (model.hidden_states)."""
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
-                               batch.token_seq, batch.page_table, batch.sample_index)
+                               batch.token_seq, batch.page_table, batch.sample_index, fresh=fresh)
     return (kv, *_sample_rows(logits, n_top, state, batch, greedy))
 
 
@@ -187,10 +188,12 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int, steps_per_decode: int = 8,
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
-                 short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False):
+                 short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
+                 fresh_prompt: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
-        greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy")."""
+        greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy"); with
+        fresh_prompt, also its variant for a step that is one fresh prompt ("mixed-greedy-fresh")."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -219,6 +222,9 @@ class ModelRunner:
         if greedy_mixed:
             self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
                                                  donate_argnums=(1, 2))
+            if fresh_prompt:
+                self.steps["mixed-greedy-fresh"] = jax.jit(
+                    functools.partial(mixed_step, cfg, ops, 0, greedy=True, fresh=True), donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
@@ -248,19 +254,23 @@ class ModelRunner:
         self.state = self._init_row(self.state, *to_device((np.int32(row), ids, np.int32(len(prompt_ids)),
                                                             np.int32(len(tokens)))))
 
-    def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False) -> tuple[np.ndarray, ...]:
+    def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
+                  fresh: bool = False) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
         (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0."""
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.
-        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy))
+        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, fresh))
 
-    def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False) -> tuple:
+    def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
+                     fresh: bool = False) -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
-        Only the greedy variant returns at once on a GPU; the others block on their sampling branch."""
-        name = "mixed-prompt-logprobs" if prompt_logprobs else "mixed-greedy" if greedy else "mixed"
+        Only the greedy variant returns at once on a GPU; the others block on their sampling branch.
+        fresh (with greedy, on a runner built with fresh_prompt): the batch is one prompt from 0."""
+        name = ("mixed-prompt-logprobs" if prompt_logprobs else "mixed-greedy-fresh" if greedy and fresh else
+                "mixed-greedy" if greedy else "mixed")
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -341,7 +351,8 @@ class ModelRunner:
         for t in self.token_buckets:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-prompt-logprobs") if name in self.steps]
+            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-greedy-fresh", "mixed-prompt-logprobs")
+                      if name in self.steps]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]

@@ -43,8 +43,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels_skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
     ("kernels_decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
                                      "float16", "--points", "2:40", "--budget", "200"], "decode_attention.json"),
-    ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default"],
-     "prefill_dispatch.json"),
+    ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default",
+                             "fresh-attention"], "prefill_dispatch.json"),
     ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
                             "server-defaults+greedy"], "decode_dispatch.json"),
 ])

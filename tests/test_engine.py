@@ -179,6 +179,38 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
     np.testing.assert_allclose([v for t in tops for _, v in t], [v for t in want_tops for _, v in t], atol=1e-5)
 
 
+@pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
+def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
+    """fresh_prompt_attention: an all-greedy step that is one prompt from position 0 runs its attention on
+    its own rows (mixed-greedy-fresh); a step with two prompts, a prompt after a cached prefix or a
+    decode row runs the paged one. Greedy tokens and logprobs equal the engine's without it (float32), and
+    nothing compiles after start-up."""
+    system = "once upon a time there was a little girl named lily. " * 3
+    prompts = [system + "she", system + "he went", "one day", "the dog ran to the park and"]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+              fresh_prompt_attention=True, progress=False)
+    want = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
+    r = llm.engine.runner
+    ran = []
+    call = r._call
+    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        got = [llm.generate([p], params)[0] for p in prompts] + llm.generate(prompts, params)
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    # alone: the first prompt and the two without a cached prefix are fresh; the second hits the cache
+    assert ran.count("mixed-greedy-fresh") == 3 and "mixed-greedy" in ran
+    expected = [want.generate([p], params)[0] for p in prompts] + want.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     """compile_threads > 1 compiles every step in a pool thread; each step's first call on the main
     thread must then find its executable in the cache, and later requests compile nothing."""

@@ -46,3 +46,27 @@ def test_ragged_batch_equals_dense_per_sequence(B, H, kvh, hd):
     for chunk in (None, 16, 5):
         got = np.asarray(reference.paged_attention(*args, chunk=chunk))
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n, T, H, kvh, hd, dtype", [(7, 16, 8, 4, 8, "float32"), (33, 48, 4, 2, 16, "float32"),
+                                                     (64, 64, 8, 2, 32, "bfloat16")])
+def test_fresh_prompt_attention_equals_the_paged_op(n, T, H, kvh, hd, dtype):
+    """One prompt of n tokens from position 0, padded to T rows (padding: slot of the scratch page,
+    position 0, as the engine pads): the fresh-prompt op (K/V gathered back from the slots just written,
+    jax.nn.dot_product_attention) equals the paged op on the prompt's rows."""
+    ps, L, layer = 4, 2, 1
+    rng = np.random.default_rng(n * 7 + T)
+    P = -(-n // ps)
+    pages = rng.permutation(np.arange(1, P + 3))[:P].astype(np.int32)   # non-contiguous, page 0 = scratch
+    k_cache = rng.standard_normal((L, kvh, (P + 3) * ps, hd)).astype(np.float32)   # stale data around
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    pos = np.arange(n)
+    slots = np.concatenate([pages[pos // ps] * ps + pos % ps, np.arange(T - n) % ps]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((T, H, hd)), dtype)
+    k_cache, v_cache = jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype)
+    got = reference.fresh_prompt_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(slots), hd ** -0.5)
+    positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
+    want = reference.paged_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(pages[None]),
+                                     jnp.zeros(T, jnp.int32), jnp.asarray(positions), ps, hd ** -0.5)
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32), atol=tol, rtol=tol)

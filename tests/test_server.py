@@ -628,6 +628,7 @@ def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
     assert server.engine_options(overlap_mixed=False)["overlap_mixed"] is False
     assert build_parser().parse_args(["bench", "--overlap-mixed"]).overlap_mixed
     assert build_parser().parse_args(["bench", "--no-overlap-mixed"]).overlap_mixed is False
+    assert build_parser().parse_args(["serve", "--fresh-prompt-attention"]).fresh_prompt_attention
 
 
 def test_schemathesis_finds_no_server_errors():

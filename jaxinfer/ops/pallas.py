@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import jax.numpy as jnp
+
 from jaxinfer.ops import LayerWeight, reference
 
 
@@ -127,5 +129,13 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
                                                         interpret=interpret))
     if flash_prefill:
         ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
+    def fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale):
+        """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
+        on GPUs (16-bit only; XLA's attention otherwise)."""
+        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16)
+        return reference.fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale,
+                                                implementation="cudnn" if cudnn else "xla")
+
+    ops["fresh_prompt_attention"] = fresh_prompt_attention
     base = "pallas-unfused-rope" if not fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
     return OpSet(**ops, name=base + ("-interpret" if interpret else ""))

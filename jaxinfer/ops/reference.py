@@ -114,6 +114,19 @@ def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, 
     return q, k_cache, v_cache
 
 
+def fresh_prompt_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                           slot_mapping: jax.Array, scale: float, implementation: str = "xla") -> jax.Array:
+    """Causal attention of one fresh prompt over itself: q [T, H, hd] at positions 0..T-1, its K/V just
+    written at slot_mapping [T] (gathered back from the caches: what the paged kernels read, float8
+    included). Rows past the prompt (padding, at the end) see it and themselves; their output is unused.
+    `implementation`: jax.nn.dot_product_attention's ("cudnn": its flash attention on NVIDIA GPUs)."""
+    k = k_cache[layer, :, slot_mapping].astype(q.dtype)   # [T, KVH, hd]
+    v = v_cache[layer, :, slot_mapping].astype(q.dtype)
+    out = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                       implementation=implementation)
+    return out[0]
+
+
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                     page_table: jax.Array, token_seq: jax.Array, positions: jax.Array,
                     page_size: int, scale: float, chunk: int | None = None) -> jax.Array:
