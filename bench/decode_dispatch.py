@@ -33,6 +33,12 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "server-defaults+greedy": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
     "server-defaults+no-cmdbuf": ("--xla_gpu_enable_command_buffer=", True, False,
                                   dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
+    # the server's late chain moved earlier (EngineConfig.chain_early_ms): its server-loop step against the
+    # user step says whether the device idles between dispatches
+    "server-defaults+early1": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8,
+                                                     chain_early_ms=1.0)),
+    "server-defaults+early3": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8,
+                                                     chain_early_ms=3.0)),
     "server-defaults+cmdbuf-while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                                      "CONDITIONAL", True, False, dict(max_logprobs=20, max_model_len=40960,
                                                                       decode_steps=8)),

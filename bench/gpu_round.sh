@@ -237,6 +237,17 @@ case "${1:-1}" in
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default fresh-attention \
          --out "$OUT"
     ;;
+  tpot)      # issue 6's TPOT at light load (3.16 ms against 2.98 targeted): the server loop's decode step (3.02 ms)
+             # against a user's (2.67) with the late chain moved 1 and 3 ms earlier, then the server at 2 req/s
+             # with the better one (CHAIN_MS, default 1)
+    step 300 python3 bench/decode_dispatch.py --shape qwen3-4b --variants server-defaults+greedy \
+         server-defaults+early1 server-defaults+early3 --out "$OUT"
+    serve_setup
+    step 150 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --chain-early-ms ${CHAIN_MS:-1}" \
+         --request-rates 2,8 --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-early.json" \
+         --client aiohttp
+    ;;
   gaps2)     # then: offline like the server without and with --overlap-mixed; all at once without the heap
              # freeze; the 1k prefill with the greedy-only prompt step (prefill_dispatch times the step the
              # engine runs)

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 0: off)")
     s.add_argument("--short-decode-steps", type=int, default=None,
                    help="decode steps per dispatch of those small batches (default 2)")
+    s.add_argument("--chain-early-ms", type=float, default=None,
+                   help="launch the next decode dispatch this much before the running one's expected end less a "
+                        "launch (default 0; for A/B runs: less device idle between dispatches, newcomers in the "
+                        "window wait one dispatch more)")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="share of device memory for weights and KV cache")
     s.add_argument("--enable-prompt-logprobs", action="store_true",
@@ -192,6 +196,7 @@ def cmd_serve(args) -> None:
           max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=args.gpu_memory_fraction,
           enable_prompt_logprobs=args.enable_prompt_logprobs or None, decode_steps=args.decode_steps,
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,
+          chain_early_ms=args.chain_early_ms,
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
           fresh_prompt_attention=args.fresh_prompt_attention or None)
 

@@ -52,6 +52,7 @@ class DispatchTiming:
         seen = self.observed.get(bucket)
         return min(seen) if seen else None
 
-    def chain_at(self, bucket: int) -> float | None:
+    def chain_at(self, bucket: int, early: float = 0.0) -> float | None:
+        """When to launch the successor: the expected end less the launch time and `early` seconds."""
         end = self.expected_end(bucket)
-        return None if end is None else end - self.launch
+        return None if end is None else end - self.launch - early

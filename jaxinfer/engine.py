@@ -66,6 +66,10 @@ class EngineConfig:
     # small enough for the host to launch and read back more often. 0: off.
     short_decode_max_batch: int = 0
     short_decode_steps: int = 2
+    # A server chains the next decode dispatch this much earlier than the running one's expected end
+    # less a launch (Engine.chain_at): the device idles less between dispatches when the estimate runs
+    # late; a newcomer arriving in that window waits for the chained dispatch too. For A/B runs.
+    chain_early_ms: float = 0.0
     token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
     # Layers as straight-line code over per-layer weight arrays (no device loop, no weight copies in
     # XLA's GEMMs; longer compiles). None: on GPUs, where both costs were measured (bench/NOTES.md).
@@ -117,6 +121,8 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.chain_early_ms < 0:
+            raise ValueError(f"chain_early_ms must be >= 0, got {self.chain_early_ms}")
         if self.short_decode_max_batch < 0:
             raise ValueError(f"short_decode_max_batch must be >= 0, got {self.short_decode_max_batch}")
         if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:
@@ -323,7 +329,8 @@ class Engine:
         then (bench/NOTES.md: a launch blocks the host ~1 step, which a wait-then-launch loop exposes)."""
         if self._inflight is None:
             return None
-        return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])))
+        return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])),
+                                     early=self.config.chain_early_ms / 1e3)
 
     def inflight_done(self) -> bool:
         """Whether the decode dispatch in flight has finished on the device (no wait); its end is

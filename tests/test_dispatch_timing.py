@@ -16,6 +16,7 @@ def test_dispatch_timing_says_when_to_chain():
     assert abs(t.duration(1) - 0.020) < 0.002
     t.started()
     assert abs(t.chain_at(1) - (t.start + t.duration(1) - 0.002)) < 1e-9
+    assert abs(t.chain_at(1, early=0.001) - (t.start + t.duration(1) - 0.003)) < 1e-9
     assert t.chain_at(8) is None                  # another batch size: not timed yet
     t.launched(0.004)
     assert abs(t.launch - 0.003) < 1e-9
