@@ -96,3 +96,36 @@ def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_di
     del alone_engine
     gc.collect()
     assert run(Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, **opts), prompts) == alone
+
+
+def test_newcomers_prompt_steps_behind_a_decode_dispatch_give_each_request_its_tokens_alone(qwen3_dir):
+    """overlap_mixed on the GPU: requests arriving a few at a time while decode dispatches run have their
+    prompt step launched behind the dispatch in flight, before it is read back; each request gets the
+    tokens it gets alone on the synchronous engine."""
+    import random
+
+    opts = dict(dtype="float32", ops="pallas", max_model_len=512, max_num_batched_tokens=64, progress=False,
+                skip_tokenizer_init=True, decode_steps=4)
+    prompts = [list(range(1000 + 5 * i, 1000 + 5 * i + 20 + 9 * i)) for i in range(12)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone_engine = Engine(qwen3_dir, max_num_seqs=1, overlap_mixed=False, **opts)
+    alone = []
+    for p in prompts:
+        rid = alone_engine.add_request(p, params)
+        while alone_engine.has_unfinished():
+            alone_engine.step()
+        alone.append(alone_engine.take_finished(rid).token_ids)
+    del alone_engine
+    gc.collect()
+    engine = Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, **opts)
+    behind = []
+    launch = engine._launch_mixed
+    engine._launch_mixed = lambda chunks: (behind.append(engine._inflight is not None), launch(chunks))[1]
+    rng, ids, queue = random.Random(3), [], list(prompts)
+    while queue or engine.has_unfinished():
+        for _ in range(rng.choice([0] * 5 + [1]) if engine.has_unfinished() else 1):
+            if queue:
+                ids.append(engine.add_request(queue.pop(0), params))
+        engine.step()
+    assert [engine.take_finished(i).token_ids for i in ids] == alone
+    assert sum(behind) >= 2
