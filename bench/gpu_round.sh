@@ -218,14 +218,14 @@ case "${1:-1}" in
     step 200 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget ${SWEEP_S:-110} --models qwen3-4b
     ;;
   ttft)      # the ninth session's first call: GPU parity (a newcomer's prompt step now goes behind the decode
-             # dispatch in flight, with overlap_mixed, the GPU default), then the server with and without it
-             # side by side at 2 and 8 req/s and all at once (the light-load TTFT target is 25 ms)
+             # dispatch in flight, with overlap_mixed, the GPU default), then the server with it and without it
+             # (--no-prefill-behind-decode) side by side at 2 and 8 req/s (the light-load TTFT target is 25 ms)
     step 330 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     serve_setup
     M=/tmp/jaxinfer-bench-models/qwen3-4b
-    for v in overlap no-overlap; do
-      step 150 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v-mixed" \
-           --request-rates ${RATES:-2,8,inf} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-$v.json" \
+    for v in prefill-behind-decode no-prefill-behind-decode; do
+      step 120 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" \
+           --request-rates ${RATES:-2,8} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-$v.json" \
            --client aiohttp
     done
     ;;

@@ -84,6 +84,9 @@ class EngineConfig:
     # predicate unless it runs the greedy-only variant (greedy_mixed_step). None: on GPUs (H200, Qwen3-4B
     # shape: +10% offline and +8.5% through the server with 64 requests at once, bench/NOTES.md).
     overlap_mixed: bool | None = None
+    # With overlap_mixed: a newcomer's prompt step is launched behind the decode dispatch in flight,
+    # before that dispatch is read back (off: after it, as without overlap_mixed). For A/B runs.
+    prefill_behind_decode: bool = True
     # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
@@ -417,7 +420,8 @@ class Engine:
         """With overlap_mixed: whether waiting requests can be taken in now (a free row), so that their
         prompt step can be launched before the decode dispatch in flight is read back."""
         s = self.scheduler
-        return bool(self.config.overlap_mixed and self._inflight_mixed is None and s.waiting and s.free_rows)
+        return bool(self.config.overlap_mixed and self.config.prefill_behind_decode and self._inflight_mixed is None
+                    and s.waiting and s.free_rows)
 
     def _settle(self, seqs: list[Sequence]) -> None:
         """After a read-back with nothing in flight: register new full blocks, release the finished."""

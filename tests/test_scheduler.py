@@ -176,13 +176,14 @@ def test_newcomers_prompt_steps_go_behind_the_decode_dispatch_in_flight(alone_en
     """overlap_mixed: requests that arrive while a decode dispatch runs are taken in and their prompt step
     is launched before that dispatch is read back (the dispatch's sequences sit the step out: the host
     does not know yet how many tokens they got). Requests arriving a few at a time between steps, with
-    prefix-cache hits, then with a pool small enough to preempt: each gets its tokens alone; the pool is
-    whole again."""
+    prefix-cache hits, then with a pool small enough to preempt, then with the option off: each gets its
+    tokens alone; the pool is whole again."""
     system = "once upon a time there was a little girl named lily. " * 2
     prompts, params = _prompts(40, 12, prefix=system), _params(40, 12, sampled)
     want = _alone(alone_engine, prompts, params)
-    for pool, rows in ((None, 32), (20, 16)):
-        engine = _engine(num_pages=pool, max_num_seqs=rows, max_model_len=128, decode_steps=4, **OVERLAP)
+    for pool, rows, behind_decode in ((None, 32, True), (20, 16, True), (None, 32, False)):
+        engine = _engine(num_pages=pool, max_num_seqs=rows, max_model_len=128, decode_steps=4,
+                         prefill_behind_decode=behind_decode, **OVERLAP)
         behind = []
         launch = engine._launch_mixed
         engine._launch_mixed = lambda chunks: (behind.append(engine._inflight is not None), launch(chunks))[1]
@@ -198,7 +199,9 @@ def test_newcomers_prompt_steps_go_behind_the_decode_dispatch_in_flight(alone_en
         assert len(times) == len(behind) and {b for b, _ in times} <= set(engine.runner.token_buckets)
         assert min(t for _, t in times) > 0 and sum(t for _, t in times) == pytest.approx(
             engine.stats["prefill_seconds"])
-        if pool is None:
+        if not behind_decode:
+            assert sum(behind) == 0   # the option turns it off
+        elif pool is None:
             assert sum(behind) >= 5   # prompt steps launched behind a decode dispatch in flight
             assert engine.prefix_cache_hit_rate > 0.3
         else:

@@ -266,10 +266,12 @@ class AsyncEngine:
         the commands handled."""
         # With overlap_mixed a newcomer is taken in at once: its prompt step is launched behind the
         # dispatch in flight (Engine.step), the host's work for it done while the dispatch runs.
-        let_finish = self.engine.wait if not self.engine.config.overlap_mixed else lambda: None
+        c = self.engine.config
+        behind = c.overlap_mixed and c.prefill_behind_decode
         at = self.engine.chain_at()
         if at is None:            # nothing in flight, or its batch size not yet timed: as a newcomer would
-            let_finish()
+            if not behind:
+                self.engine.wait()
             self._handle(self._take_commands(block=False))
             return
         cmds = []
@@ -286,7 +288,8 @@ class AsyncEngine:
         self.engine.runner.device_wait_seconds += time.perf_counter() - t0   # the device was working
         cmds += self._take_commands(block=False)
         if cmds:
-            let_finish()
+            if not behind:
+                self.engine.wait()
             self._handle(cmds + self._take_commands(block=False))
 
     def _take_commands(self, block: bool) -> list[tuple[str, Any]]:
