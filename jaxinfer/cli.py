@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt steps overlaps the device's (default: on GPUs)")
     s.add_argument("--prefill-behind-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="with --overlap-mixed: launch a newcomer's prompt step behind the decode dispatch in flight "
-                        "(default: on)")
+                        "(experimental, default off)")
     s.add_argument("--fresh-prompt-attention", action="store_true",
                    help="a prompt step that is one prompt from position 0 runs its attention on cuDNN's flash "
                         "attention instead of the paged kernel (experimental)")

@@ -85,8 +85,9 @@ class EngineConfig:
     # shape: +10% offline and +8.5% through the server with 64 requests at once, bench/NOTES.md).
     overlap_mixed: bool | None = None
     # With overlap_mixed: a newcomer's prompt step is launched behind the decode dispatch in flight,
-    # before that dispatch is read back (off: after it, as without overlap_mixed). For A/B runs.
-    prefill_behind_decode: bool = True
+    # before that dispatch is read back (off: after it, as without overlap_mixed). Off until measured on
+    # a GPU (CPU-tested; bench/NOTES.md, eighth session).
+    prefill_behind_decode: bool = False
     # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).

@@ -237,10 +237,11 @@ def test_64_concurrent_streams_match_each_alone(stories):
 
 
 def test_concurrent_streams_with_prompt_steps_read_back_late():
-    """The same with overlap_mixed (each prompt step launched before the one in flight is read back)
-    and the greedy-only prompt step, as a GPU server would run them, with small prompt chunks."""
+    """The same with overlap_mixed (each prompt step launched before the one in flight is read back), the
+    greedy-only prompt step (as a GPU server runs them) and newcomers' prompt steps launched behind the
+    decode dispatch in flight (taken in at once), with small prompt chunks."""
     engine = Engine(STORIES, max_num_seqs=16, max_num_batched_tokens=32, overlap_mixed=True, greedy_mixed_step=True,
-                    progress=False)
+                    prefill_behind_decode=True, progress=False)
     server = _serve(engine, max_waiting=128)
     try:
         _concurrent_streams_match_each_alone(server)

@@ -117,7 +117,7 @@ def test_newcomers_prompt_steps_behind_a_decode_dispatch_give_each_request_its_t
         alone.append(alone_engine.take_finished(rid).token_ids)
     del alone_engine
     gc.collect()
-    engine = Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, **opts)
+    engine = Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, prefill_behind_decode=True, **opts)
     behind = []
     launch = engine._launch_mixed
     engine._launch_mixed = lambda chunks: (behind.append(engine._inflight is not None), launch(chunks))[1]
