@@ -233,8 +233,8 @@ case "${1:-1}" in
              # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
              # bench beside the paged flash kernel, then the 1k prefill step with and without it
     step 120 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
-    step 200 python3 bench/kernels_prefill_attention.py --fused
-    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default fresh-attention \
+    step 240 python3 bench/kernels_prefill_attention.py --fused
+    step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default fresh-attention \
          --out "$OUT"
     ;;
   tpot)      # issue 6's TPOT at light load (3.16 ms against 2.98 targeted): the server loop's decode step (3.02 ms)
