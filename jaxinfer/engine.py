@@ -144,7 +144,6 @@ class MixedInFlight:
     outs: tuple                # device arrays: tokens, logprobs, top values, top ids (, prompt logprobs)
     launched: float            # perf_counter before the launch
     tokens: int                # prompt and decode tokens computed
-    bucket: int                # the token bucket it runs at
 
 
 @dataclasses.dataclass
@@ -417,12 +416,17 @@ class Engine:
         ph["chain"] += time.perf_counter() - t1
         return []
 
+    @property
+    def prefills_behind_decode(self) -> bool:
+        """A newcomer's prompt step may be launched behind the decode dispatch in flight (overlap_mixed
+        with prefill_behind_decode): a server need not let the dispatch finish before taking it in."""
+        return bool(self.config.overlap_mixed and self.config.prefill_behind_decode)
+
     def _newcomers_fit(self) -> bool:
-        """With overlap_mixed: whether waiting requests can be taken in now (a free row), so that their
-        prompt step can be launched before the decode dispatch in flight is read back."""
+        """Whether waiting requests can be taken in now (a free row) and their prompt step launched
+        before the decode dispatch in flight is read back."""
         s = self.scheduler
-        return bool(self.config.overlap_mixed and self.config.prefill_behind_decode and self._inflight_mixed is None
-                    and s.waiting and s.free_rows)
+        return bool(self.prefills_behind_decode and self._inflight_mixed is None and s.waiting and s.free_rows)
 
     def _settle(self, seqs: list[Sequence]) -> None:
         """After a read-back with nothing in flight: register new full blocks, release the finished."""
@@ -541,7 +545,7 @@ class Engine:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build
         self.phase_seconds["run"] += time.perf_counter() - t1
-        return MixedInFlight(chunks, a["emits"][:len(chunks)].tolist(), scored, outs, t0, total, bucket)
+        return MixedInFlight(chunks, a["emits"][:len(chunks)].tolist(), scored, outs, t0, total)
 
     def _collect_mixed(self, step: MixedInFlight) -> list[StreamDelta]:
         """Read a mixed step back and append its tokens (not to sequences that ended meanwhile)."""
@@ -552,7 +556,7 @@ class Engine:
         self.stats["prefill_tokens"] += step.tokens
         seconds = t2 - max(step.launched, self._mixed_read)   # overlapping steps counted once
         self.stats["prefill_seconds"] += seconds
-        self.mixed_step_times.append((step.bucket, seconds))
+        self.mixed_step_times.append((self.runner.token_bucket(step.tokens), seconds))
         self._mixed_read = t2
         self.phase_seconds["run"] += t2 - t1
         for seq, row, pos in step.scored:   # the logprob of prompt token pos + 1, scored at row

@@ -11,7 +11,7 @@ filled with one `call_soon_threadsafe` per step and event loop (not one per toke
 The wait keeps a request that arrives during a decode dispatch from also waiting for the next
 one: the engine chains dispatches (launches N+1 before reading N back) only while nobody waits
 to join. A newcomer that arrives while N runs wakes the thread at once; it lets N finish, takes
-the newcomer, and the next step is its prefill (with overlap_mixed, the GPU default, it takes the
+the newcomer, and the next step is its prefill (with `Engine.prefills_behind_decode` it takes the
 newcomer at once and the engine launches the prefill behind N before reading N back). If nobody
 comes by N's expected end less the
 time a launch takes (`Engine.chain_at`, measured), the thread steps: N+1 is launched as N ends,
@@ -262,12 +262,10 @@ class AsyncEngine:
 
     def _wait_for_newcomers(self) -> None:
         """Block on the command queue until the dispatch in flight is due to be chained; a command
-        that arrives first ends the wait: then the dispatch is let finish (unless overlap_mixed) and
-        the commands handled."""
-        # With overlap_mixed a newcomer is taken in at once: its prompt step is launched behind the
-        # dispatch in flight (Engine.step), the host's work for it done while the dispatch runs.
-        c = self.engine.config
-        behind = c.overlap_mixed and c.prefill_behind_decode
+        that arrives first ends the wait: then the dispatch is let finish and the commands handled;
+        with `Engine.prefills_behind_decode` a newcomer is taken in at once instead (its prompt step is
+        launched behind the dispatch, the host's work for it done while the dispatch runs)."""
+        behind = self.engine.prefills_behind_decode
         at = self.engine.chain_at()
         if at is None:            # nothing in flight, or its batch size not yet timed: as a newcomer would
             if not behind:
