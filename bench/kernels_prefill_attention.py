@@ -22,11 +22,11 @@ chunk after 6,144 and 4 x 1,024 (phase A: tile rows x heads per program x block_
 three with other num_warps / num_stages and the natural schedule order), printing the best per case:
 what fills prefill_attention._TABLE and its short/long crossover. Every config is checked against the
 reference (a wrong block shape can compile, run and be silently wrong: ../shared/GPU_FACTS.md).
---fused: also the fused attention XLA offers for a fresh prompt whose K/V are still contiguous (not yet
-read from pages): jax.nn.dot_product_attention(is_causal=True) with implementation "cudnn" (cuDNN's flash
-attention; GQA by head groups) and "xla", at the cases whose sequences all start at 0 with one length
-(prompt 128 / 1,024 / 8,192, 4 x 1,024), checked against each other: the bar the paged kernel's fresh-prompt
-case has to meet (issue 4: at 1k the Pallas kernel ran 2.2 of the 16.2 ms step at ~140 TFLOP/s).
+--fused: also the engine's op for a step that is one fresh prompt (reference.fresh_prompt_attention: its
+K/V gathered back from the slots it wrote, then jax.nn.dot_product_attention(is_causal=True)) with
+implementation "cudnn" (cuDNN's flash attention; GQA by head groups) and "xla", at the one-prompt cases
+(prompt 128 / 1,024 / 8,192), checked against the paged reference: what fresh_prompt_attention would
+replace the paged kernel with (issue 4: at 1k the kernel ran 2.2 of the 16.2 ms step at ~140 TFLOP/s).
 JSON of everything to $OUT/prefill_attention.json when OUT is set.
 """
 
@@ -267,47 +267,44 @@ def table_mode(results, pool, t_start):
     jobs.clear()
 
 
+def fresh_op(implementation):
+    """The engine's op for a step that is one fresh prompt (ops.fresh_prompt_attention): its K/V gathered
+    back from the slots it wrote, then jax.nn.dot_product_attention."""
+    def op(q, k, v, layer, pt, qs, ts, pos, scale):
+        slots = pt[0, pos // PS] * PS + pos % PS
+        return reference.fresh_prompt_attention(q, k, v, layer, slots, scale, implementation=implementation)
+    return op
+
+
 def fused_rows(results, t_start, implementations=("cudnn", "xla")):
-    """jax.nn.dot_product_attention on contiguous K/V for the fresh-prompt cases: ms and TFLOP/s per
-    implementation, the first implementation's output checked against the last's."""
+    """The fresh-prompt op (one sequence from position 0) per implementation: ms, TFLOP/s, and its error
+    against the paged reference on the same problem."""
     for name, H, KVH, hd in SHAPES:
         for i, (case, seqs) in enumerate(CASES):
-            if any(a != 0 for a, _ in seqs) or len({n for _, n in seqs}) != 1:
+            if len(seqs) != 1 or seqs[0][0] != 0:
                 continue
-            B, T = len(seqs), seqs[0][1]
-            kq, kk, kv = jax.random.split(jax.random.PRNGKey(200 + i), 3)
-            args = (jax.random.normal(kq, (B, T, H, hd), jnp.bfloat16),
-                    jax.random.normal(kk, (B, T, KVH, hd), jnp.bfloat16),
-                    jax.random.normal(kv, (B, T, KVH, hd), jnp.bfloat16))
-            flops = 4.0 * B * (T * (T + 1) / 2) * hd * H
-            outs = {}
+            p = make_problem(case, seqs, H, KVH, hd, seed=100 + i)
+            _, ref_out = time_reference(p)
             for impl in implementations:
-                row = {"model": name, "case": case, "T": B * T, "implementation": impl, "flops": flops}
+                row = {"model": name, "case": case, "T": p.T, "implementation": impl, "flops": p.flops}
                 try:
-                    def op(q, k, v, layer, impl=impl):
-                        return jax.nn.dot_product_attention(q, k, v, is_causal=True, scale=hd ** -0.5,
-                                                            implementation=impl)
-                    n = n_chain(max(10e-6, flops / 300e12))
-                    t, first = time_chain(build_chain(op, args, n, 1), args, n, 0.05, max_calls=20)
-                    outs[impl] = first
-                    row.update(ms=t * 1e3, tflops=flops / t / 1e12, ok=True)
+                    n = n_chain(est_time(p))
+                    t, first = time_compiled(build(fresh_op(impl), p, n), p, n)
+                    err = rel_err(first, ref_out)
+                    row.update(ms=t * 1e3, tflops=p.flops / t / 1e12, err=err, ok=err < TOL)
                 except Exception as e:  # noqa: BLE001  (cuDNN missing, or a shape it refuses)
                     row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
                 results.setdefault("fused", []).append(row)
-            if len(outs) > 1:
-                err = rel_err(outs[implementations[0]], outs[implementations[-1]])
-                for r in results["fused"][-len(implementations):]:
-                    r["err_vs_" + implementations[-1]] = err
-            log(f"[{time.time() - t_start:6.1f}s] fused {name} {case}: " + ", ".join(
-                f"{r['implementation']} {r['ms']:.3f} ms {r['tflops']:.1f} TFLOP/s" if r["ok"] else
-                f"{r['implementation']} FAILED {r['error']}" for r in results["fused"][-len(implementations):]))
+                log(f"[{time.time() - t_start:6.1f}s] fresh-prompt op {name} {case} {impl}: " +
+                    (f"{row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s (err {row['err']:.1e})" if "ms" in row
+                     else f"FAILED {row['error']}"))
 
 
 def main():
     ap = argparse.ArgumentParser()
     add_sweep_args(ap, budget=240.0)
     ap.add_argument("--fused", action="store_true",
-                    help="also jax.nn.dot_product_attention (cuDNN, XLA) on contiguous K/V, fresh prompts")
+                    help="also the fresh-prompt op (jax.nn.dot_product_attention: cuDNN, XLA) at one-prompt cases")
     args = ap.parse_args()
     global INTERPRET, SHAPES, CASES, SWEEP_CASES
     INTERPRET = args.interpret
@@ -345,13 +342,12 @@ def main():
                       f"{tf:6.1f} TFLOP/s {tf * 1e12 / g:5.0%}  (ref {e['ref_ms']:.3f} ms)")
     if args.fused:
         fused_rows(results, t_start, ("xla",) if INTERPRET else ("cudnn", "xla"))
-        print("\nFused attention on contiguous K/V (jax.nn.dot_product_attention, causal), against the paged kernel above")
+        print("\nThe fresh-prompt op (K/V gathered from its slots, jax.nn.dot_product_attention, causal), against "
+              "the paged kernel above")
         for r in results["fused"]:
-            err = r.get("err_vs_xla")
-            print(f"  {r['model']:>20} {r['case']:>16} {r['implementation']:>6}: " +
-                  (f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s {r['tflops'] * 1e12 / g:5.0%}" +
-                   (f"  (err vs xla {err:.1e})" if err is not None and r["implementation"] != "xla" else "")
-                   if r["ok"] else f"FAILED {r['error']}"))
+            print(f"  {r['model']:>28} {r['case']:>16} {r['implementation']:>6}: " +
+                  (f"{r['ms']:8.3f} ms {r['tflops']:6.1f} TFLOP/s {r['tflops'] * 1e12 / g:5.0%} (err {r['err']:.1e})"
+                   if r.get("ok") else f"FAILED {r.get('error') or r.get('err')}"))
     print(f"total {time.time() - t_start:.0f} s")
     save_results(results, "prefill_attention.json")
 

@@ -129,6 +129,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
                                                         interpret=interpret))
     if flash_prefill:
         ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
+
     def fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale):
         """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
         on GPUs (16-bit only; XLA's attention otherwise)."""
