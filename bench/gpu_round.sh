@@ -229,6 +229,18 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
+  ninth)     # the ninth session's second call, after prefill_behind_decode and fresh_prompt_attention became GPU
+             # defaults: GPU parity (with a fresh 1,000-token prompt on cuDNN against the paged kernel), the fresh op's
+             # crossover (prompts 128-8,192), prefill 1k/8k with and without it, the server's defaults at 2 and 8 req/s
+    step 300 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
+    step 120 python3 bench/kernels_prefill_attention.py --fused
+    step 170 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-paged --out "$OUT"
+    serve_setup
+    step 120 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
+         --request-rates ${RATES:-2,8} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-defaults.json" \
+         --client aiohttp
+    ;;
   attn)      # issue 4's 1k prefill (16.2 ms on the device, ~15 targeted): cuDNN's flash attention for a step that
              # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
              # bench beside the paged flash kernel, then the 1k prefill step with and without it

@@ -36,10 +36,15 @@ def prefill_flops(cfg, T: int) -> float:
     return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size + attention
 
 
-def ttft_jaxinfer(model_dir: Path, ops: str, prompt: list[int], chunk: int, repeats: int = 3,
+# Paths besides ops names: engine settings to compare side by side
+PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False})}  # the paged kernel for a fresh prompt
+
+
+def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,
                   profile_dir: str | None = None) -> float:
     chunk = min(chunk, len(prompt))
-    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=len(prompt) + 16,
+    ops, options = PATH_OPTIONS.get(path, (path, {}))
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
                     enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -87,7 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
     ap.add_argument("--prompts", type=int, nargs="+", default=[128, 1024, 8192, 32768])
-    ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
+    ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"],
+                    help=f"ops names, hf (transformers), or {', '.join(PATH_OPTIONS)}")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget of a step)")
     ap.add_argument("--profile", nargs="*", default=[], help="path:prompt cases to trace, e.g. pallas:1024")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")

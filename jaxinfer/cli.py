@@ -81,10 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt steps overlaps the device's (default: on GPUs)")
     s.add_argument("--prefill-behind-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="with --overlap-mixed: launch a newcomer's prompt step behind the decode dispatch in flight "
-                        "(experimental, default off)")
-    s.add_argument("--fresh-prompt-attention", action="store_true",
-                   help="a prompt step that is one prompt from position 0 runs its attention on cuDNN's flash "
-                        "attention instead of the paged kernel (experimental)")
+                        "(default: on GPUs)")
+    s.add_argument("--fresh-prompt-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="a prompt step of at least 1,024 tokens that is one prompt from position 0 runs its attention "
+                        "on cuDNN's flash attention instead of the paged kernel (default: on GPUs)")
     s.add_argument("--no-freeze-gc", action="store_true",
                    help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
                         "after start-up: shorter collections while serving)")
@@ -201,7 +201,7 @@ def cmd_serve(args) -> None:
           short_decode_max_batch=args.short_decode_max_batch, short_decode_steps=args.short_decode_steps,
           chain_early_ms=args.chain_early_ms,
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
-          fresh_prompt_attention=args.fresh_prompt_attention or None, prefill_behind_decode=args.prefill_behind_decode)
+          fresh_prompt_attention=args.fresh_prompt_attention, prefill_behind_decode=args.prefill_behind_decode)
 
 
 def cmd_bench(args) -> None:

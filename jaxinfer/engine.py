@@ -85,17 +85,20 @@ class EngineConfig:
     # shape: +10% offline and +8.5% through the server with 64 requests at once, bench/NOTES.md).
     overlap_mixed: bool | None = None
     # With overlap_mixed: a newcomer's prompt step is launched behind the decode dispatch in flight,
-    # before that dispatch is read back (off: after it, as without overlap_mixed). Off until measured on
-    # a GPU (CPU-tested; bench/NOTES.md, eighth session).
-    prefill_behind_decode: bool = False
+    # before that dispatch is read back (off: after it, as without overlap_mixed). None: on GPUs (H200,
+    # Qwen3-4B shape, 2 req/s: queue 4.5 -> 0.8 ms, TTFT p50 32.5 -> 24.6 ms, bench/NOTES.md).
+    prefill_behind_decode: bool | None = None
     # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
-    # An all-greedy prompt step that is one prompt from position 0 (the light-load case) runs attention
-    # as jax.nn.dot_product_attention on its own rows (cuDNN's flash attention on GPUs) instead of the
-    # paged kernel: one more executable per token bucket. Experimental, off until measured on a GPU.
-    fresh_prompt_attention: bool = False
+    # An all-greedy prompt step that is one prompt from position 0 (the light-load case) of at least
+    # fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows (cuDNN's
+    # flash attention on GPUs) instead of the paged kernel: one more executable per such token bucket.
+    # None: on GPUs (H200, Qwen3-4B shape: per layer 0.034 against 0.060 ms at 1,024 tokens, 0.98
+    # against 1.89 at 8,192, but 0.039 against 0.006 at 128; bench/NOTES.md).
+    fresh_prompt_attention: bool | None = None
+    fresh_prompt_min_tokens: int = 1024
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
@@ -114,14 +117,14 @@ class EngineConfig:
         the executable cache."""
         gpu = backend == "gpu"
         defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512, greedy_mixed_step=gpu,
-                        overlap_mixed=gpu,
+                        overlap_mixed=gpu, prefill_behind_decode=gpu, fresh_prompt_attention=gpu,
                         compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
                         executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "compile_threads",
-                     "short_decode_steps"):
+                     "short_decode_steps", "fresh_prompt_min_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -210,7 +213,8 @@ class Engine:
                                   executable_cache=ExecutableCache(config.executable_cache)
                                   if config.executable_cache else None, kv_dtype=self.kv_dtype,
                                   greedy_mixed=config.greedy_mixed_step,
-                                  fresh_prompt=config.fresh_prompt_attention)
+                                  fresh_prompt_min_tokens=config.fresh_prompt_min_tokens
+                                  if config.fresh_prompt_attention else 0)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -539,7 +543,7 @@ class Engine:
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
-        fresh = greedy and self.config.fresh_prompt_attention and len(chunks) == 1 and chunks[0][0].num_computed == 0
+        fresh = greedy and len(chunks) == 1 and chunks[0][0].num_computed == 0 and r.has_fresh_step(total)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, fresh=fresh)
         for seq, n in chunks:
             seq.num_computed += n

@@ -189,7 +189,7 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     prompts = [system + "she", system + "he went", "one day", "the dog ran to the park and"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     llm = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
-              fresh_prompt_attention=True, progress=False)
+              fresh_prompt_attention=True, fresh_prompt_min_tokens=16, progress=False)
     want = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
     r = llm.engine.runner
     ran = []
@@ -209,6 +209,28 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
+    """fresh_prompt_min_tokens: below it the paged kernel was measured faster, so a short fresh prompt runs
+    the plain greedy step and the fresh variant is compiled only for the token buckets from it up."""
+    llm = LLM(STORIES, ops="reference", max_num_seqs=2, max_num_batched_tokens=64, greedy_mixed_step=True,
+              fresh_prompt_attention=True, fresh_prompt_min_tokens=32, progress=False)
+    r = llm.engine.runner
+    assert r.token_buckets == [16, 32, 64]
+    assert [t for t in r.token_buckets if r.has_fresh_step(t)] == [32, 64]
+    assert {(name, len(batch.tokens)) for name, batch in r.bucket_calls() if name == "mixed-greedy-fresh"} == \
+        {("mixed-greedy-fresh", 32), ("mixed-greedy-fresh", 64)}
+    ran = []
+    call = r._call
+    r._call = lambda name, batch: (ran.append((name, len(batch.tokens))), call(name, batch))[1]
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate(["one day"], params)                                            # 16-token bucket
+    llm.generate(["once upon a time there was a little girl named lily. " * 2], params)   # > 16 tokens
+    mixed = [step for step in ran if step[0].startswith("mixed")]
+    assert mixed[0] == ("mixed-greedy", 16) and mixed[1][0] == "mixed-greedy-fresh" and mixed[1][1] >= 32
+    with pytest.raises(ValueError, match="fresh_prompt_min_tokens"):
+        LLM(STORIES, ops="reference", fresh_prompt_min_tokens=0, progress=False)
 
 
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
