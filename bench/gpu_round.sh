@@ -241,6 +241,18 @@ case "${1:-1}" in
          --request-rates ${RATES:-2,8} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-defaults.json" \
          --client aiohttp
     ;;
+  chain)     # the ninth session's third call: the fresh prompt's bf16 parity against float32 (beside the other bf16
+             # paths), the 1k prefill's kernels traced (issue 4's breakdown), then the server's defaults against
+             # --chain-early-ms ${CHAIN_MS:-1} side by side at 2 and 8 req/s (issue 6's TPOT)
+    step 150 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k fresh_prompt
+    step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --profile pallas:1024 --out "$OUT"
+    serve_setup
+    for v in "" "--chain-early-ms ${CHAIN_MS:-1}"; do
+      step 120 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 $v" --request-rates ${RATES:-2,8} \
+           --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-chain${v:+-early}.json" --client aiohttp
+    done
+    ;;
   attn)      # issue 4's 1k prefill (16.2 ms on the device, ~15 targeted): cuDNN's flash attention for a step that
              # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
              # bench beside the paged flash kernel, then the 1k prefill step with and without it

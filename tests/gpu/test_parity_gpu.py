@@ -83,35 +83,48 @@ def _assert_same_tokens_or_a_near_tie(ref, got, tolerance):
             f"parted at token {parts} where the reference's top two are {margin:.2e} apart: {top}"
 
 
-# bf16 attention on cuDNN and in the paged kernel: each within ~3e-3 (relative) of the float32 reference
-# (bench/kernels_prefill_attention.py --fused, ninth session); through 4 layers of the random Qwen3 that
-# moves chosen-token logprobs by a few 1e-3.
-BF16_TOLERANCE = 3e-2   # nats
-
-
-def test_a_fresh_prompt_on_cudnn_attention_gives_the_paged_kernels_tokens(qwen3_dir):
+def test_a_fresh_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_paths(qwen3_dir):
     """fresh_prompt_attention (a GPU default from 1,024 tokens): a 1,000-token prompt in bf16 whose prompt
-    step runs cuDNN's flash attention gives the tokens (and logprobs, within BF16_TOLERANCE) of the engine
-    whose prompt step runs the paged kernel (asked for its top two, for a parting at a near tie; the fresh
-    step runs only where no top logprobs are wanted)."""
+    step runs cuDNN's flash attention. bf16 paths differ from each other by rounding (ninth session, run 3:
+    cuDNN against the paged kernel, 4.9e-2 nats within 8 tokens on this random Qwen3), so the bar is the
+    float32 reference: the fresh path's chosen-token logprobs stay as close to it as those of the bf16
+    paged kernel and the bf16 XLA path do (within 1.5x the larger, up to where any bf16 path parts from
+    it), and where its tokens part from the reference's it is at a near tie of that size."""
     prompt = [int(t) for t in np.random.default_rng(7).integers(100, 150000, 1000)]
     out = {}
-    for fresh in (True, False):
-        engine = Engine(qwen3_dir, dtype="bfloat16", ops="pallas", max_num_seqs=1, max_model_len=1024,
+    for name, dtype, ops, fresh in [("float32", "float32", "reference", False), ("xla-bf16", "bfloat16", "reference", False),
+                                    ("paged-bf16", "bfloat16", "pallas", False), ("fresh-bf16", "bfloat16", "pallas", True)]:
+        engine = Engine(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=1024,
                         max_num_batched_tokens=1024, progress=False, skip_tokenizer_init=True,
-                        fresh_prompt_attention=fresh)
+                        greedy_mixed_step=True, fresh_prompt_attention=fresh)
         ran = []
         call = engine.runner._call
-        engine.runner._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+        engine.runner._call = lambda step, batch: (ran.append(step), call(step, batch))[1]
         engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                  logprobs=None if fresh else 2))
+                                                  logprobs=2 if name == "float32" else None))
         while engine.has_unfinished():
             engine.step()
-        out[fresh] = engine.take_finished(0)
+        out[name] = engine.take_finished(0)
         assert ("mixed-greedy-fresh" in ran) == fresh, ran
         del engine
         gc.collect()
-    _assert_same_tokens_or_a_near_tie(out[False], out[True], BF16_TOLERANCE)
+    ref = out.pop("float32")
+
+    def parting(o):
+        return next((i for i, (a, b) in enumerate(zip(ref.token_ids, o.token_ids)) if a != b), len(ref.token_ids))
+
+    upto = min(parting(o) for o in out.values())
+    dev = {k: max((abs(a - b) for a, b in zip(ref.logprobs[:upto], o.logprobs[:upto])), default=0.0)
+           for k, o in out.items()}
+    print(f"bf16 paths against float32 over {upto} tokens: chosen-token logprobs differ by at most {dev}; "
+          f"partings {[parting(o) for o in out.values()]}")
+    bar = 1.5 * max(dev["xla-bf16"], dev["paged-bf16"]) + 1e-3
+    assert dev["fresh-bf16"] <= bar, f"fresh {dev['fresh-bf16']:.2e} against the others' {dev}"
+    fresh = out["fresh-bf16"]
+    i = parting(fresh)
+    if i < len(ref.token_ids):
+        top = sorted(ref.top_logprobs[i], key=lambda t: -t[1])
+        assert top[0][1] - top[1][1] < bar and fresh.token_ids[i] == top[1][0], (i, top, dev)
 
 
 def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_dir):
