@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps per dispatch of those small batches (default 2)")
     s.add_argument("--chain-early-ms", type=float, default=None,
                    help="launch the next decode dispatch this much before the running one's expected end less a "
-                        "launch (default 0; for A/B runs: less device idle between dispatches, newcomers in the "
-                        "window wait one dispatch more)")
+                        "launch (default 1: less device idle between dispatches; newcomers in the window wait "
+                        "one dispatch more)")
     s.add_argument("--gpu-memory-fraction", type=float, default=None,
                    help="share of device memory for weights and KV cache")
     s.add_argument("--enable-prompt-logprobs", action="store_true",

@@ -95,7 +95,7 @@ def test_a_fresh_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_b
     for name, dtype, ops, fresh in [("float32", "float32", "reference", False), ("xla-bf16", "bfloat16", "reference", False),
                                     ("paged-bf16", "bfloat16", "pallas", False), ("fresh-bf16", "bfloat16", "pallas", True)]:
         engine = Engine(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=1024,
-                        max_num_batched_tokens=1024, progress=False, skip_tokenizer_init=True,
+                        max_num_batched_tokens=1024, token_buckets=[1024], progress=False, skip_tokenizer_init=True,
                         greedy_mixed_step=True, fresh_prompt_attention=fresh)
         ran = []
         call = engine.runner._call
