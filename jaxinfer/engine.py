@@ -93,9 +93,10 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
-    # An all-greedy prompt step that is one prompt from position 0 (the light-load case) of at least
-    # fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows (cuDNN's
-    # flash attention on GPUs) instead of the paged kernel: one more executable per such token bucket.
+    # A prompt step that is one prompt from position 0 (the light-load case; not one scoring its prompt)
+    # of at least fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows
+    # (cuDNN's flash attention on GPUs) instead of the paged kernel: a "-fresh" variant of the sampling
+    # and the greedy-only step for each such token bucket.
     # None: on GPUs (H200, Qwen3-4B shape: per layer 0.034 against 0.060 ms at 1,024 tokens, 0.98
     # against 1.89 at 8,192, but 0.039 against 0.006 at 128; bench/NOTES.md).
     fresh_prompt_attention: bool | None = None
@@ -544,7 +545,7 @@ class Engine:
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
-        fresh = greedy and len(chunks) == 1 and chunks[0][0].num_computed == 0 and r.has_fresh_step(total)
+        fresh = not scored and len(chunks) == 1 and chunks[0][0].num_computed == 0 and r.has_fresh_step(total)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, fresh=fresh)
         for seq, n in chunks:
             seq.num_computed += n

@@ -192,9 +192,10 @@ class ModelRunner:
                  fresh_prompt_min_tokens: int = 0):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
-        greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy"); with
-        fresh_prompt_min_tokens > 0, also its variant for a step that is one fresh prompt ("mixed-greedy-fresh"),
-        for the token buckets of at least that many tokens (below, the paged kernel was measured faster)."""
+        greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
+        fresh_prompt_min_tokens > 0: also the variants of "mixed" and "mixed-greedy" for a step that is one
+        fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
+        tokens (below, the paged kernel was measured faster)."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -211,7 +212,7 @@ class ModelRunner:
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
         self.warmup_breakdown: dict[str, float] = {}
         self.short_decode = short_decode
-        self.fresh_prompt_min_tokens = fresh_prompt_min_tokens if greedy_mixed else 0
+        self.fresh_prompt_min_tokens = fresh_prompt_min_tokens
         # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
         # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
         # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
@@ -224,9 +225,11 @@ class ModelRunner:
         if greedy_mixed:
             self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
                                                  donate_argnums=(1, 2))
-            if fresh_prompt_min_tokens > 0:
-                self.steps["mixed-greedy-fresh"] = jax.jit(
-                    functools.partial(mixed_step, cfg, ops, 0, greedy=True, fresh=True), donate_argnums=(1, 2))
+        if fresh_prompt_min_tokens > 0:   # "-fresh": the variant of a step that is one fresh prompt
+            for name in [n for n in ("mixed", "mixed-greedy") if n in self.steps]:
+                self.steps[name + "-fresh"] = jax.jit(
+                    functools.partial(mixed_step, cfg, ops, 0 if name == "mixed-greedy" else max_logprobs,
+                                      greedy=name == "mixed-greedy", fresh=True), donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
@@ -267,16 +270,16 @@ class ModelRunner:
         return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, fresh))
 
     def has_fresh_step(self, tokens: int) -> bool:
-        """Whether a step of this many tokens that is one fresh prompt runs "mixed-greedy-fresh"."""
+        """Whether a step of this many tokens that is one fresh prompt runs a "-fresh" variant."""
         return 0 < self.fresh_prompt_min_tokens <= self.token_bucket(tokens)
 
     def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
                      fresh: bool = False) -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
         Only the greedy variant returns at once on a GPU; the others block on their sampling branch.
-        fresh (with greedy, where has_fresh_step): the batch is one prompt from 0."""
-        name = ("mixed-prompt-logprobs" if prompt_logprobs else "mixed-greedy-fresh" if greedy and fresh else
-                "mixed-greedy" if greedy else "mixed")
+        fresh (where has_fresh_step, without prompt_logprobs): the batch is one prompt from 0."""
+        name = "mixed-prompt-logprobs" if prompt_logprobs else \
+            ("mixed-greedy" if greedy else "mixed") + ("-fresh" if fresh else "")
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -357,8 +360,9 @@ class ModelRunner:
         for t in self.token_buckets:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-greedy-fresh", "mixed-prompt-logprobs")
-                      if name in self.steps and (name != "mixed-greedy-fresh" or self.has_fresh_step(t))]
+            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-fresh", "mixed-greedy-fresh",
+                                                 "mixed-prompt-logprobs")
+                      if name in self.steps and (not name.endswith("-fresh") or self.has_fresh_step(t))]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]

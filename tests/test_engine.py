@@ -181,10 +181,10 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
 
 @pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
 def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
-    """fresh_prompt_attention: an all-greedy step that is one prompt from position 0 runs its attention on
-    its own rows (mixed-greedy-fresh); a step with two prompts, a prompt after a cached prefix or a
-    decode row runs the paged one. Greedy tokens and logprobs equal the engine's without it (float32), and
-    nothing compiles after start-up."""
+    """fresh_prompt_attention: a step that is one prompt from position 0 runs its attention on its own rows
+    (mixed-greedy-fresh; mixed-fresh when it samples); a step with two prompts, a prompt after a cached
+    prefix or a decode row runs the paged one. Greedy and seeded sampled tokens and logprobs equal the
+    engine's without it (float32), and nothing compiles after start-up."""
     system = "once upon a time there was a little girl named lily. " * 3
     prompts = [system + "she", system + "he went", "one day", "the dog ran to the park and"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -198,15 +198,22 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     events = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
     try:
         got = [llm.generate([p], params)[0] for p in prompts] + llm.generate(prompts, params)
+        got_sampled = [llm.generate([p], sampled)[0] for p in prompts]
     finally:
         jax.monitoring.clear_event_listeners()
     assert events == []
     # alone: the first prompt and the two without a cached prefix are fresh; the second hits the cache
     assert ran.count("mixed-greedy-fresh") == 3 and "mixed-greedy" in ran
+    assert ran.count("mixed-fresh") == 2   # the short prompts: the long ones hit the cache by now
     expected = [want.generate([p], params)[0] for p in prompts] + want.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    want_sampled = [want.generate([p], sampled)[0] for p in prompts]
+    assert [o.token_ids for o in got_sampled] == [o.token_ids for o in want_sampled]
+    np.testing.assert_allclose([lp for o in got_sampled for lp in o.logprobs],
+                               [lp for o in want_sampled for lp in o.logprobs], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
                                rtol=1e-5, atol=1e-5)
 
@@ -219,8 +226,8 @@ def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
     r = llm.engine.runner
     assert r.token_buckets == [16, 32, 64]
     assert [t for t in r.token_buckets if r.has_fresh_step(t)] == [32, 64]
-    assert {(name, len(batch.tokens)) for name, batch in r.bucket_calls() if name == "mixed-greedy-fresh"} == \
-        {("mixed-greedy-fresh", 32), ("mixed-greedy-fresh", 64)}
+    assert {(name, len(batch.tokens)) for name, batch in r.bucket_calls() if name.endswith("-fresh")} == \
+        {(name, t) for name in ("mixed-fresh", "mixed-greedy-fresh") for t in (32, 64)}
     ran = []
     call = r._call
     r._call = lambda name, batch: (ran.append((name, len(batch.tokens))), call(name, batch))[1]
