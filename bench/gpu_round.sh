@@ -229,6 +229,20 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
+  tenth)     # the tenth session's first call: the fresh prompt's bf16 parity against float32 (not yet passed on a GPU;
+             # if it fails, fresh_prompt_attention goes back off by default), prefill up to 32k with and without the
+             # fresh op, then sampled requests (temperature 0.8: the new mixed-fresh step) through the server with
+             # and without it at 2 req/s
+    step 200 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k fresh_prompt
+    step 240 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas-paged --out "$OUT"
+    serve_setup
+    for v in fresh-prompt-attention no-fresh-prompt-attention; do
+      step 90 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
+           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
+           --out "$OUT/serving-sampled-$v.json" --client aiohttp
+    done
+    ;;
   ninth)     # the ninth session's second call, after prefill_behind_decode and fresh_prompt_attention became GPU
              # defaults: GPU parity (with a fresh 1,000-token prompt on cuDNN against the paged kernel), the fresh op's
              # crossover (prompts 128-8,192), prefill 1k/8k with and without it, the server's defaults at 2 and 8 req/s
