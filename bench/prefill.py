@@ -37,7 +37,9 @@ def prefill_flops(cfg, T: int) -> float:
 
 
 # Paths besides ops names: engine settings to compare side by side
-PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False})}  # the paged kernel for a fresh prompt
+PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  # the paged kernel for a fresh prompt
+                # a long prompt's later chunks on cuDNN too (EngineConfig.prefixed_chunk_attention)
+                "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True})}
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,

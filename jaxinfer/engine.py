@@ -101,6 +101,11 @@ class EngineConfig:
     # against 1.89 at 8,192, but 0.039 against 0.006 at 128; bench/NOTES.md).
     fresh_prompt_attention: bool | None = None
     fresh_prompt_min_tokens: int = 1024
+    # With fresh_prompt_attention: a step (of as many tokens) that is one sequence's chunk after its cached
+    # prefix (a long prompt's later chunks; a prefix-cache hit) runs attention as two cuDNN flash attentions
+    # (over the prefix, gathered at the page table's full span; over the chunk, causal) merged by their
+    # log-sum-exps. Experimental: CPU-tested, off until measured on a GPU (bench/NOTES.md, ninth session).
+    prefixed_chunk_attention: bool = False
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
@@ -216,7 +221,9 @@ class Engine:
                                   if config.executable_cache else None, kv_dtype=self.kv_dtype,
                                   greedy_mixed=config.greedy_mixed_step,
                                   fresh_prompt_min_tokens=config.fresh_prompt_min_tokens
-                                  if config.fresh_prompt_attention else 0)
+                                  if config.fresh_prompt_attention else 0,
+                                  prefixed_chunks=bool(config.fresh_prompt_attention and
+                                                       config.prefixed_chunk_attention))
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -545,8 +552,11 @@ class Engine:
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
-        fresh = not scored and len(chunks) == 1 and chunks[0][0].num_computed == 0 and r.has_fresh_step(total)
-        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, fresh=fresh)
+        attention = "paged"
+        if not scored and len(chunks) == 1 and r.has_fresh_step(total):   # one sequence's prompt
+            attention = "fresh" if chunks[0][0].num_computed == 0 else \
+                "prefixed" if self.config.prefixed_chunk_attention else "paged"
+        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention)
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build

@@ -32,7 +32,8 @@ def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array
     return ops.layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
 
 
-def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size, decode, fresh=False):
+def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size, decode,
+                     attention="paged"):
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
@@ -43,8 +44,11 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
     else:
         q, kv_k, kv_v = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
                                            kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
-        if fresh:   # the step is one prompt from position 0: attention over its own rows
+        if attention == "fresh":   # the step is one prompt from position 0: attention over its own rows
             attn = ops.fresh_prompt_attention(q, kv_k, kv_v, layer, slot_mapping, cfg.head_dim ** -0.5)
+        elif attention == "prefixed":   # one sequence's chunk after its cached prefix (row 0 of the page table)
+            attn = ops.prefixed_chunk_attention(q, kv_k, kv_v, layer, page_table[0], positions[0], slot_mapping,
+                                                page_size, cfg.head_dim ** -0.5)
         else:
             attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
                                        page_size, cfg.head_dim ** -0.5)
@@ -69,32 +73,35 @@ def _mlp_block(cfg, ops, lp, x):
     return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
 
 
-def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, fresh=False):
+def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention="paged"):
     x, kv_k, kv_v = carry
     x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size, decode,
-                                     fresh)
+                                     attention)
     return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 9))
-def _split_layer(cfg, ops, page_size, decode, carry, layer_params, index, cos_sin, token_arrays, fresh=False):
+def _split_layer(cfg, ops, page_size, decode, carry, layer_params, index, cos_sin, token_arrays,
+                 attention="paged"):
     """One layer of the straight-line (split_layers) loop, as a nested jit: every layer has the same
     argument shapes, so JAX traces and lowers it once per step instead of once per layer (36 layers:
     the start-up cost of each compiled step), and XLA inlines the calls back into straight-line code."""
     # each array reaches the ops as a one-layer stack (a free reshape)
     lp = jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), layer_params)
-    return _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, fresh)
+    return _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention)
 
 
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
                   positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
                   page_table: jax.Array, decode: bool = False, unroll: bool = False,
-                  fresh: bool = False) -> tuple[KVCache, jax.Array]:
+                  attention: str = "paged") -> tuple[KVCache, jax.Array]:
     """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D].
 
     decode: token t is the single new token of sequence t (T == B), at position `positions[t]`.
     unroll: unroll the layer loop (no while loop on the device; longer compile).
-    fresh: the tokens are one prompt from position 0 (then padding): ops.fresh_prompt_attention.
+    attention (prompt tokens): "paged" (ops.paged_attention); "fresh": the tokens are one prompt from
+    position 0 (then padding), ops.fresh_prompt_attention; "prefixed": they are one sequence's chunk after
+    its cached prefix (page table row 0), ops.prefixed_chunk_attention.
     """
     x = params["embed"][tokens]
     if cfg.position_kind == "learned":
@@ -105,13 +112,13 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
     def layer(carry, lp, index):
-        return _layer(cfg, ops, kv.page_size, decode, carry, lp, index, cos_sin, token_arrays, fresh)
+        return _layer(cfg, ops, kv.page_size, decode, carry, lp, index, cos_sin, token_arrays, attention)
 
     carry = (x, kv.k, kv.v)
     if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (split_layers): straight-line code
         for i, layer_params in enumerate(params["layers"]):
             carry = _split_layer(cfg, ops, kv.page_size, decode, carry, layer_params, jnp.int32(i), cos_sin,
-                                 token_arrays, fresh)
+                                 token_arrays, attention)
     else:
         indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
@@ -139,10 +146,10 @@ def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> ja
 def forward(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
             positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array,
             logits_rows: jax.Array, decode: bool = False, unroll: bool = False,
-            fresh: bool = False) -> tuple[KVCache, jax.Array]:
+            attention: str = "paged") -> tuple[KVCache, jax.Array]:
     """One forward pass; logits [R, V] only for the token rows `logits_rows` [R]."""
     kv, h = hidden_states(cfg, ops, params, kv, tokens, positions, slot_mapping, token_seq, page_table,
-                          decode, unroll, fresh)
+                          decode, unroll, attention)
     return kv, lm_head(cfg, ops, params, h[logits_rows])
 
 

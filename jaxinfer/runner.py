@@ -91,14 +91,15 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False, fresh: bool = False):
+               batch: StepBatch, greedy: bool = False, attention: str = "paged"):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
     read back mid-step, so the call returns at once, as a decode dispatch's does).
-    fresh: the step is one prompt from position 0 (model.hidden_states)."""
+    attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
+    "prefixed" (a chunk after its cached prefix): model.hidden_states."""
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
-                               batch.token_seq, batch.page_table, batch.sample_index, fresh=fresh)
+                               batch.token_seq, batch.page_table, batch.sample_index, attention=attention)
     return (kv, *_sample_rows(logits, n_top, state, batch, greedy))
 
 
@@ -189,13 +190,14 @@ class ModelRunner:
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
-                 fresh_prompt_min_tokens: int = 0):
+                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
         fresh_prompt_min_tokens > 0: also the variants of "mixed" and "mixed-greedy" for a step that is one
         fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
-        tokens (below, the paged kernel was measured faster)."""
+        tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
+        step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -225,11 +227,12 @@ class ModelRunner:
         if greedy_mixed:
             self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
                                                  donate_argnums=(1, 2))
-        if fresh_prompt_min_tokens > 0:   # "-fresh": the variant of a step that is one fresh prompt
+        # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
+        for attention in ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for name in [n for n in ("mixed", "mixed-greedy") if n in self.steps]:
-                self.steps[name + "-fresh"] = jax.jit(
+                self.steps[f"{name}-{attention}"] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if name == "mixed-greedy" else max_logprobs,
-                                      greedy=name == "mixed-greedy", fresh=True), donate_argnums=(1, 2))
+                                      greedy=name == "mixed-greedy", attention=attention), donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
@@ -260,26 +263,28 @@ class ModelRunner:
                                                             np.int32(len(tokens)))))
 
     def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                  fresh: bool = False) -> tuple[np.ndarray, ...]:
+                  attention: str = "paged") -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
         (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0."""
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.
-        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, fresh))
+        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention))
 
     def has_fresh_step(self, tokens: int) -> bool:
-        """Whether a step of this many tokens that is one fresh prompt runs a "-fresh" variant."""
+        """Whether a step of this many tokens that is one sequence's prompt runs a "-fresh" (or, if
+        compiled, "-prefixed") variant."""
         return 0 < self.fresh_prompt_min_tokens <= self.token_bucket(tokens)
 
     def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                     fresh: bool = False) -> tuple:
+                     attention: str = "paged") -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
         Only the greedy variant returns at once on a GPU; the others block on their sampling branch.
-        fresh (where has_fresh_step, without prompt_logprobs): the batch is one prompt from 0."""
+        attention "fresh" / "prefixed" (where has_fresh_step, without prompt_logprobs): the batch is one
+        sequence's prompt, from position 0 / after its cached prefix."""
         name = "mixed-prompt-logprobs" if prompt_logprobs else \
-            ("mixed-greedy" if greedy else "mixed") + ("-fresh" if fresh else "")
+            ("mixed-greedy" if greedy else "mixed") + ("" if attention == "paged" else f"-{attention}")
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -361,8 +366,8 @@ class ModelRunner:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
             calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-fresh", "mixed-greedy-fresh",
-                                                 "mixed-prompt-logprobs")
-                      if name in self.steps and (not name.endswith("-fresh") or self.has_fresh_step(t))]
+                                                 "mixed-prefixed", "mixed-greedy-prefixed", "mixed-prompt-logprobs")
+                      if name in self.steps and (not name.endswith(("-fresh", "-prefixed")) or self.has_fresh_step(t))]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]

@@ -218,6 +218,39 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
+def test_prefixed_chunk_attention_gives_the_same_tokens(stories, ops):
+    """prefixed_chunk_attention: a step that is one sequence's chunk after its cached prefix (a long
+    prompt's later chunks, a prefix-cache hit) runs the prefix and the chunk as two attentions merged by
+    their log-sum-exps (mixed-prefixed / mixed-greedy-prefixed). Greedy and seeded sampled tokens and
+    logprobs equal the engine's without it (float32), and nothing compiles after start-up."""
+    system = "once upon a time there was a little girl named lily. she liked to play in the park. " * 2
+    prompts = [system + "one day she", system + "the dog ran to the park and", "one day"]
+    opts = dict(ops=ops, max_num_seqs=4, max_num_batched_tokens=32, greedy_mixed_step=True, progress=False,
+                fresh_prompt_attention=True, fresh_prompt_min_tokens=16)
+    llm = LLM(STORIES, prefixed_chunk_attention=True, **opts)
+    want = LLM(STORIES, **opts)
+    r = llm.engine.runner
+    ran = []
+    call = r._call
+    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2)
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        got = [llm.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+    assert "mixed-greedy-prefixed" in ran and "mixed-prefixed" in ran and "mixed-greedy-fresh" in ran
+    expected = [want.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
     """fresh_prompt_min_tokens: below it the paged kernel was measured faster, so a short fresh prompt runs
     the plain greedy step and the fresh variant is compiled only for the token buckets from it up."""

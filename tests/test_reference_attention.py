@@ -70,3 +70,31 @@ def test_fresh_prompt_attention_equals_the_paged_op(n, T, H, kvh, hd, dtype):
                                      jnp.zeros(T, jnp.int32), jnp.asarray(positions), ps, hd ** -0.5)
     tol = 2e-2 if dtype == "bfloat16" else 2e-5
     np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("prefix, n, T, H, kvh, hd, dtype", [(5, 7, 16, 8, 4, 8, "float32"),
+                                                            (32, 17, 24, 4, 2, 16, "float32"),
+                                                            (13, 30, 32, 8, 2, 32, "bfloat16"), (1, 1, 8, 4, 4, 8, "float32")])
+def test_prefixed_chunk_attention_equals_the_paged_op(prefix, n, T, H, kvh, hd, dtype):
+    """One sequence's chunk of n tokens after `prefix` cached ones (ending mid-page or not), padded to T
+    rows as the engine pads: the prefix part (gathered over the whole page row) and the chunk part merged
+    by their log-sum-exps equal the paged op on the chunk's rows."""
+    ps, L, layer, pages_per_seq = 4, 2, 1, 16
+    rng = np.random.default_rng(prefix * 31 + n)
+    P = -(-(prefix + n) // ps)
+    pages = rng.permutation(np.arange(1, P + 5))[:P].astype(np.int32)   # non-contiguous, page 0 = scratch
+    page_row = np.zeros(pages_per_seq, np.int32)
+    page_row[:P] = pages
+    k_cache = rng.standard_normal((L, kvh, (P + 5) * ps, hd)).astype(np.float32)
+    v_cache = rng.standard_normal(k_cache.shape).astype(np.float32)
+    pos = np.arange(prefix, prefix + n)
+    slots = np.concatenate([pages[pos // ps] * ps + pos % ps, np.arange(T - n) % ps]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((T, H, hd)), dtype)
+    k_cache, v_cache = jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype)
+    got = reference.prefixed_chunk_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(page_row),
+                                             jnp.int32(prefix), jnp.asarray(slots), ps, hd ** -0.5)
+    positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
+    want = reference.paged_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(page_row[None]),
+                                     jnp.zeros(T, jnp.int32), jnp.asarray(positions), ps, hd ** -0.5)
+    tol = 2e-2 if dtype == "bfloat16" else 2e-5
+    np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32), atol=tol, rtol=tol)

@@ -137,6 +137,14 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return reference.fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale,
                                                 implementation="cudnn" if cudnn else "xla")
 
+    def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale):
+        """A step that is one sequence's chunk after a cached prefix (EngineConfig.prefixed_chunk_attention):
+        two cuDNN flash attentions merged by their log-sum-exps on GPUs (16-bit only; XLA's otherwise)."""
+        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16)
+        return reference.prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping,
+                                                  page_size, scale, implementation="cudnn" if cudnn else "xla")
+
     ops["fresh_prompt_attention"] = fresh_prompt_attention
+    ops["prefixed_chunk_attention"] = prefixed_chunk_attention
     base = "pallas-unfused-rope" if not fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
     return OpSet(**ops, name=base + ("-interpret" if interpret else ""))

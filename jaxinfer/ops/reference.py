@@ -127,6 +127,69 @@ def fresh_prompt_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return out[0]
 
 
+def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                             page_row: jax.Array, prefix_len: jax.Array, slot_mapping: jax.Array, page_size: int,
+                             scale: float, implementation: str = "xla") -> jax.Array:
+    """Causal attention of one sequence's chunk q [T, H, hd] at positions prefix_len.. over its cached
+    prefix (positions < prefix_len, through its pages page_row [P]) and itself (K/V just written at
+    slot_mapping [T]), as two attentions merged by their log-sum-exps: the prefix part unmasked but for
+    its length, the chunk part causal from its own first row (jax.nn.dot_product_attention's causal mask
+    is aligned top-left, so one call over prefix + chunk cannot express it). The prefix is gathered at
+    the page row's full span (a static shape), its length given as the keys' valid length. Rows past
+    the chunk (padding, at the end) see the prefix, the chunk and themselves; their output is unused.
+    `implementation`: "cudnn" (cuDNN's flash attention, which returns its log-sum-exp) or "xla"."""
+    part = _cudnn_attention_with_lse if implementation == "cudnn" else _attention_with_lse
+    prefix_slots = (page_row[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)
+    out_p, lse_p = part(q, k_cache[layer, :, prefix_slots].astype(q.dtype),
+                        v_cache[layer, :, prefix_slots].astype(q.dtype), scale, causal=False, kv_len=prefix_len)
+    out_c, lse_c = part(q, k_cache[layer, :, slot_mapping].astype(q.dtype),
+                        v_cache[layer, :, slot_mapping].astype(q.dtype), scale, causal=True)
+    m = jnp.maximum(lse_p, lse_c)     # the chunk part always sees a key: finite
+    w_p, w_c = jnp.exp(lse_p - m)[..., None], jnp.exp(lse_c - m)[..., None]
+    out = (out_p.astype(f32) * w_p + out_c.astype(f32) * w_c) / (w_p + w_c)
+    return out.astype(q.dtype)
+
+
+def _attention_with_lse(q, k, v, scale, causal, kv_len=None):
+    """q [T, H, hd] over k, v [S, KVH, hd] (grouped heads): (out [T, H, hd], log-sum-exp [T, H] float32;
+    -inf where a row sees no key). causal: row t sees keys 0..t; kv_len: only keys < kv_len."""
+    T, H, hd = q.shape
+    S, kvh, _ = k.shape
+    qg = q.astype(f32).reshape(T, kvh, H // kvh, hd)
+    s = jnp.einsum("tkgd,skd->tkgs", qg, k.astype(f32), precision=HIGHEST) * scale
+    visible = jnp.ones((T, S), bool)
+    if causal:
+        visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+    if kv_len is not None:
+        visible = visible & (jnp.arange(S) < kv_len)[None, :]
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    denom = jnp.sum(p, axis=-1)
+    out = jnp.einsum("tkgs,skd->tkgd", p, v.astype(f32), precision=HIGHEST) / jnp.maximum(denom, 1e-30)[..., None]
+    return out.reshape(T, H, hd).astype(q.dtype), (m_safe + jnp.log(denom)).reshape(T, H)
+
+
+def _cudnn_attention_with_lse(q, k, v, scale, causal, kv_len=None):
+    """_attention_with_lse on cuDNN's flash attention (GPUs, 16-bit): its log-sum-exp is the
+    `return_residual` of jax's cuDNN call, which jax.nn.dot_product_attention does not expose."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    T, H, _ = q.shape
+    if causal:
+        kw = dict(mask_type=MaskType.CAUSAL)
+    else:
+        kw = dict(mask_type=MaskType.PADDING, q_seqlen=jnp.full((1,), T, jnp.int32),
+                  kv_seqlen=jnp.reshape(kv_len, (1,)).astype(jnp.int32))
+    out, lse = dot_product_attention(q[None], k[None], v[None], scale=scale, qkv_layout="BTNH",
+                                     return_residual=True, **kw)
+    lse = lse[0]
+    if lse.shape == (H, T) and T != H:   # [B, N, T] in jax 0.11.2's lowering; [B, T, N] also documented
+        lse = lse.T
+    return out[0], lse.astype(f32)
+
+
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                     page_table: jax.Array, token_seq: jax.Array, positions: jax.Array,
                     page_size: int, scale: float, chunk: int | None = None) -> jax.Array:

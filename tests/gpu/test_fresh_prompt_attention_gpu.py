@@ -1,5 +1,6 @@
-"""The fresh-prompt attention (cuDNN's flash attention through jax.nn.dot_product_attention, on the K/V
-gathered back from the slots just written) on the GPU at real shapes, against the paged reference op.
+"""The one-sequence attentions on the GPU at real shapes, against the paged reference op: a fresh prompt
+(cuDNN's flash attention through jax.nn.dot_product_attention, on the K/V gathered back from the slots just
+written) and a chunk after a cached prefix (two cuDNN attentions merged by their log-sum-exps).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
@@ -40,6 +41,35 @@ def test_fresh_prompt_attention_on_cudnn_equals_the_paged_reference(n, T, kv_dty
     got = jax.jit(get_ops("pallas").fresh_prompt_attention, static_argnums=5)(q, k_cache, v_cache, layer,
                                                                                jnp.asarray(slots), scale)
     want = reference.paged_attention(q, k_cache, v_cache, layer, jnp.asarray(pages[None]), jnp.zeros(T, jnp.int32),
+                                     jnp.asarray(positions), PS, scale)
+    got, want = np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("prefix, n, T", [(1000, 1000, 1024), (6144, 2048, 2048), (30000, 2000, 2048)])
+def test_prefixed_chunk_attention_on_cudnn_equals_the_paged_reference(prefix, n, T, kv_dtype):
+    """A chunk of n tokens after `prefix` cached ones (ending mid-page or not), padded to T rows, its page
+    row padded with the scratch page to 40,960 tokens as in the server: two cuDNN attentions merged by the
+    log-sum-exps cuDNN returns (the convention the merge assumes) against the paged reference."""
+    rng = np.random.default_rng(prefix + n)
+    P = -(-(prefix + n) // PS)
+    n_pages = P + 8
+    pages = rng.permutation(np.arange(1, n_pages))[:P].astype(np.int32)
+    k_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
+    v_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
+    if kv_dtype != "bfloat16":
+        k_cache, v_cache = to_cache(k_cache, jnp.dtype(kv_dtype)), to_cache(v_cache, jnp.dtype(kv_dtype))
+    row = np.zeros(40960 // PS, np.int32)
+    row[:P] = pages
+    pos = np.arange(prefix, prefix + n)
+    slots = np.concatenate([pages[pos // PS] * PS + pos % PS, np.arange(T - n) % PS]).astype(np.int32)
+    positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((T, H, HD)), jnp.bfloat16)
+    layer, scale = jnp.int32(1), HD ** -0.5
+    got = jax.jit(get_ops("pallas").prefixed_chunk_attention, static_argnums=(7, 8))(
+        q, k_cache, v_cache, layer, jnp.asarray(row), jnp.int32(prefix), jnp.asarray(slots), PS, scale)
+    want = reference.paged_attention(q, k_cache, v_cache, layer, jnp.asarray(row[None]), jnp.zeros(T, jnp.int32),
                                      jnp.asarray(positions), PS, scale)
     got, want = np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
