@@ -229,14 +229,15 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
-  tenth)     # the tenth session's first call: the fresh prompt's bf16 parity against float32 (not yet passed on a GPU;
-             # if it fails, fresh_prompt_attention goes back off by default), the one-sequence ops' GPU tests and
+  tenth)     # the tenth session's first call: the fresh prompt's and the prefixed chunk's bf16 parity against float32
+             # (not yet passed on a GPU; if the fresh one fails, fresh_prompt_attention goes back off by default), the
+             # one-sequence ops' GPU tests and
              # kernel times (the prefixed-chunk op is new: cuDNN's log-sum-exp convention is checked there), then
              # prefill up to 32k with and without the fresh op, and with the prefixed-chunk op at 32k
-    step 150 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k fresh_prompt
+    step 190 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k on_cudnn_attention
     step 90 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
-    step 110 python3 bench/kernels_prefill_attention.py --fused
-    step 140 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas-paged --out "$OUT"
+    step 100 python3 bench/kernels_prefill_attention.py --fused
+    step 130 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas-paged --out "$OUT"
     mkdir -p "$OUT/prefixed"
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas-prefixed --out "$OUT/prefixed"
     ;;

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="need
 REPO = Path(__file__).resolve().parents[2]
 STORIES = next((p for p in (REPO / ".carry" / "stories260k", REPO.parent / "shared" / "models" / "stories260k")
                 if p.is_dir()), None)
-QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 1024}
+QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 2048}
 
 
 @pytest.fixture(scope="module")
@@ -83,20 +83,26 @@ def _assert_same_tokens_or_a_near_tie(ref, got, tolerance):
             f"parted at token {parts} where the reference's top two are {margin:.2e} apart: {top}"
 
 
-def test_a_fresh_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_paths(qwen3_dir):
+@pytest.mark.parametrize("kind", ["fresh", "prefixed"])
+def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_paths(kind, qwen3_dir):
     """fresh_prompt_attention (a GPU default from 1,024 tokens): a 1,000-token prompt in bf16 whose prompt
-    step runs cuDNN's flash attention. bf16 paths differ from each other by rounding (ninth session, run 3:
-    cuDNN against the paged kernel, 4.9e-2 nats within 8 tokens on this random Qwen3), so the bar is the
-    float32 reference: the fresh path's chosen-token logprobs stay as close to it as those of the bf16
-    paged kernel and the bf16 XLA path do (within 1.5x the larger, up to where any bf16 path parts from
-    it), and where its tokens part from the reference's it is at a near tie of that size."""
-    prompt = [int(t) for t in np.random.default_rng(7).integers(100, 150000, 1000)]
+    step runs cuDNN's flash attention; prefixed_chunk_attention (experimental): a 2,000-token prompt in
+    steps of 1,024 whose second chunk runs two cuDNN attentions merged by log-sum-exp. bf16 paths differ
+    from each other by rounding (ninth session, run 3: cuDNN against the paged kernel, 4.9e-2 nats within
+    8 tokens on this random Qwen3), so the bar is the float32 reference: the cuDNN path's chosen-token
+    logprobs stay as close to it as those of the bf16 paged kernel and the bf16 XLA path do (within 1.5x
+    the larger, up to where any bf16 path parts from it), and where its tokens part from the reference's
+    it is at a near tie of that size."""
+    n = 1000 if kind == "fresh" else 2000
+    prompt = [int(t) for t in np.random.default_rng(7).integers(100, 150000, n)]
+    step = f"mixed-greedy-{kind}"
     out = {}
-    for name, dtype, ops, fresh in [("float32", "float32", "reference", False), ("xla-bf16", "bfloat16", "reference", False),
-                                    ("paged-bf16", "bfloat16", "pallas", False), ("fresh-bf16", "bfloat16", "pallas", True)]:
-        engine = Engine(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=1024,
+    for name, dtype, ops, cudnn in [("float32", "float32", "reference", False),
+                                    ("xla-bf16", "bfloat16", "reference", False),
+                                    ("paged-bf16", "bfloat16", "pallas", False), ("cudnn-bf16", "bfloat16", "pallas", True)]:
+        engine = Engine(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
                         max_num_batched_tokens=1024, token_buckets=[1024], progress=False, skip_tokenizer_init=True,
-                        greedy_mixed_step=True, fresh_prompt_attention=fresh)
+                        greedy_mixed_step=True, fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
         ran = []
         call = engine.runner._call
         engine.runner._call = lambda step, batch: (ran.append(step), call(step, batch))[1]
@@ -105,7 +111,7 @@ def test_a_fresh_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_b
         while engine.has_unfinished():
             engine.step()
         out[name] = engine.take_finished(0)
-        assert ("mixed-greedy-fresh" in ran) == fresh, ran
+        assert (step in ran) == cudnn, ran
         del engine
         gc.collect()
     ref = out.pop("float32")
@@ -116,15 +122,15 @@ def test_a_fresh_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_b
     upto = min(parting(o) for o in out.values())
     dev = {k: max((abs(a - b) for a, b in zip(ref.logprobs[:upto], o.logprobs[:upto])), default=0.0)
            for k, o in out.items()}
-    print(f"bf16 paths against float32 over {upto} tokens: chosen-token logprobs differ by at most {dev}; "
+    print(f"{kind}: bf16 paths against float32 over {upto} tokens: chosen-token logprobs differ by at most {dev}; "
           f"partings {[parting(o) for o in out.values()]}")
     bar = 1.5 * max(dev["xla-bf16"], dev["paged-bf16"]) + 1e-3
-    assert dev["fresh-bf16"] <= bar, f"fresh {dev['fresh-bf16']:.2e} against the others' {dev}"
-    fresh = out["fresh-bf16"]
-    i = parting(fresh)
+    assert dev["cudnn-bf16"] <= bar, f"cuDNN {dev['cudnn-bf16']:.2e} against the others' {dev}"
+    got = out["cudnn-bf16"]
+    i = parting(got)
     if i < len(ref.token_ids):
         top = sorted(ref.top_logprobs[i], key=lambda t: -t[1])
-        assert top[0][1] - top[1][1] < bar and fresh.token_ids[i] == top[1][0], (i, top, dev)
+        assert top[0][1] - top[1][1] < bar and got.token_ids[i] == top[1][0], (i, top, dev)
 
 
 def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_dir):
