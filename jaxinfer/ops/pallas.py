@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference
@@ -133,14 +134,14 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale):
         """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
         on GPUs (16-bit only; XLA's attention otherwise)."""
-        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16)
+        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_flash_attention_available()
         return reference.fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale,
                                                 implementation="cudnn" if cudnn else "xla")
 
     def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale):
         """A step that is one sequence's chunk after a cached prefix (EngineConfig.prefixed_chunk_attention):
         two cuDNN flash attentions merged by their log-sum-exps on GPUs (16-bit only; XLA's otherwise)."""
-        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16)
+        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_flash_attention_available()
         return reference.prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping,
                                                   page_size, scale, implementation="cudnn" if cudnn else "xla")
 
@@ -148,3 +149,15 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     ops["prefixed_chunk_attention"] = prefixed_chunk_attention
     base = "pallas-unfused-rope" if not fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
     return OpSet(**ops, name=base + ("-interpret" if interpret else ""))
+
+
+@functools.cache
+def cudnn_flash_attention_available() -> bool:
+    """cuDNN's flash attention runs on NVIDIA GPUs from Ampere (compute capability 8.0) on; elsewhere the
+    one-sequence attentions fall back to XLA's (correct, slower) instead of failing at start-up."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    try:
+        return device.platform == "gpu" and capability is not None and float(capability) >= 8.0
+    except ValueError:
+        return False
