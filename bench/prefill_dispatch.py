@@ -31,8 +31,10 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
-    # the prompt's attention on its own rows by cuDNN's flash attention (EngineConfig.fresh_prompt_attention)
+    # the prompt's attention on its own rows by cuDNN's flash attention (EngineConfig.fresh_prompt_attention;
+    # the GPU default since the ninth session), and without it (the paged kernel)
     "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
+    "paged-attention": ("", False, {"fresh_prompt_attention": False}),
 }
 
 
