@@ -22,17 +22,23 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 
 PS, L, H, KVH, HD = 16, 2, 32, 8, 128
 
 
-@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
-@pytest.mark.parametrize("n, T", [(128, 128), (1000, 1024), (2048, 2048)])
-def test_fresh_prompt_attention_on_cudnn_equals_the_paged_reference(n, T, kv_dtype):
-    rng = np.random.default_rng(n + T)
-    P = -(-n // PS)
+def _paged_caches(rng, P, kv_dtype):
+    """P pages in random order among P + 8 (page 0 is the scratch page), and random caches around them."""
     n_pages = P + 8
     pages = rng.permutation(np.arange(1, n_pages))[:P].astype(np.int32)
     k_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
     v_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
     if kv_dtype != "bfloat16":
         k_cache, v_cache = to_cache(k_cache, jnp.dtype(kv_dtype)), to_cache(v_cache, jnp.dtype(kv_dtype))
+    return pages, k_cache, v_cache
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("n, T", [(128, 128), (1000, 1024), (2048, 2048)])
+def test_fresh_prompt_attention_on_cudnn_equals_the_paged_reference(n, T, kv_dtype):
+    rng = np.random.default_rng(n + T)
+    P = -(-n // PS)
+    pages, k_cache, v_cache = _paged_caches(rng, P, kv_dtype)
     pos = np.arange(n)
     slots = np.concatenate([pages[pos // PS] * PS + pos % PS, np.arange(T - n) % PS]).astype(np.int32)
     positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
@@ -54,12 +60,7 @@ def test_prefixed_chunk_attention_on_cudnn_equals_the_paged_reference(prefix, n,
     log-sum-exps cuDNN returns (the convention the merge assumes) against the paged reference."""
     rng = np.random.default_rng(prefix + n)
     P = -(-(prefix + n) // PS)
-    n_pages = P + 8
-    pages = rng.permutation(np.arange(1, n_pages))[:P].astype(np.int32)
-    k_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
-    v_cache = jnp.asarray(rng.standard_normal((L, KVH, n_pages * PS, HD)), jnp.bfloat16)
-    if kv_dtype != "bfloat16":
-        k_cache, v_cache = to_cache(k_cache, jnp.dtype(kv_dtype)), to_cache(v_cache, jnp.dtype(kv_dtype))
+    pages, k_cache, v_cache = _paged_caches(rng, P, kv_dtype)
     row = np.zeros(40960 // PS, np.int32)
     row[:P] = pages
     pos = np.arange(prefix, prefix + n)
