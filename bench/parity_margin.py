@@ -13,7 +13,7 @@ import gc
 import tempfile
 from pathlib import Path
 
-from jaxinfer.engine import Engine
+from jaxinfer.engine import LLM
 from jaxinfer.random_model import QWEN3_0_6B, write_random_model
 from jaxinfer.sampling import SamplingParams
 
@@ -21,14 +21,10 @@ QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 
 
 
 def generate(model_dir, ops, prompt, n, kv, logprobs=2, **extra):
-    engine = Engine(model_dir, dtype="float32", ops=ops, max_num_seqs=2, max_model_len=512,
-                    max_num_batched_tokens=128, progress=False, skip_tokenizer_init=True,
-                    num_pages=2 * 512 // 16 + 1, kv_cache_dtype=kv, **extra)
-    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))
-    while engine.has_unfinished():
-        engine.step()
-    out = engine.take_finished(0)
-    del engine
+    llm = LLM(model_dir, dtype="float32", ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
+              progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1, kv_cache_dtype=kv, **extra)
+    out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))[0]
+    del llm
     gc.collect()
     return out.token_ids, out.logprobs, out.top_logprobs
 

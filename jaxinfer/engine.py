@@ -553,7 +553,7 @@ class Engine:
         batch = to_device(StepBatch(**a, sampling=sampling))
         t1 = time.perf_counter()
         attention = "paged"
-        if not scored and len(chunks) == 1 and r.has_fresh_step(total):   # one sequence's prompt
+        if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
                 "prefixed" if self.config.prefixed_chunk_attention else "paged"
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention)

@@ -272,7 +272,7 @@ class ModelRunner:
         # device too.
         return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention))
 
-    def has_fresh_step(self, tokens: int) -> bool:
+    def has_one_sequence_step(self, tokens: int) -> bool:
         """Whether a step of this many tokens that is one sequence's prompt runs a "-fresh" (or, if
         compiled, "-prefixed") variant."""
         return 0 < self.fresh_prompt_min_tokens <= self.token_bucket(tokens)
@@ -281,8 +281,8 @@ class ModelRunner:
                      attention: str = "paged") -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
         Only the greedy variant returns at once on a GPU; the others block on their sampling branch.
-        attention "fresh" / "prefixed" (where has_fresh_step, without prompt_logprobs): the batch is one
-        sequence's prompt, from position 0 / after its cached prefix."""
+        attention "fresh" / "prefixed" (where has_one_sequence_step, without prompt_logprobs): the batch is
+        one sequence's prompt, from position 0 / after its cached prefix."""
         name = "mixed-prompt-logprobs" if prompt_logprobs else \
             ("mixed-greedy" if greedy else "mixed") + ("" if attention == "paged" else f"-{attention}")
         t0 = time.perf_counter()
@@ -365,9 +365,8 @@ class ModelRunner:
         for t in self.token_buckets:
             batch = to_device(StepBatch(**self.empty_mixed(t),
                                         sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(name, batch) for name in ("mixed", "mixed-greedy", "mixed-fresh", "mixed-greedy-fresh",
-                                                 "mixed-prefixed", "mixed-greedy-prefixed", "mixed-prompt-logprobs")
-                      if name in self.steps and (not name.endswith(("-fresh", "-prefixed")) or self.has_fresh_step(t))]
+            calls += [(name, batch) for name in self.steps if name.startswith("mixed") and
+                      (not name.endswith(("-fresh", "-prefixed")) or self.has_one_sequence_step(t))]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]

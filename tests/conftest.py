@@ -1,8 +1,10 @@
-"""Shared paths for the tests (../shared beside the checkout, the repo's own test data) and the kernel
-tests' error measure."""
+"""Shared paths for the tests (../shared beside the checkout, the repo's own test data), the kernel
+tests' error measure, and two engine-test probes (nothing compiled in a block; which steps ran)."""
 
+import contextlib
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -25,3 +27,24 @@ def rel_err(y, ref) -> float:
     y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
     assert np.all(np.isfinite(y)), "non-finite output (unwritten or masked-in garbage)"
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+@contextlib.contextmanager
+def no_compiles():
+    """Fails if anything is traced or compiled inside the block."""
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    try:
+        yield
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert events == []
+
+
+def record_steps(runner, what=lambda name, batch: name) -> list:
+    """The compiled steps the runner calls from now on, in order: what(name, batch) of each."""
+    ran = []
+    call = runner._call
+    runner._call = lambda name, batch: (ran.append(what(name, batch)), call(name, batch))[1]
+    return ran

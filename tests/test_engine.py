@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import DATA, STORIES
+from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine import stream
 
@@ -89,14 +89,7 @@ def test_streamed_text_equals_final_text(stories):
 
 
 def test_no_compilation_after_warmup(stories):
-    events = []
-
-    def listener(event, duration, **kw):
-        if "compile" in event or "trace" in event:
-            events.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with no_compiles():
         rng = np.random.default_rng(0)
         for batch_size in (1, 3, 4, 6):
             prompts = [PROMPTS[i % len(PROMPTS)] * int(rng.integers(1, 4)) for i in range(batch_size)]
@@ -104,9 +97,6 @@ def test_no_compilation_after_warmup(stories):
                                      top_k=int(rng.choice([-1, 5])), repetition_penalty=1.1, seed=i)
                       for i in range(batch_size)]
             stories.generate(prompts, params)
-    finally:
-        jax.monitoring.clear_event_listeners()
-    assert events == []
 
 
 def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
@@ -119,14 +109,8 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
     assert [r.decode_steps_for(b) for b in r.batch_buckets] == [2, 2, 8]
     params = [SamplingParams(max_tokens=n, temperature=t, seed=7, ignore_eos=True)
               for n, t in zip((5, 17, 33, 50), (0, 0.8, 0, 1.0))]
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
-    try:
+    with no_compiles():
         got = [o.token_ids for o in short.generate(PROMPTS[:4], params)]
-    finally:
-        jax.monitoring.clear_event_listeners()
-    assert events == []
     assert got == [o.token_ids for o in stories.generate(PROMPTS[:4], params)]
     assert [len(t) for t in got] == [5, 17, 33, 50]
 
@@ -146,29 +130,20 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
     a step with a sampled row or a row wanting logprobs runs the sampling one. Greedy, seeded and
     logprob outputs equal the engine's without it, and nothing compiles after start-up."""
     llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
-    r = llm.engine.runner
-    ran = []
-    call = r._call
-    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+    ran = record_steps(llm.engine.runner)
     cases = [
         [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3,
         [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
          SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)],
         [SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)],
     ]
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
-    try:
+    with no_compiles():
         got = []
         for params in cases:
             ran.clear()
             got.append(llm.generate(PROMPTS[:len(params)], params))
             mixed = {n for n in ran if n.startswith("mixed")}
             assert mixed == ({"mixed-greedy"} if params is cases[0] else {"mixed"})
-    finally:
-        jax.monitoring.clear_event_listeners()
-    assert events == []
     for params, outs in zip(cases, got):
         want = stories.generate(PROMPTS[:len(params)], params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
@@ -191,20 +166,11 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     llm = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
               fresh_prompt_attention=True, fresh_prompt_min_tokens=16, progress=False)
     want = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
-    r = llm.engine.runner
-    ran = []
-    call = r._call
-    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
+    ran = record_steps(llm.engine.runner)
     sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
-    try:
+    with no_compiles():
         got = [llm.generate([p], params)[0] for p in prompts] + llm.generate(prompts, params)
         got_sampled = [llm.generate([p], sampled)[0] for p in prompts]
-    finally:
-        jax.monitoring.clear_event_listeners()
-    assert events == []
     # alone: the first prompt and the two without a cached prefix are fresh; the second hits the cache
     assert ran.count("mixed-greedy-fresh") == 3 and "mixed-greedy" in ran
     assert ran.count("mixed-fresh") == 2   # the short prompts: the long ones hit the cache by now
@@ -230,20 +196,11 @@ def test_prefixed_chunk_attention_gives_the_same_tokens(stories, ops):
                 fresh_prompt_attention=True, fresh_prompt_min_tokens=16)
     llm = LLM(STORIES, prefixed_chunk_attention=True, **opts)
     want = LLM(STORIES, **opts)
-    r = llm.engine.runner
-    ran = []
-    call = r._call
-    r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+    ran = record_steps(llm.engine.runner)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2)
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, duration, **kw: events.append(event) if "compile" in event or "trace" in event else None)
-    try:
+    with no_compiles():
         got = [llm.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
-    finally:
-        jax.monitoring.clear_event_listeners()
-    assert events == []
     assert "mixed-greedy-prefixed" in ran and "mixed-prefixed" in ran and "mixed-greedy-fresh" in ran
     expected = [want.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
@@ -258,12 +215,10 @@ def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
               fresh_prompt_attention=True, fresh_prompt_min_tokens=32, progress=False)
     r = llm.engine.runner
     assert r.token_buckets == [16, 32, 64]
-    assert [t for t in r.token_buckets if r.has_fresh_step(t)] == [32, 64]
+    assert [t for t in r.token_buckets if r.has_one_sequence_step(t)] == [32, 64]
     assert {(name, len(batch.tokens)) for name, batch in r.bucket_calls() if name.endswith("-fresh")} == \
         {(name, t) for name in ("mixed-fresh", "mixed-greedy-fresh") for t in (32, 64)}
-    ran = []
-    call = r._call
-    r._call = lambda name, batch: (ran.append((name, len(batch.tokens))), call(name, batch))[1]
+    ran = record_steps(r, lambda name, batch: (name, len(batch.tokens)))
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm.generate(["one day"], params)                                            # 16-token bucket
     llm.generate(["once upon a time there was a little girl named lily. " * 2], params)   # > 16 tokens

@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.engine import Engine
+from conftest import record_steps
+from jaxinfer.engine import LLM, Engine
 from jaxinfer.random_model import QWEN3_0_6B, write_random_model
 from jaxinfer.sampling import SamplingParams
 
@@ -29,14 +30,10 @@ def qwen3_dir(tmp_path_factory):
 
 def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto", logprobs=None):
     """The greedy token ids; with logprobs, the request's whole output (the top `logprobs` per token)."""
-    engine = Engine(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-                    progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1,
-                    kv_cache_dtype=kv_cache_dtype)
-    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))
-    while engine.has_unfinished():
-        engine.step()
-    out = engine.take_finished(0)
-    del engine
+    llm = LLM(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
+              progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1, kv_cache_dtype=kv_cache_dtype)
+    out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))[0]
+    del llm
     gc.collect()
     return out if logprobs else out.token_ids
 
@@ -100,19 +97,14 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
     for name, dtype, ops, cudnn in [("float32", "float32", "reference", False),
                                     ("xla-bf16", "bfloat16", "reference", False),
                                     ("paged-bf16", "bfloat16", "pallas", False), ("cudnn-bf16", "bfloat16", "pallas", True)]:
-        engine = Engine(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
-                        max_num_batched_tokens=1024, token_buckets=[1024], progress=False, skip_tokenizer_init=True,
-                        greedy_mixed_step=True, fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
-        ran = []
-        call = engine.runner._call
-        engine.runner._call = lambda step, batch: (ran.append(step), call(step, batch))[1]
-        engine.add_request(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                  logprobs=2 if name == "float32" else None))
-        while engine.has_unfinished():
-            engine.step()
-        out[name] = engine.take_finished(0)
+        llm = LLM(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
+                  max_num_batched_tokens=1024, token_buckets=[1024], progress=False, skip_tokenizer_init=True,
+                  greedy_mixed_step=True, fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
+        ran = record_steps(llm.engine.runner)
+        out[name] = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                        logprobs=2 if name == "float32" else None))[0]
         assert (step in ran) == cudnn, ran
-        del engine
+        del llm
         gc.collect()
     ref = out.pop("float32")
 
