@@ -241,6 +241,14 @@ case "${1:-1}" in
     mkdir -p "$OUT/prefixed"
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas-prefixed --out "$OUT/prefixed"
     ;;
+  parity)    # the tenth session's second call: the cuDNN paths' bf16 parity again (the test now compares the first
+             # token's top-20 logprobs: run 1's fresh case parted from float32 at token 0, a near tie where all
+             # three bf16 paths parted), the prefixed op's crossover in prefix length (chunks of 1,024 and 2,048
+             # after 1,024-2,048 tokens: its prefix is gathered at the page row's whole span), then round sampled
+    step 190 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k on_cudnn_attention
+    step 120 python3 bench/kernels_prefill_attention.py --fused
+    bash "$0" sampled
+    ;;
   sampled)   # after tenth: sampled requests (temperature 0.8: the mixed-fresh step, CPU-tested only) through the
              # server with and without the fresh op at 2 req/s
     serve_setup

@@ -85,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--fresh-prompt-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="a prompt step of at least 1,024 tokens that is one prompt from position 0 runs its attention "
                         "on cuDNN's flash attention instead of the paged kernel (default: on GPUs)")
-    s.add_argument("--prefixed-chunk-attention", action="store_true",
-                   help="with the fresh-prompt attention: a prompt chunk after a cached prefix runs on cuDNN too "
-                        "(two attentions merged by log-sum-exp; experimental)")
+    s.add_argument("--prefixed-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="with the fresh-prompt attention: a prompt chunk of at least 1,024 tokens after a cached prefix "
+                        "runs on cuDNN too (two attentions merged by log-sum-exp; default: on GPUs)")
     s.add_argument("--no-freeze-gc", action="store_true",
                    help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
                         "after start-up: shorter collections while serving)")
@@ -205,7 +205,7 @@ def cmd_serve(args) -> None:
           chain_early_ms=args.chain_early_ms,
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
           fresh_prompt_attention=args.fresh_prompt_attention, prefill_behind_decode=args.prefill_behind_decode,
-          prefixed_chunk_attention=args.prefixed_chunk_attention or None)
+          prefixed_chunk_attention=args.prefixed_chunk_attention)
 
 
 def cmd_bench(args) -> None:

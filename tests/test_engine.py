@@ -116,13 +116,16 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
 
 
 def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
-    """On GPUs both are on by default (measured there); on CPUs both off; an explicit value stays."""
+    """On GPUs these are on by default (each measured there); on CPUs off; an explicit value stays."""
     from jaxinfer.engine import EngineConfig
 
+    names = ("overlap_mixed", "greedy_mixed_step", "prefill_behind_decode", "fresh_prompt_attention",
+             "prefixed_chunk_attention")
     gpu, cpu = EngineConfig().for_backend("gpu"), EngineConfig().for_backend("cpu")
-    assert (gpu.overlap_mixed, gpu.greedy_mixed_step) == (True, True)
-    assert (cpu.overlap_mixed, cpu.greedy_mixed_step) == (False, False)
+    assert all(getattr(gpu, n) is True for n in names)
+    assert all(getattr(cpu, n) is False for n in names)
     assert EngineConfig(overlap_mixed=False).for_backend("gpu").overlap_mixed is False
+    assert EngineConfig(prefixed_chunk_attention=False).for_backend("gpu").prefixed_chunk_attention is False
 
 
 def test_greedy_mixed_steps_give_the_same_tokens(stories):

@@ -82,28 +82,29 @@ def _assert_same_tokens_or_a_near_tie(ref, got, tolerance):
 
 @pytest.mark.parametrize("kind", ["fresh", "prefixed"])
 def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_paths(kind, qwen3_dir):
-    """fresh_prompt_attention (a GPU default from 1,024 tokens): a 1,000-token prompt in bf16 whose prompt
-    step runs cuDNN's flash attention; prefixed_chunk_attention (experimental): a 2,000-token prompt in
-    steps of 1,024 whose second chunk runs two cuDNN attentions merged by log-sum-exp. bf16 paths differ
-    from each other by rounding (ninth session, run 3: cuDNN against the paged kernel, 4.9e-2 nats within
-    8 tokens on this random Qwen3), so the bar is the float32 reference: the cuDNN path's chosen-token
-    logprobs stay as close to it as those of the bf16 paged kernel and the bf16 XLA path do (within 1.5x
-    the larger, up to where any bf16 path parts from it), and where its tokens part from the reference's
-    it is at a near tie of that size."""
+    """fresh_prompt_attention: a 1,000-token prompt in bf16 whose prompt step runs cuDNN's flash attention;
+    prefixed_chunk_attention: a 2,000-token prompt in steps of 1,024 whose second chunk runs two cuDNN
+    attentions merged by log-sum-exp. bf16 paths differ from each other by rounding (ninth session, run 3:
+    cuDNN against the paged kernel, 4.9e-2 nats within 8 tokens on this random Qwen3), so the bar is the
+    float32 reference. The cuDNN attention runs only in the prompt step, whose output is the first token's
+    distribution: there its top-20 logprobs stay as close to float32's as those of the bf16 paged kernel and
+    the bf16 XLA path do (within 1.5x the larger), and so do the chosen-token logprobs of the tokens after,
+    up to where any bf16 path parts from float32. The random model's distributions are flat, so near ties
+    are common (tenth session, run 1: float32's top two 0.028 nats apart at the first token, where all three
+    bf16 paths took the second): the cuDNN path may part from float32 where another bf16 path parts too, or
+    at a near tie of the bar's size, with float32's second choice."""
     n = 1000 if kind == "fresh" else 2000
     prompt = [int(t) for t in np.random.default_rng(7).integers(100, 150000, n)]
-    step = f"mixed-greedy-{kind}"
     out = {}
     for name, dtype, ops, cudnn in [("float32", "float32", "reference", False),
                                     ("xla-bf16", "bfloat16", "reference", False),
                                     ("paged-bf16", "bfloat16", "pallas", False), ("cudnn-bf16", "bfloat16", "pallas", True)]:
         llm = LLM(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
                   max_num_batched_tokens=1024, token_buckets=[1024], progress=False, skip_tokenizer_init=True,
-                  greedy_mixed_step=True, fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
+                  fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
         ran = record_steps(llm.engine.runner)
-        out[name] = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
-                                                        logprobs=2 if name == "float32" else None))[0]
-        assert (step in ran) == cudnn, ran
+        out[name] = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20))[0]
+        assert (f"mixed-{kind}" in ran) == cudnn, ran
         del llm
         gc.collect()
     ref = out.pop("float32")
@@ -111,16 +112,22 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
     def parting(o):
         return next((i for i, (a, b) in enumerate(zip(ref.token_ids, o.token_ids)) if a != b), len(ref.token_ids))
 
+    def first_token_deviation(o):
+        mine = dict(o.top_logprobs[0])
+        common = [(lp, mine[t]) for t, lp in ref.top_logprobs[0] if t in mine]
+        assert len(common) >= 10, (ref.top_logprobs[0], o.top_logprobs[0])
+        return max(abs(a - b) for a, b in common)
+
     upto = min(parting(o) for o in out.values())
-    dev = {k: max((abs(a - b) for a, b in zip(ref.logprobs[:upto], o.logprobs[:upto])), default=0.0)
+    dev = {k: max([first_token_deviation(o)] + [abs(a - b) for a, b in zip(ref.logprobs[:upto], o.logprobs[:upto])])
            for k, o in out.items()}
-    print(f"{kind}: bf16 paths against float32 over {upto} tokens: chosen-token logprobs differ by at most {dev}; "
-          f"partings {[parting(o) for o in out.values()]}")
+    partings = {k: parting(o) for k, o in out.items()}
+    print(f"{kind}: bf16 paths against float32 (first token's top 20, then chosen tokens over {upto}): "
+          f"at most {dev}; partings {partings}")
     bar = 1.5 * max(dev["xla-bf16"], dev["paged-bf16"]) + 1e-3
     assert dev["cudnn-bf16"] <= bar, f"cuDNN {dev['cudnn-bf16']:.2e} against the others' {dev}"
-    got = out["cudnn-bf16"]
-    i = parting(got)
-    if i < len(ref.token_ids):
+    got, i = out["cudnn-bf16"], partings["cudnn-bf16"]
+    if i < min(partings["xla-bf16"], partings["paged-bf16"]):
         top = sorted(ref.top_logprobs[i], key=lambda t: -t[1])
         assert top[0][1] - top[1][1] < bar and got.token_ids[i] == top[1][0], (i, top, dev)
 
