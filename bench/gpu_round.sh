@@ -249,6 +249,20 @@ case "${1:-1}" in
     step 120 python3 bench/kernels_prefill_attention.py --fused
     bash "$0" sampled
     ;;
+  branch)    # the tenth session's third call: the sampler's cost over the vocabulary (sort, branch, argmax), then
+             # sampled requests (temperature 0.8) through the server with the sampling steps' device-side branch
+             # and without it (--no-sampling-branch: always sort, no predicate read back mid-call), the first
+             # again last (the first server of a call ran slower in run 2)
+    step 90 python3 bench/kernels_sampling.py --out "$OUT"
+    serve_setup
+    n=0
+    for v in no-sampling-branch sampling-branch no-sampling-branch; do
+      step 130 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
+           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
+           --out "$OUT/serving-sampled-$v-$((++n)).json" --client aiohttp
+    done
+    ;;
   sampled)   # after tenth: sampled requests (temperature 0.8: the mixed-fresh step, CPU-tested only) through the
              # server with and without the fresh op at 2 req/s
     serve_setup

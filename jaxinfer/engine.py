@@ -93,6 +93,11 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
+    # The sampling steps (a row sampled, or top logprobs wanted) skip the sort over the vocabulary behind
+    # a device-side conditional when every row is greedy; the GPU runtime reads its predicate back
+    # mid-call, so the call blocks until the forward pass is done. False: they always sort, with no
+    # conditional, and return at once. None: on.
+    sampling_branch: bool | None = None
     # A prompt step that is one prompt from position 0 (the light-load case; not one scoring its prompt)
     # of at least fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows
     # (cuDNN's flash attention on GPUs) instead of the paged kernel: a "-fresh" variant of the sampling
@@ -127,7 +132,7 @@ class EngineConfig:
         gpu = backend == "gpu"
         defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512, greedy_mixed_step=gpu,
                         overlap_mixed=gpu, prefill_behind_decode=gpu, fresh_prompt_attention=gpu,
-                        prefixed_chunk_attention=gpu,
+                        prefixed_chunk_attention=gpu, sampling_branch=True,
                         compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
                         executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
@@ -226,7 +231,8 @@ class Engine:
                                   fresh_prompt_min_tokens=config.fresh_prompt_min_tokens
                                   if config.fresh_prompt_attention else 0,
                                   prefixed_chunks=bool(config.fresh_prompt_attention and
-                                                       config.prefixed_chunk_attention))
+                                                       config.prefixed_chunk_attention),
+                                  sampling_branch=config.sampling_branch)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0

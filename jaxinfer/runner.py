@@ -91,16 +91,16 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False, attention: str = "paged"):
+               batch: StepBatch, greedy: bool = False, attention: str = "paged", branch: bool = True):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
-    read back mid-step, so the call returns at once, as a decode dispatch's does).
+    read back mid-step, so the call returns at once, as a decode dispatch's does). branch: see sample.
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states."""
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index, attention=attention)
-    return (kv, *_sample_rows(logits, n_top, state, batch, greedy))
+    return (kv, *_sample_rows(logits, n_top, state, batch, greedy, branch))
 
 
 def _step_tokens(state: SamplerState, batch: StepBatch) -> jax.Array:
@@ -124,19 +124,20 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
             *top_logprobs(logits, n_top))
 
 
-def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch, greedy: bool = False):
+def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch, greedy: bool = False,
+                 branch: bool = True):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
-    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, branch=branch)
     state = _count(state, rows, tokens, batch.emits, keep_last=True)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, greedy: bool,
-                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch):
+                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, branch: bool = True):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device)."""
+    greedy: every row is greedy (argmax only, no branch on the device). branch: see sample."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -146,7 +147,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, branch=branch)
         state = _count(state, batch.state_row, new, active)
         remaining = remaining - active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
@@ -190,14 +191,16 @@ class ModelRunner:
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
-                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False):
+                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, sampling_branch: bool = True):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
         fresh_prompt_min_tokens > 0: also the variants of "mixed" and "mixed-greedy" for a step that is one
         fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
         tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
-        step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets."""
+        step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets.
+        sampling_branch: the sampling (not greedy-only) steps skip the sort over the vocabulary behind a
+        device-side conditional when every row is greedy (sample's branch); False: they always sort."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -218,12 +221,13 @@ class ModelRunner:
         # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
         # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
         # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
-        self.steps = {"mixed": jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs), donate_argnums=(1, 2))}
+        self.steps = {"mixed": jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs, branch=sampling_branch),
+                                       donate_argnums=(1, 2))}
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for greedy in (False, True):
                 self.steps[_decode_name(greedy, n)] = jax.jit(
-                    functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy),
-                    donate_argnums=(1, 2))
+                    functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy,
+                                      branch=sampling_branch), donate_argnums=(1, 2))
         if greedy_mixed:
             self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
                                                  donate_argnums=(1, 2))
@@ -232,14 +236,15 @@ class ModelRunner:
             for name in [n for n in ("mixed", "mixed-greedy") if n in self.steps]:
                 self.steps[f"{name}-{attention}"] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if name == "mixed-greedy" else max_logprobs,
-                                      greedy=name == "mixed-greedy", attention=attention), donate_argnums=(1, 2))
+                                      greedy=name == "mixed-greedy", attention=attention, branch=sampling_branch),
+                    donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
-                               max_logprobs))
+                               max_logprobs, sampling_branch))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
 

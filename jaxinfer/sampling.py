@@ -291,13 +291,17 @@ def sample(
     prompt_mask: jax.Array,
     output_counts: jax.Array,
     greedy_only: bool = False,
+    branch: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits [B, V] f32; step_index [B] i32 (index of the token being generated, 0 for the first);
     prompt_mask [B, V] bool; output_counts [B, V] i32. Returns (tokens [B] i32, logprob [B] f32),
     the logprob being that of the token under log_softmax of the raw ``logits``. ``greedy_only``
-    (static) compiles the argmax alone, for batches the caller knows are all greedy.
+    (static) compiles the argmax alone, for batches the caller knows are all greedy. ``branch`` (static):
+    skip the sort behind a device-side conditional when every row is greedy; False sorts whenever
+    called, with no conditional (whose predicate the GPU runtime reads back mid-call), for batches the
+    caller knows hold a sampled row. The tokens are the same either way.
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -320,7 +324,8 @@ def sample(
 
     # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
     # predicate lives on the device, so the GPU runtime reads it back to pick the branch.
-    sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens)
+    sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens) if branch \
+        else sampled()
     tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprob

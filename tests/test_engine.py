@@ -157,6 +157,31 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
     np.testing.assert_allclose([v for t in tops for _, v in t], [v for t in want_tops for _, v in t], atol=1e-5)
 
 
+def test_sampling_steps_without_the_branch_give_the_same_tokens(stories):
+    """sampling_branch=False: the sampling steps (mixed and decode) sort the vocabulary whenever called,
+    with no device-side conditional. Greedy rows wanting logprobs, seeded sampled rows (top-p, top-k,
+    min-p, penalties) and a batch of both give the tokens, logprobs and top logprobs of the engine with
+    the branch; nothing compiles after start-up."""
+    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
+    llm = LLM(STORIES, sampling_branch=False, **opts)
+    cases = [
+        [SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2,
+        [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=3, ignore_eos=True, logprobs=2),
+         SamplingParams(max_tokens=12, temperature=1.1, min_p=0.05, presence_penalty=0.5, seed=4, ignore_eos=True)],
+        [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+         SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)],
+    ]
+    with no_compiles():
+        got = [llm.generate(PROMPTS[:len(params)], params) for params in cases]
+    for params, outs in zip(cases, got):
+        want = stories.generate(PROMPTS[:len(params)], params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        np.testing.assert_allclose([lp for o in outs for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+                                   rtol=1e-5, atol=1e-5)
+        for o, w in zip(outs, want):
+            assert [[i for i, _ in t] for t in o.top_logprobs or []] == [[i for i, _ in t] for t in w.top_logprobs or []]
+
+
 @pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
 def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     """fresh_prompt_attention: a step that is one prompt from position 0 runs its attention on its own rows

@@ -1,5 +1,6 @@
 """Tests for jaxinfer.sampling: parameter validation and the properties of on-device sampling."""
 
+import functools
 import math
 
 import jax
@@ -568,3 +569,23 @@ def test_sampled_token_is_always_allowed(jsample, data, temperature, top_k, top_
         scaled = logits / temperature
         ratio = np.exp(scaled[np.arange(B), tokens] - scaled.max(-1))
         assert (ratio >= min_p * (1 - 1e-5)).all()
+
+
+@pytest.mark.parametrize("temps", [[0.0] * 8, [0.0, 0.8, 1.5, 0.0, 0.3, 2.0, 0.0, 1.0]])
+def test_without_the_branch_the_same_tokens(jsample, temps):
+    """branch=False (always sort, no device-side conditional) picks what the branching sampler picks,
+    for all-greedy batches and for greedy rows beside sampled ones with every filter."""
+    rng = np.random.default_rng(11)
+    R, V = len(temps), 64
+    logits = rng.normal(size=(R, V)).astype(np.float32) * 2
+    prompt = rng.random((R, V)) < 0.1
+    counts = rng.integers(0, 3, size=(R, V)) * (rng.random((R, V)) < 0.1)
+    params = [SamplingParams(temperature=t, top_p=0.9, top_k=20, min_p=0.02, repetition_penalty=1.1,
+                             frequency_penalty=0.3, seed=i) for i, t in enumerate(temps)]
+    steps = rng.integers(0, 100, size=R)
+    want, want_lp = run(jsample, logits, params, None, steps, prompt, counts)
+    got, got_lp = run(jax.jit(functools.partial(sample, branch=False)), logits, params, None, steps, prompt, counts)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
+    if any(temps):
+        assert len(set(want.tolist())) > 3   # sampled rows really sampled

@@ -1,0 +1,81 @@
+"""The sampler's cost per call over the vocabulary: where a sampling step's time goes.
+
+    PYTHONPATH=. python3 bench/kernels_sampling.py [--vocab 151936] [--rows 1 8 64] [--calls 16]
+
+Variants of jaxinfer.sampling.sample on [B, V] float32 logits with the penalty inputs the engine
+passes (prompt mask, output counts):
+- argmax: greedy_only=True (what all-greedy batches run);
+- branch, greedy rows: the sampling variant on greedy rows (the conditional skips the sort; on a GPU
+  the runtime reads its predicate back mid-call);
+- branch, temperature 0.8: the same with sampled rows (the sort over the vocabulary runs);
+- sort, no branch: branch=False with sampled rows (the sort always, no conditional);
+- gumbel, no sort: argmax of the tempered logits plus Gumbel noise (what temperature-only sampling
+  would cost without the sort; not what the engine runs: top-k/top-p/min-p need the sorted order).
+Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call.
+JSON to $OUT/sampling.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from bench.table import print_table
+from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--rows", type=int, nargs="*", default=[1, 8, 64])
+    ap.add_argument("--calls", type=int, default=16)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    V = args.vocab
+
+    def arrays(B, temperature):
+        return SamplingArrays.from_params([SamplingParams(temperature=temperature)] * B, list(range(B)), B)
+
+    def gumbel(logits, a, step, pm, oc):
+        noise = jax.random.gumbel(jax.random.key(0), logits.shape)
+        return jnp.argmax(logits / jnp.maximum(a.temperature, 1e-6)[:, None] + noise, axis=-1), None
+
+    variants = {
+        "argmax": (0.0, lambda *x: sample(*x, greedy_only=True)),
+        "branch, greedy rows": (0.0, lambda *x: sample(*x)),
+        "branch, temperature 0.8": (0.8, lambda *x: sample(*x)),
+        "sort, no branch": (0.8, lambda *x: sample(*x, branch=False)),
+        "gumbel, no sort": (0.8, gumbel),
+    }
+    rows = []
+    for B in args.rows:
+        xs = [jax.random.normal(jax.random.PRNGKey(i), (B, V)) * 3 for i in range(args.calls)]
+        pm = jnp.zeros((B, V), bool).at[:, :64].set(True)
+        oc = jnp.zeros((B, V), jnp.int32)
+        step = jnp.zeros(B, jnp.int32)
+        row = dict(rows=B)
+        for name, (temperature, op) in variants.items():
+            a = arrays(B, temperature)
+            f = jax.jit(lambda xs, a, op=op: [op(x, a, step, pm, oc)[0] for x in xs])
+            jax.block_until_ready(f(xs, a))
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(xs, a))
+                best = min(best, (time.perf_counter() - t0) / args.calls)
+            row[name] = 1e3 * best
+        rows.append(row)
+        print("# " + json.dumps(row), flush=True)
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, vocab {V}; ms per call")
+    print_table(rows, [("rows", "rows", "")] + [(f"{n} ms", n, ".3f") for n in variants])
+    Path(args.out, "sampling.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
