@@ -263,6 +263,17 @@ case "${1:-1}" in
            --out "$OUT/serving-sampled-$v-$((++n)).json" --client aiohttp
     done
     ;;
+  plain)     # the tenth session's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
+             # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without
+    step 100 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
+    serve_setup
+    for v in plain-sampling-step no-plain-sampling-step; do
+      step 140 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
+           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
+           --out "$OUT/serving-sampled-$v.json" --client aiohttp
+    done
+    ;;
   sampled)   # after tenth: sampled requests (temperature 0.8: the mixed-fresh step, CPU-tested only) through the
              # server with and without the fresh op at 2 req/s
     serve_setup

@@ -88,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefixed-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="with the fresh-prompt attention: a prompt chunk of at least 1,024 tokens after a cached prefix "
                         "runs on cuDNN too (two attentions merged by log-sum-exp; default: on GPUs)")
-    s.add_argument("--sampling-branch", action=argparse.BooleanOptionalAction, default=None,
-                   help="sampling steps skip the sort over the vocabulary behind a device-side branch when every row "
-                        "is greedy (the GPU runtime reads the branch back mid-step); --no-sampling-branch: they always "
-                        "sort and do not block (default: on)")
+    s.add_argument("--plain-sampling-step", action=argparse.BooleanOptionalAction, default=None,
+                   help="sampling steps without top-k or top-p rows run a variant without the sort over the vocabulary, "
+                        "and no sampling step has a device-side branch (which the GPU runtime reads back mid-step) "
+                        "(default: on GPUs)")
     s.add_argument("--no-freeze-gc", action="store_true",
                    help="leave start-up's objects in the garbage collector's scans (by default they are frozen "
                         "after start-up: shorter collections while serving)")
@@ -209,7 +209,7 @@ def cmd_serve(args) -> None:
           chain_early_ms=args.chain_early_ms,
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
           fresh_prompt_attention=args.fresh_prompt_attention, prefill_behind_decode=args.prefill_behind_decode,
-          prefixed_chunk_attention=args.prefixed_chunk_attention, sampling_branch=args.sampling_branch)
+          prefixed_chunk_attention=args.prefixed_chunk_attention, plain_sampling_step=args.plain_sampling_step)
 
 
 def cmd_bench(args) -> None:

@@ -91,16 +91,17 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False, attention: str = "paged", branch: bool = True):
+               batch: StepBatch, greedy: bool = False, attention: str = "paged", branch: bool = True,
+               sort: bool = True):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
-    read back mid-step, so the call returns at once, as a decode dispatch's does). branch: see sample.
+    read back mid-step, so the call returns at once, as a decode dispatch's does). branch, sort: see sample.
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states."""
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index, attention=attention)
-    return (kv, *_sample_rows(logits, n_top, state, batch, greedy, branch))
+    return (kv, *_sample_rows(logits, n_top, state, batch, greedy, branch, sort))
 
 
 def _step_tokens(state: SamplerState, batch: StepBatch) -> jax.Array:
@@ -125,19 +126,21 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
 
 
 def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch, greedy: bool = False,
-                 branch: bool = True):
+                 branch: bool = True, sort: bool = True):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
-    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, branch=branch)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, branch=branch,
+                              sort=sort)
     state = _count(state, rows, tokens, batch.emits, keep_last=True)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, greedy: bool,
-                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, branch: bool = True):
+                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, branch: bool = True,
+                 sort: bool = True):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device). branch: see sample."""
+    greedy: every row is greedy (argmax only, no branch on the device). branch, sort: see sample."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -147,7 +150,8 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, branch=branch)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, branch=branch,
+                               sort=sort)
         state = _count(state, batch.state_row, new, active)
         remaining = remaining - active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
@@ -167,8 +171,12 @@ def _bucket_key(name: str, batch) -> tuple[str, int]:
     return name, batch.tokens.shape[0]
 
 
-def _decode_name(greedy: bool, n_steps: int) -> str:
-    return f"decode{'-greedy' if greedy else ''}-{n_steps}"
+def _decode_name(greedy: bool, n_steps: int, plain: bool = False) -> str:
+    return f"decode{'-greedy' if greedy else '-plain' if plain else ''}-{n_steps}"
+
+
+def _mixed_name(greedy: bool, plain: bool, attention: str) -> str:
+    return f"mixed{'-greedy' if greedy else '-plain' if plain else ''}" + ("" if attention == "paged" else f"-{attention}")
 
 
 # DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
@@ -191,7 +199,7 @@ class ModelRunner:
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
-                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, sampling_branch: bool = True):
+                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
@@ -199,8 +207,10 @@ class ModelRunner:
         fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
         tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
         step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets.
-        sampling_branch: the sampling (not greedy-only) steps skip the sort over the vocabulary behind a
-        device-side conditional when every row is greedy (sample's branch); False: they always sort."""
+        plain_sampling: the sampling (not greedy-only) steps come in two variants the host picks between,
+        neither with a device-side conditional: "-plain" (no sort over the vocabulary; for batches whose
+        sampled rows use neither top-k nor top-p, sampling.needs_sort) and the sorting one. Without it,
+        one sampling variant skips the sort behind a conditional when every row is greedy."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -221,22 +231,20 @@ class ModelRunner:
         # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
         # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
         # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
-        self.steps = {"mixed": jax.jit(functools.partial(mixed_step, cfg, ops, max_logprobs, branch=sampling_branch),
-                                       donate_argnums=(1, 2))}
+        # (greedy, plain) of each sampler variant compiled: greedy-only, plain (no sort), sorting
+        samplers = [(False, False)] + [(False, True)] * plain_sampling
+        self.steps = {}
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
-            for greedy in (False, True):
-                self.steps[_decode_name(greedy, n)] = jax.jit(
+            for greedy, plain in samplers + [(True, False)]:
+                self.steps[_decode_name(greedy, n, plain)] = jax.jit(
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy,
-                                      branch=sampling_branch), donate_argnums=(1, 2))
-        if greedy_mixed:
-            self.steps["mixed-greedy"] = jax.jit(functools.partial(mixed_step, cfg, ops, 0, greedy=True),
-                                                 donate_argnums=(1, 2))
+                                      branch=not plain_sampling, sort=not plain), donate_argnums=(1, 2))
         # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
-        for attention in ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
-            for name in [n for n in ("mixed", "mixed-greedy") if n in self.steps]:
-                self.steps[f"{name}-{attention}"] = jax.jit(
-                    functools.partial(mixed_step, cfg, ops, 0 if name == "mixed-greedy" else max_logprobs,
-                                      greedy=name == "mixed-greedy", attention=attention, branch=sampling_branch),
+        for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
+            for greedy, plain in samplers + [(True, False)] * greedy_mixed:
+                self.steps[_mixed_name(greedy, plain, attention)] = jax.jit(
+                    functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
+                                      attention=attention, branch=not plain_sampling, sort=not plain),
                     donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
@@ -244,7 +252,7 @@ class ModelRunner:
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
-                               max_logprobs, sampling_branch))
+                               max_logprobs, plain_sampling))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
 
@@ -268,14 +276,15 @@ class ModelRunner:
                                                             np.int32(len(tokens)))))
 
     def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                  attention: str = "paged") -> tuple[np.ndarray, ...]:
+                  attention: str = "paged", plain: bool = False) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
-        (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0."""
+        (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. plain
+        (no row with top-k or top-p; needs the runner built with plain_sampling): the variant without the sort."""
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.
-        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention))
+        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention, plain))
 
     def has_one_sequence_step(self, tokens: int) -> bool:
         """Whether a step of this many tokens that is one sequence's prompt runs a "-fresh" (or, if
@@ -283,13 +292,12 @@ class ModelRunner:
         return 0 < self.fresh_prompt_min_tokens <= self.token_bucket(tokens)
 
     def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                     attention: str = "paged") -> tuple:
+                     attention: str = "paged", plain: bool = False) -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
-        Only the greedy variant returns at once on a GPU; the others block on their sampling branch.
+        On a GPU a variant with the sampling branch (no plain_sampling) blocks until the branch is chosen.
         attention "fresh" / "prefixed" (where has_one_sequence_step, without prompt_logprobs): the batch is
         one sequence's prompt, from position 0 / after its cached prefix."""
-        name = "mixed-prompt-logprobs" if prompt_logprobs else \
-            ("mixed-greedy" if greedy else "mixed") + ("" if attention == "paged" else f"-{attention}")
+        name = "mixed-prompt-logprobs" if prompt_logprobs else _mixed_name(greedy, plain, attention)
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -308,11 +316,13 @@ class ModelRunner:
         jax.block_until_ready(arrays)
         self.device_wait_seconds += time.perf_counter() - t0
 
-    def launch_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+    def launch_decode(self, batch: DecodeBatch, greedy: bool = False,
+                      plain: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
         on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
-        active row has temperature 0 and wants no top logprobs (then K = 0)."""
-        name = _decode_name(greedy, self.decode_steps_for(batch.tokens.shape[0]))
+        active row has temperature 0 and wants no top logprobs (then K = 0). plain: no row has top-k or top-p
+        (the variant without the sort; needs plain_sampling)."""
+        name = _decode_name(greedy, self.decode_steps_for(batch.tokens.shape[0]), plain)
         self.kv, self.state, advanced, *out = self._call(name, batch)
         return advanced, tuple(out)
 
@@ -334,9 +344,9 @@ class ModelRunner:
         exe = self._executables.get(_bucket_key(name, batch))
         return exe or self.steps[name].lower(self.params, self.kv, self.state, batch).compile()
 
-    def run_decode(self, batch: DecodeBatch, greedy: bool = False) -> tuple[np.ndarray, ...]:
+    def run_decode(self, batch: DecodeBatch, greedy: bool = False, plain: bool = False) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
-        return self.fetch(self.launch_decode(batch, greedy)[1])
+        return self.fetch(self.launch_decode(batch, greedy, plain)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
@@ -374,7 +384,8 @@ class ModelRunner:
                       (not name.endswith(("-fresh", "-prefixed")) or self.has_one_sequence_step(t))]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
-            calls += [(_decode_name(greedy, self.decode_steps_for(b)), batch) for greedy in (False, True)]
+            n = self.decode_steps_for(b)
+            calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")]
         return calls
 
     def warmup(self, progress: bool = True, threads: int = 1) -> float:

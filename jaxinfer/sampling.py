@@ -16,7 +16,9 @@ values). Per row, in this order:
    top-p (the smallest prefix of most probable tokens whose probability mass reaches top_p,
    measured after top-k; the top token is always kept), min-p (drop tokens whose probability is
    below ``min_p * max_prob``), and a draw with `jax.random.categorical` over what remains; the
-   sorted position is mapped back to a token id through the sort permutation.
+   sorted position is mapped back to a token id through the sort permutation. A batch whose sampled
+   rows use neither top-k nor top-p (the host knows: `needs_sort`) may skip the sort (``sort=False``):
+   min-p is a threshold on the tempered logits, and the draw adds the same noise by token id.
 
 The randomness of row b is ``fold_in(key(seed[b]), step_index[b])``, so a request's tokens do
 not depend on which other requests share the batch nor on the row it sits in.
@@ -292,6 +294,7 @@ def sample(
     output_counts: jax.Array,
     greedy_only: bool = False,
     branch: bool = True,
+    sort: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
@@ -301,7 +304,10 @@ def sample(
     (static) compiles the argmax alone, for batches the caller knows are all greedy. ``branch`` (static):
     skip the sort behind a device-side conditional when every row is greedy; False sorts whenever
     called, with no conditional (whose predicate the GPU runtime reads back mid-call), for batches the
-    caller knows hold a sampled row. The tokens are the same either way.
+    caller knows hold a sampled row. The tokens are the same either way. ``sort=False`` (static): no
+    sort and no conditional, for batches whose sampled rows have neither top-k nor top-p (`needs_sort`);
+    the tokens are those the sorting sampler draws (the Gumbel noise of a row is drawn per token id, so
+    the draw does not depend on the order it is taken in; they could differ only at exact ties).
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -311,24 +317,45 @@ def sample(
     if greedy_only:
         return greedy_tokens, jnp.take_along_axis(raw_logprobs, greedy_tokens[:, None], axis=-1)[:, 0]
 
+    B, V = penalised.shape
+    # Gumbel-max: the argmax of the kept tempered logits plus Gumbel noise is a draw from their softmax
+    # (jax.random.categorical). The noise is drawn per token id, whichever order the logits are in.
+    def noise() -> jax.Array:
+        return jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(_row_keys(arrays.seed, step_index))
+
     def sampled() -> jax.Array:
         # One stable descending sort per row: ties keep the lower token id first.
-        B, V = penalised.shape
         ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
         # (+ 0.0 turns -0.0 into +0.0 so that equal logits compare equal in the sort's total order.)
         neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
         masked = _filtered_sorted_logits(-neg_sorted, arrays)
-        keys = _row_keys(arrays.seed, step_index)
-        pos = jax.vmap(jax.random.categorical)(keys, masked)
+        pos = jnp.argmax(masked + jnp.take_along_axis(noise(), sorted_ids, axis=-1), axis=-1)
         return jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
-    # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
-    # predicate lives on the device, so the GPU runtime reads it back to pick the branch.
-    sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens) if branch \
-        else sampled()
+    def unsorted() -> jax.Array:
+        # temperature and min-p only (no top-k, no top-p): _filtered_sorted_logits' masks without the order
+        temp = arrays.temperature.astype(jnp.float32)
+        scaled = (penalised - jnp.max(penalised, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)[:, None]
+        keep = jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+        return jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise(), axis=-1)
+
+    if not sort:
+        sampled_tokens = unsorted()
+    elif branch:
+        # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
+        # predicate lives on the device, so the GPU runtime reads it back to pick the branch.
+        sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens)
+    else:
+        sampled_tokens = sampled()
     tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprob
+
+
+def needs_sort(params: SamplingParams) -> bool:
+    """Whether a request's sampled rows need the vocabulary sorted (top-k or top-p), i.e. cannot run
+    `sample` with ``sort=False``."""
+    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -120,7 +120,7 @@ def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
     from jaxinfer.engine import EngineConfig
 
     names = ("overlap_mixed", "greedy_mixed_step", "prefill_behind_decode", "fresh_prompt_attention",
-             "prefixed_chunk_attention")
+             "prefixed_chunk_attention", "plain_sampling_step")
     gpu, cpu = EngineConfig().for_backend("gpu"), EngineConfig().for_backend("cpu")
     assert all(getattr(gpu, n) is True for n in names)
     assert all(getattr(cpu, n) is False for n in names)
@@ -157,23 +157,31 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
     np.testing.assert_allclose([v for t in tops for _, v in t], [v for t in want_tops for _, v in t], atol=1e-5)
 
 
-def test_sampling_steps_without_the_branch_give_the_same_tokens(stories):
-    """sampling_branch=False: the sampling steps (mixed and decode) sort the vocabulary whenever called,
-    with no device-side conditional. Greedy rows wanting logprobs, seeded sampled rows (top-p, top-k,
-    min-p, penalties) and a batch of both give the tokens, logprobs and top logprobs of the engine with
-    the branch; nothing compiles after start-up."""
-    opts = dict(max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
-    llm = LLM(STORIES, sampling_branch=False, **opts)
-    cases = [
-        [SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2,
-        [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=3, ignore_eos=True, logprobs=2),
-         SamplingParams(max_tokens=12, temperature=1.1, min_p=0.05, presence_penalty=0.5, seed=4, ignore_eos=True)],
-        [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-         SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)],
+def test_plain_sampling_steps_give_the_same_tokens(stories):
+    """plain_sampling_step: sampling steps (mixed and decode) whose sampled rows use neither top-k nor
+    top-p run the "-plain" variant (no sort), the others the sorting one; neither has a device-side
+    branch. Greedy rows wanting logprobs, seeded sampled rows (temperature, min-p, penalties; top-p and
+    top-k) and batches of both give the tokens, logprobs and top logprobs of the engine without it;
+    nothing compiles after start-up."""
+    llm = LLM(STORIES, plain_sampling_step=True, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+              progress=False)
+    ran = record_steps(llm.engine.runner)
+    plain = SamplingParams(max_tokens=12, temperature=1.1, min_p=0.05, presence_penalty=0.5, seed=4, ignore_eos=True)
+    cases = [  # (params per prompt, whether they run the plain variants)
+        ([SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2, True),
+        ([plain, SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)], True),
+        ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2), plain], False),
+        ([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)], False),
     ]
+    got = []
     with no_compiles():
-        got = [llm.generate(PROMPTS[:len(params)], params) for params in cases]
-    for params, outs in zip(cases, got):
+        for params, is_plain in cases:
+            ran.clear()
+            got.append(llm.generate(PROMPTS[:len(params)], params))
+            assert any("-plain" in n for n in ran) == is_plain and \
+                all("-plain" in n or "-greedy" in n for n in ran) == is_plain, ran
+    for (params, _), outs in zip(cases, got):
         want = stories.generate(PROMPTS[:len(params)], params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
         np.testing.assert_allclose([lp for o in outs for lp in o.logprobs], [lp for o in want for lp in o.logprobs],

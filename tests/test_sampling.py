@@ -16,6 +16,7 @@ from jaxinfer.sampling import (
     SamplingParamsError,
     SamplingParams,
     apply_penalties,
+    needs_sort,
     sample,
     seed_to_u32,
     top_logprobs,
@@ -589,3 +590,24 @@ def test_without_the_branch_the_same_tokens(jsample, temps):
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
     if any(temps):
         assert len(set(want.tolist())) > 3   # sampled rows really sampled
+
+
+def test_without_the_sort_the_same_tokens_for_rows_without_top_k_or_top_p(jsample):
+    """sort=False (for batches the host knows have no top-k or top-p row: needs_sort) draws what the
+    sorting sampler draws: temperature, min-p and penalties, beside greedy rows."""
+    rng = np.random.default_rng(12)
+    R, V = 48, 64
+    logits = rng.normal(size=(R, V)).astype(np.float32) * 2
+    prompt = rng.random((R, V)) < 0.1
+    counts = rng.integers(0, 3, size=(R, V)) * (rng.random((R, V)) < 0.1)
+    params = [SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][i % 4], min_p=[0.0, 0.1][i % 2],
+                             repetition_penalty=1.1, presence_penalty=0.3, seed=100 + i) for i in range(R)]
+    assert not any(needs_sort(p) for p in params)
+    assert needs_sort(SamplingParams(temperature=0.5, top_p=0.9)) and needs_sort(SamplingParams(temperature=1, top_k=5))
+    assert not needs_sort(SamplingParams(temperature=0, top_k=5))
+    steps = rng.integers(0, 100, size=R)
+    want, want_lp = run(jsample, logits, params, None, steps, prompt, counts)
+    got, got_lp = run(jax.jit(functools.partial(sample, sort=False)), logits, params, None, steps, prompt, counts)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
+    assert len(set(want.tolist())) > 12   # sampled rows really sampled
