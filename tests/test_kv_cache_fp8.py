@@ -7,7 +7,6 @@ through either op set. Against a full-precision cache the output is close, not e
 mantissa bits.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
