@@ -8,9 +8,11 @@ passes (prompt mask, output counts):
 - branch, greedy rows: the sampling variant on greedy rows (the conditional skips the sort; on a GPU
   the runtime reads its predicate back mid-call);
 - branch, temperature 0.8: the same with sampled rows (the sort over the vocabulary runs);
-- sort, no branch: branch=False with sampled rows (the sort always, no conditional);
-- plain, no sort: sort=False with sampled rows (what plain_sampling_step runs when no row has top-k
-  or top-p: min-p as a threshold, Gumbel noise by token id).
+- sort, no branch: method "sort" with sampled rows (the sort always, no conditional);
+- plain, no sort: method "plain" with sampled rows (what plain_sampling_step runs when no row has
+  top-k or top-p: min-p as a threshold, Gumbel noise by token id);
+- sort, top-k 20 / top-p 0.95: method "sort" on rows with Qwen3's recommended filters;
+- top-k, no sort: method "top-k" on the same rows (the filters on the 64 largest logits).
 Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call.
 JSON to $OUT/sampling.json.
 """
@@ -39,15 +41,18 @@ def main() -> None:
     args = ap.parse_args()
     V = args.vocab
 
-    def arrays(B, temperature):
-        return SamplingArrays.from_params([SamplingParams(temperature=temperature)] * B, list(range(B)), B)
+    def arrays(B, params):
+        return SamplingArrays.from_params([SamplingParams(**params)] * B, list(range(B)), B)
 
+    greedy, sampled, filtered = dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.6, top_k=20, top_p=0.95)
     variants = {
-        "argmax": (0.0, lambda *x: sample(*x, greedy_only=True)),
-        "branch, greedy rows": (0.0, lambda *x: sample(*x)),
-        "branch, temperature 0.8": (0.8, lambda *x: sample(*x)),
-        "sort, no branch": (0.8, lambda *x: sample(*x, branch=False)),
-        "plain, no sort": (0.8, lambda *x: sample(*x, sort=False)),
+        "argmax": (greedy, lambda *x: sample(*x, greedy_only=True)),
+        "branch, greedy rows": (greedy, lambda *x: sample(*x)),
+        "branch, temperature 0.8": (sampled, lambda *x: sample(*x)),
+        "sort, no branch": (sampled, lambda *x: sample(*x, method="sort")),
+        "plain, no sort": (sampled, lambda *x: sample(*x, method="plain")),
+        "sort, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="sort")),
+        "top-k, no sort": (filtered, lambda *x: sample(*x, method="top-k")),
     }
     rows = []
     for B in args.rows:
@@ -56,8 +61,8 @@ def main() -> None:
         oc = jnp.zeros((B, V), jnp.int32)
         step = jnp.zeros(B, jnp.int32)
         row = dict(rows=B)
-        for name, (temperature, op) in variants.items():
-            a = arrays(B, temperature)
+        for name, (params, op) in variants.items():
+            a = arrays(B, params)
             f = jax.jit(lambda xs, a, op=op: [op(x, a, step, pm, oc)[0] for x in xs])
             jax.block_until_ready(f(xs, a))
             best = float("inf")

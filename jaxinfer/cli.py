@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefixed-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="with the fresh-prompt attention: a prompt chunk of at least 1,024 tokens after a cached prefix "
                         "runs on cuDNN too (two attentions merged by log-sum-exp; default: on GPUs)")
+    s.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for the fields a request leaves out: auto (the model's "
+                        "generation_config.json, as vLLM), none (temperature 1, no filters), or a folder holding one")
     s.add_argument("--plain-sampling-step", action=argparse.BooleanOptionalAction, default=None,
                    help="sampling steps without top-k or top-p rows run a variant without the sort over the vocabulary, "
                         "and no sampling step has a device-side branch (which the GPU runtime reads back mid-step) "
@@ -209,7 +212,8 @@ def cmd_serve(args) -> None:
           chain_early_ms=args.chain_early_ms,
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
           fresh_prompt_attention=args.fresh_prompt_attention, prefill_behind_decode=args.prefill_behind_decode,
-          prefixed_chunk_attention=args.prefixed_chunk_attention, plain_sampling_step=args.plain_sampling_step)
+          prefixed_chunk_attention=args.prefixed_chunk_attention, plain_sampling_step=args.plain_sampling_step,
+          generation_config=args.generation_config)
 
 
 def cmd_bench(args) -> None:

@@ -36,7 +36,8 @@ from jaxinfer.paging import PageAllocator
 from jaxinfer.transfer import to_device
 from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
-from jaxinfer.sampling import SamplingArrays, SamplingParams, needs_sort
+from jaxinfer.generation_defaults import describe, read_generation_defaults
+from jaxinfer.sampling import SamplingArrays, SamplingParams, sampler_for
 from jaxinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from jaxinfer.weights import load_params
 
@@ -93,10 +94,11 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
-    # The sampling steps (a row sampled, or top logprobs wanted) in two variants the host picks between,
-    # neither with a device-side conditional: one without the sort over the vocabulary, for steps whose
-    # sampled rows use neither top-k nor top-p (temperature, min-p, penalties, greedy rows wanting
-    # logprobs), and one that sorts. Off: one sampling variant, which skips the sort behind a conditional
+    # The sampling steps (a row sampled, or top logprobs wanted) in three variants the host picks between
+    # (sampling.sampler_for), none with a device-side conditional: two without the sort over the
+    # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
+    # penalties, greedy rows wanting logprobs) and "-top-k" for steps whose rows with top-k or top-p all
+    # have a top-k of at most 64, and one that sorts. Off: one sampling variant, which skips the sort behind a conditional
     # when every row is greedy; the GPU runtime reads its predicate back mid-call, so the call blocks
     # until the forward pass is done (no overlap). None: on GPUs (H200, Qwen3-4B, sampled requests at 2
     # req/s: TTFT p50 35.4 -> 26-27 ms, TPOT 3.62 -> 3.3 ms without the conditional; bench/NOTES.md).
@@ -119,6 +121,10 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
     seed: int = 0                             # seeds requests that bring none
     skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
+    # Sampling defaults for requests that bring no SamplingParams (and, through the server, for the fields
+    # a request leaves out), as vLLM applies them: "auto" (the model's generation_config.json), "none"
+    # (the library's: temperature 1, no filters), or a folder holding a generation_config.json.
+    generation_config: str | None = "auto"
     progress: bool = True
     compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")   # JAX's, keyed by the lowered step
     # Whole executables keyed by source, versions and shapes: a warm start skips tracing and lowering.
@@ -213,6 +219,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
+        self.sampling_defaults = read_generation_defaults(config.generation_config, model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         params = load_params(model_dir, self.cfg, progress=config.progress)
@@ -246,6 +253,9 @@ class Engine:
                   f"{jax.numpy.dtype(self.kv_dtype).name}); "
                   f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s "
                   f"({', '.join(f'{k} {v:.1f} s' for k, v in self.runner.warmup_breakdown.items())})]", file=sys.stderr)
+            if self.sampling_defaults:
+                print(f"[sampling defaults from generation_config.json: {describe(self.sampling_defaults)} "
+                      "(--generation-config none for the library's)]", file=sys.stderr)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,
@@ -309,8 +319,12 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
         return None, ids
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets: the generation config's defaults (generation_config)."""
+        return SamplingParams(**self.sampling_defaults)
+
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -484,9 +498,13 @@ class Engine:
         advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
         return seqs, advanced, outs
 
-    def _plain(self, seqs: list[Sequence]) -> bool:
-        """A sampling step of these sequences can run the variant without the sort (plain_sampling_step)."""
-        return bool(self.config.plain_sampling_step) and not any(needs_sort(seq.params) for seq in seqs)
+    def _sampler(self, seqs: list[Sequence]) -> str | None:
+        """The sampling step variant for these sequences: with plain_sampling_step, "plain" or "top-k"
+        (no sort) where sampling.sampler_for allows, else None (the sorting one)."""
+        if not self.config.plain_sampling_step:
+            return None
+        method = sampler_for([seq.params for seq in seqs])
+        return None if method == "sort" else method
 
     def _launch_decode(self, seqs: list[Sequence]):
         r = self.runner
@@ -511,7 +529,7 @@ class Engine:
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         greedy = _all_greedy(seqs)
-        out = self.runner.launch_decode(batch, greedy=greedy, plain=not greedy and self._plain(seqs))
+        out = self.runner.launch_decode(batch, greedy=greedy, sampler=None if greedy else self._sampler(seqs))
         self._timing.launched(time.perf_counter() - t0)
         return out
 
@@ -573,8 +591,8 @@ class Engine:
         if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
                 "prefixed" if self.config.prefixed_chunk_attention else "paged"
-        plain = not scored and not greedy and self._plain([s for s, _ in chunks])
-        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, plain=plain)
+        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks])
+        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build
@@ -697,7 +715,7 @@ class LLM:
         ids = []
         try:
             for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp or SamplingParams()))
+                ids.append(self.engine.add_request(p, sp or self.engine.default_sampling_params()))
         except (JaxinferError, ValueError):
             for i in ids:
                 self.engine.abort(i)

@@ -91,17 +91,16 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False, attention: str = "paged", branch: bool = True,
-               sort: bool = True):
+               batch: StepBatch, greedy: bool = False, attention: str = "paged", method: str = "branch"):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
-    read back mid-step, so the call returns at once, as a decode dispatch's does). branch, sort: see sample.
+    read back mid-step, so the call returns at once, as a decode dispatch's does). method: sample's.
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states."""
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, batch.sample_index, attention=attention)
-    return (kv, *_sample_rows(logits, n_top, state, batch, greedy, branch, sort))
+    return (kv, *_sample_rows(logits, n_top, state, batch, greedy, method))
 
 
 def _step_tokens(state: SamplerState, batch: StepBatch) -> jax.Array:
@@ -126,21 +125,19 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
 
 
 def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: StepBatch, greedy: bool = False,
-                 branch: bool = True, sort: bool = True):
+                 method: str = "branch"):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
-    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, branch=branch,
-                              sort=sort)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, method=method)
     state = _count(state, rows, tokens, batch.emits, keep_last=True)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
 
 def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, n_top: int, greedy: bool,
-                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, branch: bool = True,
-                 sort: bool = True):
+                 params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, method: str = "branch"):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device). branch, sort: see sample."""
+    greedy: every row is greedy (argmax only, no branch on the device). method: sample's."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -150,8 +147,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, branch=branch,
-                               sort=sort)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, method=method)
         state = _count(state, batch.state_row, new, active)
         remaining = remaining - active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
@@ -171,12 +167,17 @@ def _bucket_key(name: str, batch) -> tuple[str, int]:
     return name, batch.tokens.shape[0]
 
 
-def _decode_name(greedy: bool, n_steps: int, plain: bool = False) -> str:
-    return f"decode{'-greedy' if greedy else '-plain' if plain else ''}-{n_steps}"
+def _sampler_suffix(greedy: bool, sampler: str | None) -> str:
+    """A step's name part for its sampling variant: "-greedy", "-plain", "-top-k", or "" (the sorting one)."""
+    return "-greedy" if greedy else f"-{sampler}" if sampler else ""
 
 
-def _mixed_name(greedy: bool, plain: bool, attention: str) -> str:
-    return f"mixed{'-greedy' if greedy else '-plain' if plain else ''}" + ("" if attention == "paged" else f"-{attention}")
+def _decode_name(greedy: bool, n_steps: int, sampler: str | None = None) -> str:
+    return f"decode{_sampler_suffix(greedy, sampler)}-{n_steps}"
+
+
+def _mixed_name(greedy: bool, sampler: str | None, attention: str) -> str:
+    return f"mixed{_sampler_suffix(greedy, sampler)}" + ("" if attention == "paged" else f"-{attention}")
 
 
 # DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
@@ -207,10 +208,10 @@ class ModelRunner:
         fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
         tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
         step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets.
-        plain_sampling: the sampling (not greedy-only) steps come in two variants the host picks between,
-        neither with a device-side conditional: "-plain" (no sort over the vocabulary; for batches whose
-        sampled rows use neither top-k nor top-p, sampling.needs_sort) and the sorting one. Without it,
-        one sampling variant skips the sort behind a conditional when every row is greedy."""
+        plain_sampling: the sampling (not greedy-only) steps come in three variants the host picks between
+        (sampling.sampler_for), none with a device-side conditional: "-plain" and "-top-k" (no sort over the
+        vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
+        conditional when every row is greedy."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -231,21 +232,21 @@ class ModelRunner:
         # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
         # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
         # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
-        # (greedy, plain) of each sampler variant compiled: greedy-only, plain (no sort), sorting
-        samplers = [(False, False)] + [(False, True)] * plain_sampling
+        # (greedy, sampler, sample's method) of each sampling variant compiled
+        samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "top-k", "top-k")] if plain_sampling \
+            else [(False, None, "branch")]
         self.steps = {}
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
-            for greedy, plain in samplers + [(True, False)]:
-                self.steps[_decode_name(greedy, n, plain)] = jax.jit(
+            for greedy, sampler, method in samplers + [(True, None, "branch")]:
+                self.steps[_decode_name(greedy, n, sampler)] = jax.jit(
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, 0 if greedy else max_logprobs, greedy,
-                                      branch=not plain_sampling, sort=not plain), donate_argnums=(1, 2))
+                                      method=method), donate_argnums=(1, 2))
         # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
-            for greedy, plain in samplers + [(True, False)] * greedy_mixed:
-                self.steps[_mixed_name(greedy, plain, attention)] = jax.jit(
+            for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
+                self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
-                                      attention=attention, branch=not plain_sampling, sort=not plain),
-                    donate_argnums=(1, 2))
+                                      attention=attention, method=method), donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
@@ -276,15 +277,15 @@ class ModelRunner:
                                                             np.int32(len(tokens)))))
 
     def run_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                  attention: str = "paged", plain: bool = False) -> tuple[np.ndarray, ...]:
+                  attention: str = "paged", sampler: str | None = None) -> tuple[np.ndarray, ...]:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
-        (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. plain
-        (no row with top-k or top-p; needs the runner built with plain_sampling): the variant without the sort."""
+        (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. sampler
+        ("plain" or "top-k", as sampling.sampler_for gives; needs plain_sampling): the variant without the sort."""
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.
-        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention, plain))
+        return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention, sampler))
 
     def has_one_sequence_step(self, tokens: int) -> bool:
         """Whether a step of this many tokens that is one sequence's prompt runs a "-fresh" (or, if
@@ -292,12 +293,12 @@ class ModelRunner:
         return 0 < self.fresh_prompt_min_tokens <= self.token_bucket(tokens)
 
     def launch_mixed(self, batch: StepBatch, prompt_logprobs: bool = False, greedy: bool = False,
-                     attention: str = "paged", plain: bool = False) -> tuple:
+                     attention: str = "paged", sampler: str | None = None) -> tuple:
         """Start a mixed step: its outputs on the device (as run_mixed returns them, not yet read back).
         On a GPU a variant with the sampling branch (no plain_sampling) blocks until the branch is chosen.
         attention "fresh" / "prefixed" (where has_one_sequence_step, without prompt_logprobs): the batch is
         one sequence's prompt, from position 0 / after its cached prefix."""
-        name = "mixed-prompt-logprobs" if prompt_logprobs else _mixed_name(greedy, plain, attention)
+        name = "mixed-prompt-logprobs" if prompt_logprobs else _mixed_name(greedy, sampler, attention)
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(name, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -317,12 +318,11 @@ class ModelRunner:
         self.device_wait_seconds += time.perf_counter() - t0
 
     def launch_decode(self, batch: DecodeBatch, greedy: bool = False,
-                      plain: bool = False) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+                      sampler: str | None = None) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs,
         on device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K]). greedy: every
-        active row has temperature 0 and wants no top logprobs (then K = 0). plain: no row has top-k or top-p
-        (the variant without the sort; needs plain_sampling)."""
-        name = _decode_name(greedy, self.decode_steps_for(batch.tokens.shape[0]), plain)
+        active row has temperature 0 and wants no top logprobs (then K = 0). sampler: as run_mixed's."""
+        name = _decode_name(greedy, self.decode_steps_for(batch.tokens.shape[0]), sampler)
         self.kv, self.state, advanced, *out = self._call(name, batch)
         return advanced, tuple(out)
 
@@ -344,9 +344,10 @@ class ModelRunner:
         exe = self._executables.get(_bucket_key(name, batch))
         return exe or self.steps[name].lower(self.params, self.kv, self.state, batch).compile()
 
-    def run_decode(self, batch: DecodeBatch, greedy: bool = False, plain: bool = False) -> tuple[np.ndarray, ...]:
+    def run_decode(self, batch: DecodeBatch, greedy: bool = False,
+                   sampler: str | None = None) -> tuple[np.ndarray, ...]:
         """launch_decode, then wait for its outputs (numpy)."""
-        return self.fetch(self.launch_decode(batch, greedy, plain)[1])
+        return self.fetch(self.launch_decode(batch, greedy, sampler)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
     def empty_mixed(self, T: int) -> dict[str, np.ndarray]:

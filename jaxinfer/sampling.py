@@ -16,9 +16,12 @@ values). Per row, in this order:
    top-p (the smallest prefix of most probable tokens whose probability mass reaches top_p,
    measured after top-k; the top token is always kept), min-p (drop tokens whose probability is
    below ``min_p * max_prob``), and a draw with `jax.random.categorical` over what remains; the
-   sorted position is mapped back to a token id through the sort permutation. A batch whose sampled
-   rows use neither top-k nor top-p (the host knows: `needs_sort`) may skip the sort (``sort=False``):
-   min-p is a threshold on the tempered logits, and the draw adds the same noise by token id.
+   sorted position is mapped back to a token id through the sort permutation. The host knows each
+   row's parameters and may pick a sampler without the sort (`sampler_for`): "plain" where no row
+   uses top-k or top-p (min-p is a threshold on the tempered logits), "top-k" where every row using
+   top-p has a top-k of at most TOP_K_CANDIDATES (its survivors are among that many largest logits,
+   which a top-k finds without sorting the vocabulary). The draw adds the same noise by token id in
+   every sampler, so they pick the same token.
 
 The randomness of row b is ``fold_in(key(seed[b]), step_index[b])``, so a request's tokens do
 not depend on which other requests share the batch nor on the row it sits in.
@@ -293,21 +296,20 @@ def sample(
     prompt_mask: jax.Array,
     output_counts: jax.Array,
     greedy_only: bool = False,
-    branch: bool = True,
-    sort: bool = True,
+    method: str = "branch",
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits [B, V] f32; step_index [B] i32 (index of the token being generated, 0 for the first);
     prompt_mask [B, V] bool; output_counts [B, V] i32. Returns (tokens [B] i32, logprob [B] f32),
     the logprob being that of the token under log_softmax of the raw ``logits``. ``greedy_only``
-    (static) compiles the argmax alone, for batches the caller knows are all greedy. ``branch`` (static):
-    skip the sort behind a device-side conditional when every row is greedy; False sorts whenever
-    called, with no conditional (whose predicate the GPU runtime reads back mid-call), for batches the
-    caller knows hold a sampled row. The tokens are the same either way. ``sort=False`` (static): no
-    sort and no conditional, for batches whose sampled rows have neither top-k nor top-p (`needs_sort`);
-    the tokens are those the sorting sampler draws (the Gumbel noise of a row is drawn per token id, so
-    the draw does not depend on the order it is taken in; they could differ only at exact ties).
+    (static) compiles the argmax alone, for batches the caller knows are all greedy. ``method`` (static):
+    "branch" sorts the vocabulary behind a device-side conditional that skips it when every row is
+    greedy (the GPU runtime reads its predicate back mid-call); "sort" sorts whenever called, with no
+    conditional; "plain" and "top-k" do not sort, for the batches `sampler_for` gives them. The tokens
+    are the same whichever applies (the Gumbel noise of a row is drawn per token id, so the draw does not
+    depend on the order it is taken in; they could differ only at exact ties or at a top-p boundary
+    within float rounding).
     """
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
@@ -333,15 +335,26 @@ def sample(
         return jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
     def unsorted() -> jax.Array:
-        # temperature and min-p only (no top-k, no top-p): _filtered_sorted_logits' masks without the order
+        # rows without top-k and top-p: _filtered_sorted_logits' masks (temperature, min-p) without the order
         temp = arrays.temperature.astype(jnp.float32)
         scaled = (penalised - jnp.max(penalised, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)[:, None]
         keep = jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
-        return jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + noise(), axis=-1)
+        g = noise()
+        tokens = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + g, axis=-1)
+        if method == "top-k":
+            # rows with top-k <= TOP_K_CANDIDATES (and any top-p, min-p): the filters on that many largest
+            # logits, in the sort's order (descending, ties by lower id), are those on the sorted vocabulary
+            values, ids = top_k_by_blocks(penalised + 0.0, min(TOP_K_CANDIDATES, V))
+            masked = _filtered_sorted_logits(values, arrays)
+            pos = jnp.argmax(masked + jnp.take_along_axis(g, ids, axis=-1), axis=-1)
+            tokens = jnp.where(arrays.top_k > 0, jnp.take_along_axis(ids, pos[:, None], axis=-1)[:, 0], tokens)
+        return tokens
 
-    if not sort:
+    if method not in ("branch", "sort", "plain", "top-k"):
+        raise ValueError(f"unknown sampling method {method!r}")
+    if method in ("plain", "top-k"):
         sampled_tokens = unsorted()
-    elif branch:
+    elif method == "branch":
         # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
         # predicate lives on the device, so the GPU runtime reads it back to pick the branch.
         sampled_tokens = jax.lax.cond(jnp.any(arrays.temperature > 0), sampled, lambda: greedy_tokens)
@@ -352,10 +365,17 @@ def sample(
     return tokens, logprob
 
 
-def needs_sort(params: SamplingParams) -> bool:
-    """Whether a request's sampled rows need the vocabulary sorted (top-k or top-p), i.e. cannot run
-    `sample` with ``sort=False``."""
-    return params.temperature > 0 and (params.top_k > 0 or params.top_p < 1)
+TOP_K_CANDIDATES = 64   # the largest top-k the "top-k" sampler takes (Qwen3's recommended: 20; llama.cpp's: 40)
+
+
+def sampler_for(params: Sequence[SamplingParams]) -> str:
+    """The cheapest `sample` method that draws these rows' tokens without a device-side conditional:
+    "plain" (no sampled row uses top-k or top-p), "top-k" (every sampled row using top-k or top-p has
+    a top-k of at most TOP_K_CANDIDATES), else "sort"."""
+    sampled = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
+    if not sampled:
+        return "plain"
+    return "top-k" if all(0 < p.top_k <= TOP_K_CANDIDATES for p in sampled) else "sort"
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

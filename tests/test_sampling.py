@@ -16,8 +16,8 @@ from jaxinfer.sampling import (
     SamplingParamsError,
     SamplingParams,
     apply_penalties,
-    needs_sort,
     sample,
+    sampler_for,
     seed_to_u32,
     top_logprobs,
 )
@@ -574,7 +574,7 @@ def test_sampled_token_is_always_allowed(jsample, data, temperature, top_k, top_
 
 @pytest.mark.parametrize("temps", [[0.0] * 8, [0.0, 0.8, 1.5, 0.0, 0.3, 2.0, 0.0, 1.0]])
 def test_without_the_branch_the_same_tokens(jsample, temps):
-    """branch=False (always sort, no device-side conditional) picks what the branching sampler picks,
+    """method="sort" (always sort, no device-side conditional) picks what the branching sampler picks,
     for all-greedy batches and for greedy rows beside sampled ones with every filter."""
     rng = np.random.default_rng(11)
     R, V = len(temps), 64
@@ -585,29 +585,44 @@ def test_without_the_branch_the_same_tokens(jsample, temps):
                              frequency_penalty=0.3, seed=i) for i, t in enumerate(temps)]
     steps = rng.integers(0, 100, size=R)
     want, want_lp = run(jsample, logits, params, None, steps, prompt, counts)
-    got, got_lp = run(jax.jit(functools.partial(sample, branch=False)), logits, params, None, steps, prompt, counts)
+    got, got_lp = run(jax.jit(functools.partial(sample, method="sort")), logits, params, None, steps, prompt, counts)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
     if any(temps):
         assert len(set(want.tolist())) > 3   # sampled rows really sampled
 
 
-def test_without_the_sort_the_same_tokens_for_rows_without_top_k_or_top_p(jsample):
-    """sort=False (for batches the host knows have no top-k or top-p row: needs_sort) draws what the
-    sorting sampler draws: temperature, min-p and penalties, beside greedy rows."""
+def test_sampler_for_picks_the_cheapest_method():
+    assert sampler_for([]) == "plain"
+    assert sampler_for([SamplingParams(temperature=0, top_k=5, top_p=0.5), SamplingParams(temperature=0.7, min_p=0.1)]) \
+        == "plain"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1)]) == "top-k"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=64)]) == "top-k"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=65)]) == "sort"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == "sort"
+
+
+@pytest.mark.parametrize("method", ["plain", "top-k"])
+def test_without_the_sort_the_same_tokens(jsample, method):
+    """The samplers without the sort draw what the sorting sampler draws, for the rows sampler_for gives
+    them: temperature, min-p and penalties beside greedy rows; for "top-k" also top-k up to
+    TOP_K_CANDIDATES with top-p, min-p, and ties among the logits (by lower id, as the stable sort).
+    V = 20,000 makes top_k_by_blocks cut the rows into blocks (it does above 2 x 64 blocks of 128)."""
     rng = np.random.default_rng(12)
-    R, V = 48, 64
+    R, V = 48, 20_000
     logits = rng.normal(size=(R, V)).astype(np.float32) * 2
+    logits[::5, 10:40] = logits[::5, 10:11]      # ties, across the top-k boundary in some rows
     prompt = rng.random((R, V)) < 0.1
     counts = rng.integers(0, 3, size=(R, V)) * (rng.random((R, V)) < 0.1)
     params = [SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][i % 4], min_p=[0.0, 0.1][i % 2],
-                             repetition_penalty=1.1, presence_penalty=0.3, seed=100 + i) for i in range(R)]
-    assert not any(needs_sort(p) for p in params)
-    assert needs_sort(SamplingParams(temperature=0.5, top_p=0.9)) and needs_sort(SamplingParams(temperature=1, top_k=5))
-    assert not needs_sort(SamplingParams(temperature=0, top_k=5))
+                             repetition_penalty=1.1, presence_penalty=0.3, seed=100 + i,
+                             **({"top_k": [1, 7, 20, 64][i % 4], "top_p": [1.0, 0.9, 0.5][i % 3]}
+                                if method == "top-k" and i % 3 else {}))
+              for i in range(R)]
+    assert sampler_for(params) == method
     steps = rng.integers(0, 100, size=R)
     want, want_lp = run(jsample, logits, params, None, steps, prompt, counts)
-    got, got_lp = run(jax.jit(functools.partial(sample, sort=False)), logits, params, None, steps, prompt, counts)
+    got, got_lp = run(jax.jit(functools.partial(sample, method=method)), logits, params, None, steps, prompt, counts)
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
     assert len(set(want.tolist())) > 12   # sampled rows really sampled

@@ -636,6 +636,8 @@ def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
     assert build_parser().parse_args(["serve", "--no-prefixed-chunk-attention"]).prefixed_chunk_attention is False
     assert build_parser().parse_args(["serve"]).prefixed_chunk_attention is None
     assert build_parser().parse_args(["serve", "--no-plain-sampling-step"]).plain_sampling_step is False
+    assert build_parser().parse_args(["serve"]).generation_config == "auto"
+    assert build_parser().parse_args(["serve", "--generation-config", "none"]).generation_config == "none"
     assert build_parser().parse_args(["serve", "--no-prefill-behind-decode"]).prefill_behind_decode is False
 
 

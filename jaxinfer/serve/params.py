@@ -28,6 +28,8 @@ class ModelInfo:
     max_model_len: int
     max_logprobs: int = 20
     prompt_logprobs: bool = False   # the engine scores prompt tokens (echo with logprobs)
+    # SamplingParams fields a request leaves out take these (the model's generation_config.json, as vLLM)
+    sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -88,12 +90,14 @@ def _max_tokens(asked: int | None, default: int | None, prompt_len: int, info: M
 def _sampling(req: _Sampling, info: ModelInfo, max_tokens: int, logprobs: int | None,
               choice: int) -> SamplingParams:
     kw: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs}
-    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         value = getattr(req, name)
+        value = info.sampling_defaults.get(name) if value is None else value
         if value is not None:
             kw[name] = value
-    if req.top_k is not None:
-        kw["top_k"] = min(req.top_k, info.vocab_size)       # a k past the vocabulary is no filter
+    if "top_k" in kw:
+        kw["top_k"] = min(kw["top_k"], info.vocab_size)      # a k past the vocabulary is no filter
     if req.seed is not None:
         kw["seed"] = req.seed + choice                       # n > 1: distinct but reproducible draws
     if req.stop is not None:
@@ -146,7 +150,8 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         prompts.append(Prompt(ids, item if isinstance(item, str) else None))
     params = []
     for q in prompts:
-        max_tokens = _max_tokens(req.max_tokens, 16, len(q.ids), info, "prompt", "max_tokens")
+        max_tokens = _max_tokens(req.max_tokens, info.sampling_defaults.get("max_tokens", 16), len(q.ids), info,
+                                 "prompt", "max_tokens")
         params += [_sampling(req, info, max_tokens, req.logprobs, i) for i in range(req.n)]
     if req.echo and req.logprobs is not None:
         params = [dataclasses.replace(sp, prompt_logprobs=req.logprobs) for sp in params]
@@ -211,7 +216,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         raise bad_request("messages: the conversation is empty", param="messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = _max_tokens(asked, None, len(ids), info, "messages", param)
+    max_tokens = _max_tokens(asked, info.sampling_defaults.get("max_tokens"), len(ids), info, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [_sampling(req, info, max_tokens, logprobs, i) for i in range(req.n)]
     return Prepared([Prompt(ids, None)], params, req.n)

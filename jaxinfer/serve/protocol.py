@@ -76,7 +76,7 @@ class _Sampling(_Request):
 
     model: str | None = Field(None, description="the served model name (see /v1/models); default: the only one")
     n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = Field(None, ge=0, le=1e4, description="0 is greedy; default 1")
+    temperature: float | None = Field(None, ge=0, le=1e4, description="0 is greedy; default: the model's generation_config.json, else 1")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0: off")
     min_p: float | None = Field(None, ge=0, le=1)
