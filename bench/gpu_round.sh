@@ -267,9 +267,9 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
-  topk)      # the second: the sampler's variants alone (the top-k one unmeasured), then sampled requests with Qwen3's
-             # recommended filters (top-k 20, top-p 0.95: the "-top-k" variant) through the server with and without
-             # plain_sampling_step
+  topk)      # the second: the sampler's variants alone (the filter one unmeasured), then sampled requests with Qwen3's
+             # recommended filters (top-k 20, top-p 0.95: the "-filter" variant) through the server with and without
+             # plain_sampling_step, then with Llama 3's (top-p 0.9 alone: the radix search) with it
     step 80 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
     for v in plain-sampling-step no-plain-sampling-step; do
@@ -279,6 +279,10 @@ case "${1:-1}" in
            --extra-body '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' \
            --out "$OUT/serving-topk-$v.json" --client aiohttp
     done
+    step 140 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2 \
+         --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.6, "top_p": 0.9}' \
+         --out "$OUT/serving-topp-plain-sampling-step.json" --client aiohttp
     ;;
   plain)     # the tenth session's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
              # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without

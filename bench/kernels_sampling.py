@@ -12,7 +12,9 @@ passes (prompt mask, output counts):
 - plain, no sort: method "plain" with sampled rows (what plain_sampling_step runs when no row has
   top-k or top-p: min-p as a threshold, Gumbel noise by token id);
 - sort, top-k 20 / top-p 0.95: method "sort" on rows with Qwen3's recommended filters;
-- top-k, no sort: method "top-k" on the same rows (the filters on the 64 largest logits).
+- filter, no sort: method "filter" on the same rows (the filters on the 64 largest logits);
+- sort, top-p 0.9: method "sort" on rows with top-p alone (Llama 3's recommended, with temperature 0.6);
+- filter, top-p 0.9: method "filter" on the same rows (the nucleus's boundary by a radix search).
 Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call.
 JSON to $OUT/sampling.json.
 """
@@ -45,6 +47,7 @@ def main() -> None:
         return SamplingArrays.from_params([SamplingParams(**params)] * B, list(range(B)), B)
 
     greedy, sampled, filtered = dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.6, top_k=20, top_p=0.95)
+    nucleus = dict(temperature=0.6, top_p=0.9)
     variants = {
         "argmax": (greedy, lambda *x: sample(*x, greedy_only=True)),
         "branch, greedy rows": (greedy, lambda *x: sample(*x)),
@@ -52,7 +55,9 @@ def main() -> None:
         "sort, no branch": (sampled, lambda *x: sample(*x, method="sort")),
         "plain, no sort": (sampled, lambda *x: sample(*x, method="plain")),
         "sort, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="sort")),
-        "top-k, no sort": (filtered, lambda *x: sample(*x, method="top-k")),
+        "filter, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="filter")),
+        "sort, top-p 0.9": (nucleus, lambda *x: sample(*x, method="sort")),
+        "filter, top-p 0.9": (nucleus, lambda *x: sample(*x, method="filter")),
     }
     rows = []
     for B in args.rows:

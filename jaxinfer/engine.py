@@ -97,8 +97,8 @@ class EngineConfig:
     # The sampling steps (a row sampled, or top logprobs wanted) in three variants the host picks between
     # (sampling.sampler_for), none with a device-side conditional: two without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
-    # penalties, greedy rows wanting logprobs) and "-top-k" for steps whose rows with top-k or top-p all
-    # have a top-k of at most 64, and one that sorts. Off: one sampling variant, which skips the sort behind a conditional
+    # penalties, greedy rows wanting logprobs) and "-filter" for steps whose rows with top-k all have one
+    # of at most 64 (top-p with it or alone: no sort either), and one that sorts. Off: one sampling variant, which skips the sort behind a conditional
     # when every row is greedy; the GPU runtime reads its predicate back mid-call, so the call blocks
     # until the forward pass is done (no overlap). None: on GPUs (H200, Qwen3-4B, sampled requests at 2
     # req/s: TTFT p50 35.4 -> 26-27 ms, TPOT 3.62 -> 3.3 ms without the conditional; bench/NOTES.md).
@@ -499,7 +499,7 @@ class Engine:
         return seqs, advanced, outs
 
     def _sampler(self, seqs: list[Sequence]) -> str | None:
-        """The sampling step variant for these sequences: with plain_sampling_step, "plain" or "top-k"
+        """The sampling step variant for these sequences: with plain_sampling_step, "plain" or "filter"
         (no sort) where sampling.sampler_for allows, else None (the sorting one)."""
         if not self.config.plain_sampling_step:
             return None

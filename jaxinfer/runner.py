@@ -168,7 +168,7 @@ def _bucket_key(name: str, batch) -> tuple[str, int]:
 
 
 def _sampler_suffix(greedy: bool, sampler: str | None) -> str:
-    """A step's name part for its sampling variant: "-greedy", "-plain", "-top-k", or "" (the sorting one)."""
+    """A step's name part for its sampling variant: "-greedy", "-plain", "-filter", or "" (the sorting one)."""
     return "-greedy" if greedy else f"-{sampler}" if sampler else ""
 
 
@@ -209,7 +209,7 @@ class ModelRunner:
         tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
         step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets.
         plain_sampling: the sampling (not greedy-only) steps come in three variants the host picks between
-        (sampling.sampler_for), none with a device-side conditional: "-plain" and "-top-k" (no sort over the
+        (sampling.sampler_for), none with a device-side conditional: "-plain" and "-filter" (no sort over the
         vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
         conditional when every row is greedy."""
         self.cfg, self.params, self.ops = cfg, params, ops
@@ -233,7 +233,7 @@ class ModelRunner:
         # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
         # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
         # (greedy, sampler, sample's method) of each sampling variant compiled
-        samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "top-k", "top-k")] if plain_sampling \
+        samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "filter", "filter")] if plain_sampling \
             else [(False, None, "branch")]
         self.steps = {}
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
@@ -281,7 +281,7 @@ class ModelRunner:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
         (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. sampler
-        ("plain" or "top-k", as sampling.sampler_for gives; needs plain_sampling): the variant without the sort."""
+        ("plain" or "filter", as sampling.sampler_for gives; needs plain_sampling): the variant without the sort."""
         # The sampling step's call returns only once the device has chosen the sampling branch (its
         # predicate is read back), i.e. after most of the step: that time counts as waiting on the
         # device too.

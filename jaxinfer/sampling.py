@@ -18,10 +18,11 @@ values). Per row, in this order:
    below ``min_p * max_prob``), and a draw with `jax.random.categorical` over what remains; the
    sorted position is mapped back to a token id through the sort permutation. The host knows each
    row's parameters and may pick a sampler without the sort (`sampler_for`): "plain" where no row
-   uses top-k or top-p (min-p is a threshold on the tempered logits), "top-k" where every row using
-   top-p has a top-k of at most TOP_K_CANDIDATES (its survivors are among that many largest logits,
-   which a top-k finds without sorting the vocabulary). The draw adds the same noise by token id in
-   every sampler, so they pick the same token.
+   uses top-k or top-p (min-p is a threshold on the tempered logits), "filter" where every row using
+   top-k has one of at most TOP_K_CANDIDATES (its survivors are among that many largest logits, which
+   a top-k finds without sorting the vocabulary; top-p then runs on them) and the rows using top-p
+   alone find the nucleus's boundary by a radix search over the logits' bits (`_top_p_keep`). The
+   draw adds the same noise by token id in every sampler, so they pick the same token.
 
 The randomness of row b is ``fold_in(key(seed[b]), step_index[b])``, so a request's tokens do
 not depend on which other requests share the batch nor on the row it sits in.
@@ -306,7 +307,7 @@ def sample(
     (static) compiles the argmax alone, for batches the caller knows are all greedy. ``method`` (static):
     "branch" sorts the vocabulary behind a device-side conditional that skips it when every row is
     greedy (the GPU runtime reads its predicate back mid-call); "sort" sorts whenever called, with no
-    conditional; "plain" and "top-k" do not sort, for the batches `sampler_for` gives them. The tokens
+    conditional; "plain" and "filter" do not sort, for the batches `sampler_for` gives them. The tokens
     are the same whichever applies (the Gumbel noise of a row is drawn per token id, so the draw does not
     depend on the order it is taken in; they could differ only at exact ties or at a top-p boundary
     within float rounding).
@@ -339,9 +340,11 @@ def sample(
         temp = arrays.temperature.astype(jnp.float32)
         scaled = (penalised - jnp.max(penalised, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)[:, None]
         keep = jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+        if method == "filter":   # rows with top-p and no top-k
+            keep &= (arrays.top_p[:, None] >= 1.0) | _top_p_keep(scaled, arrays.top_p.astype(jnp.float32))
         g = noise()
         tokens = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + g, axis=-1)
-        if method == "top-k":
+        if method == "filter":
             # rows with top-k <= TOP_K_CANDIDATES (and any top-p, min-p): the filters on that many largest
             # logits, in the sort's order (descending, ties by lower id), are those on the sorted vocabulary
             values, ids = top_k_by_blocks(penalised + 0.0, min(TOP_K_CANDIDATES, V))
@@ -350,9 +353,9 @@ def sample(
             tokens = jnp.where(arrays.top_k > 0, jnp.take_along_axis(ids, pos[:, None], axis=-1)[:, 0], tokens)
         return tokens
 
-    if method not in ("branch", "sort", "plain", "top-k"):
+    if method not in ("branch", "sort", "plain", "filter"):
         raise ValueError(f"unknown sampling method {method!r}")
-    if method in ("plain", "top-k"):
+    if method in ("plain", "filter"):
         sampled_tokens = unsorted()
     elif method == "branch":
         # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
@@ -365,17 +368,41 @@ def sample(
     return tokens, logprob
 
 
-TOP_K_CANDIDATES = 64   # the largest top-k the "top-k" sampler takes (Qwen3's recommended: 20; llama.cpp's: 40)
+def _top_p_keep(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Top-p over whole rows of tempered logits scaled [B, V] (max 0) without sorting them: the tokens the
+    sorted path keeps (mass before them in the order descending, ties by lower id, below top_p [B]).
+    The last token kept has the largest value t with mass(logits >= t) >= top_p. Eight passes find t's
+    32 bits four at a time (16 candidate thresholds per pass, each a masked sum over the row), on keys
+    whose unsigned order is the floats' order; then ties at t are kept by id while the mass stays below."""
+    bits = jax.lax.bitcast_convert_type(scaled + 0.0, jnp.uint32)          # + 0.0: no -0.0
+    key = jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+    e = jnp.exp(scaled)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    p = top_p[:, None]
+    prefix = jnp.zeros(scaled.shape[:1], jnp.uint32)
+    digits = jnp.arange(16, dtype=jnp.uint32)
+    for shift in range(28, -4, -4):
+        thresholds = prefix[:, None] | (digits[None, :] << shift)                                 # [B, 16]
+        mass = jnp.sum(jnp.where(key[:, :, None] >= thresholds[:, None, :], probs[:, :, None], 0.0), axis=1)
+        digit = jnp.maximum(jnp.sum(mass >= p, axis=-1) - 1, 0)      # the largest digit whose mass reaches p
+        prefix = prefix | (digit.astype(jnp.uint32) << shift)
+    t = prefix[:, None]
+    above = jnp.sum(jnp.where(key > t, probs, 0.0), axis=-1, keepdims=True)
+    tie = jnp.where(key == t, probs, 0.0)
+    return (key > t) | ((key == t) & (above + jnp.cumsum(tie, axis=-1) - tie < p))
+
+
+TOP_K_CANDIDATES = 64   # the largest top-k the "filter" sampler takes (Qwen3's recommended: 20; llama.cpp's: 40)
 
 
 def sampler_for(params: Sequence[SamplingParams]) -> str:
     """The cheapest `sample` method that draws these rows' tokens without a device-side conditional:
-    "plain" (no sampled row uses top-k or top-p), "top-k" (every sampled row using top-k or top-p has
-    a top-k of at most TOP_K_CANDIDATES), else "sort"."""
+    "plain" (no sampled row uses top-k or top-p), "filter" (every sampled row using top-k has a top-k of
+    at most TOP_K_CANDIDATES; top-p with it or alone), else "sort"."""
     sampled = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if not sampled:
         return "plain"
-    return "top-k" if all(0 < p.top_k <= TOP_K_CANDIDATES for p in sampled) else "sort"
+    return "filter" if all(p.top_k <= TOP_K_CANDIDATES for p in sampled) else "sort"
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

@@ -596,28 +596,39 @@ def test_sampler_for_picks_the_cheapest_method():
     assert sampler_for([]) == "plain"
     assert sampler_for([SamplingParams(temperature=0, top_k=5, top_p=0.5), SamplingParams(temperature=0.7, min_p=0.1)]) \
         == "plain"
-    assert sampler_for([SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1)]) == "top-k"
-    assert sampler_for([SamplingParams(temperature=0.7, top_k=64)]) == "top-k"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1)]) == "filter"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=64)]) == "filter"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == "filter"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=65)]) == "sort"
-    assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == "sort"
+    assert sampler_for([SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1, top_k=100)]) == "sort"
 
 
-@pytest.mark.parametrize("method", ["plain", "top-k"])
+def _filter_rows(i: int) -> dict:
+    """Row i's filters for the "filter" test: none, top-k (1-64) with or without top-p, or top-p alone."""
+    kind = i % 4
+    if kind == 0:
+        return {}
+    if kind == 3:
+        return {"top_p": [0.9, 0.5, 0.99, 0.2][(i // 4) % 4]}
+    return {"top_k": [1, 7, 20, 64][i % 4], "top_p": [1.0, 0.9, 0.5][i % 3]}
+
+
+@pytest.mark.parametrize("method", ["plain", "filter"])
 def test_without_the_sort_the_same_tokens(jsample, method):
     """The samplers without the sort draw what the sorting sampler draws, for the rows sampler_for gives
-    them: temperature, min-p and penalties beside greedy rows; for "top-k" also top-k up to
-    TOP_K_CANDIDATES with top-p, min-p, and ties among the logits (by lower id, as the stable sort).
-    V = 20,000 makes top_k_by_blocks cut the rows into blocks (it does above 2 x 64 blocks of 128)."""
+    them: temperature, min-p and penalties beside greedy rows; for "filter" also top-k up to
+    TOP_K_CANDIDATES with top-p, top-p alone, min-p, and ties among the logits (by lower id, as the stable
+    sort). V = 20,000 makes top_k_by_blocks cut the rows into blocks (it does above 2 x 64 blocks of 128)."""
     rng = np.random.default_rng(12)
     R, V = 48, 20_000
     logits = rng.normal(size=(R, V)).astype(np.float32) * 2
     logits[::5, 10:40] = logits[::5, 10:11]      # ties, across the top-k boundary in some rows
+    logits[3::8, :] = np.round(logits[3::8, :])  # many ties, across the nucleus's boundary
     prompt = rng.random((R, V)) < 0.1
     counts = rng.integers(0, 3, size=(R, V)) * (rng.random((R, V)) < 0.1)
-    params = [SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][i % 4], min_p=[0.0, 0.1][i % 2],
+    params = [SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][(i // 2) % 4], min_p=[0.0, 0.1][(i // 3) % 2],
                              repetition_penalty=1.1, presence_penalty=0.3, seed=100 + i,
-                             **({"top_k": [1, 7, 20, 64][i % 4], "top_p": [1.0, 0.9, 0.5][i % 3]}
-                                if method == "top-k" and i % 3 else {}))
+                             **(_filter_rows(i) if method == "filter" else {}))
               for i in range(R)]
     assert sampler_for(params) == method
     steps = rng.integers(0, 100, size=R)
@@ -626,3 +637,29 @@ def test_without_the_sort_the_same_tokens(jsample, method):
     np.testing.assert_array_equal(got, want)
     np.testing.assert_allclose(got_lp, want_lp, rtol=1e-6)
     assert len(set(want.tolist())) > 12   # sampled rows really sampled
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.75, 0.95, 0.999])
+def test_the_top_p_keep_mask_equals_the_sorted_one(top_p):
+    """_top_p_keep (radix search) keeps exactly the tokens the sorted path keeps (float64 here), on rows
+    with a peak, flat rows, many ties, a uniform row and one whose mass ends right at a token; it may
+    differ only at one token whose mass before it is top_p within float32 rounding."""
+    from jaxinfer.sampling import _top_p_keep
+
+    rng = np.random.default_rng(int(top_p * 1000))
+    V = 3000
+    rows = [rng.normal(size=V) * 3, rng.normal(size=V) * 0.01, np.round(rng.normal(size=V)), np.zeros(V),
+            np.log(np.r_[[0.5, 0.25, 0.25], np.full(V - 3, 1e-30)])]
+    scaled = np.stack([r - r.max() for r in rows]).astype(np.float32)
+    got = np.asarray(jax.jit(_top_p_keep)(jnp.asarray(scaled), jnp.full(len(rows), top_p, jnp.float32)))
+    order = np.lexsort((np.arange(V)[None, :].repeat(len(rows), 0), -scaled), axis=-1)   # stable descending
+    for b in range(len(rows)):
+        probs = np.exp(scaled[b].astype(np.float64))
+        probs /= probs.sum()
+        before = np.cumsum(probs[order[b]]) - probs[order[b]]
+        want, margin = np.zeros(V, bool), np.zeros(V)
+        want[order[b]], margin[order[b]] = before < top_p, np.abs(before - top_p)
+        wrong = np.flatnonzero(got[b] != want)
+        # only where float32 and float64 sums may fall either side (the uniform row at p = k / V)
+        assert len(wrong) <= 1 and (margin[wrong] < 1e-5).all(), (b, wrong, margin[wrong])
+        assert got[b].sum() >= 1
