@@ -18,6 +18,17 @@ serve_setup() {
   cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 }
+# Light load through the server (2 req/s, 48 prompts of 1,024 + 128 tokens), one server per option given
+# ("" for the defaults): servers LIMIT BODY NAME OPTION... writes $OUT/serving-NAME-OPTION.json
+servers() {
+  local limit=$1 body=$2 name=$3; shift 3
+  for v in "$@"; do
+    step "$limit" python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64${v:+ --$v}" --request-rates 2 \
+         --num-prompts 48 --input-len 1024 --output-len 128 --extra-body "$body" \
+         --out "$OUT/serving-$name-${v:-defaults}.json" --client aiohttp
+  done
+}
 case "${1:-1}" in
   skinny)    # the batched-decode GEMM: GPU parity, config sweep and kernel-vs-XLA table, engine check
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
@@ -249,20 +260,6 @@ case "${1:-1}" in
     step 120 python3 bench/kernels_prefill_attention.py --fused
     bash "$0" sampled
     ;;
-  branch)    # the tenth session's third call: the sampler's cost over the vocabulary (sort, branch, argmax), then
-             # sampled requests (temperature 0.8) through the server with the sampling steps' device-side branch
-             # and without it (--no-sampling-branch: always sort, no predicate read back mid-call), the first
-             # again last (the first server of a call ran slower in run 2)
-    step 90 python3 bench/kernels_sampling.py --out "$OUT"
-    serve_setup
-    n=0
-    for v in no-sampling-branch sampling-branch no-sampling-branch; do
-      step 130 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
-           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
-           --out "$OUT/serving-sampled-$v-$((++n)).json" --client aiohttp
-    done
-    ;;
   eleventh)  # the eleventh session's first call: the whole GPU parity file (10 tests; plain_sampling_step and the top-k
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
@@ -272,38 +269,20 @@ case "${1:-1}" in
              # plain_sampling_step, then with Llama 3's (top-p 0.9 alone: the radix search) with it
     step 80 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
-    for v in plain-sampling-step no-plain-sampling-step; do
-      step 140 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
-           --num-prompts 48 --input-len 1024 --output-len 128 \
-           --extra-body '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' \
-           --out "$OUT/serving-topk-$v.json" --client aiohttp
-    done
-    step 140 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" --request-rates 2 \
-         --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.6, "top_p": 0.9}' \
-         --out "$OUT/serving-topp-plain-sampling-step.json" --client aiohttp
+    servers 140 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk plain-sampling-step no-plain-sampling-step
+    servers 140 '{"temperature": 0.6, "top_p": 0.9}' topp ""
     ;;
   plain)     # the tenth session's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
-             # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without
+             # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without.
+             # (Its third call, `branch`, compared the flag plain_sampling_step replaced, --no-sampling-branch, at e817e44.)
     step 100 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
-    for v in plain-sampling-step no-plain-sampling-step; do
-      step 140 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
-           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
-           --out "$OUT/serving-sampled-$v.json" --client aiohttp
-    done
+    servers 140 '{"temperature": 0.8}' sampled plain-sampling-step no-plain-sampling-step
     ;;
   sampled)   # after tenth: sampled requests (temperature 0.8: the mixed-fresh step, CPU-tested only) through the
              # server with and without the fresh op at 2 req/s
     serve_setup
-    for v in fresh-prompt-attention no-fresh-prompt-attention; do
-      step 90 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-           --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --$v" --request-rates 2 \
-           --num-prompts 48 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0.8}' \
-           --out "$OUT/serving-sampled-$v.json" --client aiohttp
-    done
+    servers 90 '{"temperature": 0.8}' sampled fresh-prompt-attention no-fresh-prompt-attention
     ;;
   ninth)     # the ninth session's second call, after prefill_behind_decode and fresh_prompt_attention became GPU
              # defaults: GPU parity (with a fresh 1,000-token prompt on cuDNN against the paged kernel), the fresh op's
