@@ -15,7 +15,8 @@ passes (prompt mask, output counts):
 - filter, no sort: method "filter" on the same rows (the filters on the 64 largest logits);
 - sort, top-p 0.9: method "sort" on rows with top-p alone (Llama 3's recommended, with temperature 0.6);
 - filter, top-p 0.9: method "filter" on the same rows (the nucleus's boundary by a radix search).
-Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call.
+Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call. The samplers
+without the sort must draw the tokens of the sorting one on the same rows (checked; exit 1 if not).
 JSON to $OUT/sampling.json.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.table import print_table
 from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
@@ -60,27 +62,35 @@ def main() -> None:
         "filter, top-p 0.9": (nucleus, lambda *x: sample(*x, method="filter")),
     }
     rows = []
+    SAME_TOKENS = [("sort, no branch", "plain, no sort"), ("branch, temperature 0.8", "plain, no sort"),
+                   ("sort, top-k 20 / top-p 0.95", "filter, top-k 20 / top-p 0.95"),
+                   ("sort, top-p 0.9", "filter, top-p 0.9")]
     for B in args.rows:
         xs = [jax.random.normal(jax.random.PRNGKey(i), (B, V)) * 3 for i in range(args.calls)]
         pm = jnp.zeros((B, V), bool).at[:, :64].set(True)
         oc = jnp.zeros((B, V), jnp.int32)
         step = jnp.zeros(B, jnp.int32)
-        row = dict(rows=B)
+        row, tokens = dict(rows=B), {}
         for name, (params, op) in variants.items():
             a = arrays(B, params)
             f = jax.jit(lambda xs, a, op=op: [op(x, a, step, pm, oc)[0] for x in xs])
-            jax.block_until_ready(f(xs, a))
+            tokens[name] = np.stack(jax.block_until_ready(f(xs, a)))
             best = float("inf")
             for _ in range(3):
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(xs, a))
                 best = min(best, (time.perf_counter() - t0) / args.calls)
             row[name] = 1e3 * best
+        # the samplers without the sort must draw the sorting one's tokens (same seeds, same rows)
+        row["equal"] = all(np.array_equal(tokens[a], tokens[b]) for a, b in SAME_TOKENS)
         rows.append(row)
         print("# " + json.dumps(row), flush=True)
     print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, vocab {V}; ms per call")
-    print_table(rows, [("rows", "rows", "")] + [(f"{n} ms", n, ".3f") for n in variants])
+    print_table(rows, [("rows", "rows", "")] + [(f"{n} ms", n, ".3f") for n in variants] +
+                [("tokens equal", "equal", "")])
     Path(args.out, "sampling.json").write_text(json.dumps(rows, indent=1))
+    if not all(r["equal"] for r in rows):
+        raise SystemExit("a sampler without the sort drew other tokens than the sorting one")
 
 
 if __name__ == "__main__":

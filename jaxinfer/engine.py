@@ -98,10 +98,11 @@ class EngineConfig:
     # (sampling.sampler_for), none with a device-side conditional: two without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
     # penalties, greedy rows wanting logprobs) and "-filter" for steps whose rows with top-k all have one
-    # of at most 64 (top-p with it or alone: no sort either), and one that sorts. Off: one sampling variant, which skips the sort behind a conditional
-    # when every row is greedy; the GPU runtime reads its predicate back mid-call, so the call blocks
-    # until the forward pass is done (no overlap). None: on GPUs (H200, Qwen3-4B, sampled requests at 2
-    # req/s: TTFT p50 35.4 -> 26-27 ms, TPOT 3.62 -> 3.3 ms without the conditional; bench/NOTES.md).
+    # of at most 64 (top-p with it or alone: no sort either), and one that sorts. Off: one sampling
+    # variant, which skips the sort behind a conditional when every row is greedy; the GPU runtime reads
+    # its predicate back mid-call, so the call blocks until the forward pass is done (no overlap). None:
+    # on GPUs (H200, Qwen3-4B, temperature 0.8 at 2 req/s: TTFT p50 36.6 -> 27.4 ms, TPOT 3.87 -> 3.17 ms;
+    # bench/NOTES.md, tenth session).
     plain_sampling_step: bool | None = None
     # A prompt step that is one prompt from position 0 (the light-load case; not one scoring its prompt)
     # of at least fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows

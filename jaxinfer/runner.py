@@ -229,10 +229,10 @@ class ModelRunner:
         self.warmup_breakdown: dict[str, float] = {}
         self.short_decode = short_decode
         self.fresh_prompt_min_tokens = fresh_prompt_min_tokens
-        # The compiled steps by name, each called as steps[name](params, kv, state, batch). Decode has
-        # two variants per step count: batches that are all greedy and ask for no top logprobs (the host
-        # knows) skip the sampling branch and the top-k over the vocabulary (0.1 ms a step at 152k, H200).
-        # (greedy, sampler, sample's method) of each sampling variant compiled
+        # The compiled steps by name, each called as steps[name](params, kv, state, batch). Each step has
+        # a greedy-only variant (decode always, mixed with greedy_mixed) for batches that are all greedy and
+        # ask for no top logprobs (the host knows): no sampling and no top-k over the vocabulary (0.1 ms a
+        # step at 152k, H200). The sampling variants: (greedy, sampler, sample's method) of each.
         samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "filter", "filter")] if plain_sampling \
             else [(False, None, "branch")]
         self.steps = {}
@@ -282,9 +282,9 @@ class ModelRunner:
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
         (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. sampler
         ("plain" or "filter", as sampling.sampler_for gives; needs plain_sampling): the variant without the sort."""
-        # The sampling step's call returns only once the device has chosen the sampling branch (its
-        # predicate is read back), i.e. after most of the step: that time counts as waiting on the
-        # device too.
+        # Without plain_sampling, the sampling step's call returns only once the device has chosen the
+        # sampling branch (its predicate is read back), i.e. after most of the step: that time counts as
+        # waiting on the device too.
         return self.fetch(self.launch_mixed(batch, prompt_logprobs, greedy, attention, sampler))
 
     def has_one_sequence_step(self, tokens: int) -> bool:
