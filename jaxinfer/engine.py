@@ -530,7 +530,10 @@ class Engine:
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         greedy = _all_greedy(seqs)
-        out = self.runner.launch_decode(batch, greedy=greedy, sampler=None if greedy else self._sampler(seqs))
+        sampler = None if greedy else self._sampler(seqs)
+        if sampler == "plain" and not any(seq.params.logprobs for seq in seqs):
+            sampler = "plain-notop"    # no top logprobs to compute
+        out = self.runner.launch_decode(batch, greedy=greedy, sampler=sampler)
         self._timing.launched(time.perf_counter() - t0)
         return out
 

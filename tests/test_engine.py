@@ -160,26 +160,27 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
 def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
     """plain_sampling_step: a sampling step (mixed or decode) runs the variant sampling.sampler_for gives
     its rows: "-plain" (no row with top-k or top-p), "-filter" (top-k of at most 64, with or without
-    top-p; top-p alone), else the sorting one (a top-k above 64); none has a device-side branch. Greedy rows wanting logprobs, seeded
-    sampled rows and batches of both give the tokens, logprobs and top logprobs of the engine without
-    it; nothing compiles after start-up."""
+    top-p; top-p alone), else the sorting one (a top-k above 64); none has a device-side branch. A plain
+    decode dispatch where no row wants top logprobs runs "-plain-notop" (no top-k over the vocabulary).
+    Greedy rows wanting logprobs, seeded sampled rows and batches of both give the tokens, logprobs and
+    top logprobs of the engine without it; nothing compiles after start-up."""
     llm = LLM(STORIES, plain_sampling_step=True, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
               progress=False)
     ran = record_steps(llm.engine.runner)
     plain = SamplingParams(max_tokens=12, temperature=1.1, min_p=0.05, presence_penalty=0.5, seed=4, ignore_eos=True)
     top_k = SamplingParams(max_tokens=12, temperature=0.6, top_k=20, top_p=0.95, seed=7, ignore_eos=True, logprobs=2)
-    cases = [  # (params per prompt, the sampling variant they run)
-        ([SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2, "-plain"),
+    cases = [  # (params per prompt, the sampling variants they run)
+        ([SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2, {"-plain"}),
         ([plain, SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)],
-         "-plain"),
-        ([top_k, plain], "-filter"),
-        ([SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)] * 3, "-filter"),
+         {"-plain", "-plain-notop"}),   # the prompt steps, then decode
+        ([top_k, plain], {"-filter"}),
+        ([SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)] * 3, {"-filter"}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2), top_k],
-         "-filter"),
+         {"-filter"}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.8, seed=9, ignore_eos=True, logprobs=2),
-          SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=8, ignore_eos=True)], ""),
+          SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=8, ignore_eos=True)], {""}),
         ([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-          SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=6, ignore_eos=True)], ""),
+          SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=6, ignore_eos=True)], {""}),
     ]
     got = []
     with no_compiles():
@@ -188,7 +189,7 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
             got.append(llm.generate(PROMPTS[:len(params)], params))
             sampling = {n.removeprefix("mixed").removeprefix("decode").rsplit("-", 1)[0] if n.startswith("decode")
                         else n.removeprefix("mixed") for n in ran} - {"-greedy"}
-            assert sampling == {variant}, ran
+            assert sampling == variant, ran
     for (params, _), outs in zip(cases, got):
         want = stories.generate(PROMPTS[:len(params)], params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in want]
