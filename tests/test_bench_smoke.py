@@ -36,6 +36,8 @@ def _run(tmp_path, script, *args, timeout=300):
                         "--max-model-len", "64"], "step_memory.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
     ("kernels_sampling.py", ["--vocab", "20000", "--rows", "1", "3", "--calls", "2"], "sampling.json"),
+    ("host_prompt_step.py", ["--layers", "1", "--max-num-seqs", "4", "--max-model-len", "2048", "--prompt", "256"],
+     "host_prompt_step.json"),
     ("trace_cost.py", ["--layers", "2", "--ops", "reference"], "trace_cost.json"),
     ("launch_cost.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--steps", "1", "2"],
      "launch_cost.json"),

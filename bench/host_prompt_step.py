@@ -1,0 +1,103 @@
+"""Host time of one prompt step with the server's shapes, on any backend (the CPU too): what a
+1,024-token prompt costs the engine thread before its step is launched.
+
+    PYTHONPATH=. python3 bench/host_prompt_step.py [--layers 2] [--max-num-seqs 64] [--max-model-len 40960]
+
+A random Qwen3-0.6B-like model (hidden 64, the real vocabulary, `--layers` layers: the host work does
+not depend on the width) in an engine with the server's batch shapes: a mixed step carries a page
+table of max_num_seqs rows x max_model_len / 16 pages (64 x 2,560 int32 = 655 KB at the defaults),
+and start_sequence uploads max_model_len token ids. Prints the median over 20 one-token requests of:
+add_request; start_sequence (the sampler row's reset); add_request to the mixed step's launch (all
+host work: scheduling, start_sequence, building the batch, packing and copying it); the launch call;
+then the functions with the most own time (cProfile). JSON to $OUT/host_prompt_step.json.
+
+On the CPU backend a jitted call may execute before it returns (start_sequence's 0.6-0.7 ms there is
+mostly init_row running; its arguments' copy takes 0.06 ms): the split means most on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer.engine import Engine
+from jaxinfer.random_model import QWEN3_0_6B, write_random_model
+from jaxinfer.sampling import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--models", default=None, help="where to write the random model (default: a temporary folder)")
+    args = ap.parse_args()
+    cfg = {**QWEN3_0_6B, "hidden_size": 64, "num_hidden_layers": args.layers, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+           "max_position_embeddings": args.max_model_len}
+    model = write_random_model(Path(args.models or tempfile.mkdtemp()) / "host-prompt-step", cfg, dtype="float32")
+    engine = Engine(model, ops="reference", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                    max_num_batched_tokens=2048, token_buckets=[args.prompt, 2048], progress=False,
+                    skip_tokenizer_init=True, num_pages=args.max_model_len // 16 + 8, enable_prefix_caching=False)
+    prompt = np.random.default_rng(0).integers(100, 1000, args.prompt).tolist()
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def one() -> None:
+        rid = engine.add_request(prompt, params)
+        while engine.has_unfinished():
+            engine.step()
+        engine.take_finished(rid)
+
+    for _ in range(3):
+        one()
+    r, marks = engine.runner, {}
+    launch_mixed, start_sequence = r.launch_mixed, r.start_sequence
+
+    def timed_launch(*a, **k):
+        marks["launch"] = time.perf_counter()
+        out = launch_mixed(*a, **k)
+        marks["launched"] = time.perf_counter()
+        return out
+
+    def timed_start(*a, **k):
+        t = time.perf_counter()
+        start_sequence(*a, **k)
+        marks["start_sequence"] = time.perf_counter() - t
+
+    r.launch_mixed, r.start_sequence = timed_launch, timed_start
+    rows = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, params)
+        t1 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        engine.take_finished(rid)
+        rows.append((t1 - t0, marks["start_sequence"], marks["launch"] - t0, marks["launched"] - marks["launch"]))
+    med = np.median(np.array(rows) * 1e3, axis=0)
+    print(f"page table {args.max_num_seqs} x {r.pages_per_seq} int32 ({args.max_num_seqs * r.pages_per_seq * 4 / 1e3:.0f} KB); "
+          f"medians of 20, ms: add_request {med[0]:.3f}, start_sequence {med[1]:.3f}, "
+          f"add_request to launch {med[2]:.3f}, launch {med[3]:.3f}")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        one()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    Path(args.out, "host_prompt_step.json").write_text(json.dumps(dict(
+        vars(args), pages_per_seq=r.pages_per_seq, add_request_ms=med[0], start_sequence_ms=med[1],
+        add_request_to_launch_ms=med[2], launch_ms=med[3]), indent=1))
+
+
+if __name__ == "__main__":
+    main()
