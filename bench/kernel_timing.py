@@ -28,6 +28,18 @@ def rel_err(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
+def best_ms_per_call(f, args: tuple, calls: int, repeats: int = 3):
+    """(f(*args)'s outputs, best of `repeats` timed runs in ms per call) for a jitted f that runs an op on
+    `calls` inputs in a row (device time >> dispatch); the first, untimed run compiles."""
+    outs = jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return outs, 1e3 * best
+
+
 def build_chain(op, args: tuple, n: int, layers: int):
     """AOT-compile a jit that chains n calls of op(q, *rest, layer) (q <- output), the layer index
     walking over `layers` layers; it returns (last output, first output)."""

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
 from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
 
@@ -74,13 +74,8 @@ def main() -> None:
         for name, (params, op) in variants.items():
             a = arrays(B, params)
             f = jax.jit(lambda xs, a, op=op: [op(x, a, step, pm, oc)[0] for x in xs])
-            tokens[name] = np.stack(jax.block_until_ready(f(xs, a)))
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(xs, a))
-                best = min(best, (time.perf_counter() - t0) / args.calls)
-            row[name] = 1e3 * best
+            out, row[name] = best_ms_per_call(f, (xs, a), args.calls)
+            tokens[name] = np.stack(out)
         # the samplers without the sort must draw the sorting one's tokens (same seeds, same rows)
         row["equal"] = all(np.array_equal(tokens[a], tokens[b]) for a, b in SAME_TOKENS)
         rows.append(row)

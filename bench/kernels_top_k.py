@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
 from jaxinfer.sampling import top_k_by_blocks
 
@@ -37,13 +37,7 @@ def main() -> None:
         outs = {}
         for name, op in ops.items():
             f = jax.jit(lambda xs, op=op: [op(x) for x in xs])
-            outs[name] = jax.block_until_ready(f(xs))
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(xs))
-                best = min(best, (time.perf_counter() - t0) / args.calls)
-            row[name] = 1e3 * best
+            outs[name], row[name] = best_ms_per_call(f, (xs,), args.calls)
         row["equal"] = all(np.array_equal(a[1], b[1]) for a, b in zip(outs["lax.top_k"], outs["top_k_by_blocks"]))
         rows.append(row)
         print("# " + json.dumps(row), flush=True)

@@ -262,14 +262,22 @@ def _row_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
     )
 
 
+def _tempered(logits: jax.Array, row_max: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """(logits - row_max [B, 1]) / temperature (1 for greedy rows). Shifting by the max before dividing
+    keeps a tiny temperature from overflowing to +inf: the top entry is exactly 0, the rest <= 0."""
+    temp = arrays.temperature.astype(jnp.float32)
+    return (logits - row_max) / jnp.where(temp > 0, temp, 1.0)[:, None]
+
+
+def _min_p_keep(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """min-p on tempered logits: p_i >= min_p * p_max  <=>  exp(scaled_i) >= min_p (scaled_max == 0)."""
+    return jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+
+
 def _filtered_sorted_logits(sorted_logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """Temperature, top-k, top-p, min-p on logits sorted descending; dropped entries -> -inf."""
     V = sorted_logits.shape[-1]
-    temp = arrays.temperature.astype(jnp.float32)
-    safe_temp = jnp.where(temp > 0, temp, 1.0)[:, None]
-    # Shift by the max before dividing so that a tiny temperature cannot overflow to +inf:
-    # the top entry is exactly 0 and the rest are <= 0 (possibly -inf).
-    scaled = (sorted_logits - sorted_logits[:, :1]) / safe_temp
+    scaled = _tempered(sorted_logits, sorted_logits[:, :1], arrays)
     rank = jnp.arange(V, dtype=jnp.int32)[None, :]
 
     # top-k
@@ -283,8 +291,7 @@ def _filtered_sorted_logits(sorted_logits: jax.Array, arrays: SamplingArrays) ->
     top_p = arrays.top_p.astype(jnp.float32)[:, None]
     keep &= (top_p >= 1.0) | (mass_before < top_p)
 
-    # min-p: p_i >= min_p * p_max  <=>  exp(scaled_i) >= min_p (scaled_max == 0)
-    keep &= jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+    keep &= _min_p_keep(scaled, arrays)
 
     keep |= rank == 0  # the most probable token always survives
     return jnp.where(keep, scaled, -jnp.inf)
@@ -337,9 +344,8 @@ def sample(
 
     def unsorted() -> jax.Array:
         # rows without top-k and top-p: _filtered_sorted_logits' masks (temperature, min-p) without the order
-        temp = arrays.temperature.astype(jnp.float32)
-        scaled = (penalised - jnp.max(penalised, axis=-1, keepdims=True)) / jnp.where(temp > 0, temp, 1.0)[:, None]
-        keep = jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
+        scaled = _tempered(penalised, jnp.max(penalised, axis=-1, keepdims=True), arrays)
+        keep = _min_p_keep(scaled, arrays)
         if method == "filter":   # rows with top-p and no top-k
             keep &= (arrays.top_p[:, None] >= 1.0) | _top_p_keep(scaled, arrays.top_p.astype(jnp.float32))
         g = noise()

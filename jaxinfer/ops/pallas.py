@@ -134,16 +134,19 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale):
         """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
         on GPUs (16-bit only; XLA's attention otherwise)."""
-        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_flash_attention_available()
         return reference.fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale,
-                                                implementation="cudnn" if cudnn else "xla")
+                                                implementation=one_sequence_implementation(q))
 
     def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale):
         """A step that is one sequence's chunk after a cached prefix (EngineConfig.prefixed_chunk_attention):
         two cuDNN flash attentions merged by their log-sum-exps on GPUs (16-bit only; XLA's otherwise)."""
-        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_flash_attention_available()
         return reference.prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping,
-                                                  page_size, scale, implementation="cudnn" if cudnn else "xla")
+                                                  page_size, scale, implementation=one_sequence_implementation(q))
+
+    def one_sequence_implementation(q) -> str:
+        """cuDNN for 16-bit queries where it runs (not in interpret mode), else XLA's attention."""
+        cudnn = not interpret and q.dtype in (jnp.bfloat16, jnp.float16) and cudnn_flash_attention_available()
+        return "cudnn" if cudnn else "xla"
 
     ops["fresh_prompt_attention"] = fresh_prompt_attention
     ops["prefixed_chunk_attention"] = prefixed_chunk_attention
