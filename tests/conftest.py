@@ -2,6 +2,7 @@
 tests' error measure, and two engine-test probes (nothing compiled in a block; which steps ran)."""
 
 import contextlib
+import os
 from pathlib import Path
 
 import jax
@@ -13,6 +14,13 @@ SHARED = REPO.parent / "shared"
 DATA = REPO / "tests" / "data"
 STORIES = SHARED / "models" / "stories260k"
 TOKENIZERS = SHARED / "tokenizers"
+
+
+def pytest_runtest_logreport(report):
+    """With JAXINFER_PRINT_FAILURES=1 (GPU rounds), a failure is printed as it happens: a run killed at its
+    time limit loses pytest's closing summary."""
+    if report.failed and os.environ.get("JAXINFER_PRINT_FAILURES"):
+        print(f"\nFAILED {report.nodeid}\n{report.longreprtext}", flush=True)
 
 
 @pytest.fixture(scope="session")
