@@ -270,6 +270,10 @@ case "${1:-1}" in
     JAXINFER_PRINT_FAILURES=1 step 430 python3 -m pytest -q -p no:warnings -o addopts= --durations=0 \
          tests/gpu/test_parity_gpu.py -k "cudnn or read_back or behind or without_the_sort"
     ;;
+  topk2)     # the eleventh session's fourth call: topk's sampler table reached only 1 row in its 80 s (each row count
+             # compiles nine samplers); 8 and 64 rows
+    step 250 python3 bench/kernels_sampling.py --rows 8 64 --calls 8 --out "$OUT"
+    ;;
   topk)      # the second: the sampler's variants alone (the filter one unmeasured), then sampled requests with Qwen3's
              # recommended filters (top-k 20, top-p 0.95: the "-filter" variant) through the server with and without
              # plain_sampling_step, then with Llama 3's (top-p 0.9 alone: the radix search) with it
