@@ -499,12 +499,13 @@ class Engine:
         advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
         return seqs, advanced, outs
 
-    def _sampler(self, seqs: list[Sequence]) -> str | None:
-        """The sampling step variant for these sequences: with plain_sampling_step, "plain" or "filter"
-        (no sort) where sampling.sampler_for allows, else None (the sorting one)."""
+    def _sampler(self, seqs: list[Sequence], rows: int) -> str | None:
+        """The sampling step variant for these sequences in a step sampling `rows` rows: with
+        plain_sampling_step, "plain" or "filter" (no sort) where sampling.sampler_for allows, else None
+        (the sorting one)."""
         if not self.config.plain_sampling_step:
             return None
-        method = sampler_for([seq.params for seq in seqs])
+        method = sampler_for([seq.params for seq in seqs], rows)
         return None if method == "sort" else method
 
     def _launch_decode(self, seqs: list[Sequence]):
@@ -530,7 +531,7 @@ class Engine:
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         greedy = _all_greedy(seqs)
-        sampler = None if greedy else self._sampler(seqs)
+        sampler = None if greedy else self._sampler(seqs, batch.tokens.shape[0])
         if sampler == "plain" and not any(seq.params.logprobs for seq in seqs):
             sampler = "plain-notop"    # no top logprobs to compute
         out = self.runner.launch_decode(batch, greedy=greedy, sampler=sampler)
@@ -595,7 +596,9 @@ class Engine:
         if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
                 "prefixed" if self.config.prefixed_chunk_attention else "paged"
-        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks])
+        # a one-sequence step samples its one row (runner.mixed_step), the others every sequence row
+        rows = r.max_num_seqs if attention == "paged" else 1
+        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)
         for seq, n in chunks:
             seq.num_computed += n

@@ -160,7 +160,8 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
 def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
     """plain_sampling_step: a sampling step (mixed or decode) runs the variant sampling.sampler_for gives
     its rows: "-plain" (no row with top-k or top-p), "-filter" (top-k of at most 64, with or without
-    top-p; top-p alone), else the sorting one (a top-k above 64); none has a device-side branch. A plain
+    top-p; top-p alone) unless the step samples at most SORT_MAX_ROWS rows, else the sorting one (a top-k
+    above 64); none has a device-side branch. A plain
     decode dispatch where no row wants top logprobs runs "-plain-notop" (no top-k over the vocabulary).
     Greedy rows wanting logprobs, seeded sampled rows and batches of both give the tokens, logprobs and
     top logprobs of the engine without it; nothing compiles after start-up."""
@@ -173,10 +174,10 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
         ([SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2, {"-plain"}),
         ([plain, SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)],
          {"-plain", "-plain-notop"}),   # the prompt steps, then decode
-        ([top_k, plain], {"-filter"}),
+        ([top_k, plain], {"-filter", ""}),   # decode samples 2 rows: SORT_MAX_ROWS, the sort
         ([SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)] * 3, {"-filter"}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2), top_k],
-         {"-filter"}),
+         {"-filter", ""}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.8, seed=9, ignore_eos=True, logprobs=2),
           SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=8, ignore_eos=True)], {""}),
         ([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -271,6 +272,34 @@ def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
     assert mixed[0] == ("mixed-greedy", 16) and mixed[1][0] == "mixed-greedy-fresh" and mixed[1][1] >= 32
     with pytest.raises(ValueError, match="fresh_prompt_min_tokens"):
         LLM(STORIES, ops="reference", fresh_prompt_min_tokens=0, progress=False)
+
+
+def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
+    """A step that is one sequence's prompt (fresh or prefixed attention) samples its one row, not the
+    max_num_seqs rows a step with decodes in it has (the sampler's cost grows with its rows: the sort over
+    152k ids 0.18 ms at 1 row, 2.3 at 64 on the H200), and so picks the sampler that is cheapest at one
+    row (sampling.SORT_MAX_ROWS): the sort where a step of every row takes the filter."""
+    llm = LLM(STORIES, ops="reference", max_num_seqs=4, max_num_batched_tokens=32, progress=False,
+              fresh_prompt_attention=True, fresh_prompt_min_tokens=16, prefixed_chunk_attention=True,
+              plain_sampling_step=True)
+    r = llm.engine.runner
+    V = r.cfg.vocab_size
+
+    def logits_rows(name: str) -> set[int]:
+        batch = next(b for n, b in r.bucket_calls() if n == name)
+        text = str(r.steps[name].trace(r.params, r.kv, r.state, batch).jaxpr)
+        return {n for n in (1, 4) if f"f32[{n},{V}]" in text}
+
+    for name in ("mixed-fresh", "mixed-plain-fresh", "mixed-filter-prefixed"):
+        assert logits_rows(name) == {1}, name
+    assert 4 in logits_rows("mixed-filter")
+    ran = record_steps(r)
+    prompt = "once upon a time there was a little girl named lily. she liked to play"
+    params = SamplingParams(max_tokens=4, temperature=0.6, top_k=20, top_p=0.95, seed=3, ignore_eos=True)
+    with no_compiles():
+        llm.generate([prompt], params)                       # one sequence: its prompt step and decode sort
+        llm.generate([prompt + " outside", "one day", "the dog ran"], params)   # 3 sequences: the filter
+    assert "mixed-fresh" in ran and "mixed-filter" in ran and "decode-8" in ran and "decode-filter-8" in ran, ran
 
 
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():

@@ -17,6 +17,7 @@ from jaxinfer.sampling import (
     SamplingParams,
     apply_penalties,
     sample,
+    SORT_MAX_ROWS,
     sampler_for,
     seed_to_u32,
     top_logprobs,
@@ -601,6 +602,11 @@ def test_sampler_for_picks_the_cheapest_method():
     assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == "filter"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=65)]) == "sort"
     assert sampler_for([SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1, top_k=100)]) == "sort"
+    # a step of at most SORT_MAX_ROWS rows sorts rather than filters; plain stays plain
+    topk = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95)]
+    assert [sampler_for(topk, rows) for rows in (1, SORT_MAX_ROWS, SORT_MAX_ROWS + 1, 64)] == \
+        ["sort", "sort", "filter", "filter"]
+    assert sampler_for([SamplingParams(temperature=0.7)], 1) == "plain"
 
 
 def _filter_rows(i: int) -> dict:
