@@ -27,7 +27,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.sampling import SamplingArrays, sample, top_logprobs
+from jaxinfer.sampling import SORT_MAX_ROWS, SamplingArrays, sample, top_logprobs
 from jaxinfer.transfer import to_device
 
 
@@ -259,8 +259,11 @@ class ModelRunner:
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, n_top, greedy, method=method),
                     donate_argnums=(1, 2))
         # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
+        # (A one-sequence step samples one row, where sampler_for never gives "filter": SORT_MAX_ROWS.)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
+                if attention != "paged" and sampler == "filter":
+                    continue
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
                                       attention=attention, method=method), donate_argnums=(1, 2))
@@ -403,7 +406,8 @@ class ModelRunner:
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             n = self.decode_steps_for(b)
-            calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")]
+            calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")
+                      and not (b <= SORT_MAX_ROWS and "-filter-" in name)]   # sampler_for sorts there
         return calls
 
     def warmup(self, progress: bool = True, threads: int = 1) -> float:

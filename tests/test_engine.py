@@ -290,9 +290,12 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
         text = str(r.steps[name].trace(r.params, r.kv, r.state, batch).jaxpr)
         return {n for n in (1, 4) if f"f32[{n},{V}]" in text}
 
-    for name in ("mixed-fresh", "mixed-plain-fresh", "mixed-filter-prefixed"):
+    for name in ("mixed-fresh", "mixed-plain-fresh", "mixed-prefixed"):
         assert logits_rows(name) == {1}, name
     assert 4 in logits_rows("mixed-filter")
+    # the filter variants it would never run are not compiled: the one-row steps', decode's at 1-2 rows
+    assert "mixed-filter-fresh" not in r.steps and "mixed-filter-prefixed" not in r.steps
+    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter")} == {4}
     ran = record_steps(r)
     prompt = "once upon a time there was a little girl named lily. she liked to play"
     params = SamplingParams(max_tokens=4, temperature=0.6, top_k=20, top_p=0.95, seed=3, ignore_eos=True)
