@@ -14,7 +14,9 @@ passes (prompt mask, output counts):
 - sort, top-k 20 / top-p 0.95: method "sort" on rows with Qwen3's recommended filters;
 - filter, no sort: method "filter" on the same rows (the filters on the 64 largest logits);
 - sort, top-p 0.9: method "sort" on rows with top-p alone (Llama 3's recommended, with temperature 0.6);
-- filter, top-p 0.9: method "filter" on the same rows (the nucleus's boundary by a radix search).
+- filter-p, top-k 20 / top-p 0.95: method "filter-p" on the top-k rows (what the radix search for rows
+  with top-p alone adds to a step that has them);
+- filter-p, top-p 0.9: method "filter-p" on the same rows (the nucleus's boundary by a radix search).
 Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call. The samplers
 without the sort must draw the tokens of the sorting one on the same rows (checked; exit 1 if not).
 JSON to $OUT/sampling.json.
@@ -59,12 +61,14 @@ def main() -> None:
         "sort, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="sort")),
         "filter, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="filter")),
         "sort, top-p 0.9": (nucleus, lambda *x: sample(*x, method="sort")),
-        "filter, top-p 0.9": (nucleus, lambda *x: sample(*x, method="filter")),
+        "filter-p, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="filter-p")),
+        "filter-p, top-p 0.9": (nucleus, lambda *x: sample(*x, method="filter-p")),
     }
     rows = []
     SAME_TOKENS = [("sort, no branch", "plain, no sort"), ("branch, temperature 0.8", "plain, no sort"),
                    ("sort, top-k 20 / top-p 0.95", "filter, top-k 20 / top-p 0.95"),
-                   ("sort, top-p 0.9", "filter, top-p 0.9")]
+                   ("sort, top-k 20 / top-p 0.95", "filter-p, top-k 20 / top-p 0.95"),
+                   ("sort, top-p 0.9", "filter-p, top-p 0.9")]
     for B in args.rows:
         xs = [jax.random.normal(jax.random.PRNGKey(i), (B, V)) * 3 for i in range(args.calls)]
         pm = jnp.zeros((B, V), bool).at[:, :64].set(True)

@@ -94,11 +94,12 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
-    # The sampling steps (a row sampled, or top logprobs wanted) in three variants the host picks between
-    # (sampling.sampler_for), none with a device-side conditional: two without the sort over the
+    # The sampling steps (a row sampled, or top logprobs wanted) in four variants the host picks between
+    # (sampling.sampler_for), none with a device-side conditional: three without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
-    # penalties, greedy rows wanting logprobs) and "-filter" for steps whose rows with top-k all have one
-    # of at most 64 (top-p with it or alone: no sort either), and one that sorts. Off: one sampling
+    # penalties, greedy rows wanting logprobs), "-filter" for steps whose rows with top-k or top-p all have
+    # a top-k of at most 64 (top-p with it), "-filter-p" where others have top-p alone (a radix search for
+    # the nucleus), and one that sorts (a top-k above 64, or a step of at most 2 rows). Off: one sampling
     # variant, which skips the sort behind a conditional when every row is greedy; the GPU runtime reads
     # its predicate back mid-call, so the call blocks until the forward pass is done (no overlap). None:
     # on GPUs (H200, Qwen3-4B, temperature 0.8 at 2 req/s: TTFT p50 36.6 -> 27.4 ms, TPOT 3.87 -> 3.17 ms;
@@ -501,7 +502,7 @@ class Engine:
 
     def _sampler(self, seqs: list[Sequence], rows: int) -> str | None:
         """The sampling step variant for these sequences in a step sampling `rows` rows: with
-        plain_sampling_step, "plain" or "filter" (no sort) where sampling.sampler_for allows, else None
+        plain_sampling_step, "plain", "filter" or "filter-p" (no sort) where sampling.sampler_for allows, else None
         (the sorting one)."""
         if not self.config.plain_sampling_step:
             return None

@@ -221,9 +221,9 @@ class ModelRunner:
         fresh prompt ("mixed-fresh", "mixed-greedy-fresh"), for the token buckets of at least that many
         tokens (below, the paged kernel was measured faster); with prefixed_chunks, also their variants for a
         step that is one sequence's chunk after its cached prefix ("mixed-prefixed", ...), for the same buckets.
-        plain_sampling: the sampling (not greedy-only) steps come in three variants the host picks between
-        (sampling.sampler_for), none with a device-side conditional: "-plain" and "-filter" (no sort over the
-        vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
+        plain_sampling: the sampling (not greedy-only) steps come in four variants the host picks between
+        (sampling.sampler_for), none with a device-side conditional: "-plain", "-filter" and "-filter-p" (no
+        sort over the vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
         conditional when every row is greedy."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
@@ -246,7 +246,8 @@ class ModelRunner:
         # a greedy-only variant (decode always, mixed with greedy_mixed) for batches that are all greedy and
         # ask for no top logprobs (the host knows): no sampling and no top-k over the vocabulary (0.1 ms a
         # step at 152k, H200). The sampling variants: (greedy, sampler, sample's method) of each.
-        samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "filter", "filter")] if plain_sampling \
+        samplers = [(False, None, "sort"), (False, "plain", "plain"), (False, "filter", "filter"),
+                    (False, "filter-p", "filter-p")] if plain_sampling \
             else [(False, None, "branch")]
         self.steps = {}
         # Decode also has "-plain-notop": the plain sampler for batches that want no top logprobs (a top-20
@@ -259,10 +260,10 @@ class ModelRunner:
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, n_top, greedy, method=method),
                     donate_argnums=(1, 2))
         # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
-        # (A one-sequence step samples one row, where sampler_for never gives "filter": SORT_MAX_ROWS.)
+        # (A one-sequence step samples one row, where sampler_for gives no filter: SORT_MAX_ROWS.)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
-                if attention != "paged" and sampler == "filter":
+                if attention != "paged" and sampler in ("filter", "filter-p"):
                     continue
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
@@ -301,7 +302,8 @@ class ModelRunner:
         """-> tokens [B], logprobs [B], top logprob values [B, K], top ids [B, K] (numpy); with
         prompt_logprobs also next-token logprobs [T] and top values, ids [T, K] of every row. greedy
         (every row argmax, no top logprobs wanted; needs the runner built with greedy_mixed): K = 0. sampler
-        ("plain" or "filter", as sampling.sampler_for gives; needs plain_sampling): the variant without the sort."""
+        ("plain", "filter" or "filter-p", as sampling.sampler_for gives; needs plain_sampling): the variant
+        without the sort."""
         # Without plain_sampling, the sampling step's call returns only once the device has chosen the
         # sampling branch (its predicate is read back), i.e. after most of the step: that time counts as
         # waiting on the device too.

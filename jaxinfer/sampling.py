@@ -20,8 +20,9 @@ values). Per row, in this order:
    row's parameters and may pick a sampler without the sort (`sampler_for`): "plain" where no row
    uses top-k or top-p (min-p is a threshold on the tempered logits), "filter" where every row using
    top-k has one of at most TOP_K_CANDIDATES (its survivors are among that many largest logits, which
-   a top-k finds without sorting the vocabulary; top-p then runs on them) and the rows using top-p
-   alone find the nucleus's boundary by a radix search over the logits' bits (`_top_p_keep`). The
+   a top-k finds without sorting the vocabulary; top-p then runs on them), and "filter-p" where rows
+   using top-p alone join those: they find the nucleus's boundary by a radix search over the logits'
+   bits (`_top_p_keep`). The
    draw adds the same noise by token id in every sampler, so they pick the same token.
 
 The randomness of row b is ``fold_in(key(seed[b]), step_index[b])``, so a request's tokens do
@@ -314,7 +315,7 @@ def sample(
     (static) compiles the argmax alone, for batches the caller knows are all greedy. ``method`` (static):
     "branch" sorts the vocabulary behind a device-side conditional that skips it when every row is
     greedy (the GPU runtime reads its predicate back mid-call); "sort" sorts whenever called, with no
-    conditional; "plain" and "filter" do not sort, for the batches `sampler_for` gives them. The tokens
+    conditional; "plain", "filter" and "filter-p" do not sort, for the batches `sampler_for` gives them. The tokens
     are the same whichever applies (the Gumbel noise of a row is drawn per token id, so the draw does not
     depend on the order it is taken in; they could differ only at exact ties or at a top-p boundary
     within float rounding).
@@ -346,11 +347,11 @@ def sample(
         # rows without top-k and top-p: _filtered_sorted_logits' masks (temperature, min-p) without the order
         scaled = _tempered(penalised, jnp.max(penalised, axis=-1, keepdims=True), arrays)
         keep = _min_p_keep(scaled, arrays)
-        if method == "filter":   # rows with top-p and no top-k
+        if method == "filter-p":   # rows with top-p and no top-k
             keep &= (arrays.top_p[:, None] >= 1.0) | _top_p_keep(scaled, arrays.top_p.astype(jnp.float32))
         g = noise()
         tokens = jnp.argmax(jnp.where(keep, scaled, -jnp.inf) + g, axis=-1)
-        if method == "filter":
+        if method in ("filter", "filter-p"):
             # rows with top-k <= TOP_K_CANDIDATES (and any top-p, min-p): the filters on that many largest
             # logits, in the sort's order (descending, ties by lower id), are those on the sorted vocabulary
             values, ids = top_k_by_blocks(penalised + 0.0, min(TOP_K_CANDIDATES, V))
@@ -359,9 +360,9 @@ def sample(
             tokens = jnp.where(arrays.top_k > 0, jnp.take_along_axis(ids, pos[:, None], axis=-1)[:, 0], tokens)
         return tokens
 
-    if method not in ("branch", "sort", "plain", "filter"):
+    if method not in ("branch", "sort", "plain", "filter", "filter-p"):
         raise ValueError(f"unknown sampling method {method!r}")
-    if method in ("plain", "filter"):
+    if method in ("plain", "filter", "filter-p"):
         sampled_tokens = unsorted()
     elif method == "branch":
         # A batch of greedy rows skips the sort over the vocabulary (the costly part at V = 152k). The
@@ -407,15 +408,15 @@ SORT_MAX_ROWS = 2
 
 def sampler_for(params: Sequence[SamplingParams], rows: int | None = None) -> str:
     """The cheapest `sample` method that draws these rows' tokens without a device-side conditional:
-    "plain" (no sampled row uses top-k or top-p), "filter" (every sampled row using top-k has a top-k of
-    at most TOP_K_CANDIDATES; top-p with it or alone) unless the step samples `rows` <= SORT_MAX_ROWS rows,
-    else "sort"."""
+    "plain" (no sampled row uses top-k or top-p); "filter" (every sampled row using top-k or top-p has a
+    top-k of 1 to TOP_K_CANDIDATES, top-p with it or not) or "filter-p" (so do those with a top-k; others
+    have top-p alone: the radix search), unless the step samples `rows` <= SORT_MAX_ROWS rows; else "sort"."""
     sampled = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if not sampled:
         return "plain"
-    if rows is not None and rows <= SORT_MAX_ROWS:
+    if (rows is not None and rows <= SORT_MAX_ROWS) or any(p.top_k > TOP_K_CANDIDATES for p in sampled):
         return "sort"
-    return "filter" if all(p.top_k <= TOP_K_CANDIDATES for p in sampled) else "sort"
+    return "filter" if all(p.top_k > 0 for p in sampled) else "filter-p"
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

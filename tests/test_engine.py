@@ -160,8 +160,8 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
 def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
     """plain_sampling_step: a sampling step (mixed or decode) runs the variant sampling.sampler_for gives
     its rows: "-plain" (no row with top-k or top-p), "-filter" (top-k of at most 64, with or without
-    top-p; top-p alone) unless the step samples at most SORT_MAX_ROWS rows, else the sorting one (a top-k
-    above 64); none has a device-side branch. A plain
+    top-p), "-filter-p" (rows with top-p alone too) unless the step samples at most SORT_MAX_ROWS rows,
+    else the sorting one (a top-k above 64); none has a device-side branch. A plain
     decode dispatch where no row wants top logprobs runs "-plain-notop" (no top-k over the vocabulary).
     Greedy rows wanting logprobs, seeded sampled rows and batches of both give the tokens, logprobs and
     top logprobs of the engine without it; nothing compiles after start-up."""
@@ -177,7 +177,7 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
         ([top_k, plain], {"-filter", ""}),   # decode samples 2 rows: SORT_MAX_ROWS, the sort
         ([SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)] * 3, {"-filter"}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2), top_k],
-         {"-filter", ""}),
+         {"-filter-p", ""}),   # top-p alone: the radix search
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.8, seed=9, ignore_eos=True, logprobs=2),
           SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=8, ignore_eos=True)], {""}),
         ([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),

@@ -599,7 +599,11 @@ def test_sampler_for_picks_the_cheapest_method():
         == "plain"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=20, top_p=0.95), SamplingParams(temperature=1)]) == "filter"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=64)]) == "filter"
-    assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == "filter"
+    assert sampler_for([SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.6, top_p=0.9)]) == \
+        "filter-p"   # top-p alone: the radix search
+    assert sampler_for([SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=0, top_p=0.5)]) == \
+        "filter-p"
+    assert sampler_for([SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1, top_k=65)]) == "sort"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=65)]) == "sort"
     assert sampler_for([SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1, top_k=100)]) == "sort"
     # a step of at most SORT_MAX_ROWS rows sorts rather than filters; plain stays plain
@@ -609,21 +613,22 @@ def test_sampler_for_picks_the_cheapest_method():
     assert sampler_for([SamplingParams(temperature=0.7)], 1) == "plain"
 
 
-def _filter_rows(i: int) -> dict:
-    """Row i's filters for the "filter" test: none, top-k (1-64) with or without top-p, or top-p alone."""
+def _filter_rows(i: int, top_p_alone: bool) -> dict:
+    """Row i's filters for the "filter" tests: none, top-k (1-64) with or without top-p, or (every fourth
+    row, with top_p_alone) top-p alone."""
     kind = i % 4
     if kind == 0:
         return {}
-    if kind == 3:
+    if kind == 3 and top_p_alone:
         return {"top_p": [0.9, 0.5, 0.99, 0.2][(i // 4) % 4]}
     return {"top_k": [1, 7, 20, 64][i % 4], "top_p": [1.0, 0.9, 0.5][i % 3]}
 
 
-@pytest.mark.parametrize("method", ["plain", "filter"])
+@pytest.mark.parametrize("method", ["plain", "filter", "filter-p"])
 def test_without_the_sort_the_same_tokens(jsample, method):
     """The samplers without the sort draw what the sorting sampler draws, for the rows sampler_for gives
     them: temperature, min-p and penalties beside greedy rows; for "filter" also top-k up to
-    TOP_K_CANDIDATES with top-p, top-p alone, min-p, and ties among the logits (by lower id, as the stable
+    TOP_K_CANDIDATES with top-p; for "filter-p" top-p alone as well; min-p, and ties among the logits (by lower id, as the stable
     sort). V = 20,000 makes top_k_by_blocks cut the rows into blocks (it does above 2 x 64 blocks of 128)."""
     rng = np.random.default_rng(12)
     R, V = 48, 20_000
@@ -634,7 +639,7 @@ def test_without_the_sort_the_same_tokens(jsample, method):
     counts = rng.integers(0, 3, size=(R, V)) * (rng.random((R, V)) < 0.1)
     params = [SamplingParams(temperature=[0.0, 0.5, 1.0, 1.7][(i // 2) % 4], min_p=[0.0, 0.1][(i // 3) % 2],
                              repetition_penalty=1.1, presence_penalty=0.3, seed=100 + i,
-                             **(_filter_rows(i) if method == "filter" else {}))
+                             **(_filter_rows(i, method == "filter-p") if method != "plain" else {}))
               for i in range(R)]
     assert sampler_for(params) == method
     steps = rng.integers(0, 100, size=R)
