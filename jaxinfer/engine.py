@@ -135,6 +135,10 @@ class EngineConfig:
     executable_cache: str | None = None
     # Steps compiled side by side at start-up; None: up to 8 on GPUs (half the host's cores), 1 on CPUs.
     compile_threads: int | None = None
+    # Compile every step's shape buckets at start-up (a server then never compiles while serving). False:
+    # each compiles when first used, so start-up is quick and only the shapes used are compiled (tests,
+    # short scripts: a GPU engine has ~80 steps to compile, ~2 min cold for Qwen3-4B).
+    compile_at_start: bool = True
 
     def for_backend(self, backend: str) -> "EngineConfig":
         """This config with the backend-dependent defaults (the fields left None) filled in: on GPUs,
@@ -248,7 +252,8 @@ class Engine:
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
-        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads)
+        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads) \
+            if config.compile_at_start else self.runner.start_without_warmup()
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB, "

@@ -412,6 +412,13 @@ class ModelRunner:
                       and not (b <= SORT_MAX_ROWS and "-filter-" in name)]   # sampler_for sorts there
         return calls
 
+    def start_without_warmup(self) -> float:
+        """What warm-up does besides compiling (the scratch row's sampler state); each step then compiles
+        when first called with a bucket's shape. Returns the seconds spent (compile_seconds)."""
+        t0 = time.perf_counter()
+        self.start_sequence(self.scratch_row, [0], [])
+        return time.perf_counter() - t0
+
     def warmup(self, progress: bool = True, threads: int = 1) -> float:
         """Compile every bucket now (inert batches touch only the scratch page) and run each once.
         Returns seconds.

@@ -305,6 +305,29 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
     assert "mixed-fresh" in ran and "mixed-filter" in ran and "decode-8" in ran and "decode-filter-8" in ran, ran
 
 
+def test_without_compiling_at_start_only_the_steps_used_compile(stories):
+    """compile_at_start=False: start-up compiles no step; requests compile the steps they run, fewer
+    than warm-up's, and get the tokens and logprobs of the engine that compiled everything at start."""
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    try:
+        llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False, compile_at_start=False,
+                  compilation_cache=None)
+        assert not llm.engine.runner._executables     # warm-up's executables: none
+        at_start = len(compiles)
+        params = [SamplingParams(max_tokens=10, temperature=t, seed=2, ignore_eos=True) for t in (0, 0.9)]
+        got = llm.generate(PROMPTS[:2], params)
+        used = len(compiles) - at_start
+    finally:
+        jax.monitoring.clear_event_listeners()
+    assert 0 < used < len(llm.engine.runner.bucket_calls())
+    want = stories.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     """compile_threads > 1 compiles every step in a pool thread; each step's first call on the main
     thread must then find its executable in the cache, and later requests compile nothing."""
