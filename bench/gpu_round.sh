@@ -264,7 +264,7 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
-  rows)      # the twelfth session's first call: sampling by rows (a one-sequence prompt step samples its one row; a
+  rows)      # the twelfth session's second call: sampling by rows (a one-sequence prompt step samples its one row; a
              # step of <= 2 rows sorts; "filter" without the radix search) through the server with Qwen3's filters
              # (its first server starts cold: ~2 min of compiling, 83 steps in the eleventh session), then top-p
              # 0.9 alone ("filter-p"). Eleventh session, same load: top-p 0.9 TTFT p50 29.3 ms, TPOT 3.34 ms.
@@ -272,11 +272,15 @@ case "${1:-1}" in
     servers 300 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk ""
     servers 150 '{"temperature": 0.6, "top_p": 0.9}' topp ""
     ;;
-  rows2)     # the second: the sampler table at 8 and 64 rows (filter without the radix search; filter-p on top-k
-             # rows = what the search costs), then the GPU test of the sampling variants against the branch
+  rows2)     # the third: the sampler table at 8 and 64 rows (filter without the radix search; filter-p on top-k
+             # rows = what the search costs)
     step 230 python3 bench/kernels_sampling.py --rows 8 64 --calls 8 --out "$OUT"
-    JAXINFER_PRINT_FAILURES=1 step 200 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py \
-         -k without_the_sort
+    ;;
+  twelfth)   # the twelfth session's first call: the whole GPU parity file again (one-sequence prompt steps now sample
+             # one row: the cuDNN tests run them; the filter split: the sampling test), its engines compiling only
+             # the steps they run (compile_at_start=False; the eleventh session's two calls took ~950 s)
+    JAXINFER_PRINT_FAILURES=1 step 560 python3 -m pytest -q -p no:warnings -o addopts= --durations=0 \
+         tests/gpu/test_parity_gpu.py
     ;;
   eleventh2) # the eleventh session's second call: the first call ran 7 of the 10 tests in its 560 s; both cuDNN tests
              # failed on the step-name check (steps now carry the sampling variant: "mixed-plain-fresh"), now mended.
