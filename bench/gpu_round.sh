@@ -272,9 +272,9 @@ case "${1:-1}" in
     servers 300 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk ""
     servers 150 '{"temperature": 0.6, "top_p": 0.9}' topp ""
     ;;
-  rows2)     # the third: the sampler table at 8 and 64 rows (filter without the radix search; filter-p on top-k
-             # rows = what the search costs)
-    step 230 python3 bench/kernels_sampling.py --rows 8 64 --calls 8 --out "$OUT"
+  rows2)     # the third: the sampler table at 1, 8 and 64 rows (filter without the radix search; filter-p on top-k
+             # rows = what the search costs; at 1 row, whether the sort still wins: SORT_MAX_ROWS)
+    step 300 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   twelfth)   # the twelfth session's first call: the whole GPU parity file again (one-sequence prompt steps now sample
              # one row: the cuDNN tests run them; the filter split: the sampling test), its engines compiling only
