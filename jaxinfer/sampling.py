@@ -402,7 +402,8 @@ def _top_p_keep(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
 TOP_K_CANDIDATES = 64   # the largest top-k the "filter" sampler takes (Qwen3's recommended: 20; llama.cpp's: 40)
 # Up to this many rows (padding included) the sort is cheaper than the filter: over 152k ids on the H200
 # (bench/kernels_sampling.py, eleventh session) top-k 20 / top-p 0.95 at 1 row 0.18 ms sorted, 0.28 filtered;
-# at 8 rows 0.54 and 0.32 (top-p 0.9 alone: 0.20 / 0.25, 0.56 / 0.31). 2 rows is interpolated, not measured.
+# at 8 rows 0.54 and 0.32 (top-p 0.9 alone: 0.20 / 0.25, 0.56 / 0.31). 2 rows is interpolated, not measured;
+# that filter still ran the radix search on every row ("filter-p" now): `gpu_round.sh rows2` measures again.
 SORT_MAX_ROWS = 2
 
 
