@@ -16,7 +16,9 @@ passes (prompt mask, output counts):
 - sort, top-p 0.9: method "sort" on rows with top-p alone (Llama 3's recommended, with temperature 0.6);
 - filter-p, top-k 20 / top-p 0.95: method "filter-p" on the top-k rows (what the radix search for rows
   with top-p alone adds to a step that has them);
-- filter-p, top-p 0.9: method "filter-p" on the same rows (the nucleus's boundary by a radix search).
+- filter-p, top-p 0.9: method "filter-p" on the same rows (the nucleus's boundary by a radix search);
+- part, top-64 by blocks / part, top-p search: the filters' two large parts alone (`top_k_by_blocks` at
+  k = 64 on the logits; `_top_p_keep` at top-p 0.9 on the tempered logits), to split the filters' time.
 Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call. The samplers
 without the sort must draw the tokens of the sorting one on the same rows (checked; exit 1 if not).
 JSON to $OUT/sampling.json.
@@ -35,7 +37,7 @@ import numpy as np
 
 from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sample
+from jaxinfer.sampling import TOP_K_CANDIDATES, SamplingArrays, SamplingParams, _top_p_keep, sample, top_k_by_blocks
 
 
 def main() -> None:
@@ -63,6 +65,9 @@ def main() -> None:
         "sort, top-p 0.9": (nucleus, lambda *x: sample(*x, method="sort")),
         "filter-p, top-k 20 / top-p 0.95": (filtered, lambda *x: sample(*x, method="filter-p")),
         "filter-p, top-p 0.9": (nucleus, lambda *x: sample(*x, method="filter-p")),
+        "part, top-64 by blocks": (nucleus, lambda x, *_: (top_k_by_blocks(x, TOP_K_CANDIDATES)[1],)),
+        "part, top-p search": (nucleus, lambda x, a, *_: (_top_p_keep((x - x.max(-1, keepdims=True)) / 0.6,
+                                                                      a.top_p),)),
     }
     rows = []
     SAME_TOKENS = [("sort, no branch", "plain, no sort"), ("branch, temperature 0.8", "plain, no sort"),

@@ -263,7 +263,7 @@ class ModelRunner:
         # (A one-sequence step samples one row, where sampler_for gives no filter: SORT_MAX_ROWS.)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
-                if attention != "paged" and sampler in ("filter", "filter-p"):
+                if attention != "paged" and sampler in ("filter", "filter-p") and SORT_MAX_ROWS >= 1:
                     continue
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
