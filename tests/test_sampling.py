@@ -674,3 +674,21 @@ def test_the_top_p_keep_mask_equals_the_sorted_one(top_p):
         # only where float32 and float64 sums may fall either side (the uniform row at p = k / V)
         assert len(wrong) <= 1 and (margin[wrong] < 1e-5).all(), (b, wrong, margin[wrong])
         assert got[b].sum() >= 1
+
+
+@pytest.mark.parametrize("method", ["filter", "filter-p"])
+def test_the_filter_samplers_sort_only_the_candidate_blocks(method):
+    """The filter samplers' top-k's stay top-k's after XLA's passes: nothing over the vocabulary or the
+    8,192 candidates is sorted, only the 64 candidate blocks' indices. (A slice of a top-k's output in
+    _filtered_sorted_logits once turned the top-64 of the candidates into a full sort of them.)"""
+    import re
+
+    B, V = 2, 20_000
+    logits = jnp.zeros((B, V), jnp.float32)
+    arrays = jax.tree.map(jnp.asarray, SamplingArrays.from_params(
+        [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * B, [1, 2], B))
+    pm, oc, step = jnp.zeros((B, V), bool), jnp.zeros((B, V), jnp.int32), jnp.zeros(B, jnp.int32)
+    text = jax.jit(functools.partial(sample, method=method)).lower(logits, arrays, step, pm, oc).compile().as_text()
+    sorted_shapes = {shape for line in text.splitlines() if " sort(" in line
+                     for shape in re.findall(r"\w+\[([\d,]+)\]", line.split(" sort(")[0])}
+    assert sorted_shapes <= {f"{B},64"}, sorted_shapes
