@@ -252,8 +252,8 @@ class Engine:
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
-        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads) \
-            if config.compile_at_start else self.runner.start_without_warmup()
+        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads,
+                                                  compile=config.compile_at_start)
         if config.progress:
             print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
                   f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB, "
@@ -602,9 +602,7 @@ class Engine:
         if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
                 "prefixed" if self.config.prefixed_chunk_attention else "paged"
-        # a one-sequence step samples its one row (runner.mixed_step), the others every sequence row
-        rows = r.max_num_seqs if attention == "paged" else 1
-        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
+        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], r.sampled_rows(attention))
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)
         for seq, n in chunks:
             seq.num_computed += n

@@ -27,7 +27,7 @@ from jaxinfer.batch import StepBatch
 from jaxinfer.config import ModelConfig
 from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.sampling import SORT_MAX_ROWS, SamplingArrays, sample, top_logprobs
+from jaxinfer.sampling import SamplingArrays, filter_pays, sample, top_logprobs
 from jaxinfer.transfer import to_device
 
 
@@ -180,8 +180,8 @@ def _bucket_key(name: str, batch) -> tuple[str, int]:
 
 
 def _sampler_suffix(greedy: bool, sampler: str | None) -> str:
-    """A step's name part for its sampling variant: "-greedy", "-plain", "-plain-notop" (decode), "-filter", or
-    "" (the sorting one)."""
+    """A step's name part for its sampling variant: "-greedy", "-plain", "-plain-notop" (decode), "-filter",
+    "-filter-p", or "" (the sorting one)."""
     return "-greedy" if greedy else f"-{sampler}" if sampler else ""
 
 
@@ -260,10 +260,10 @@ class ModelRunner:
                     functools.partial(decode_steps, cfg, ops, n, unroll_layers, n_top, greedy, method=method),
                     donate_argnums=(1, 2))
         # "-fresh" / "-prefixed": the variants of a step that is one sequence's prompt (model.hidden_states)
-        # (A one-sequence step samples one row, where sampler_for gives no filter: SORT_MAX_ROWS.)
+        # (none of a filter variant where sampler_for never picks one: too few sampled rows)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
-                if attention != "paged" and sampler in ("filter", "filter-p") and SORT_MAX_ROWS >= 1:
+                if sampler in ("filter", "filter-p") and not filter_pays(self.sampled_rows(attention)):
                     continue
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
@@ -409,17 +409,14 @@ class ModelRunner:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             n = self.decode_steps_for(b)
             calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")
-                      and not (b <= SORT_MAX_ROWS and "-filter-" in name)]   # sampler_for sorts there
+                      and (filter_pays(b) or "-filter-" not in name)]   # sampler_for sorts there
         return calls
 
-    def start_without_warmup(self) -> float:
-        """What warm-up does besides compiling (the scratch row's sampler state); each step then compiles
-        when first called with a bucket's shape. Returns the seconds spent (compile_seconds)."""
-        t0 = time.perf_counter()
-        self.start_sequence(self.scratch_row, [0], [])
-        return time.perf_counter() - t0
+    def sampled_rows(self, attention: str) -> int:
+        """Rows a mixed step of this attention samples (mixed_step): a one-sequence step its one."""
+        return self.max_num_seqs if attention == "paged" else 1
 
-    def warmup(self, progress: bool = True, threads: int = 1) -> float:
+    def warmup(self, progress: bool = True, threads: int = 1, compile: bool = True) -> float:
         """Compile every bucket now (inert batches touch only the scratch page) and run each once.
         Returns seconds.
 
@@ -428,11 +425,14 @@ class ModelRunner:
         side (XLA compiles outside the GIL; the unrolled steps of a large model take seconds each),
         then saved. Where the time went is left in `warmup_breakdown` (seconds): `load` (from the
         executable cache), `lower` (tracing and lowering, summed), `compile` (summed over the
-        threads), `compile_wall` (the parallel phase, lowering included) and `first_runs`."""
+        threads), `compile_wall` (the parallel phase, lowering included) and `first_runs`. compile=False:
+        only the scratch row's sampler state; each step compiles when first called with a bucket's shape."""
         from concurrent.futures import ThreadPoolExecutor, as_completed
 
         t0 = time.perf_counter()
         self.start_sequence(self.scratch_row, [0], [])
+        if not compile:
+            return time.perf_counter() - t0
         calls = self.bucket_calls()
         cache = self.executable_cache
         keys = [cache.key(name, self._settings, (self.params, self.kv, self.state, batch)) if cache else None

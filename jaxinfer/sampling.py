@@ -275,13 +275,11 @@ def _min_p_keep(scaled: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return jnp.exp(scaled) >= arrays.min_p.astype(jnp.float32)[:, None]
 
 
-def _filtered_sorted_logits(sorted_logits: jax.Array, arrays: SamplingArrays) -> jax.Array:
-    """Temperature, top-k, top-p, min-p on logits sorted descending; dropped entries -> -inf."""
+def _filtered_sorted_logits(sorted_logits: jax.Array, row_max: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Temperature, top-k, top-p, min-p on logits sorted descending (row_max [B, 1]: their first entry);
+    dropped entries -> -inf."""
     V = sorted_logits.shape[-1]
-    # The row's max, not its first entry (the same value): a slice of a top-k's output keeps XLA from
-    # rewriting sort + slice into a top-k, so the filter's top-64 of 8,192 candidates was a full sort of
-    # them (seen on XLA:CPU: 0.97 against 0.09 ms for one row).
-    scaled = _tempered(sorted_logits, jnp.max(sorted_logits, axis=-1, keepdims=True), arrays)
+    scaled = _tempered(sorted_logits, row_max, arrays)
     rank = jnp.arange(V, dtype=jnp.int32)[None, :]
 
     # top-k
@@ -342,7 +340,7 @@ def sample(
         ids = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (B, V))
         # (+ 0.0 turns -0.0 into +0.0 so that equal logits compare equal in the sort's total order.)
         neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
-        masked = _filtered_sorted_logits(-neg_sorted, arrays)
+        masked = _filtered_sorted_logits(-neg_sorted, -neg_sorted[:, :1], arrays)
         pos = jnp.argmax(masked + jnp.take_along_axis(noise(), sorted_ids, axis=-1), axis=-1)
         return jnp.take_along_axis(sorted_ids, pos[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
@@ -358,7 +356,10 @@ def sample(
             # rows with top-k <= TOP_K_CANDIDATES (and any top-p, min-p): the filters on that many largest
             # logits, in the sort's order (descending, ties by lower id), are those on the sorted vocabulary
             values, ids = top_k_by_blocks(penalised + 0.0, min(TOP_K_CANDIDATES, V))
-            masked = _filtered_sorted_logits(values, arrays)
+            # the row's max, not values[:, :1] (the same value): a slice of a top-k's output keeps XLA from
+            # rewriting sort + slice into a top-k, so the top-64 of the 8,192 candidates became a full sort of
+            # them (seen on XLA:CPU: 0.97 against 0.09 ms for one row)
+            masked = _filtered_sorted_logits(values, jnp.max(values, axis=-1, keepdims=True), arrays)
             pos = jnp.argmax(masked + jnp.take_along_axis(g, ids, axis=-1), axis=-1)
             tokens = jnp.where(arrays.top_k > 0, jnp.take_along_axis(ids, pos[:, None], axis=-1)[:, 0], tokens)
         return tokens
@@ -410,6 +411,11 @@ TOP_K_CANDIDATES = 64   # the largest top-k the "filter" sampler takes (Qwen3's 
 SORT_MAX_ROWS = 2
 
 
+def filter_pays(rows: int | None) -> bool:
+    """Whether a step sampling `rows` rows (None: unknown) is worth a filter variant over the sort."""
+    return rows is None or rows > SORT_MAX_ROWS
+
+
 def sampler_for(params: Sequence[SamplingParams], rows: int | None = None) -> str:
     """The cheapest `sample` method that draws these rows' tokens without a device-side conditional:
     "plain" (no sampled row uses top-k or top-p); "filter" (every sampled row using top-k or top-p has a
@@ -418,7 +424,7 @@ def sampler_for(params: Sequence[SamplingParams], rows: int | None = None) -> st
     sampled = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if not sampled:
         return "plain"
-    if (rows is not None and rows <= SORT_MAX_ROWS) or any(p.top_k > TOP_K_CANDIDATES for p in sampled):
+    if not filter_pays(rows) or any(p.top_k > TOP_K_CANDIDATES for p in sampled):
         return "sort"
     return "filter" if all(p.top_k > 0 for p in sampled) else "filter-p"
 
