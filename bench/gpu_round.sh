@@ -18,13 +18,13 @@ serve_setup() {
   cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 }
-# Light load through the server (2 req/s, 48 prompts of 1,024 + 128 tokens), one server per option given
-# ("" for the defaults): servers LIMIT BODY NAME OPTION... writes $OUT/serving-NAME-OPTION.json
+# Light load through the server (RATE req/s, default 2; 48 prompts of 1,024 + 128 tokens), one server per option
+# given ("" for the defaults): servers LIMIT BODY NAME OPTION... writes $OUT/serving-NAME-OPTION.json
 servers() {
   local limit=$1 body=$2 name=$3; shift 3
   for v in "$@"; do
     step "$limit" python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
-         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64${v:+ --$v}" --request-rates 2 \
+         --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64${v:+ --$v}" --request-rates ${RATE:-2} \
          --num-prompts 48 --input-len 1024 --output-len 128 --extra-body "$body" \
          --out "$OUT/serving-$name-${v:-defaults}.json" --client aiohttp
   done
@@ -264,13 +264,18 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
-  rows)      # the twelfth session's second call: sampling by rows (a one-sequence prompt step samples its one row; a
-             # step of <= 2 rows sorts; "filter" without the radix search) through the server with Qwen3's filters
-             # (its first server starts cold: ~2 min of compiling, 83 steps in the eleventh session), then top-p
-             # 0.9 alone ("filter-p"). Eleventh session, same load: top-p 0.9 TTFT p50 29.3 ms, TPOT 3.34 ms.
+  rows)      # the twelfth session's third call: sampling by rows (a one-sequence prompt step samples its one row;
+             # "filter" without the radix search, at every row count; filter-p only above 2 rows) through the server
+             # with Qwen3's filters (its first server starts cold: ~2 min of compiling, 83 steps in the eleventh
+             # session); then greedy at 1 req/s (issue 6's light load), with the GIL's switch interval at 0.5 ms
+             # (sitecustomize) and without; then top-p 0.9 alone. Eleventh session, 2 req/s: top-p 0.9 TTFT p50
+             # 29.3 ms, TPOT 3.34 ms
     serve_setup
-    servers 300 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk ""
-    servers 150 '{"temperature": 0.6, "top_p": 0.9}' topp ""
+    servers 250 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk ""
+    RATE=1 servers 90 '{"temperature": 0}' greedy1 ""
+    mkdir -p /tmp/sc && echo 'import sys; sys.setswitchinterval(0.0005)' > /tmp/sc/sitecustomize.py
+    PYTHONPATH=$PYTHONPATH:/tmp/sc RATE=1 servers 90 '{"temperature": 0}' greedy1-switch ""
+    servers 100 '{"temperature": 0.6, "top_p": 0.9}' topp ""
     ;;
   rows2)     # the third: the sampler table at 1, 8 and 64 rows (filter without the radix search; filter-p on top-k
              # rows = what the search costs; at 1 row, whether the sort still wins: SORT_MAX_ROWS)

@@ -263,7 +263,7 @@ class ModelRunner:
         # (none of a filter variant where sampler_for never picks one: too few sampled rows)
         for attention in ("paged",) + ("fresh",) * (fresh_prompt_min_tokens > 0) + ("prefixed",) * prefixed_chunks:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
-                if sampler in ("filter", "filter-p") and not filter_pays(self.sampled_rows(attention)):
+                if sampler in ("filter", "filter-p") and not filter_pays(self.sampled_rows(attention), sampler):
                     continue
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
                     functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
@@ -409,7 +409,7 @@ class ModelRunner:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             n = self.decode_steps_for(b)
             calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")
-                      and (filter_pays(b) or "-filter-" not in name)]   # sampler_for sorts there
+                      and (filter_pays(b) or "-filter-p-" not in name)]   # sampler_for sorts there
         return calls
 
     def sampled_rows(self, attention: str) -> int:

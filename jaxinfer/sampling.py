@@ -404,29 +404,31 @@ def _top_p_keep(scaled: jax.Array, top_p: jax.Array) -> jax.Array:
 
 
 TOP_K_CANDIDATES = 64   # the largest top-k the "filter" sampler takes (Qwen3's recommended: 20; llama.cpp's: 40)
-# Up to this many rows (padding included) the sort is cheaper than the filter: over 152k ids on the H200
-# (bench/kernels_sampling.py, eleventh session) top-k 20 / top-p 0.95 at 1 row 0.18 ms sorted, 0.28 filtered;
-# at 8 rows 0.54 and 0.32 (top-p 0.9 alone: 0.20 / 0.25, 0.56 / 0.31). 2 rows is interpolated, not measured;
-# that filter still ran the radix search on every row ("filter-p" now): `gpu_round.sh rows2` measures again.
+# Up to this many rows (padding included) the sort is cheaper than "filter-p" (the radix search for rows with
+# top-p alone). Over 152k ids on the H200 (bench/kernels_sampling.py, twelfth session), ms at 1 / 8 / 64 rows:
+# top-p 0.9 sorted 0.190 / 0.565 / 2.240, filter-p 0.241 / 0.312 / 0.988; top-k 20 / top-p 0.95 sorted
+# 0.221 / 0.567 / 2.211, "filter" (no search) 0.163 / 0.195 / 0.250: "filter" pays at every row count.
+# 2 rows is interpolated, not measured.
 SORT_MAX_ROWS = 2
 
 
-def filter_pays(rows: int | None) -> bool:
-    """Whether a step sampling `rows` rows (None: unknown) is worth a filter variant over the sort."""
-    return rows is None or rows > SORT_MAX_ROWS
+def filter_pays(rows: int | None, method: str = "filter-p") -> bool:
+    """Whether a step sampling `rows` rows (None: unknown) is worth the filter variant `method` over the sort."""
+    return method == "filter" or rows is None or rows > SORT_MAX_ROWS
 
 
 def sampler_for(params: Sequence[SamplingParams], rows: int | None = None) -> str:
     """The cheapest `sample` method that draws these rows' tokens without a device-side conditional:
     "plain" (no sampled row uses top-k or top-p); "filter" (every sampled row using top-k or top-p has a
     top-k of 1 to TOP_K_CANDIDATES, top-p with it or not) or "filter-p" (so do those with a top-k; others
-    have top-p alone: the radix search), unless the step samples `rows` <= SORT_MAX_ROWS rows; else "sort"."""
+    have top-p alone: the radix search, which pays only above SORT_MAX_ROWS rows); else "sort"."""
     sampled = [p for p in params if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1)]
     if not sampled:
         return "plain"
-    if not filter_pays(rows) or any(p.top_k > TOP_K_CANDIDATES for p in sampled):
+    if any(p.top_k > TOP_K_CANDIDATES for p in sampled):
         return "sort"
-    return "filter" if all(p.top_k > 0 for p in sampled) else "filter-p"
+    method = "filter" if all(p.top_k > 0 for p in sampled) else "filter-p"
+    return method if filter_pays(rows, method) else "sort"
 
 
 def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

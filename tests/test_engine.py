@@ -160,8 +160,8 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
 def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
     """plain_sampling_step: a sampling step (mixed or decode) runs the variant sampling.sampler_for gives
     its rows: "-plain" (no row with top-k or top-p), "-filter" (top-k of at most 64, with or without
-    top-p), "-filter-p" (rows with top-p alone too) unless the step samples at most SORT_MAX_ROWS rows,
-    else the sorting one (a top-k above 64); none has a device-side branch. A plain
+    top-p), "-filter-p" (rows with top-p alone too; it sorts instead when the step samples at most
+    SORT_MAX_ROWS rows), else the sorting one (a top-k above 64); none has a device-side branch. A plain
     decode dispatch where no row wants top logprobs runs "-plain-notop" (no top-k over the vocabulary).
     Greedy rows wanting logprobs, seeded sampled rows and batches of both give the tokens, logprobs and
     top logprobs of the engine without it; nothing compiles after start-up."""
@@ -174,10 +174,10 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
         ([SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)] * 2, {"-plain"}),
         ([plain, SamplingParams(max_tokens=12, temperature=0.7, repetition_penalty=1.2, seed=5, ignore_eos=True)],
          {"-plain", "-plain-notop"}),   # the prompt steps, then decode
-        ([top_k, plain], {"-filter", ""}),   # decode samples 2 rows: SORT_MAX_ROWS, the sort
+        ([top_k, plain], {"-filter"}),   # the filter at every row count, decode's 2 rows too
         ([SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=6, ignore_eos=True)] * 3, {"-filter"}),
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2), top_k],
-         {"-filter-p", ""}),   # top-p alone: the radix search
+         {"-filter-p", ""}),   # top-p alone: the radix search; decode's 2 rows (SORT_MAX_ROWS) sort
         ([SamplingParams(max_tokens=12, temperature=0.8, top_p=0.8, seed=9, ignore_eos=True, logprobs=2),
           SamplingParams(max_tokens=12, temperature=0.9, top_k=100, seed=8, ignore_eos=True)], {""}),
         ([SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -278,7 +278,7 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
     """A step that is one sequence's prompt (fresh or prefixed attention) samples its one row, not the
     max_num_seqs rows a step with decodes in it has (the sampler's cost grows with its rows: the sort over
     152k ids 0.18 ms at 1 row, 2.3 at 64 on the H200), and so picks the sampler that is cheapest at one
-    row (sampling.SORT_MAX_ROWS): the sort where a step of every row takes the filter."""
+    row (sampling.SORT_MAX_ROWS): the sort where a step of every row takes the radix search (top-p alone)."""
     llm = LLM(STORIES, ops="reference", max_num_seqs=4, max_num_batched_tokens=32, progress=False,
               fresh_prompt_attention=True, fresh_prompt_min_tokens=16, prefixed_chunk_attention=True,
               plain_sampling_step=True)
@@ -292,17 +292,23 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
 
     for name in ("mixed-fresh", "mixed-plain-fresh", "mixed-prefixed"):
         assert logits_rows(name) == {1}, name
-    assert 4 in logits_rows("mixed-filter")
-    # the filter variants it would never run are not compiled: the one-row steps', decode's at 1-2 rows
-    assert "mixed-filter-fresh" not in r.steps and "mixed-filter-prefixed" not in r.steps
-    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter")} == {4}
+    assert 4 in logits_rows("mixed-filter") and logits_rows("mixed-filter-fresh") == {1}
+    # the radix search's variants it would never run are not compiled: the one-row steps', decode's at 1-2 rows
+    assert "mixed-filter-p-fresh" not in r.steps and "mixed-filter-p-prefixed" not in r.steps
+    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter-p")} == {4}
+    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter-")} - {4}   # no search: all
     ran = record_steps(r)
     prompt = "once upon a time there was a little girl named lily. she liked to play"
-    params = SamplingParams(max_tokens=4, temperature=0.6, top_k=20, top_p=0.95, seed=3, ignore_eos=True)
+    top_p = SamplingParams(max_tokens=4, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True)
+    top_k = SamplingParams(max_tokens=4, temperature=0.6, top_k=20, top_p=0.95, seed=3, ignore_eos=True)
     with no_compiles():
-        llm.generate([prompt], params)                       # one sequence: its prompt step and decode sort
-        llm.generate([prompt + " outside", "one day", "the dog ran"], params)   # 3 sequences: the filter
-    assert "mixed-fresh" in ran and "mixed-filter" in ran and "decode-8" in ran and "decode-filter-8" in ran, ran
+        llm.generate([prompt], top_p)                        # one sequence: its prompt step and decode sort
+        llm.generate([prompt + " outside", "one day", "the dog ran"], top_p)   # 3 sequences: the search
+    assert {"mixed-fresh", "mixed-filter-p", "decode-8", "decode-filter-p-8"} <= set(ran), ran
+    ran.clear()
+    with no_compiles():
+        llm.generate([prompt], top_k)     # the filter without the search, one row too (the prompt is cached now)
+    assert {"mixed-filter-prefixed", "decode-filter-8"} <= set(ran) and "decode-8" not in ran, ran
 
 
 def test_without_compiling_at_start_only_the_steps_used_compile(stories):

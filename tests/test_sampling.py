@@ -606,10 +606,12 @@ def test_sampler_for_picks_the_cheapest_method():
     assert sampler_for([SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(temperature=1, top_k=65)]) == "sort"
     assert sampler_for([SamplingParams(temperature=0.7, top_k=65)]) == "sort"
     assert sampler_for([SamplingParams(temperature=0.7, top_p=0.8), SamplingParams(temperature=1, top_k=100)]) == "sort"
-    # a step of at most SORT_MAX_ROWS rows sorts rather than filters; plain stays plain
-    topk = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95)]
-    assert [sampler_for(topk, rows) for rows in (1, SORT_MAX_ROWS, SORT_MAX_ROWS + 1, 64)] == \
-        ["sort", "sort", "filter", "filter"]
+    # the radix search pays only above SORT_MAX_ROWS rows (a step of fewer sorts); the filter without it
+    # pays at every row count; plain stays plain
+    topk, topp = [SamplingParams(temperature=0.7, top_k=20, top_p=0.95)], [SamplingParams(temperature=0.7, top_p=0.9)]
+    rows = (1, SORT_MAX_ROWS, SORT_MAX_ROWS + 1, 64)
+    assert [sampler_for(topp, r) for r in rows] == ["sort", "sort", "filter-p", "filter-p"]
+    assert [sampler_for(topk, r) for r in rows] == ["filter"] * 4
     assert sampler_for([SamplingParams(temperature=0.7)], 1) == "plain"
 
 
