@@ -264,6 +264,17 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
+  issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests
+             # at 1 and 2 req/s and all at once (with the PNG), and offline with the engine built as the server builds it
+    serve_setup
+    M=/tmp/jaxinfer-bench-models/qwen3-4b
+    step 100 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
+    step 280 python3 bench/serving.py --serve-model $M --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64" \
+         --request-rates ${RATES:-1,2,inf} --num-prompts 64 --input-len 1024 --output-len 128 --extra-body '{"temperature": 0}' \
+         --out "$OUT/serving.json" --plot "$OUT/serving.png" --client aiohttp
+    step 120 python3 -m jaxinfer.cli bench --model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 \
+         --batch-size 64 --num-prompts 64 --like-serve --max-model-len 40960
+    ;;
   rows)      # the twelfth session's third call: sampling by rows (a one-sequence prompt step samples its one row;
              # "filter" without the radix search, at every row count; filter-p only above 2 rows) through the server
              # with Qwen3's filters (its first server starts cold: ~2 min of compiling, 83 steps in the eleventh
