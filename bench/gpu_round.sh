@@ -264,6 +264,16 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
+  host)      # the twelfth session's last call: a 1k prefill's host / launch / device split (issue 4: TTFT 16.6-17.7 ms
+             # against 15), the prompt step's host time with the server's shapes and with prefill.py's, profiled on the
+             # GPU host (bench/host_prompt_step.py); then sampled requests (temperature 0.8: decode's -plain-notop,
+             # predicted TPOT 3.17 -> ~3.09 ms, greedy's) at 2 req/s
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+    step 60 python3 bench/host_prompt_step.py
+    step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
+    serve_setup
+    servers 200 '{"temperature": 0.8}' sampled ""
+    ;;
   issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests
              # at 1 and 2 req/s and all at once (with the PNG), and offline with the engine built as the server builds it
     serve_setup
