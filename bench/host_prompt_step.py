@@ -9,7 +9,8 @@ table of max_num_seqs rows x max_model_len / 16 pages (64 x 2,560 int32 = 655 KB
 and start_sequence uploads max_model_len token ids. Prints the median over 20 one-token requests of:
 add_request; start_sequence (the sampler row's reset); add_request to the mixed step's launch (all
 host work: scheduling, start_sequence, building the batch, packing and copying it); the launch call;
-then the functions with the most own time (cProfile). JSON to $OUT/host_prompt_step.json.
+the to_device calls (start_sequence's and the batch's) and the init_row call summed; then the functions
+with the most own time (cProfile). JSON to $OUT/host_prompt_step.json.
 
 On the CPU backend a jitted call may execute before it returns (start_sequence's 0.6-0.7 ms there is
 mostly init_row running; its arguments' copy takes 0.06 ms): the split means most on a GPU.
@@ -75,8 +76,24 @@ def main() -> None:
         marks["start_sequence"] = time.perf_counter() - t
 
     r.launch_mixed, r.start_sequence = timed_launch, timed_start
-    rows = []
+    # the pieces: every to_device (pack, one copy, unpack's dispatch) and the init_row call, summed per request
+    import jaxinfer.engine as engine_mod
+    import jaxinfer.runner as runner_mod
+
+    def summed(key, fn):
+        def wrapped(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            marks[key] = marks.get(key, 0.0) + time.perf_counter() - t
+            return out
+        return wrapped
+
+    to_device = engine_mod.to_device
+    engine_mod.to_device = runner_mod.to_device = summed("to_device", to_device)
+    r._init_row = summed("init_row", r._init_row)
+    rows, pieces = [], []
     for _ in range(20):
+        marks.pop("to_device", None), marks.pop("init_row", None)
         t0 = time.perf_counter()
         rid = engine.add_request(prompt, params)
         t1 = time.perf_counter()
@@ -84,10 +101,14 @@ def main() -> None:
             engine.step()
         engine.take_finished(rid)
         rows.append((t1 - t0, marks["start_sequence"], marks["launch"] - t0, marks["launched"] - marks["launch"]))
+        pieces.append((marks["to_device"], marks["init_row"]))
+    engine_mod.to_device = runner_mod.to_device = to_device
     med = np.median(np.array(rows) * 1e3, axis=0)
+    med_pieces = np.median(np.array(pieces) * 1e3, axis=0)
     print(f"page table {args.max_num_seqs} x {r.pages_per_seq} int32 ({args.max_num_seqs * r.pages_per_seq * 4 / 1e3:.0f} KB); "
           f"medians of 20, ms: add_request {med[0]:.3f}, start_sequence {med[1]:.3f}, "
-          f"add_request to launch {med[2]:.3f}, launch {med[3]:.3f}")
+          f"add_request to launch {med[2]:.3f}, launch {med[3]:.3f}; of these, to_device calls (two) "
+          f"{med_pieces[0]:.3f}, the init_row call {med_pieces[1]:.3f}")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(10):
@@ -96,7 +117,8 @@ def main() -> None:
     pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     Path(args.out, "host_prompt_step.json").write_text(json.dumps(dict(
         vars(args), pages_per_seq=r.pages_per_seq, add_request_ms=med[0], start_sequence_ms=med[1],
-        add_request_to_launch_ms=med[2], launch_ms=med[3]), indent=1))
+        add_request_to_launch_ms=med[2], launch_ms=med[3], to_device_ms=med_pieces[0], init_row_call_ms=med_pieces[1]),
+        indent=1))
 
 
 if __name__ == "__main__":
