@@ -7,8 +7,9 @@ A random Qwen3-0.6B-like model (hidden 64, the real vocabulary, `--layers` layer
 not depend on the width) in an engine with the server's batch shapes: a mixed step carries a page
 table of max_num_seqs rows x max_model_len / 16 pages (64 x 2,560 int32 = 655 KB at the defaults),
 and start_sequence uploads max_model_len token ids. Prints the median over 20 one-token requests of:
-add_request; start_sequence (the sampler row's reset); add_request to the mixed step's launch (all
-host work: scheduling, start_sequence, building the batch, packing and copying it); the launch call;
+add_request; start_sequence (the sampler row's reset: only for requests with a penalty, see
+--repetition-penalty); add_request to the mixed step's launch (all host work: scheduling, start_sequence,
+building the batch, packing and copying it); the launch call;
 the to_device calls (start_sequence's and the batch's) and the init_row call summed; then the functions
 with the most own time (cProfile). JSON to $OUT/host_prompt_step.json.
 
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0,
+                    help="not 1: the requests have a penalty, so their sampler row is reset (start_sequence)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--models", default=None, help="where to write the random model (default: a temporary folder)")
     args = ap.parse_args()
@@ -51,7 +54,7 @@ def main() -> None:
                     max_num_batched_tokens=2048, token_buckets=[args.prompt, 2048], progress=False,
                     skip_tokenizer_init=True, num_pages=args.max_model_len // 16 + 8, enable_prefix_caching=False)
     prompt = np.random.default_rng(0).integers(100, 1000, args.prompt).tolist()
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, repetition_penalty=args.repetition_penalty)
 
     def one() -> None:
         rid = engine.add_request(prompt, params)
@@ -93,7 +96,8 @@ def main() -> None:
     r._init_row = summed("init_row", r._init_row)
     rows, pieces = [], []
     for _ in range(20):
-        marks.pop("to_device", None), marks.pop("init_row", None)
+        for key in ("to_device", "init_row", "start_sequence"):   # (start_sequence: requests with a penalty only)
+            marks[key] = 0.0
         t0 = time.perf_counter()
         rid = engine.add_request(prompt, params)
         t1 = time.perf_counter()
@@ -107,14 +111,14 @@ def main() -> None:
     med_pieces = np.median(np.array(pieces) * 1e3, axis=0)
     print(f"page table {args.max_num_seqs} x {r.pages_per_seq} int32 ({args.max_num_seqs * r.pages_per_seq * 4 / 1e3:.0f} KB); "
           f"medians of 20, ms: add_request {med[0]:.3f}, start_sequence {med[1]:.3f}, "
-          f"add_request to launch {med[2]:.3f}, launch {med[3]:.3f}; of these, to_device calls (two) "
+          f"add_request to launch {med[2]:.3f}, launch {med[3]:.3f}; of these, to_device calls "
           f"{med_pieces[0]:.3f}, the init_row call {med_pieces[1]:.3f}")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(10):
         one()
     profile.disable()
-    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+    pstats.Stats(profile).sort_stats(os.environ.get("SORT", "tottime")).print_stats(int(os.environ.get("TOP", "12")))
     Path(args.out, "host_prompt_step.json").write_text(json.dumps(dict(
         vars(args), pages_per_seq=r.pages_per_seq, add_request_ms=med[0], start_sequence_ms=med[1],
         add_request_to_launch_ms=med[2], launch_ms=med[3], to_device_ms=med_pieces[0], init_row_call_ms=med_pieces[1]),

@@ -103,6 +103,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return; 0..20
     prompt_logprobs: int | None = None  # logprob of each prompt token (and this many top ones); 0..20
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty changes the logits (apply_penalties leaves them as they are otherwise)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:

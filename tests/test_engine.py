@@ -450,3 +450,23 @@ def test_kv_pool_from_device_memory_is_capped_by_what_the_sequences_can_use(monk
     monkeypatch.setattr(E.jax, "devices", lambda *a: [Device()] if not a else real(*a))
     engine = E.Engine(STORIES, max_num_seqs=2, max_model_len=64, progress=False, compile_threads=1)
     assert engine.pages.num_pages == 2 * 2 * (64 // 16) + 1
+
+
+def test_the_penalty_row_is_reset_only_for_requests_with_penalties(stories):
+    """A sequence's sampler row (prompt mask, output counts) is reset when it enters the batch only if its
+    request has a penalty: without one the row is never read. A request with penalties in a row that a
+    request without them left behind (one row: every request takes it) still gets its output alone."""
+    llm = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=64, progress=False)
+    r, starts = llm.engine.runner, []
+    start_sequence = r.start_sequence
+    r.start_sequence = lambda row, *a: (starts.append(row), start_sequence(row, *a))
+    plain = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    penalised = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True, **kw)
+                 for kw in ({"repetition_penalty": 1.5}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0})]
+    for params in penalised:
+        starts.clear()
+        got = [llm.generate([prompt], p)[0].token_ids for prompt, p in zip(PROMPTS[2:5], (plain, params, plain))]
+        assert len(starts) == 1   # the penalised request's reset alone
+        assert got[1] == stories.generate([PROMPTS[3]], params)[0].token_ids
+        assert got[1] != stories.generate([PROMPTS[3]], plain)[0].token_ids   # the penalty shows
+        assert got[2] == stories.generate([PROMPTS[4]], plain)[0].token_ids
