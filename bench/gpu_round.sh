@@ -267,12 +267,14 @@ case "${1:-1}" in
   host)      # the twelfth session's last call: a 1k prefill's host / launch / device split (issue 4: TTFT 16.6-17.7 ms
              # against 15), the prompt step's host time with the server's shapes and with prefill.py's, profiled on the
              # GPU host (bench/host_prompt_step.py; with a penalty: the sampler row's reset, which requests without
-             # one now skip); then sampled requests (temperature 0.8: decode's -plain-notop,
+             # one now skip); the sampler table (the top-p search with its sums over the vocabulary as the minor
+             # axis: "V minor"); then sampled requests (temperature 0.8: decode's -plain-notop,
              # predicted TPOT 3.17 -> ~3.09 ms, greedy's) at 2 req/s
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
     step 120 python3 bench/host_prompt_step.py
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040 --repetition-penalty 1.1
+    step 120 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
     servers 200 '{"temperature": 0.8}' sampled ""
     ;;
