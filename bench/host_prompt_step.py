@@ -2,6 +2,7 @@
 1,024-token prompt costs the engine thread before its step is launched.
 
     PYTHONPATH=. python3 bench/host_prompt_step.py [--layers 2] [--max-num-seqs 64] [--max-model-len 40960]
+    (env SORT=cumtime TOP=40: the profile's order and length; tottime, 12 by default)
 
 A random Qwen3-0.6B-like model (hidden 64, the real vocabulary, `--layers` layers: the host work does
 not depend on the width) in an engine with the server's batch shapes: a mixed step carries a page

@@ -409,7 +409,7 @@ class ModelRunner:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             n = self.decode_steps_for(b)
             calls += [(name, batch) for name in self.steps if name.startswith("decode") and name.endswith(f"-{n}")
-                      and (filter_pays(b) or "-filter-p-" not in name)]   # sampler_for sorts there
+                      and (filter_pays(b, "filter-p") or "-filter-p-" not in name)]   # sampler_for sorts there
         return calls
 
     def sampled_rows(self, attention: str) -> int:

@@ -422,7 +422,7 @@ TOP_K_CANDIDATES = 64   # the largest top-k the "filter" sampler takes (Qwen3's 
 SORT_MAX_ROWS = 2
 
 
-def filter_pays(rows: int | None, method: str = "filter-p") -> bool:
+def filter_pays(rows: int | None, method: str) -> bool:
     """Whether a step sampling `rows` rows (None: unknown) is worth the filter variant `method` over the sort."""
     return method == "filter" or rows is None or rows > SORT_MAX_ROWS
 
