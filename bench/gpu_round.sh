@@ -264,19 +264,20 @@ case "${1:-1}" in
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
-  host)      # the twelfth session's last call: a 1k prefill's host / launch / device split (issue 4: TTFT 16.6-17.7 ms
-             # against 15), the prompt step's host time with the server's shapes and with prefill.py's, profiled on the
-             # GPU host (bench/host_prompt_step.py; with a penalty: the sampler row's reset, which requests without
-             # one now skip); the sampler table (the top-p search with its sums over the vocabulary as the minor
-             # axis: "V minor"); then sampled requests (temperature 0.8: decode's -plain-notop,
-             # predicted TPOT 3.17 -> ~3.09 ms, greedy's) at 2 req/s
+  host)      # the thirteenth session's first call (the twelfth's last ran an earlier form: run 5): the kernel that now
+             # also returns the k/v it writes and the fresh op on them (GPU tests); a 1k prefill's host / launch / device
+             # split and prefill.py at 1k and 8k (the skipped sampler-row reset, no gather back; predicted 1k TTFT
+             # 16.67 -> ~16.1 ms); the prompt step's host time on the GPU host with the server's shapes, with
+             # prefill.py's, and with a penalty (the reset that requests without one now skip)
+    step 90 python3 -m pytest -q -o addopts= tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_fresh_prompt_attention_gpu.py
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+    step 100 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     step 120 python3 bench/host_prompt_step.py
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040 --repetition-penalty 1.1
-    step 120 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
-    serve_setup
-    servers 200 '{"temperature": 0.8}' sampled ""
+    ;;
+  vminor)    # the sampler table with the top-p search laid out [B, 16, V] ("part, top-p search, V minor")
+    step 150 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests
              # at 1 and 2 req/s and all at once (with the PNG), and offline with the engine built as the server builds it

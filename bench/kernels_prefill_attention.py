@@ -275,11 +275,13 @@ def table_mode(results, pool, t_start):
 
 
 def fresh_op(implementation):
-    """The engine's op for a step that is one fresh prompt (ops.fresh_prompt_attention): its K/V gathered
-    back from the slots it wrote, then jax.nn.dot_product_attention."""
+    """The engine's op for a step that is one fresh prompt (ops.fresh_prompt_attention) with a float8 cache:
+    its K/V gathered back from the slots it wrote, then jax.nn.dot_product_attention (a 16-bit cache's
+    engine step takes them from the write instead: the gather is the difference)."""
     def op(q, k, v, layer, pt, qs, ts, pos, scale):
         slots = pt[0, pos // PS] * PS + pos % PS
-        return reference.fresh_prompt_attention(q, k, v, layer, slots, scale, implementation=implementation)
+        return reference.fresh_prompt_attention(q, *reference.gather_kv(k, v, layer, slots, q.dtype), scale,
+                                                implementation=implementation)
     return op
 
 

@@ -42,10 +42,15 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
                                                     kv_k, kv_v, layer, slot_mapping, page_table, positions + 1,
                                                     page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
     else:
-        q, kv_k, kv_v = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
-                                           kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads)
+        # A fresh prompt's attention takes its K/V from the write where the cache holds them as computed (no
+        # gather back: two fewer kernels a layer); from a float8 cache it reads them back, as the paged kernels do
+        with_kv = attention == "fresh" and kv_k.dtype == qkv.dtype
+        q, kv_k, kv_v, *kv = ops.qkv_rope_write(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
+                                                kv_k, kv_v, layer, slot_mapping, cfg.num_heads, cfg.num_kv_heads,
+                                                with_kv=with_kv)
         if attention == "fresh":   # the step is one prompt from position 0: attention over its own rows
-            attn = ops.fresh_prompt_attention(q, kv_k, kv_v, layer, slot_mapping, cfg.head_dim ** -0.5)
+            k, v = kv if with_kv else ops.gather_kv(kv_k, kv_v, layer, slot_mapping, q.dtype)
+            attn = ops.fresh_prompt_attention(q, k, v, cfg.head_dim ** -0.5)
         elif attention == "prefixed":   # one sequence's chunk after its cached prefix (row 0 of the page table)
             attn = ops.prefixed_chunk_attention(q, kv_k, kv_v, layer, page_table[0], positions[0], slot_mapping,
                                                 page_size, cfg.head_dim ** -0.5)

@@ -160,6 +160,22 @@ def test_engine_with_a_float8_cache():
     assert agree > 0.8, agree
 
 
+def test_a_fresh_prompt_reads_its_keys_back_from_a_float8_cache():
+    """A fresh prompt's attention takes its K/V from the write only where the cache holds them as computed;
+    from a float8 cache it reads them back, as the paged attention does: the same greedy tokens as the
+    paged step on the same cache (fresh_prompt_attention off)."""
+    opts = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, decode_steps=4, progress=False,
+                kv_cache_dtype="fp8", greedy_mixed_step=True, fresh_prompt_min_tokens=16)
+    fresh = LLM(STORIES, fresh_prompt_attention=True, **opts)
+    paged = LLM(STORIES, **opts)
+    ran = []
+    call = fresh.engine.runner._call
+    fresh.engine.runner._call = lambda name, *a: (ran.append(name), call(name, *a))[1]
+    prompts = ["Lily and Ben went to the park. They saw a big red ball and"]
+    assert _greedy(fresh, prompts) == _greedy(paged, prompts)
+    assert "mixed-greedy-fresh" in ran
+
+
 def test_the_commands_pass_the_option_on():
     from jaxinfer.cli import build_parser
     from jaxinfer.serve.server import engine_options

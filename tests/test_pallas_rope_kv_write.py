@@ -15,10 +15,11 @@ TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 @pytest.mark.parametrize("T, H, K, hd, norm, rope", [(1, 8, 4, 16, True, True), (3, 4, 2, 8, False, True),
                                                      (5, 16, 2, 64, True, True), (2, 4, 4, 16, False, False),
                                                      (19, 4, 2, 16, True, True), (16, 8, 2, 16, True, False)])
-@pytest.mark.parametrize("norm_stack", ["stacked", "one-layer"])
-def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack):
+@pytest.mark.parametrize("norm_stack, with_kv", [("stacked", False), ("one-layer", True)])
+def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack, with_kv):
     """Token counts around the 8-token blocks; norms from the cache's layer of a stack, or from a
-    one-layer stack (per-layer parameters) read at index 0 while the cache is written at `layer`."""
+    one-layer stack (per-layer parameters) read at index 0 while the cache is written at `layer`;
+    with_kv: the k and v written returned too (a fresh prompt's attention takes them)."""
     L, layer, slots = 3, 2, 64
     ks = jax.random.split(jax.random.PRNGKey(T * 100 + H + hd + norm), 8)
     qkv = jax.random.normal(ks[0], (T, (H + 2 * K) * hd), jnp.float32).astype(dtype)
@@ -34,10 +35,12 @@ def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack):
     if norm and norm_stack == "one-layer":
         qn, kn, norm_layer = qn[layer][None], kn[layer][None], 0
     lw = (lambda a: None if a is None else LayerWeight(a, jnp.int32(norm_layer)))
-    ref = reference.qkv_rope_write(qkv, cos_sin, lw(qn), lw(kn), 1e-6, kc, vc, jnp.int32(layer), slot_mapping, H, K)
+    ref = reference.qkv_rope_write(qkv, cos_sin, lw(qn), lw(kn), 1e-6, kc, vc, jnp.int32(layer), slot_mapping, H, K,
+                                   with_kv=with_kv)
     cos, sin = cos_sin if rope else (None, None)
     ours = qkv_rope_write(qkv, cos, sin, qn, kn, kc + 0, vc + 0, layer, slot_mapping, num_heads=H, num_kv_heads=K,
-                          eps=1e-6, interpret=True, norm_layer=norm_layer)
+                          eps=1e-6, interpret=True, norm_layer=norm_layer, with_kv=with_kv)
+    assert len(ours) == len(ref) == 3 + 2 * with_kv
     def close(a, b):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert a.shape == b.shape
@@ -46,7 +49,9 @@ def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack):
     close(ours[0], ref[0])
     written = np.zeros((L, K, slots), bool)
     written[layer, :, np.asarray(slot_mapping)] = True
-    for a, b in zip(ours[1:], ref[1:]):
+    for a, b in zip(ours[3:], ref[3:]):   # with_kv: the k and v written, as computed
+        close(a, b)
+    for a, b in zip(ours[1:3], ref[1:3]):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         close(a[written], b[written])                 # the new rows
         np.testing.assert_array_equal(a[~written], b[~written])  # nothing else touched

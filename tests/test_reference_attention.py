@@ -52,8 +52,8 @@ def test_ragged_batch_equals_dense_per_sequence(B, H, kvh, hd):
                                                      (64, 64, 8, 2, 32, "bfloat16")])
 def test_fresh_prompt_attention_equals_the_paged_op(n, T, H, kvh, hd, dtype):
     """One prompt of n tokens from position 0, padded to T rows (padding: slot of the scratch page,
-    position 0, as the engine pads): the fresh-prompt op (K/V gathered back from the slots just written,
-    jax.nn.dot_product_attention) equals the paged op on the prompt's rows."""
+    position 0, as the engine pads): the fresh-prompt op (on the K/V of the slots just written, gathered
+    back; jax.nn.dot_product_attention) equals the paged op on the prompt's rows."""
     ps, L, layer = 4, 2, 1
     rng = np.random.default_rng(n * 7 + T)
     P = -(-n // ps)
@@ -64,7 +64,8 @@ def test_fresh_prompt_attention_equals_the_paged_op(n, T, H, kvh, hd, dtype):
     slots = np.concatenate([pages[pos // ps] * ps + pos % ps, np.arange(T - n) % ps]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((T, H, hd)), dtype)
     k_cache, v_cache = jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype)
-    got = reference.fresh_prompt_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(slots), hd ** -0.5)
+    k, v = reference.gather_kv(k_cache, v_cache, jnp.int32(layer), jnp.asarray(slots), q.dtype)
+    got = reference.fresh_prompt_attention(q, k, v, hd ** -0.5)
     positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
     want = reference.paged_attention(q, k_cache, v_cache, jnp.int32(layer), jnp.asarray(pages[None]),
                                      jnp.zeros(T, jnp.int32), jnp.asarray(positions), ps, hd ** -0.5)

@@ -57,9 +57,10 @@ def test_engine_steps_lower(small_model, ops, kv, unroll):
     params = load_params(small_model, cfg, progress=False)
     runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops(ops), num_pages=33, page_size=16,
                          max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
-                         unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True)
+                         unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True, fresh_prompt_min_tokens=32,
+                         prefixed_chunks=True)
     calls = runner.bucket_calls()
-    assert len(calls) >= 6 and "mixed-greedy" in {name for name, _ in calls}
+    assert len(calls) >= 6 and {"mixed-greedy", "mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
     for name, batch in calls:
         traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -101,12 +101,13 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return reference.linear_residual(x, w, b, residual)
 
     def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,
-                       num_kv_heads):
+                       num_kv_heads, with_kv=False):
         cos, sin = cos_sin if cos_sin is not None else (None, None)
         qn, kn = (None, None) if q_norm is None else (q_norm.stacked, k_norm.stacked)
         return rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping,
                                             num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
-                                            interpret=interpret, norm_layer=None if q_norm is None else q_norm.layer)
+                                            interpret=interpret, norm_layer=None if q_norm is None else q_norm.layer,
+                                            with_kv=with_kv)
 
     def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
                              context_lens, page_size, scale, num_heads, num_kv_heads):
@@ -131,11 +132,10 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     if flash_prefill:
         ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
 
-    def fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale):
+    def fresh_prompt_attention(q, k, v, scale):
         """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
         on GPUs (16-bit only; XLA's attention otherwise)."""
-        return reference.fresh_prompt_attention(q, k_cache, v_cache, layer, slot_mapping, scale,
-                                                implementation=one_sequence_implementation(q))
+        return reference.fresh_prompt_attention(q, k, v, scale, implementation=one_sequence_implementation(q))
 
     def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale):
         """A step that is one sequence's chunk after a cached prefix (EngineConfig.prefixed_chunk_attention):

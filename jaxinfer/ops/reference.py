@@ -98,10 +98,11 @@ def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Ar
 
 def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, q_norm, k_norm, eps: float,
                    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array,
-                   num_heads: int, num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   num_heads: int, num_kv_heads: int, with_kv: bool = False) -> tuple[jax.Array, ...]:
     """Everything between the QKV projection and attention: split qkv [T, (H + 2K) * hd] into heads,
     RMSNorm q and k per head (q_norm/k_norm, or None), RoPE (cos_sin, or None), write k and v to
-    the caches at slot_mapping. Returns (q [T, H, hd], k_cache, v_cache)."""
+    the caches at slot_mapping. Returns (q [T, H, hd], k_cache, v_cache), and with `with_kv` also the
+    k and v written ([T, K, hd] each, in qkv's dtype, before any rounding to the cache's)."""
     T = qkv.shape[0]
     hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     q, k, v = jnp.split(qkv, [num_heads * hd, (num_heads + num_kv_heads) * hd], axis=-1)
@@ -111,17 +112,22 @@ def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, 
     if cos_sin is not None:
         q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
     k_cache, v_cache = write_kv(k_cache, v_cache, layer, k, v, slot_mapping)
-    return q, k_cache, v_cache
+    return (q, k_cache, v_cache, k, v) if with_kv else (q, k_cache, v_cache)
 
 
-def fresh_prompt_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                           slot_mapping: jax.Array, scale: float, implementation: str = "xla") -> jax.Array:
-    """Causal attention of one fresh prompt over itself: q [T, H, hd] at positions 0..T-1, its K/V just
-    written at slot_mapping [T] (gathered back from the caches: what the paged kernels read, float8
-    included). Rows past the prompt (padding, at the end) see it and themselves; their output is unused.
-    `implementation`: jax.nn.dot_product_attention's ("cudnn": its flash attention on NVIDIA GPUs)."""
-    k = k_cache[layer, :, slot_mapping].astype(q.dtype)   # [T, KVH, hd]
-    v = v_cache[layer, :, slot_mapping].astype(q.dtype)
+def gather_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array,
+              dtype) -> tuple[jax.Array, jax.Array]:
+    """The K/V rows of slot_mapping [T] in the caches' `layer`, as [T, KVH, hd] each in `dtype`."""
+    return k_cache[layer, :, slot_mapping].astype(dtype), v_cache[layer, :, slot_mapping].astype(dtype)
+
+
+def fresh_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
+                           implementation: str = "xla") -> jax.Array:
+    """Causal attention of one fresh prompt over itself: q [T, H, hd], k, v [T, KVH, hd] at positions
+    0..T-1 (model.py passes the K/V just written: from qkv_rope_write where the cache holds them as
+    computed, gathered back from a float8 cache, as the paged kernels read it). Rows past the prompt
+    (padding, at the end) see it and themselves; their output is unused. `implementation`:
+    jax.nn.dot_product_attention's ("cudnn": its flash attention on NVIDIA GPUs)."""
     out = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                        implementation=implementation)
     return out[0]

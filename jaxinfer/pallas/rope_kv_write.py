@@ -24,8 +24,9 @@ f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps):
+def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
     refs = list(refs)
+    k_ref, v_ref = (refs.pop(), refs.pop())[::-1] if with_kv else (None, None)
     q_ref, kc_ref, vc_ref = refs[-3:]
     refs = refs[:-5]  # the aliased cache inputs (refs[-5:-3]) are the outputs kc_ref, vc_ref
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
@@ -65,11 +66,17 @@ def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_
             y1, y2 = transform(kn_ref)
             kc_ref[layer, h - H, slot, lo] = to_cache(y1, kc_ref.dtype)
             kc_ref[layer, h - H, slot, hi] = to_cache(y2, kc_ref.dtype)
+            if with_kv:
+                k_ref[t, h - H, lo] = y1
+                k_ref[t, h - H, hi] = y2
 
         @pl.when(h >= H + K)
         def _():
             vc_ref[layer, h - H - K, slot, lo] = to_cache(x1.astype(dtype), vc_ref.dtype)
             vc_ref[layer, h - H - K, slot, hi] = to_cache(x2.astype(dtype), vc_ref.dtype)
+            if with_kv:
+                v_ref[t, h - H - K, lo] = x1.astype(dtype)
+                v_ref[t, h - H - K, hi] = x2.astype(dtype)
 
     # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
     # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
@@ -81,13 +88,14 @@ def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_
             pl.when(t < T)(lambda t=t: one_token(t))
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret"),
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "with_kv"),
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
-                   num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None):
+                   num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
+                   with_kv: bool = False):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
-    k_cache, v_cache)."""
+    k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -98,11 +106,13 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     args = [layer, slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
     BT = min(TOKENS_PER_PROGRAM, T)
-    kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps)
+    kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,
+                               with_kv=with_kv)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T, H, hd), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+                  + (jax.ShapeDtypeStruct((T, K, hd), qkv.dtype),) * 2 * with_kv,
         grid=(pl.cdiv(T, BT), H + 2 * K),
         input_output_aliases={n - 2: 1, n - 1: 2},
         interpret=interpret,

@@ -1,6 +1,6 @@
 """The one-sequence attentions on the GPU at real shapes, against the paged reference op: a fresh prompt
-(cuDNN's flash attention through jax.nn.dot_product_attention, on the K/V gathered back from the slots just
-written) and a chunk after a cached prefix (two cuDNN attentions merged by their log-sum-exps).
+(cuDNN's flash attention through jax.nn.dot_product_attention, on the K/V of the slots just written, gathered
+back here as the engine does for a float8 cache) and a chunk after a cached prefix (two cuDNN attentions merged by their log-sum-exps).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
@@ -44,8 +44,9 @@ def test_fresh_prompt_attention_on_cudnn_equals_the_paged_reference(n, T, kv_dty
     positions = np.concatenate([pos, np.zeros(T - n, int)]).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((T, H, HD)), jnp.bfloat16)
     layer, scale = jnp.int32(1), HD ** -0.5
-    got = jax.jit(get_ops("pallas").fresh_prompt_attention, static_argnums=5)(q, k_cache, v_cache, layer,
-                                                                               jnp.asarray(slots), scale)
+    ops = get_ops("pallas")
+    k, v = ops.gather_kv(k_cache, v_cache, layer, jnp.asarray(slots), q.dtype)   # what the cache holds
+    got = jax.jit(ops.fresh_prompt_attention, static_argnums=3)(q, k, v, scale)
     want = reference.paged_attention(q, k_cache, v_cache, layer, jnp.asarray(pages[None]), jnp.zeros(T, jnp.int32),
                                      jnp.asarray(positions), PS, scale)
     got, want = np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32)

@@ -20,8 +20,8 @@ SHAPES = {"qwen3-4b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}   # H, K, head_d
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("T", [1, 7, 8195])
 @pytest.mark.parametrize("model", ["qwen3-4b"])
-@pytest.mark.parametrize("one_layer_norms", [False, True])
-def test_matches_reference(model, T, dtype, one_layer_norms):
+@pytest.mark.parametrize("one_layer_norms, with_kv", [(False, False), (True, True)])
+def test_matches_reference(model, T, dtype, one_layer_norms, with_kv):
     H, K, hd = SHAPES[model]
     L, layer, slots = 4, 3, 16 * 1024
     ks = jax.random.split(jax.random.PRNGKey(T + H), 8)
@@ -38,9 +38,11 @@ def test_matches_reference(model, T, dtype, one_layer_norms):
     cos, sin = reference.rope_cos_sin(positions, inv_freq, dtype)
     slot_mapping = jax.random.permutation(ks[6], slots)[:T].astype(jnp.int32)
     lw = lambda a: LayerWeight(a, jnp.int32(norm_layer))   # noqa: E731
-    ref = reference.qkv_rope_write(qkv, (cos, sin), lw(qn), lw(kn), 1e-6, kc, vc, jnp.int32(layer), slot_mapping, H, K)
+    ref = reference.qkv_rope_write(qkv, (cos, sin), lw(qn), lw(kn), 1e-6, kc, vc, jnp.int32(layer), slot_mapping, H, K,
+                                   with_kv=with_kv)
     ours = qkv_rope_write(qkv, cos, sin, qn, kn, kc + 0, vc + 0, layer, slot_mapping, num_heads=H, num_kv_heads=K,
-                          eps=1e-6, norm_layer=norm_layer)
+                          eps=1e-6, norm_layer=norm_layer, with_kv=with_kv)
+    assert len(ours) == len(ref) == 3 + 2 * with_kv
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
 
     def close(a, b):
@@ -48,7 +50,9 @@ def test_matches_reference(model, T, dtype, one_layer_norms):
         assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b)
 
     close(ours[0], ref[0])
+    for a, b in zip(ours[3:], ref[3:]):   # with_kv: the k and v written, as computed
+        close(a, b)
     rows = np.asarray(slot_mapping)
-    for a, b in zip(ours[1:], ref[1:]):   # the written rows, then every other row untouched
+    for a, b in zip(ours[1:3], ref[1:3]):   # the written rows, then every other row untouched
         close(a[layer][:, rows].astype(jnp.float32), b[layer][:, rows].astype(jnp.float32))
         assert bool(jnp.all(a[: layer] == b[: layer]))
