@@ -57,10 +57,13 @@ def test_engine_steps_lower(small_model, ops, kv, unroll):
     params = load_params(small_model, cfg, progress=False)
     runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops(ops), num_pages=33, page_size=16,
                          max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
-                         unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True, fresh_prompt_min_tokens=32,
-                         prefixed_chunks=True)
+                         unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True,
+                         # the one-sequence steps (the fresh one's K/V from the write, or read back from float8)
+                         # with the default op set alone: lowering is most of this file's time
+                         fresh_prompt_min_tokens=32 if ops == "pallas" else 0, prefixed_chunks=ops == "pallas")
     calls = runner.bucket_calls()
-    assert len(calls) >= 6 and {"mixed-greedy", "mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
+    assert len(calls) >= 6 and "mixed-greedy" in {name for name, _ in calls}
+    assert ops != "pallas" or {"mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
     for name, batch in calls:
         traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -4,7 +4,8 @@ qkv [T, (H + 2K) * hd] -> per head: RMSNorm over the head (Qwen3's q_norm / k_no
 K and V heads the write into the paged caches [L, K, slots, hd] at slot_mapping[t], in place
 (input_output_aliases). One program per (block of tokens, head); a head's two rotate-half halves are loaded
 separately so that RoPE needs no cross-lane shuffle. cos/sin [T, hd] come from the model (computed
-once per step in XLA, so the angles are bit-identical to the reference path's).
+once per step in XLA, so the angles are bit-identical to the reference path's). With `with_kv` it also
+returns the k and v it wrote, for a fresh prompt's attention (model.py), which then need not read them back.
 Replaces the split/norm/rope/scatter fusions of the reference (3-5 kernels per layer) with one.
 """
 
