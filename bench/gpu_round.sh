@@ -276,6 +276,12 @@ case "${1:-1}" in
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040 --repetition-penalty 1.1
     ;;
+  kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
+             # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
+    step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"
+    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --profile pallas:1024 --out "$OUT"
+    step 270 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
+    ;;
   vminor)    # the sampler table with the top-p search laid out [B, 16, V] ("part, top-p search, V minor")
     step 150 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
