@@ -99,8 +99,8 @@ class EngineConfig:
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
     # penalties, greedy rows wanting logprobs), "-filter" for steps whose rows with top-k or top-p all have
     # a top-k of at most 64 (top-p with it), "-filter-p" where others have top-p alone (a radix search for
-    # the nucleus), and one that sorts (a top-k above 64, or a step of at most 2 rows). Off: one sampling
-    # variant, which skips the sort behind a conditional when every row is greedy; the GPU runtime reads
+    # the nucleus), and one that sorts (a top-k above 64, or top-p alone in a step of at most 2 rows). Off:
+    # one sampling variant, which skips the sort behind a conditional when every row is greedy; the GPU runtime reads
     # its predicate back mid-call, so the call blocks until the forward pass is done (no overlap). None:
     # on GPUs (H200, Qwen3-4B, temperature 0.8 at 2 req/s: TTFT p50 36.6 -> 27.4 ms, TPOT 3.87 -> 3.17 ms;
     # bench/NOTES.md, tenth session).
