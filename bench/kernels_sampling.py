@@ -18,8 +18,7 @@ passes (prompt mask, output counts):
   with top-p alone adds to a step that has them);
 - filter-p, top-p 0.9: method "filter-p" on the same rows (the nucleus's boundary by a radix search);
 - part, top-64 by blocks / part, top-p search: the filters' two large parts alone (`top_k_by_blocks` at
-  k = 64 on the logits; `_top_p_keep` at top-p 0.9 on the tempered logits), to split the filters' time;
-  "V minor": the search with its masked sums laid out [B, 16, V] (vocab_minor).
+  k = 64 on the logits; `_top_p_keep` at top-p 0.9 on the tempered logits), to split the filters' time.
 Each jit runs the variant on `calls` different inputs in a row; best of 3, ms per call. The samplers
 without the sort must draw the tokens of the sorting one on the same rows (checked; exit 1 if not).
 JSON to $OUT/sampling.json.
@@ -69,15 +68,12 @@ def main() -> None:
         "part, top-64 by blocks": (nucleus, lambda x, *_: (top_k_by_blocks(x, TOP_K_CANDIDATES)[1],)),
         "part, top-p search": (nucleus, lambda x, a, *_: (_top_p_keep((x - x.max(-1, keepdims=True)) / 0.6,
                                                                       a.top_p),)),
-        "part, top-p search, V minor": (nucleus, lambda x, a, *_: (_top_p_keep(
-            (x - x.max(-1, keepdims=True)) / 0.6, a.top_p, vocab_minor=True),)),
     }
     rows = []
     SAME_TOKENS = [("sort, no branch", "plain, no sort"), ("branch, temperature 0.8", "plain, no sort"),
                    ("sort, top-k 20 / top-p 0.95", "filter, top-k 20 / top-p 0.95"),
                    ("sort, top-k 20 / top-p 0.95", "filter-p, top-k 20 / top-p 0.95"),
-                   ("sort, top-p 0.9", "filter-p, top-p 0.9"),
-                   ("part, top-p search", "part, top-p search, V minor")]   # the same keep masks
+                   ("sort, top-p 0.9", "filter-p, top-p 0.9")]
     for B in args.rows:
         xs = [jax.random.normal(jax.random.PRNGKey(i), (B, V)) * 3 for i in range(args.calls)]
         pm = jnp.zeros((B, V), bool).at[:, :64].set(True)
