@@ -49,3 +49,24 @@ def test_fused_gemv_matches_reference(kind, shape, dtype):
         ref = reference.rms_norm_swiglu(x, ls, 1e-6, lw)
     assert y.shape == ref.shape and y.dtype == ref.dtype
     assert rel_err(y, ref) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+def test_float32_outputs_match_the_lm_head_reference(shape, dtype):
+    """The lm_head at batch 1 (out_dtype float32): products of 16-bit values are exact in float32, so the
+    kernel and reference.logits differ only in the order of float32 sums (1e-5 relative)."""
+    n_out, n_in, block_in = SHAPES[shape]
+    keys = jax.random.split(jax.random.PRNGKey(7 + shape), 2)
+    x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(dtype)
+    w = (jax.random.normal(keys[1], (n_out, n_in), jnp.float32) / np.sqrt(n_in)).astype(dtype)
+    y = fused_gemv(x, w, block_in=block_in, out_dtype=jnp.float32, interpret=True)
+    ref = reference.logits(x, w)
+    assert y.shape == ref.shape and y.dtype == ref.dtype == jnp.float32
+    assert rel_err(y, ref) <= 1e-5
+
+
+def test_float32_outputs_only_without_an_epilogue():
+    x, w = jnp.ones((1, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        fused_gemv(x, w, 0, epilogue="swiglu", out_dtype=jnp.float32, interpret=True)

@@ -2,6 +2,10 @@
 
     y = epilogue( rms_norm(x) @ W[layer].T + b )     epilogue: none | + residual | SwiGLU
 
+It also serves the lm_head at batch 1 with float32 outputs (`out_dtype`): there it reads the 778 MB
+matrix of Qwen3-4B at ~100% of the HBM read ceiling (bench/NOTES.md), where XLA's reduce fusions
+took 207 us a step against the 174 us floor.
+
 The lane mapping is gemv.py's (measured best there): one warp per program, one output row per
 program, the warp's lanes streaming consecutive weights of that row in tiles of `block_in`.
 What is fused:
@@ -80,14 +84,15 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
         o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "out_dtype", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
-               epilogue: str = "none", block_in: int = 256, interpret: bool = False) -> jax.Array:
+               epilogue: str = "none", block_in: int = 256, out_dtype=None, interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in]; scale [L, in] turns on the RMSNorm prologue; b [L, out] (all read at
     `layer`; 2-D w, 1-D scale and b are taken as one layer); epilogue "residual" adds residual
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
-    T <= a few tokens; block_in a power of two."""
+    T <= a few tokens; block_in a power of two. The output is in `out_dtype` (default x.dtype): float32
+    keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
         w, scale, b = w[None], None if scale is None else scale[None], None if b is None else b[None]
     T, n_in = x.shape
@@ -98,6 +103,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError(f"fused_gemv: unknown epilogue {epilogue!r}")
     if (epilogue == "residual") != (residual is not None):
         raise ValueError("fused_gemv: a residual goes with epilogue='residual'")
+    if out_dtype is not None and epilogue != "none":
+        raise ValueError("fused_gemv: out_dtype goes with epilogue='none' (the epilogues round to x.dtype)")
     half = n_out // 2
     grid_rows = half if epilogue == "swiglu" else n_out
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -106,7 +113,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype),
+        out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
         grid=(grid_rows,),
         interpret=interpret,
         name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
