@@ -276,13 +276,22 @@ case "${1:-1}" in
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040 --repetition-penalty 1.1
     ;;
+  lmhead)    # the thirteenth session's fourth call: the batch-1 lm_head on the fused GEMV with float32 outputs (GPU
+             # test at real vocabularies; decode at the three shapes: predicted Qwen3-4B 2.616 -> ~2.59 ms, XLA's
+             # reduce fusions 207 us a step against a ~178 us GEMV); the 1k prefill's idle time between kernels
+             # (traced: which kernels it follows) and whether XLA flags on command buffers take it
+    step 60 python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k lm_head
+    step 230 python3 bench/decode.py --shapes qwen3-4b llama3-8b qwen3-0.6b --paths pallas --out "$OUT"
+    step 250 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
+         --variants default profiled-with-cmdbuf update-skip-temp cmdbuf-every-type graph-min-1 --out "$OUT"
+    ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
     step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --profile pallas:1024 --out "$OUT"
     step 270 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
     ;;
-  vminor)    # the sampler table with the top-p search laid out [B, 16, V] ("part, top-p search, V minor")
+  vminor)    # the sampler table (thirteenth session, run 2: the search laid out [B, 16, V] lost; that variant is gone)
     step 150 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests

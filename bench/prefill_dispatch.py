@@ -28,6 +28,14 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "default": ("", False, {}),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
     "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True, {}),
+    # the traced step idles ~2.3 ms between its ~450 kernels (decode: ~0.04 ms between ~270): is part of the
+    # step outside XLA's command buffers? Every command type in them, and command buffers of any size
+    "cmdbuf-every-type": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+                          "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL", False, {}),
+    "graph-min-1": ("--xla_gpu_graph_min_graph_size=1", False, {}),
+    # launch ~1.1 ms for one call: is it XLA updating the command buffers' recorded addresses? SKIP_TEMP gives
+    # the temporaries fixed virtual addresses (the VMM allocator), so only commands on parameters/outputs update
+    "update-skip-temp": ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", False, {}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
@@ -104,7 +112,8 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
         s = summarize("/tmp/trace-prefill-dispatch", steps=3)
         print_summary(s)
         res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
-                                           "span_us_per_step", "copies_per_step")})
+                                           "span_us_per_step", "copies_per_step", "short_gaps_us_per_step",
+                                           "gaps_over", "gap_pairs")})
     return res
 
 

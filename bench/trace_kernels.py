@@ -66,16 +66,25 @@ def summarize(log_dir: str, steps: int) -> dict:
     copies = [e for e in events if "memcpy" in e["name"].lower()]
     if not kernels:
         return dict(error="no device kernel events in the trace")
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in ordered]
     busy, cur_s, cur_e = 0.0, *spans[0]
+    last = ordered[0]                           # the kernel that ends last so far
     gaps = []                                   # idle time between kernels, us
-    for s, e in spans[1:]:
+    pairs = defaultdict(lambda: [0, 0.0])       # (kernel before, kernel after): idle gaps of < GAP_US between them
+    for k, (s, e) in zip(ordered[1:], spans[1:]):
         if s > cur_e:
             busy += cur_e - cur_s
             gaps.append(s - cur_e)
+            if s - cur_e < GAP_US:
+                p = pairs[(_short(last["name"]), _short(k["name"]))]
+                p[0] += 1
+                p[1] += s - cur_e
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
+        if e >= last["ts"] + last["dur"]:
+            last = k
     busy += cur_e - cur_s
     long_gaps = sorted((g for g in gaps if g >= GAP_US), reverse=True)
     span = spans[-1][1] - spans[0][0]
@@ -89,6 +98,9 @@ def summarize(log_dir: str, steps: int) -> dict:
         steps=steps, kernels_per_step=len(kernels) / steps, kernel_us_per_step=sum(e["dur"] for e in kernels) / steps,
         busy_us_per_step=busy / steps, span_us_per_step=span / steps,
         gaps_over=dict(us=GAP_US, count=len(long_gaps), total_us=sum(long_gaps), largest_us=long_gaps[:5]),
+        short_gaps_us_per_step=sum(g for g in gaps if g < GAP_US) / steps,
+        gap_pairs=[dict(before=b, after=a, per_step=c / steps, us_per_step=t / steps, us_each=t / c)
+                   for (b, a), (c, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:8]],
         copies_per_step=len(copies) / steps, copy_names=sorted({_short(e["name"]) for e in copies})[:8],
         top=[dict(name=n, per_step=c / steps, us_per_step=t / steps, us_each=t / c) for n, (c, t) in top[:20]])
 
@@ -104,6 +116,13 @@ def print_summary(s: dict) -> None:
     print("|---|---|---|---|")
     for t in s["top"]:
         print(f"| {t['name']} | {t['per_step']:.1f} | {t['us_per_step']:.1f} | {t['us_each']:.2f} |")
+    g = s["gaps_over"]
+    print(f"# idle between kernels: {s['short_gaps_us_per_step']:.0f} us/step in gaps under {g['us']:.0f} us; "
+          f"{g['count']} longer ({g['total_us']:.0f} us in all, largest {[round(x) for x in g['largest_us']]})")
+    print("| idle after | before | per step | us per step | us each |")
+    print("|---|---|---|---|---|")
+    for p in s["gap_pairs"]:
+        print(f"| {p['before']} | {p['after']} | {p['per_step']:.1f} | {p['us_per_step']:.1f} | {p['us_each']:.2f} |")
 
 
 def trace_engine_decode(engine, prompts: list, params: list, log_dir: str) -> dict:

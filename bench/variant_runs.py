@@ -35,7 +35,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
             line = next((l for l in p.stdout.splitlines() if l.startswith("RESULT ")), None)
             res = json.loads(line[7:]) if line else dict(error=out.strip().splitlines()[-1][:200] if out.strip() else "?")
             print(f"# {name}: {json.dumps(res)}", flush=True)
-            print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile"))), flush=True)
+            print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile", "# idle"))), flush=True)
         except subprocess.TimeoutExpired:
             res = dict(error="timeout")
         rows.append(dict(variant=name, flags=flags, **res))

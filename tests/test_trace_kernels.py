@@ -31,6 +31,15 @@ def test_busy_time_and_idle_gaps(tmp_path):
     assert s["gaps_over"] == {"us": 100.0, "count": 1, "total_us": 200, "largest_us": [200]}
     top = {t["name"]: t for t in s["top"]}
     assert top["gemm"]["per_step"] == 1 and top["fusion"]["us_each"] == 15
+    # the 40 us gap sits after gemm (ends 300) and before fusion.2; the 200 us one is counted apart
+    assert s["short_gaps_us_per_step"] == 40 / 2
+    assert s["gap_pairs"] == [dict(before="gemm", after="fusion", per_step=0.5, us_per_step=20.0, us_each=40.0)]
+
+
+def test_a_gap_is_charged_to_the_kernel_that_ended_last(tmp_path):
+    # long 0-100 overlaps short 10-20; the gap 100-103 follows long, not short (which started later)
+    s = summarize(_trace(tmp_path, [("long", 0, 100), ("short", 10, 10), ("next", 103, 5)]), steps=1)
+    assert s["gap_pairs"] == [dict(before="long", after="next", per_step=1.0, us_per_step=3.0, us_each=3.0)]
 
 
 def test_no_device_kernels(tmp_path):
