@@ -285,6 +285,17 @@ case "${1:-1}" in
     step 250 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
          --variants default profiled-with-cmdbuf update-skip-temp cmdbuf-every-type graph-min-1 --out "$OUT"
     ;;
+  stacked)   # the thirteenth session's fifth call: greedy parity in float32 and with float8 pages (the lm_head GEMV
+             # is on every Pallas step now); a jitted call's host time by its number of arrays; the 1k prefill with
+             # the layers unrolled over stacked weights (a dozen arrays, not ~300), with and without XLA's dynamic
+             # slice fusion (predicted: launch 1.15 -> ~0.4 ms if the arrays are the cost; the raw step grows by
+             # the weight copies unless the fusion takes them)
+    JAXINFER_PRINT_FAILURES=1 step 170 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py \
+         -k "float32 or float8"
+    step 40 python3 bench/dispatch_args.py --out "$OUT"
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
+         --variants default stacked-weights stacked-weights-dsf --out "$OUT"
+    ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
     step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"

@@ -36,6 +36,11 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # launch ~1.1 ms for one call: is it XLA updating the command buffers' recorded addresses? SKIP_TEMP gives
     # the temporaries fixed virtual addresses (the VMM allocator), so only commands on parameters/outputs update
     "update-skip-temp": ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", False, {}),
+    # the step takes every layer's weights as separate arrays (~300); a call's host time grows with them
+    # (bench/dispatch_args.py). The layers unrolled over the stacked [L, ...] arrays instead (a dozen): XLA's
+    # GEMMs then read slices of the stacks, copied out first unless XLA fuses the slice into the GEMM
+    "stacked-weights": ("", False, {"stacked_weights": True, "unroll_layers": True}),
+    "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"stacked_weights": True, "unroll_layers": True}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
@@ -53,6 +58,11 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
     from jaxinfer.engine import Engine
     from jaxinfer.sampling import SamplingParams
 
+    options = dict(options)
+    if options.pop("stacked_weights", False):   # unroll_layers without splitting the weights (bench only)
+        import jaxinfer.engine
+
+        jaxinfer.engine.split_layers = lambda params: params
     t0 = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=T + 16,
                     max_num_batched_tokens=T, token_buckets=[T], progress=False, skip_tokenizer_init=True,
