@@ -296,6 +296,11 @@ case "${1:-1}" in
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
          --variants default stacked-weights stacked-weights-dsf --out "$OUT"
     ;;
+  vectors)   # the thirteenth session's last call (~4 min of budget): split_layers keeps the vectors stacked (the step
+             # takes 148 arrays, not 292: predicted launch -0.3 ms, 1k TTFT 15.9-16.8 -> ~15.6); decode unchanged
+    step 110 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
+    step 80 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
+    ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
     step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"

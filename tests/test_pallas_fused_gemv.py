@@ -66,6 +66,26 @@ def test_float32_outputs_match_the_lm_head_reference(shape, dtype):
     assert rel_err(y, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["norm_bias", "swiglu"])
+def test_vectors_at_their_own_layer(kind):
+    """model.split_layers: a one-layer matrix stack (layer 0) with its norm scale and bias in the stacked
+    [L, ...] arrays at vector_layer 2."""
+    n_out, n_in = 96, 130
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    x = jax.random.normal(keys[0], (1, n_in), jnp.float32)
+    w = jax.random.normal(keys[1], (1, n_out, n_in), jnp.float32) / np.sqrt(n_in)
+    scale = 1 + 0.2 * jax.random.normal(keys[2], (3, n_in), jnp.float32)
+    b = jax.random.normal(keys[3], (3, n_out), jnp.float32)
+    lw, ls, lb = LayerWeight(w, jnp.int32(0)), LayerWeight(scale, jnp.int32(2)), LayerWeight(b, jnp.int32(2))
+    if kind == "norm_bias":
+        y = fused_gemv(x, w, 0, scale=scale, b=b, eps=1e-6, vector_layer=2, block_in=32, interpret=True)
+        ref = reference.rms_norm_linear(x, ls, 1e-6, lw, lb)
+    else:
+        y = fused_gemv(x, w, 0, scale=scale, eps=1e-6, epilogue="swiglu", vector_layer=2, block_in=32, interpret=True)
+        ref = reference.rms_norm_swiglu(x, ls, 1e-6, lw)
+    assert rel_err(y, ref) <= 1e-5
+
+
 def test_float32_outputs_only_without_an_epilogue():
     x, w = jnp.ones((1, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):

@@ -57,6 +57,21 @@ def test_skinny_gemm_matches_reference(kind, case, dtype):
     assert rel_err(y, ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_a_bias_at_its_own_layer(split_k):
+    """model.split_layers: a one-layer matrix stack (layer 0) with its bias in the stacked [L, N] array at
+    vector_layer 2 (both the fused epilogue and split-K's XLA epilogue)."""
+    M, N, K = 5, 96, 128
+    keys = jax.random.split(jax.random.PRNGKey(split_k), 3)
+    x = jax.random.normal(keys[0], (M, K), jnp.float32)
+    w = jax.random.normal(keys[1], (1, N, K), jnp.float32) / np.sqrt(K)
+    b = jax.random.normal(keys[2], (3, N), jnp.float32)
+    cfg = SkinnyConfig(block_n=32, block_k=32, split_k=split_k)
+    y = skinny_gemm(x, w, 0, b=b, vector_layer=2, config=cfg, interpret=True)
+    ref = reference.linear(x, LayerWeight(w, jnp.int32(0)), LayerWeight(b, jnp.int32(2)))
+    assert rel_err(y, ref) <= 1e-5
+
+
 def test_two_dimensional_weight_and_default_config():
     x = jax.random.normal(jax.random.PRNGKey(0), (4, 256), jnp.float32)
     w = jax.random.normal(jax.random.PRNGKey(1), (192, 256), jnp.float32)

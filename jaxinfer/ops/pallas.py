@@ -39,23 +39,27 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
 
     def _stacked(w, *others):
-        """(stacked weight, layer, stacked others): per-layer parameters come stacked with one
-        layer index; others count as a one-layer stack."""
+        """(stacked weight, its layer, the others' layer, stacked others): per-layer parameters come
+        stacked with a layer index (the vectors may have their own: model.split_layers splits the
+        matrices and keeps the vectors stacked); plain arrays count as a one-layer stack."""
+        vectors = [a for a in others if a is not None]
+        vector_layer = vectors[0].layer if vectors and isinstance(vectors[0], LayerWeight) else 0
+        others = tuple(None if a is None else a.stacked if isinstance(a, LayerWeight) else a[None] for a in others)
         if isinstance(w, LayerWeight):
-            return w.stacked, w.layer, tuple(None if a is None else a.stacked for a in others)
-        return w[None], 0, tuple(None if a is None else a[None] for a in others)
+            return w.stacked, w.layer, vector_layer, others
+        return w[None], 0, vector_layer, others
 
     def _gemv(x, w, scale=None, b=None, **kw):
-        stacked, layer, (scale, b) = _stacked(w, scale, b)
+        stacked, layer, vector_layer, (scale, b) = _stacked(w, scale, b)
         n_out, n_in = stacked.shape[-2:]
         if kw.get("epilogue") == "swiglu":
             n_out //= 2
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
-                          interpret=interpret, **kw)
+                          vector_layer=vector_layer, interpret=interpret, **kw)
 
     def _skinny(x, w, b=None, **kw):
-        stacked, layer, (b,) = _stacked(w, b)
-        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, interpret=interpret, **kw)
+        stacked, layer, vector_layer, (b,) = _stacked(w, b)
+        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, vector_layer=vector_layer, interpret=interpret, **kw)
 
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T

@@ -38,7 +38,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
     scale_ref = refs.pop(0) if has_scale else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
-    layer = layer_ref[0]
+    layer, vlayer = layer_ref[0], layer_ref[1]   # the matrix's layer, the vectors' (scale, bias)
     row = pl.program_id(0)
     rows = (row, row + half) if epilogue == "swiglu" else (row,)
     lanes = jnp.arange(block_in)
@@ -58,7 +58,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
 
         idx = cols if masked else pl.ds(k0, block_in)
         ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in rows]
-        scale = load(scale_ref.at[layer, idx]).astype(f32) if has_scale else None
+        scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
             if has_scale:
@@ -72,7 +72,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
             ys = [y * inv for y in ys]
         if has_bias:
-            ys = [y + b_ref[layer, r].astype(f32) for y, r in zip(ys, rows)]
+            ys = [y + b_ref[vlayer, r].astype(f32) for y, r in zip(ys, rows)]
         ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
         if epilogue == "residual":
             out = ys[0] + res_ref[jnp.int32(t), row]
@@ -87,14 +87,18 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
 @functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "out_dtype", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
-               epilogue: str = "none", block_in: int = 256, out_dtype=None, interpret: bool = False) -> jax.Array:
-    """x [T, in]; w [L, out, in]; scale [L, in] turns on the RMSNorm prologue; b [L, out] (all read at
-    `layer`; 2-D w, 1-D scale and b are taken as one layer); epilogue "residual" adds residual
+               epilogue: str = "none", block_in: int = 256, out_dtype=None, vector_layer: jax.Array | int | None = None,
+               interpret: bool = False) -> jax.Array:
+    """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
+    (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
+    scale and b are taken as one layer); epilogue "residual" adds residual
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
     T <= a few tokens; block_in a power of two. The output is in `out_dtype` (default x.dtype): float32
     keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
-        w, scale, b = w[None], None if scale is None else scale[None], None if b is None else b[None]
+        w = w[None]
+    if scale is not None and scale.ndim == 1 or b is not None and b.ndim == 1:
+        scale, b, vector_layer = None if scale is None else scale[None], None if b is None else b[None], 0
     T, n_in = x.shape
     _, n_out, n_in_w = w.shape
     if n_in_w != n_in:
@@ -107,8 +111,9 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError("fused_gemv: out_dtype goes with epilogue='none' (the epilogues round to x.dtype)")
     half = n_out // 2
     grid_rows = half if epilogue == "swiglu" else n_out
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    args = [layer, x, w] + [a for a in (scale, b, residual) if a is not None]
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    layers = jnp.stack([layer, layer if vector_layer is None else jnp.asarray(vector_layer, jnp.int32).reshape(())])
+    args = [layers, x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half)
     return pl.pallas_call(

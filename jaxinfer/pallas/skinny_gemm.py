@@ -129,6 +129,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
+    vlayer = plgpu.load(layer_ref.at[i32(1)])    # the bias's layer
     m0 = pl.program_id(0) * BM
     n0 = pl.program_id(1) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
@@ -176,7 +177,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     ys = []
     for base, acc in zip(bases, accs):
         if has_bias:
-            acc = acc + plgpu.load(b_ref.at[layer, base + n_ld], mask=n_ok, other=0).astype(f32)[None, :]
+            acc = acc + plgpu.load(b_ref.at[vlayer, base + n_ld], mask=n_ok, other=0).astype(f32)[None, :]
         ys.append(acc.astype(dtype))
     if epilogue == "residual":
         y = ys[0] + plgpu.load(res_ref.at[rows_ld[:, None], n_ld[None, :]], mask=mask, other=0)
@@ -203,12 +204,15 @@ def _finish(partial, b, residual, epilogue, dtype):
 @functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
-                interpret: bool = False) -> jax.Array:
-    """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [L, N];
+                vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
+    """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [Lb, N] read at
+    `vector_layer` (default `layer`);
     epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
     returns [M, I]. config: None picks `choose_config`."""
     if w.ndim == 2:
-        w, b = w[None], None if b is None else b[None]
+        w = w[None]
+    if b is not None and b.ndim == 1:
+        b, vector_layer = b[None], 0
     M, K = x.shape
     _, N, K_w = w.shape
     if K_w != K:
@@ -231,7 +235,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     cfg = dataclasses.replace(cfg, split_k=S)
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
-    layer = jnp.asarray(layer, i32).reshape(1)
+    layer = jnp.asarray(layer, i32).reshape(())
+    layer = jnp.stack([layer, layer if vector_layer is None else jnp.asarray(vector_layer, i32).reshape(())])
     if partial:
         args, out_shape = [layer, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
@@ -247,5 +252,5 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial:
-        return _finish(y, None if b is None else b[layer[0]], residual, epilogue, x.dtype)
+        return _finish(y, None if b is None else b[layer[1]], residual, epilogue, x.dtype)
     return y
