@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import add_variant_args, run_variants
+from bench.variant_runs import add_variant_args, run_variants, weight_layout
 
 VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "default": ("", False, {}),
@@ -39,8 +39,10 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # the step takes every layer's weights as separate arrays (~300); a call's host time grows with them
     # (bench/dispatch_args.py). The layers unrolled over the stacked [L, ...] arrays instead (a dozen): XLA's
     # GEMMs then read slices of the stacks, copied out first unless XLA fuses the slice into the GEMM
-    "stacked-weights": ("", False, {"stacked_weights": True, "unroll_layers": True}),
-    "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"stacked_weights": True, "unroll_layers": True}),
+    "stacked-weights": ("", False, {"weights": "stacked", "unroll_layers": True}),
+    "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"weights": "stacked", "unroll_layers": True}),
+    # model.split_layers as it was before the vectors stayed stacked (292 arrays a step for Qwen3-4B, not 148)
+    "split-every-array": ("", False, {"weights": "split-every-array", "unroll_layers": True}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
@@ -58,11 +60,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
     from jaxinfer.engine import Engine
     from jaxinfer.sampling import SamplingParams
 
-    options = dict(options)
-    if options.pop("stacked_weights", False):   # unroll_layers without splitting the weights (bench only)
-        import jaxinfer.engine
-
-        jaxinfer.engine.split_layers = lambda params: params
+    options = weight_layout(options)
     t0 = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=T + 16,
                     max_num_batched_tokens=T, token_buckets=[T], progress=False, skip_tokenizer_init=True,

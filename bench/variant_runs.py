@@ -40,3 +40,26 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
             res = dict(error="timeout")
         rows.append(dict(variant=name, flags=flags, **res))
     return rows
+
+
+def weight_layout(options: dict) -> dict:
+    """Pop the bench-only option "weights" from a child's engine options and apply it before the engine
+    loads: "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
+    "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
+    thirteenth session). Returns the other options (the layers must be unrolled: unroll_layers)."""
+    options = dict(options)
+    layout = options.pop("weights", None)
+    if layout is None:
+        return options
+    import jax
+
+    import jaxinfer.engine
+
+    def split_every_array(params):
+        stacked = params["layers"]
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)], "layer_vectors": None}
+
+    jaxinfer.engine.split_layers = {"stacked": lambda params: params, "split-every-array": split_every_array}[layout]
+    return options
+

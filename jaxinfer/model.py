@@ -99,7 +99,10 @@ def _split_layer(cfg, ops, page_size, decode, carry, matrices, vectors, index, c
 
 
 def _merge_holes(a, b):
-    """Two trees of one structure whose leaves are each present in exactly one (None in the other)."""
+    """Two trees of one structure whose leaves are each present in exactly one (None in the other; a
+    whole tree may be None)."""
+    if a is None or b is None:
+        return b if a is None else a
     if isinstance(a, dict):
         return {k: _merge_holes(a.get(k), b.get(k)) for k in a.keys() | b.keys()}
     return b if a is None else a
