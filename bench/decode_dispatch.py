@@ -41,6 +41,11 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
                                                      chain_early_ms=3.0)),
     # model.split_layers as it was before the vectors stayed stacked (292 arrays a dispatch for Qwen3-4B, not 148)
     "default+greedy+split-every-array": ("", True, False, dict(weights="split-every-array")),
+    # the layers as a rolled scan over the stacked arrays (see prefill_dispatch's "rolled" variants)
+    "default+greedy+rolled": ("", True, False, dict(unroll_layers=False)),
+    "default+greedy+rolled-dsf-while": ("--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_command_buffer="
+                                        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
+                                        True, False, dict(unroll_layers=False)),
     "server-defaults+cmdbuf-while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                                      "CONDITIONAL", True, False, dict(max_logprobs=20, max_model_len=40960,
                                                                       decode_steps=8)),
@@ -57,8 +62,9 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
     steps = options.get("decode_steps", steps)
     max_len = max(ctx + 2 * (dispatches + 4) * steps + new + 16, options.get("max_model_len", 0))
     t0 = time.perf_counter()
-    kw = {"max_logprobs": 0, **weight_layout(options), "max_model_len": max_len, "decode_steps": steps}
-    engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=True, max_num_seqs=1,
+    kw = {"max_logprobs": 0, "unroll_layers": True, **weight_layout(options), "max_model_len": max_len,
+          "decode_steps": steps}
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1,
                     max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],
                     progress=False, skip_tokenizer_init=True, num_pages=-(-max_len // 16) + 2, **kw)
     res = dict(start_s=time.perf_counter() - t0, compile_s=engine.compile_seconds)

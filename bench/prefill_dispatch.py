@@ -43,6 +43,13 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"weights": "stacked", "unroll_layers": True}),
     # model.split_layers as it was before the vectors stayed stacked (292 arrays a step for Qwen3-4B, not 148)
     "split-every-array": ("", False, {"weights": "split-every-array", "unroll_layers": True}),
+    # the layers as a rolled scan over the stacked arrays (the CPU default): a dozen arrays and one compiled
+    # layer; XLA's dynamic slice fusion is made for a scan's per-layer slices feeding GEMMs (no copy), and
+    # with WHILE in the command buffers the loop stays inside one CUDA graph
+    "rolled": ("", False, {"unroll_layers": False}),
+    "rolled-dsf-while": ("--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
+                         "CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL", False,
+                         {"unroll_layers": False}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
