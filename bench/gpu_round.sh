@@ -307,13 +307,14 @@ case "${1:-1}" in
              # 148 (default) against 292 (split-every-array). Predicted: prefill launch -0.3 ms, decode raw unchanged.
              # Then the layers as a rolled scan over stacked arrays (a dozen), with XLA's dynamic slice fusion and the
              # loop in the command buffer, and without (the thirteenth session's unrolled stacked variant copied the
-             # slices: raw 14.2 -> 18.1 ms). If rolled-dsf-while's raw step holds and its launch drops, it is the layout
+             # slices: raw 14.2 -> 18.1 ms). If rolled-dsf-while's raw step holds and its launch drops, it is the layout.
+             # unpacked-batch: the prompt step's batch as ~20 arrays split by a call of its own (predicted +0.1-0.15 ms)
     JAXINFER_PRINT_FAILURES=1 step 170 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py \
          -k "float32 or float8"
-    step 190 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default split-every-array \
-         rolled-dsf-while rolled --out "$OUT"
-    step 220 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy \
-         default+greedy+split-every-array default+greedy+rolled-dsf-while default+greedy+rolled --out "$OUT"
+    step 230 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default split-every-array \
+         unpacked-batch rolled-dsf-while rolled --out "$OUT"
+    step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy \
+         default+greedy+split-every-array default+greedy+rolled-dsf-while --out "$OUT"
     ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)

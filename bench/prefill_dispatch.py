@@ -43,6 +43,8 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"weights": "stacked", "unroll_layers": True}),
     # model.split_layers as it was before the vectors stayed stacked (292 arrays a step for Qwen3-4B, not 148)
     "split-every-array": ("", False, {"weights": "split-every-array", "unroll_layers": True}),
+    # the batch split by a call of its own and handed to the step as ~20 arrays (before 2026-11-30)
+    "unpacked-batch": ("", False, {"unpacked_batch": True}),
     # the layers as a rolled scan over the stacked arrays (the CPU default): a dozen arrays and one compiled
     # layer; XLA's dynamic slice fusion is made for a scan's per-layer slices feeding GEMMs (no copy), and
     # with WHILE in the command buffers the loop stays inside one CUDA graph

@@ -34,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     from jaxinfer.engine import Engine
     from jaxinfer.random_model import bench_model
+    from jaxinfer.runner import bucket_of
 
     model_dir = bench_model(args.models, args.shape)
     engine = Engine(model_dir, dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs,
@@ -43,7 +44,7 @@ def main() -> None:
     rows = []
     for name, batch in r.bucket_calls():
         m = r.compiled(name, batch).memory_analysis()
-        rows.append(dict(step=f"{name} {batch.tokens.shape[0]}", arguments=m.argument_size_in_bytes / GIB,
+        rows.append(dict(step=f"{name} {bucket_of(batch)}", arguments=m.argument_size_in_bytes / GIB,
                          outputs=m.output_size_in_bytes / GIB, aliased=m.alias_size_in_bytes / GIB,
                          temporaries=m.temp_size_in_bytes / GIB))
         print(f"# {json.dumps(rows[-1])}", flush=True)

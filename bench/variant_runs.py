@@ -43,17 +43,23 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 
 
 def weight_layout(options: dict) -> dict:
-    """Pop the bench-only option "weights" from a child's engine options and apply it before the engine
-    loads: "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
+    """Pop the bench-only options from a child's engine options and apply them before the engine loads:
+    "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
+    "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
     thirteenth session). Returns the other options (the layers must be unrolled: unroll_layers)."""
     options = dict(options)
-    layout = options.pop("weights", None)
-    if layout is None:
-        return options
     import jax
 
     import jaxinfer.engine
+
+    if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
+        from jaxinfer.transfer import to_device
+
+        jaxinfer.engine.to_device_packed = to_device
+    layout = options.pop("weights", None)
+    if layout is None:
+        return options
 
     def split_every_array(params):
         stacked = params["layers"]

@@ -33,7 +33,7 @@ from jaxinfer.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dty
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
-from jaxinfer.transfer import to_device
+from jaxinfer.transfer import to_device, to_device_packed
 from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
 from jaxinfer.generation_defaults import describe, read_generation_defaults
@@ -601,7 +601,7 @@ class Engine:
                                               r.max_num_seqs)
         t0 = time.perf_counter()
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
-        batch = to_device(StepBatch(**a, sampling=sampling))
+        batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
         t1 = time.perf_counter()
         attention = "paged"
         if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt

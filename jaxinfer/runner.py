@@ -28,7 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.executable_cache import ExecutableCache
 from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
 from jaxinfer.sampling import SamplingArrays, filter_pays, sample, top_logprobs
-from jaxinfer.transfer import to_device
+from jaxinfer.transfer import Packed, to_device, to_device_packed, unpacked
 
 
 @flax.struct.dataclass
@@ -99,7 +99,9 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states. Such a step carries one sequence, so
     it samples its first row alone (the outputs padded back to B): the sampler's cost grows with its rows
-    (the sort over 152k ids: 0.18 ms at 1 row, 2.3 ms at 64 on the H200)."""
+    (the sort over 152k ids: 0.18 ms at 1 row, 2.3 ms at 64 on the H200). batch: a StepBatch, or one packed
+    into a single buffer (transfer.to_device_packed: split here, one argument instead of ~20)."""
+    batch = unpacked(batch)
     rows = batch if attention == "paged" else _first_row(batch)
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, rows.sample_index, attention=attention)
@@ -127,6 +129,7 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
     """mixed_step, plus logits for every token row: the logprob of the prompt token that follows each
     row ([T]) and the top n_top there ([T, n_top] values, ids). Compiled only when an engine serves
     prompt logprobs: it computes [T, V] logits."""
+    batch = unpacked(batch)
     kv, h = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                 batch.token_seq, batch.page_table)
     logits = model.lm_head(cfg, ops, params, h)
@@ -174,9 +177,14 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
 
+def bucket_of(batch: StepBatch | DecodeBatch | Packed) -> int:
+    """A batch's bucket: its leading size (tokens of a mixed step, rows of a decode dispatch)."""
+    return batch.leading if isinstance(batch, Packed) else batch.tokens.shape[0]
+
+
 def _bucket_key(name: str, batch) -> tuple[str, int]:
-    """Which executable runs `batch`: the step's name and the batch's bucket (its leading size)."""
-    return name, batch.tokens.shape[0]
+    """Which executable runs `batch`: the step's name and the batch's bucket."""
+    return name, bucket_of(batch)
 
 
 def _sampler_suffix(greedy: bool, sampler: str | None) -> str:
@@ -401,8 +409,8 @@ class ModelRunner:
         called as steps[name](params, kv, state, batch)."""
         calls = []
         for t in self.token_buckets:
-            batch = to_device(StepBatch(**self.empty_mixed(t),
-                                        sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
+            batch = to_device_packed(StepBatch(**self.empty_mixed(t),
+                                               sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
             calls += [(name, batch) for name in self.steps if name.startswith("mixed") and
                       (not name.endswith(("-fresh", "-prefixed")) or self.has_one_sequence_step(t))]
         for b in self.batch_buckets:

@@ -9,6 +9,7 @@ import pytest
 from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine import stream
+from jaxinfer.runner import bucket_of
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -262,9 +263,9 @@ def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
     r = llm.engine.runner
     assert r.token_buckets == [16, 32, 64]
     assert [t for t in r.token_buckets if r.has_one_sequence_step(t)] == [32, 64]
-    assert {(name, len(batch.tokens)) for name, batch in r.bucket_calls() if name.endswith("-fresh")} == \
+    assert {(name, bucket_of(batch)) for name, batch in r.bucket_calls() if name.endswith("-fresh")} == \
         {(name, t) for name in ("mixed-fresh", "mixed-greedy-fresh") for t in (32, 64)}
-    ran = record_steps(r, lambda name, batch: (name, len(batch.tokens)))
+    ran = record_steps(r, lambda name, batch: (name, bucket_of(batch)))
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm.generate(["one day"], params)                                            # 16-token bucket
     llm.generate(["once upon a time there was a little girl named lily. " * 2], params)   # > 16 tokens
@@ -295,8 +296,8 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
     assert 4 in logits_rows("mixed-filter") and logits_rows("mixed-filter-fresh") == {1}
     # the radix search's variants it would never run are not compiled: the one-row steps', decode's at 1-2 rows
     assert "mixed-filter-p-fresh" not in r.steps and "mixed-filter-p-prefixed" not in r.steps
-    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter-p")} == {4}
-    assert {len(b.tokens) for n, b in r.bucket_calls() if n.startswith("decode-filter-")} - {4}   # no search: all
+    assert {bucket_of(b) for n, b in r.bucket_calls() if n.startswith("decode-filter-p")} == {4}
+    assert {bucket_of(b) for n, b in r.bucket_calls() if n.startswith("decode-filter-")} - {4}   # no search: all
     ran = record_steps(r)
     prompt = "once upon a time there was a little girl named lily. she liked to play"
     top_p = SamplingParams(max_tokens=4, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True)

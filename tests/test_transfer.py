@@ -43,3 +43,31 @@ def test_step_batch_arrives_whole():
 def test_other_dtypes_are_refused():
     with pytest.raises(TypeError, match="float64"):
         pack(dict(x=np.zeros(3)))
+
+
+def test_a_packed_batch_is_split_inside_the_jitted_step():
+    """to_device_packed: one buffer with its layout as static pytree data; `unpacked` inside a jitted function
+    gives the pytree bit for bit; each layout compiles once (the same layout twice: one trace)."""
+    from jaxinfer.transfer import Packed, to_device_packed, unpacked
+
+    traces = []
+
+    @jax.jit
+    def step(packed):
+        traces.append(1)
+        tree = unpacked(packed)
+        return tree["a"].sum() + tree["f"].sum().astype(np.int32), tree
+
+    rng = np.random.default_rng(1)
+    for _ in range(2):
+        tree = dict(a=rng.integers(0, 100, (4, 3), dtype=np.int32), f=rng.random(5).astype(np.float32),
+                    b=rng.random(6) > 0.5)   # "a" flattens first: `leading` is its 4
+        packed = to_device_packed(tree)
+        assert isinstance(packed, Packed) and len(jax.tree_util.tree_leaves(packed)) == 1 and packed.leading == 4
+        _, out = step(packed)
+        for k, v in tree.items():
+            assert np.asarray(out[k]).tobytes() == v.tobytes() and out[k].dtype == v.dtype, k
+    assert len(traces) == 1
+    step(to_device_packed(dict(a=np.zeros((2, 3), np.int32), f=np.zeros(5, np.float32), b=np.zeros(6, bool))))
+    assert len(traces) == 2   # another layout: another trace
+    assert unpacked(tree) is tree   # not packed: as is

@@ -97,7 +97,10 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
         w = w[None]
-    if scale is not None and scale.ndim == 1 or b is not None and b.ndim == 1:
+    vectors = [a for a in (scale, b) if a is not None]
+    if any(a.ndim == 1 for a in vectors):   # one layer's vectors: a one-layer stack
+        if not all(a.ndim == 1 for a in vectors):
+            raise ValueError("fused_gemv: scale and b are both one layer's or both stacked")
         scale, b, vector_layer = None if scale is None else scale[None], None if b is None else b[None], 0
     T, n_in = x.shape
     _, n_out, n_in_w = w.shape
