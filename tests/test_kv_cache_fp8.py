@@ -162,17 +162,23 @@ def test_engine_with_a_float8_cache():
 
 def test_a_fresh_prompt_reads_its_keys_back_from_a_float8_cache():
     """A fresh prompt's attention takes its K/V from the write only where the cache holds them as computed;
-    from a float8 cache it reads them back, as the paged attention does: the same greedy tokens as the
-    paged step on the same cache (fresh_prompt_attention off)."""
+    from a float8 cache it reads them back, as the paged attention does: the paged step's tokens, and its
+    logprobs to float32 rounding (1e-5), where K/V as computed (the same model with a 16-bit cache) part from
+    them by ~0.1 nats on this prompt (so a fresh step that skipped the float8 rounding would fail here)."""
     opts = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, decode_steps=4, progress=False,
                 kv_cache_dtype="fp8", greedy_mixed_step=True, fresh_prompt_min_tokens=16)
     fresh = LLM(STORIES, fresh_prompt_attention=True, **opts)
     paged = LLM(STORIES, **opts)
+    unrounded = LLM(STORIES, fresh_prompt_attention=True, **{**opts, "kv_cache_dtype": "auto"})
     ran = []
     call = fresh.engine.runner._call
     fresh.engine.runner._call = lambda name, *a: (ran.append(name), call(name, *a))[1]
     prompts = ["Lily and Ben went to the park. They saw a big red ball and"]
-    assert _greedy(fresh, prompts) == _greedy(paged, prompts)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    got, want, far = (llm.generate(prompts, [params])[0] for llm in (fresh, paged, unrounded))
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    assert abs(got.logprobs[0] - far.logprobs[0]) > 1e-2
     assert "mixed-greedy-fresh" in ran
 
 
