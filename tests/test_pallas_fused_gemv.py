@@ -86,6 +86,12 @@ def test_vectors_at_their_own_layer(kind):
     assert rel_err(y, ref) <= 1e-5
 
 
+def test_one_layers_vectors_go_together():
+    x, w = jnp.ones((1, 8), jnp.float32), jnp.ones((2, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="both one layer's or both stacked"):
+        fused_gemv(x, w, 1, scale=jnp.ones(8), b=jnp.ones((2, 4)), interpret=True)
+
+
 def test_float32_outputs_only_without_an_epilogue():
     x, w = jnp.ones((1, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):
