@@ -316,6 +316,11 @@ case "${1:-1}" in
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy \
          default+greedy+split-every-array default+greedy+rolled-dsf-while --out "$OUT"
     ;;
+  prefixspan) # a cached 2,048-token prefix's TTFT by the page table's span (4,096 against the server's 40,960) and the
+             # chunk's attention (prefixed cuDNN, which gathers the whole span, against the paged kernel); by arithmetic
+             # the gather at 40,960 is ~12 GB a step (~2.7 ms) for a 1,024-token chunk
+    step 330 python3 bench/prefix_span.py --shape qwen3-4b --system 2048 --new 8 1024 --spans 4096 40960 --out "$OUT"
+    ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
     step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"

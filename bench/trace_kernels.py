@@ -64,6 +64,7 @@ def summarize(log_dir: str, steps: int) -> dict:
     events = _device_events(log_dir)
     kernels = [e for e in events if "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
     copies = [e for e in events if "memcpy" in e["name"].lower()]
+    memsets = [e for e in events if "memset" in e["name"].lower()]   # not kernels: they may sit in the gaps
     if not kernels:
         return dict(error="no device kernel events in the trace")
     ordered = sorted(kernels, key=lambda e: e["ts"])
@@ -102,6 +103,7 @@ def summarize(log_dir: str, steps: int) -> dict:
         gap_pairs=[dict(before=b, after=a, per_step=c / steps, us_per_step=t / steps, us_each=t / c)
                    for (b, a), (c, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:8]],
         copies_per_step=len(copies) / steps, copy_names=sorted({_short(e["name"]) for e in copies})[:8],
+        memsets_per_step=len(memsets) / steps, memset_us_per_step=sum(e["dur"] for e in memsets) / steps,
         top=[dict(name=n, per_step=c / steps, us_per_step=t / steps, us_each=t / c) for n, (c, t) in top[:20]])
 
 
@@ -111,7 +113,8 @@ def print_summary(s: dict) -> None:
         return
     print(f"# profile over {s['steps']} steps: {s['kernels_per_step']:.1f} kernels/step, kernel time "
           f"{s['kernel_us_per_step']:.0f} us/step, busy {s['busy_us_per_step']:.0f} us/step, span "
-          f"{s['span_us_per_step']:.0f} us/step, {s['copies_per_step']:.2f} copies/step {s['copy_names']}")
+          f"{s['span_us_per_step']:.0f} us/step, {s['copies_per_step']:.2f} copies/step {s['copy_names']}, "
+          f"{s['memsets_per_step']:.1f} memsets/step ({s['memset_us_per_step']:.1f} us)")
     print("| kernel | per step | us per step | us each |")
     print("|---|---|---|---|")
     for t in s["top"]:

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path, script, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
-    where = [] if script.startswith("kernels_") else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
+    where = [] if script.startswith(("kernels_", "dispatch_args")) else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), *where, *args], capture_output=True, text=True,
                        timeout=timeout, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -50,6 +50,9 @@ def _run(tmp_path, script, *args, timeout=300):
                              "fresh-attention"], "prefill_dispatch.json"),
     ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
                             "server-defaults+greedy"], "decode_dispatch.json"),
+    ("dispatch_args.py", ["--counts", "1", "8", "--calls", "5"], "dispatch_args.json"),
+    ("prefix_span.py", ["--shape", "tiny", "--ops", "reference", "--system", "32", "--new", "8", "--spans", "128"],
+     "prefix_span.json"),
 ])
 def test_bench_runs(tmp_path, script, args, out):
     stdout = _run(tmp_path, script, *args)

@@ -36,6 +36,12 @@ def test_busy_time_and_idle_gaps(tmp_path):
     assert s["gap_pairs"] == [dict(before="gemm", after="fusion", per_step=0.5, us_per_step=20.0, us_each=40.0)]
 
 
+def test_memsets_are_counted_apart_from_kernels(tmp_path):
+    s = summarize(_trace(tmp_path, [("gemm", 0, 50), ("Memset (Device)", 52, 2), ("fusion.1", 56, 4)]), steps=1)
+    assert s["kernels_per_step"] == 2 and s["memsets_per_step"] == 1 and s["memset_us_per_step"] == 2
+    assert s["gap_pairs"][0]["before"] == "gemm" and s["gap_pairs"][0]["us_each"] == 6
+
+
 def test_a_gap_is_charged_to_the_kernel_that_ended_last(tmp_path):
     # long 0-100 overlaps short 10-20; the gap 100-103 follows long, not short (which started later)
     s = summarize(_trace(tmp_path, [("long", 0, 100), ("short", 10, 10), ("next", 103, 5)]), steps=1)
