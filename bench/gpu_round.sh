@@ -321,6 +321,13 @@ case "${1:-1}" in
              # the gather at 40,960 is ~12 GB a step (~2.7 ms) for a 1,024-token chunk
     step 330 python3 bench/prefix_span.py --shape qwen3-4b --system 2048 --new 8 1024 --spans 4096 40960 --out "$OUT"
     ;;
+  b8attn)    # batch 8's decode attention (issue 5: B8 at 60.9% of its roofline; its attention 17.6 us a layer for
+             # 33.6 MB of KV, ~7.5 us at the read ceiling). In the engine B8 x 8 KV heads with a span > 1,024 takes
+             # the table's (128, any span) row, SplitConfig(4, 64), swept at batch 16 and 8k: sweep B8 (and B2, B4)
+             # at 1k and 2k contexts for a row of its own
+    step 330 python3 bench/kernels_decode_attention.py --sweep --points 8:1024 8:2048 4:1024 2:1024 --budget 280
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --requests 20 --system 64 --out "$OUT"
+    ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
              # batch-1 decode (issue 3), the 1k prefill (issue 4), batched decode at 8 and 64 (issue 5)
     step 150 python3 bench/decode.py --shapes qwen3-4b --paths pallas --profile pallas --out "$OUT"
