@@ -84,7 +84,8 @@ def main() -> None:
         marks["start_sequence"] = time.perf_counter() - t
 
     r.launch_mixed, r.start_sequence = timed_launch, timed_start
-    # the pieces: every to_device (pack, one copy, unpack's dispatch) and the init_row call, summed per request
+    # the pieces: every to_device (pack, one copy; unpack's dispatch where the step does not split the batch
+    # itself) and the init_row call, summed per request
     import jaxinfer.engine as engine_mod
     import jaxinfer.runner as runner_mod
 
@@ -96,8 +97,9 @@ def main() -> None:
             return out
         return wrapped
 
-    to_device = engine_mod.to_device
+    to_device, to_device_packed = engine_mod.to_device, engine_mod.to_device_packed
     engine_mod.to_device = runner_mod.to_device = summed("to_device", to_device)
+    engine_mod.to_device_packed = summed("to_device", to_device_packed)   # the prompt step's batch
     r._init_row = summed("init_row", r._init_row)
     rows, pieces = [], []
     for _ in range(20):
@@ -112,6 +114,7 @@ def main() -> None:
         rows.append((t1 - t0, marks["start_sequence"], marks["launch"] - t0, marks["launched"] - marks["launch"]))
         pieces.append((marks["to_device"], marks["init_row"]))
     engine_mod.to_device = runner_mod.to_device = to_device
+    engine_mod.to_device_packed = to_device_packed
     med = np.median(np.array(rows) * 1e3, axis=0)
     med_pieces = np.median(np.array(pieces) * 1e3, axis=0)
     print(f"page table {args.max_num_seqs} x {r.pages_per_seq} int32 ({args.max_num_seqs * r.pages_per_seq * 4 / 1e3:.0f} KB); "

@@ -96,3 +96,20 @@ def test_float32_outputs_only_without_an_epilogue():
     x, w = jnp.ones((1, 8), jnp.bfloat16), jnp.ones((2, 8, 8), jnp.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):
         fused_gemv(x, w, 0, epilogue="swiglu", out_dtype=jnp.float32, interpret=True)
+
+
+def test_a_layer_shared_with_the_vectors_is_one_operand_entry():
+    """ops.pallas passes the kernels [layer] where the vectors share the matrix's layer (a scan's one traced
+    index: a free reshape) and [layer, vector_layer] only where they differ (model.split_layers)."""
+    from jaxinfer.ops import get_ops
+
+    ops = get_ops("pallas-interpret")
+    x = jnp.ones((1, 64), jnp.float32)
+    w, s = jnp.ones((3, 32, 64), jnp.float32), jnp.ones((3, 64), jnp.float32)
+
+    def jaxpr(shared: bool) -> str:
+        f = lambda i, j: ops.rms_norm_linear(x, LayerWeight(s, i if shared else j), 1e-6, LayerWeight(w, i))
+        return str(jax.make_jaxpr(f)(jnp.int32(1), jnp.int32(2)))
+
+    assert "concatenate" not in jaxpr(shared=True)
+    assert "concatenate" in jaxpr(shared=False)

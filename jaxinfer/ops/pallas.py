@@ -45,9 +45,9 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         vectors = [a for a in others if a is not None]
         vector_layer = vectors[0].layer if vectors and isinstance(vectors[0], LayerWeight) else 0
         others = tuple(None if a is None else a.stacked if isinstance(a, LayerWeight) else a[None] for a in others)
-        if isinstance(w, LayerWeight):
-            return w.stacked, w.layer, vector_layer, others
-        return w[None], 0, vector_layer, others
+        stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerWeight) else (w[None], 0)
+        # None: the vectors share the matrix's layer (a scan's stacked layer, one traced index for both)
+        return stacked, layer, None if vector_layer is layer else vector_layer, others
 
     def _gemv(x, w, scale=None, b=None, **kw):
         stacked, layer, vector_layer, (scale, b) = _stacked(w, scale, b)

@@ -105,3 +105,12 @@ def online_softmax_update(acc, m, l, sc, v, prec):
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)
     return acc * alpha[:, None] + pv, m_new, l
+
+
+def layer_operand(layer, vector_layer) -> jax.Array:
+    """[layer] or [layer, vector_layer]: one entry where the vectors share the matrix's layer, so that a
+    traced layer (a scan's) is a free reshape rather than a kernel stacking two scalars."""
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if vector_layer is None:
+        return layer
+    return jnp.concatenate([layer, jnp.asarray(vector_layer, jnp.int32).reshape(1)])

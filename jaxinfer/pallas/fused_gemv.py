@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import silu_mul
+from jaxinfer.pallas.blocks import layer_operand, silu_mul
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
@@ -38,7 +38,8 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
     scale_ref = refs.pop(0) if has_scale else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
-    layer, vlayer = layer_ref[0], layer_ref[1]   # the matrix's layer, the vectors' (scale, bias)
+    # the matrix's layer, the vectors' (scale, bias): a second entry only where they differ
+    layer, vlayer = layer_ref[0], layer_ref[layer_ref.shape[0] - 1]
     row = pl.program_id(0)
     rows = (row, row + half) if epilogue == "swiglu" else (row,)
     lanes = jnp.arange(block_in)
@@ -114,8 +115,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError("fused_gemv: out_dtype goes with epilogue='none' (the epilogues round to x.dtype)")
     half = n_out // 2
     grid_rows = half if epilogue == "swiglu" else n_out
-    layer = jnp.asarray(layer, jnp.int32).reshape(())
-    layers = jnp.stack([layer, layer if vector_layer is None else jnp.asarray(vector_layer, jnp.int32).reshape(())])
+    layers = layer_operand(layer, vector_layer)
     args = [layers, x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half)

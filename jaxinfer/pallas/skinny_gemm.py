@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, pow2_at_least, silu_mul, tile_mask
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operand, pow2_at_least, silu_mul, tile_mask
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -129,7 +129,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
-    vlayer = plgpu.load(layer_ref.at[i32(1)])    # the bias's layer
+    vlayer = plgpu.load(layer_ref.at[i32(layer_ref.shape[0] - 1)])    # the bias's layer (a second entry if it differs)
     m0 = pl.program_id(0) * BM
     n0 = pl.program_id(1) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
@@ -235,8 +235,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     cfg = dataclasses.replace(cfg, split_k=S)
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
-    layer = jnp.asarray(layer, i32).reshape(())
-    layer = jnp.stack([layer, layer if vector_layer is None else jnp.asarray(vector_layer, i32).reshape(())])
+    layer = layer_operand(layer, vector_layer)
     if partial:
         args, out_shape = [layer, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
@@ -252,5 +251,5 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial:
-        return _finish(y, None if b is None else b[layer[1]], residual, epilogue, x.dtype)
+        return _finish(y, None if b is None else b[layer[-1]], residual, epilogue, x.dtype)
     return y
