@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import add_variant_args, run_variants, weight_layout
+from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
 from jaxinfer.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
@@ -43,9 +43,7 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "default+greedy+split-every-array": ("", True, False, dict(weights="split-every-array")),
     # the layers as a rolled scan over the stacked arrays (see prefill_dispatch's "rolled" variants)
     "default+greedy+rolled": ("", True, False, dict(unroll_layers=False)),
-    "default+greedy+rolled-dsf-while": ("--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_command_buffer="
-                                        "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL",
-                                        True, False, dict(unroll_layers=False)),
+    "default+greedy+rolled-dsf-while": (f"{SLICE_FUSION} {EVERY_COMMAND_TYPE}", True, False, dict(unroll_layers=False)),
     "server-defaults+cmdbuf-while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
                                      "CONDITIONAL", True, False, dict(max_logprobs=20, max_model_len=40960,
                                                                       decode_steps=8)),
@@ -62,7 +60,7 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
     steps = options.get("decode_steps", steps)
     max_len = max(ctx + 2 * (dispatches + 4) * steps + new + 16, options.get("max_model_len", 0))
     t0 = time.perf_counter()
-    kw = {"max_logprobs": 0, "unroll_layers": True, **weight_layout(options), "max_model_len": max_len,
+    kw = {"max_logprobs": 0, "unroll_layers": True, **apply_bench_options(options), "max_model_len": max_len,
           "decode_steps": steps}
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1,
                     max_num_batched_tokens=min(ctx, 2048), token_buckets=[min(ctx, 2048)],

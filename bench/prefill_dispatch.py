@@ -22,16 +22,15 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import add_variant_args, run_variants, weight_layout
+from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
 
 VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "default": ("", False, {}),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
     "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True, {}),
-    # the traced step idles ~2.3 ms between its ~450 kernels (decode: ~0.04 ms between ~270): is part of the
-    # step outside XLA's command buffers? Every command type in them, and command buffers of any size
-    "cmdbuf-every-type": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
-                          "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL", False, {}),
+    # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
+    # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
+    "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
     "graph-min-1": ("--xla_gpu_graph_min_graph_size=1", False, {}),
     # launch ~1.1 ms for one call: is it XLA updating the command buffers' recorded addresses? SKIP_TEMP gives
     # the temporaries fixed virtual addresses (the VMM allocator), so only commands on parameters/outputs update
@@ -40,7 +39,7 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # (bench/dispatch_args.py). The layers unrolled over the stacked [L, ...] arrays instead (a dozen): XLA's
     # GEMMs then read slices of the stacks, copied out first unless XLA fuses the slice into the GEMM
     "stacked-weights": ("", False, {"weights": "stacked", "unroll_layers": True}),
-    "stacked-weights-dsf": ("--xla_gpu_enable_dynamic_slice_fusion=true", False, {"weights": "stacked", "unroll_layers": True}),
+    "stacked-weights-dsf": (SLICE_FUSION, False, {"weights": "stacked", "unroll_layers": True}),
     # model.split_layers as it was before the vectors stayed stacked (292 arrays a step for Qwen3-4B, not 148)
     "split-every-array": ("", False, {"weights": "split-every-array", "unroll_layers": True}),
     # the batch split by a call of its own and handed to the step as ~20 arrays (before 2026-11-30)
@@ -49,9 +48,7 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # layer; XLA's dynamic slice fusion is made for a scan's per-layer slices feeding GEMMs (no copy), and
     # with WHILE in the command buffers the loop stays inside one CUDA graph
     "rolled": ("", False, {"unroll_layers": False}),
-    "rolled-dsf-while": ("--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_command_buffer=FUSION,CUBLAS,"
-                         "CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL", False,
-                         {"unroll_layers": False}),
+    "rolled-dsf-while": (f"{SLICE_FUSION} {EVERY_COMMAND_TYPE}", False, {"unroll_layers": False}),
     # XLA may put any GEMM into a Triton fusion, with the elementwise work around it (norms, SiLU,
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
@@ -69,7 +66,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
     from jaxinfer.engine import Engine
     from jaxinfer.sampling import SamplingParams
 
-    options = weight_layout(options)
+    options = apply_bench_options(options)
     t0 = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=1, max_model_len=T + 16,
                     max_num_batched_tokens=T, token_buckets=[T], progress=False, skip_tokenizer_init=True,

@@ -17,12 +17,12 @@ import argparse
 import gc
 import json
 import os
-import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.table import print_table
+from bench.throughput import run_all
 
 
 def main() -> None:
@@ -53,13 +53,7 @@ def main() -> None:
             for n in args.new:
                 times = []
                 for i in range(4):   # the first fills the cache and compiles
-                    ids = system + rng.integers(100, 1000, n).tolist()
-                    t0 = time.perf_counter()
-                    rid = engine.add_request(ids, one)
-                    while engine.has_unfinished():
-                        engine.step()
-                    engine.take_finished(rid)
-                    times.append(time.perf_counter() - t0)
+                    times.append(run_all(engine, [system + rng.integers(100, 1000, n).tolist()], [one])[0])
                 row[f"new{n}_ms"] = 1e3 * min(times[1:])
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)

@@ -22,6 +22,13 @@ def add_variant_args(ap, variants) -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
 
 
+# XLA flags the dispatch benches' variants combine: every command type in the command buffers (loops and
+# conditionals too), and XLA's fusion of a (dynamic) slice into the GEMM that reads it
+EVERY_COMMAND_TYPE = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
+                      "WHILE,CONDITIONAL")
+SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
+
+
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
     """For each variant name -> XLA_FLAGS, run `script --child NAME *child_args` with those flags
     added; returns one row per variant: its RESULT fields, or `error`."""
@@ -42,7 +49,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
     return rows
 
 
-def weight_layout(options: dict) -> dict:
+def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or

@@ -110,5 +110,5 @@ def to_device_packed(tree) -> Packed:
 
 def to_device(tree):
     """`jax.device_put(tree)` for a pytree of numpy arrays, as one host-to-device copy."""
-    buf, layout = pack(tree)
-    return unpack(jax.device_put(buf), layout)
+    packed = to_device_packed(tree)
+    return unpack(packed.buf, packed.layout)
