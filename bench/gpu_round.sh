@@ -301,6 +301,17 @@ case "${1:-1}" in
     step 110 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
     step 80 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
+  b8ab)      # the fourteenth session's last call: batch 8's new decode attention row (SplitConfig(8, 64), swept in
+             # b8attn: 13.4 against the old row's 15.7 us at 1k) in the step, against the old row forced
+             # (--attention-config 4/64), each its own process. Predicted: B8 step -0.08 ms (2.3 us x 36 layers).
+             # First a sweep of batch 16 and 32 at 1-2k contexts (their rows were swept at 8k or not at all)
+    step 120 python3 bench/kernels_decode_attention.py --sweep --no-table --points 32:1024 32:2048 16:1024 16:2048 \
+         --budget 90
+    step 220 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-new-row.json"
+    step 220 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-old-row.json"
+    ;;
   arrays)    # the fourteenth session's first call (~8 min): greedy parity after the vectors stayed stacked (float32,
              # float8 pages: the fused GEMV and skinny GEMM now read them at their own layer), then the A/B that the
              # thirteenth session had no device time for, each variant its own process in one run: the step's arrays

@@ -124,6 +124,16 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
         engine.pages.release(pages)
 
 
+def force_attention_config(num_splits: int, block_k: int) -> None:
+    """Every decode attention call (both kernels' modules) takes SplitConfig(num_splits, block_k)."""
+    from jaxinfer.pallas import decode_attention, decode_attention_rope
+
+    def forced(*_args, **_kw):
+        return decode_attention.SplitConfig(num_splits, block_k)
+
+    decode_attention.choose_config = decode_attention_rope.choose_config = forced
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
@@ -136,9 +146,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--system", type=int, default=2048)
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes whose decode to trace")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode step table (no offline, no prefix)")
+    ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
+                    help="every decode attention call with this split config, not the table's (A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.attention_config:
+        force_attention_config(*map(int, args.attention_config.split("/")))
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)
@@ -164,6 +179,9 @@ def main() -> None:
     print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share |")
     print("|---|---|---|---|---|---|---|---|")
     out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile)
+    if args.decode_only:
+        Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
+        return
 
     prompts = [rng.integers(100, cfg.vocab_size - 100, int(n)).tolist() for n in rng.integers(64, 1025, args.requests)]
     params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)

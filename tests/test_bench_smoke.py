@@ -27,6 +27,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
                        "--requests", "5", "--system", "64", "--kv-cache-dtype", "fp8"], "throughput.json"),
+    ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "2", "--context", "40", "--steps", "4",
+                       "--decode-only", "--attention-config", "2/16"], "throughput.json"),
     ("warm_start.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64"],
      "warm_start.json"),
     ("warm_start.py", ["--serve", "--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64",
@@ -87,3 +89,17 @@ def test_serving_bench_with_the_host_profile(tmp_path, client):
     assert row["device_trace"] == {"error": "no device kernel events in the trace"}, row["device_trace"]
     assert "device trace, rate inf" in r.stdout
     assert "host profile, rate inf, thread jaxinfer-engine" in r.stdout
+
+
+def test_throughput_forces_the_attention_config(monkeypatch):
+    """--attention-config reaches both decode attention kernels' config choice (the A/B of a table row)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.throughput import force_attention_config
+    from jaxinfer.pallas import decode_attention, decode_attention_rope
+
+    for module in (decode_attention, decode_attention_rope):
+        monkeypatch.setattr(module, "choose_config", module.choose_config)
+    assert decode_attention.choose_config(8, 8, 40960) == decode_attention.SplitConfig(8, 64)
+    force_attention_config(4, 64)
+    for module in (decode_attention, decode_attention_rope):
+        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(4, 64)
