@@ -99,7 +99,7 @@ def test_throughput_forces_the_attention_config(monkeypatch):
 
     for module in (decode_attention, decode_attention_rope):
         monkeypatch.setattr(module, "choose_config", module.choose_config)
-    assert decode_attention.choose_config(8, 8, 40960) == decode_attention.SplitConfig(8, 64)
-    force_attention_config(4, 64)
+    assert decode_attention.choose_config(8, 8, 40960) != decode_attention.SplitConfig(2, 16)
+    force_attention_config(2, 16)
     for module in (decode_attention, decode_attention_rope):
-        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(4, 64)
+        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)

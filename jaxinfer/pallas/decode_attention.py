@@ -219,9 +219,6 @@ _TABLE: list[tuple[int, int, SplitConfig]] = [
     (32, 128, SplitConfig(1, 64)),
     (32, 1024, SplitConfig(16, 64)),     # batch 4: ctx 1,024 10.1 us
     (32, _BIG, SplitConfig(8, 128)),     # batch 4: ctx 8,192 39.4 us, 32,768 135 us (91%)
-    (64, 128, SplitConfig(1, 64)),
-    (64, _BIG, SplitConfig(8, 64)),      # batch 8 (2026-11-30): ctx 1,024 13.4 us, 2,048 22.0 (the 128 row's 4
-                                         # splits: 15.7, 25.7)
     (128, 128, SplitConfig(1, 64)),
     (128, 1024, SplitConfig(8, 64)),     # batch 16: ctx 1,024 23.3 us
     (128, _BIG, SplitConfig(4, 64)),     # batch 16: ctx 8,192 131 us, 32,768 505 us (95%)
