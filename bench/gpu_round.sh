@@ -301,6 +301,12 @@ case "${1:-1}" in
     step 110 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
     step 80 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
+  launch)    # what the 1k prompt step's ~1.3 ms launch is (it did not move with 148 against 292 weight arrays, run 1):
+             # one request traced on the host (the runtime's scopes by total time); then the device trace with
+             # memsets counted (are they the 5-6 us gaps before every gate/up GEMM and cuDNN attention?)
+    step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default host-trace \
+         profiled-with-cmdbuf --out "$OUT"
+    ;;
   b8ab)      # the fourteenth session's last call: batch 8's new decode attention row (SplitConfig(8, 64), swept in
              # b8attn: 13.4 against the old row's 15.7 us at 1k) in the step, against the old row forced
              # (--attention-config 4/64), each its own process. Predicted: B8 step -0.08 ms (2.3 us x 36 layers).

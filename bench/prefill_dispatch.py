@@ -28,6 +28,8 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "default": ("", False, {}),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
     "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True, {}),
+    # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
+    "host-trace": ("--xla_enable_command_buffers_during_profiling=true", "host", {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
@@ -118,7 +120,17 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
     t0 = time.perf_counter()
     raw(n)
     res["raw_ms"] = 1e3 * (time.perf_counter() - t0) / n
-    if profile:
+    if profile == "host":
+        from bench.trace_kernels import kernel_trace, print_host_summary, summarize_host
+
+        with kernel_trace("/tmp/trace-prefill-host"):
+            rid = engine.add_request(prompt, params)
+            while engine.has_unfinished():
+                engine.step()
+            engine.take_finished(rid)
+        res["host_trace"] = summarize_host("/tmp/trace-prefill-host")
+        print_host_summary(res["host_trace"])
+    elif profile:
         from bench.trace_kernels import kernel_trace, print_summary, summarize
 
         with kernel_trace("/tmp/trace-prefill-dispatch"):

@@ -40,7 +40,8 @@ def kernel_trace(log_dir: str):
         jax.profiler.stop_trace()
 
 
-def _device_events(log_dir: str) -> list[dict]:
+def _events(log_dir: str, device: bool) -> list[dict]:
+    """The trace's complete events with a duration: the devices' (kernels, copies) or the host's."""
     files = sorted(glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True))
     if not files:
         raise FileNotFoundError(f"no perfetto trace under {log_dir}")
@@ -48,7 +49,33 @@ def _device_events(log_dir: str) -> list[dict]:
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {pid for pid, n in names.items() if "/device:" in n}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and e.get("dur", 0) > 0]
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid") in device_pids) == device and e.get("dur", 0) > 0]
+
+
+def _device_events(log_dir: str) -> list[dict]:
+    return _events(log_dir, device=True)
+
+
+def summarize_host(log_dir: str, top: int = 40) -> list[dict]:
+    """The host's traced activities (XLA's and the runtime's TraceMe scopes, Python calls where traced) by
+    total time: name, count, total and largest us. Scopes nest, so the totals overlap (inclusive times)."""
+    per = defaultdict(lambda: [0, 0.0, 0.0])
+    for e in _events(log_dir, device=False):
+        if any(f in e["name"] for f in ("profiler.py", "trace_kernels.py", "contextlib.py")):
+            continue   # the trace's own start and stop
+        p = per[_short(e["name"])]
+        p[0] += 1
+        p[1] += e["dur"]
+        p[2] = max(p[2], e["dur"])
+    ranked = sorted(per.items(), key=lambda kv: -kv[1][1])[:top]
+    return [dict(name=n, count=c, total_us=t, max_us=m) for n, (c, t, m) in ranked]
+
+
+def print_host_summary(rows: list[dict]) -> None:
+    print("| host activity | count | total us | largest us |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['count']} | {r['total_us']:.0f} | {r['max_us']:.0f} |")
 
 
 GAP_US = 100.0   # idle gaps at least this long are counted apart (launches, host syncs, waits for the host)

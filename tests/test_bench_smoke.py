@@ -49,7 +49,7 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels_decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
                                      "float16", "--points", "2:40", "--budget", "200"], "decode_attention.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default",
-                             "fresh-attention"], "prefill_dispatch.json"),
+                             "fresh-attention", "host-trace"], "prefill_dispatch.json"),
     ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
                             "server-defaults+greedy"], "decode_dispatch.json"),
     ("dispatch_args.py", ["--counts", "1", "8", "--calls", "5"], "dispatch_args.json"),
