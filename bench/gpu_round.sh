@@ -301,6 +301,12 @@ case "${1:-1}" in
     step 110 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
     step 80 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
+  memsets)   # the 1k prompt step's memsets (round launch: 108 a step, 3 a layer, before gate/up's and o_proj's
+             # GEMMs and cuDNN's attention, each followed by ~5 us idle: ~0.5 ms of the 13.8 ms step) and its launch
+             # (cuGraphLaunch was most of it): XLA flag variants, each profiled, each its own process
+    step 480 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
+         profiled-concurrent profiled-cublaslt-on profiled-cublaslt-off profiled-skip-profiled --out "$OUT"
+    ;;
   launch)    # what the 1k prompt step's ~1.3 ms launch is (it did not move with 148 against 292 weight arrays, run 1):
              # one request traced on the host (the runtime's scopes by total time); then the device trace with
              # memsets counted (are they the 5-6 us gaps before every gate/up GEMM and cuDNN attention?)

@@ -24,12 +24,21 @@ from pathlib import Path
 from bench.table import print_table
 from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
 
+PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "default": ("", False, {}),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
-    "profiled-with-cmdbuf": ("--xla_enable_command_buffers_during_profiling=true", True, {}),
+    "profiled-with-cmdbuf": (PROFILED, True, {}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
-    "host-trace": ("--xla_enable_command_buffers_during_profiling=true", "host", {}),
+    "host-trace": (PROFILED, "host", {}),
+    # the memsets before gate/up's and o_proj's GEMM and cuDNN's attention (3 a layer, each followed by ~5 us
+    # idle; fourteenth session): with XLA's concurrent scheduling in the command buffers, a memset that does
+    # not depend on the kernel before it may run beside it; cuBLASLt on and off (another GEMM path and
+    # algorithms); and the launch (cuGraphLaunch took most of it): fixed addresses for stable buffers
+    "profiled-concurrent": (f"{PROFILED} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", True, {}),
+    "profiled-cublaslt-on": (f"{PROFILED} --xla_gpu_enable_cublaslt=true", True, {}),
+    "profiled-cublaslt-off": (f"{PROFILED} --xla_gpu_enable_cublaslt=false", True, {}),
+    "profiled-skip-profiled": (f"{PROFILED} --xla_gpu_command_buffer_update_mode=SKIP_PROFILED", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
@@ -139,7 +148,8 @@ def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dic
         print_summary(s)
         res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",
                                            "span_us_per_step", "copies_per_step", "short_gaps_us_per_step",
-                                           "gaps_over", "gap_pairs")})
+                                           "gaps_over", "gap_pairs", "memsets_per_step", "memset_us_per_step",
+                                           "memsets_before")})
     return res
 
 

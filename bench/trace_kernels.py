@@ -131,7 +131,27 @@ def summarize(log_dir: str, steps: int) -> dict:
                    for (b, a), (c, t) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:8]],
         copies_per_step=len(copies) / steps, copy_names=sorted({_short(e["name"]) for e in copies})[:8],
         memsets_per_step=len(memsets) / steps, memset_us_per_step=sum(e["dur"] for e in memsets) / steps,
+        memsets_before=_memsets_before(memsets, ordered, steps),
         top=[dict(name=n, per_step=c / steps, us_per_step=t / steps, us_each=t / c) for n, (c, t) in top[:20]])
+
+
+def _memsets_before(memsets: list[dict], ordered: list[dict], steps: int) -> list[dict]:
+    """Which kernel starts next after each memset, grouped: the kernel, memsets per step, their sizes
+    (the trace's args, where it gives them) and the idle time from the memset's end to that kernel."""
+    import bisect
+
+    starts = [e["ts"] for e in ordered]
+    groups = defaultdict(lambda: [0, 0.0, set()])
+    for m in memsets:
+        i = bisect.bisect_left(starts, m["ts"] + m["dur"])
+        nxt = ordered[i] if i < len(ordered) else None
+        g = groups[_short(nxt["name"]) if nxt else "(none)"]
+        g[0] += 1
+        g[1] += (nxt["ts"] - m["ts"] - m["dur"]) if nxt else 0.0
+        args = m.get("args") or {}
+        g[2].add(next((str(v) for k, v in args.items() if "byte" in k.lower() or "size" in k.lower()), "?"))
+    return [dict(before=k, per_step=c / steps, idle_us_each=t / c, sizes=sorted(z)[:4])
+            for k, (c, t, z) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:8]]
 
 
 def print_summary(s: dict) -> None:
@@ -153,6 +173,11 @@ def print_summary(s: dict) -> None:
     print("|---|---|---|---|---|")
     for p in s["gap_pairs"]:
         print(f"| {p['before']} | {p['after']} | {p['per_step']:.1f} | {p['us_per_step']:.1f} | {p['us_each']:.2f} |")
+    if s.get("memsets_before"):
+        print("| memset before | per step | idle after it, us each | sizes |")
+        print("|---|---|---|---|")
+        for m in s["memsets_before"]:
+            print(f"| {m['before']} | {m['per_step']:.1f} | {m['idle_us_each']:.2f} | {', '.join(m['sizes'])} |")
 
 
 def trace_engine_decode(engine, prompts: list, params: list, log_dir: str) -> dict:

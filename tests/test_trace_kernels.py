@@ -40,6 +40,8 @@ def test_memsets_are_counted_apart_from_kernels(tmp_path):
     s = summarize(_trace(tmp_path, [("gemm", 0, 50), ("Memset (Device)", 52, 2), ("fusion.1", 56, 4)]), steps=1)
     assert s["kernels_per_step"] == 2 and s["memsets_per_step"] == 1 and s["memset_us_per_step"] == 2
     assert s["gap_pairs"][0]["before"] == "gemm" and s["gap_pairs"][0]["us_each"] == 6
+    # the memset (52-54) is followed by fusion.1 at 56: 2 us of idle after it
+    assert s["memsets_before"] == [dict(before="fusion", per_step=1.0, idle_us_each=2.0, sizes=["?"])]
 
 
 def test_a_gap_is_charged_to_the_kernel_that_ended_last(tmp_path):
