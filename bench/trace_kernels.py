@@ -149,7 +149,8 @@ def _memsets_before(memsets: list[dict], ordered: list[dict], steps: int) -> lis
         g[0] += 1
         g[1] += (nxt["ts"] - m["ts"] - m["dur"]) if nxt else 0.0
         args = m.get("args") or {}
-        g[2].add(next((str(v) for k, v in args.items() if "byte" in k.lower() or "size" in k.lower()), "?"))
+        g[2].add(next((str(v) for k, v in args.items() if "byte" in k.lower() or "size" in k.lower()),
+                      str(args)[:120] if args else "?"))
     return [dict(before=k, per_step=c / steps, idle_us_each=t / c, sizes=sorted(z)[:4])
             for k, (c, t, z) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:8]]
 
