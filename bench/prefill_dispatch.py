@@ -39,6 +39,9 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     "profiled-cublaslt-on": (f"{PROFILED} --xla_gpu_enable_cublaslt=true", True, {}),
     "profiled-cublaslt-off": (f"{PROFILED} --xla_gpu_enable_cublaslt=false", True, {}),
     "profiled-skip-profiled": (f"{PROFILED} --xla_gpu_command_buffer_update_mode=SKIP_PROFILED", True, {}),
+    # the memsets are 4 bytes each, inside cuBLAS's gate/up GEMM and cuDNN's attention (a library's own counter);
+    # XLA's autotuner picks each GEMM's algorithm by its time alone. Level 0: cuBLAS's heuristic choice instead
+    "profiled-autotune-0": (f"{PROFILED} --xla_gpu_autotune_level=0", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
