@@ -510,13 +510,15 @@ class Engine:
         advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
         return seqs, advanced, outs
 
-    def _sampler(self, seqs: list[Sequence], rows: int) -> str | None:
+    def _sampler(self, seqs: list[Sequence], rows: int, decode: bool = False) -> str | None:
         """The sampling step variant for these sequences in a step sampling `rows` rows: with
         plain_sampling_step, "plain", "filter" or "filter-p" (no sort) where sampling.sampler_for allows, else None
-        (the sorting one)."""
+        (the sorting one). A decode dispatch whose rows want no top logprobs takes "plain-notop" for "plain"."""
         if not self.config.plain_sampling_step:
             return None
         method = sampler_for([seq.params for seq in seqs], rows)
+        if decode and method == "plain" and not any(seq.params.logprobs for seq in seqs):
+            return "plain-notop"    # no top logprobs to compute
         return None if method == "sort" else method
 
     def _launch_decode(self, seqs: list[Sequence]):
@@ -542,9 +544,7 @@ class Engine:
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         greedy = _all_greedy(seqs)
-        sampler = None if greedy else self._sampler(seqs, batch.tokens.shape[0])
-        if sampler == "plain" and not any(seq.params.logprobs for seq in seqs):
-            sampler = "plain-notop"    # no top logprobs to compute
+        sampler = None if greedy else self._sampler(seqs, batch.tokens.shape[0], decode=True)
         out = self.runner.launch_decode(batch, greedy=greedy, sampler=sampler)
         self._timing.launched(time.perf_counter() - t0)
         return out

@@ -91,10 +91,9 @@ class Packed:
     def tree_unflatten(cls, layout, children):
         return cls(children[0], layout)
 
-    @property
-    def leading(self) -> int:
-        """The first leaf's leading size (a StepBatch's tokens: its bucket)."""
-        return self.layout.leaves[0][0][0]
+    def shapes(self):
+        """The packed pytree with each leaf's shape in its place (e.g. `.shapes().tokens` of a StepBatch)."""
+        return jax.tree_util.tree_unflatten(self.layout.treedef, [shape for shape, _ in self.layout.leaves])
 
 
 def unpacked(tree):

@@ -61,9 +61,10 @@ def test_a_packed_batch_is_split_inside_the_jitted_step():
     rng = np.random.default_rng(1)
     for _ in range(2):
         tree = dict(a=rng.integers(0, 100, (4, 3), dtype=np.int32), f=rng.random(5).astype(np.float32),
-                    b=rng.random(6) > 0.5)   # "a" flattens first: `leading` is its 4
+                    b=rng.random(6) > 0.5)
         packed = to_device_packed(tree)
-        assert isinstance(packed, Packed) and len(jax.tree_util.tree_leaves(packed)) == 1 and packed.leading == 4
+        assert isinstance(packed, Packed) and len(jax.tree_util.tree_leaves(packed)) == 1
+        assert packed.shapes() == dict(a=(4, 3), f=(5,), b=(6,))
         _, out = step(packed)
         for k, v in tree.items():
             assert np.asarray(out[k]).tobytes() == v.tobytes() and out[k].dtype == v.dtype, k

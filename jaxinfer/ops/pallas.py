@@ -100,7 +100,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def logits(x, w):
         """The lm_head: at batch 1 the GEMV with float32 outputs (H200, Qwen3-4B's 778 MB matrix: 175 us a
         call against XLA's reduce fusions' 184); else XLA's float32 GEMM."""
-        if small(x) and not isinstance(w, LayerWeight):
+        if small(x):
             return fused_gemv(x, w[None], 0, block_in=block_in_for(*w.shape, w.dtype), out_dtype=jnp.float32,
                               interpret=interpret)
         return reference.logits(x, w)
