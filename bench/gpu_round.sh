@@ -304,6 +304,10 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
+         --out "$OUT"
+    ;;
   memsets)   # the 1k prompt step's memsets (round launch: 108 a step, 3 a layer, before gate/up's and o_proj's
              # GEMMs and cuDNN's attention, each followed by ~5 us idle: ~0.5 ms of the 13.8 ms step) and its launch
              # (cuGraphLaunch was most of it): XLA flag variants, each profiled, each its own process

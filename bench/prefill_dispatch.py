@@ -42,6 +42,8 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
     # the memsets are 4 bytes each, inside cuBLAS's gate/up GEMM and cuDNN's attention (a library's own counter);
     # XLA's autotuner picks each GEMM's algorithm by its time alone. Level 0: cuBLAS's heuristic choice instead
     "profiled-autotune-0": (f"{PROFILED} --xla_gpu_autotune_level=0", True, {}),
+    # GEMM algorithms that reduce across tiles with atomics need a zeroed counter; deterministic ones may not
+    "profiled-deterministic": (f"{PROFILED} --xla_gpu_exclude_nondeterministic_ops=true", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
