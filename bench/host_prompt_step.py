@@ -50,6 +50,8 @@ def main() -> None:
     # The reference ops' prefill attention gathers each row's whole page span ([T, max_model_len, ...]); with the
     # server's 40,960 tokens a run on the H200 printed nothing within 60 s, likely that. The host work is the same.
     ap.add_argument("--ops", default="pallas" if jax.default_backend() == "gpu" else "reference")
+    ap.add_argument("--fresh-prompt-attention", action="store_true",
+                    help="the one-sequence prompt step (the GPU default) on any backend")
     args = ap.parse_args()
     cfg = {**QWEN3_0_6B, "hidden_size": 64, "num_hidden_layers": args.layers, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
@@ -57,7 +59,8 @@ def main() -> None:
     model = write_random_model(Path(args.models or tempfile.mkdtemp()) / "host-prompt-step", cfg, dtype="float32")
     engine = Engine(model, ops=args.ops, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     max_num_batched_tokens=2048, token_buckets=[args.prompt, 2048], progress=False,
-                    skip_tokenizer_init=True, num_pages=args.max_model_len // 16 + 8, enable_prefix_caching=False)
+                    skip_tokenizer_init=True, num_pages=args.max_model_len // 16 + 8, enable_prefix_caching=False,
+                    **({"fresh_prompt_attention": True} if args.fresh_prompt_attention else {}))
     prompt = np.random.default_rng(0).integers(100, 1000, args.prompt).tolist()
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, repetition_penalty=args.repetition_penalty)
 
