@@ -25,7 +25,7 @@ from bench.table import print_table
 from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
 
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
-VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
+VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
     "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
@@ -75,7 +75,8 @@ VARIANTS = {  # name: (XLA_FLAGS, profile, engine options)
 }
 
 
-def child(model_dir: str, ops: str, T: int, profile: bool, options: dict) -> dict:
+def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) -> dict:
+    """One variant's figures; profile True: a device trace of 3 raw steps, "host": one request traced on the host."""
     import jax
     import numpy as np
 

@@ -10,6 +10,7 @@ time between them (launch gaps, host syncs, copies).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import glob
 import gzip
@@ -137,9 +138,7 @@ def summarize(log_dir: str, steps: int) -> dict:
 
 def _memsets_before(memsets: list[dict], ordered: list[dict], steps: int) -> list[dict]:
     """Which kernel starts next after each memset, grouped: the kernel, memsets per step, their sizes
-    (the trace's args, where it gives them) and the idle time from the memset's end to that kernel."""
-    import bisect
-
+    (where the trace's args give them) and the idle time from the memset's end to that kernel."""
     starts = [e["ts"] for e in ordered]
     groups = defaultdict(lambda: [0, 0.0, set()])
     for m in memsets:
@@ -148,9 +147,8 @@ def _memsets_before(memsets: list[dict], ordered: list[dict], steps: int) -> lis
         g = groups[_short(nxt["name"]) if nxt else "(none)"]
         g[0] += 1
         g[1] += (nxt["ts"] - m["ts"] - m["dur"]) if nxt else 0.0
-        args = m.get("args") or {}
-        g[2].add(next((str(v) for k, v in args.items() if "byte" in k.lower() or "size" in k.lower()),
-                      str(args)[:120] if args else "?"))
+        size = re.search(r"num_bytes:(\d+)", str(m.get("args") or {}))   # CUPTI's "Memset_details" string
+        g[2].add(f"{size.group(1)} B" if size else "?")
     return [dict(before=k, per_step=c / steps, idle_us_each=t / c, sizes=sorted(z)[:4])
             for k, (c, t, z) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:8]]
 

@@ -11,11 +11,12 @@ sys.path.insert(0, str(REPO))
 from bench.trace_kernels import summarize
 
 
-def _trace(tmp_path, kernels):
+def _trace(tmp_path, kernels, args=None):
     events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
               {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
               {"ph": "X", "pid": 2, "name": "host work", "ts": 0, "dur": 10_000}]
-    events += [{"ph": "X", "pid": 1, "name": n, "ts": ts, "dur": dur} for n, ts, dur in kernels]
+    events += [{"ph": "X", "pid": 1, "name": n, "ts": ts, "dur": dur, "args": (args or {}).get(n, {})}
+               for n, ts, dur in kernels]
     d = tmp_path / "plugins" / "profile" / "run"
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
@@ -38,6 +39,9 @@ def test_busy_time_and_idle_gaps(tmp_path):
 
 def test_memsets_are_counted_apart_from_kernels(tmp_path):
     s = summarize(_trace(tmp_path, [("gemm", 0, 50), ("Memset (Device)", 52, 2), ("fusion.1", 56, 4)]), steps=1)
+    sized = summarize(_trace(tmp_path / "sized", [("gemm", 0, 50), ("Memset (Device)", 52, 2), ("fusion.1", 56, 4)],
+                             args={"Memset (Device)": {"Memset_details": "kind:unknown num_bytes:4 async:0"}}), steps=1)
+    assert sized["memsets_before"][0]["sizes"] == ["4 B"]
     assert s["kernels_per_step"] == 2 and s["memsets_per_step"] == 1 and s["memset_us_per_step"] == 2
     assert s["gap_pairs"][0]["before"] == "gemm" and s["gap_pairs"][0]["us_each"] == 6
     # the memset (52-54) is followed by fusion.1 at 56: 2 us of idle after it
