@@ -11,7 +11,8 @@ defaults) with a one-prompt token bucket and reports, best of 5 single-token req
   enqueueing the work; the device may already run);
 - wait: from there until the sampled token is on the host;
 - raw: device time per prefill step of back-to-back calls of the same step (no read-back between).
-Optionally a profiler trace of one prefill (kernel time against span). Prints one table.
+Optionally a profiler trace of three raw steps (kernel time against span, the idle between kernels and the memsets
+before them), or of one request on the host (`host-trace`: the runtime's scopes by total time). Prints one table.
 """
 
 from __future__ import annotations

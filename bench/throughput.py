@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/throughput.py [--shape qwen3-4b] [--batches 1 8 32 64 128 256] [--context 1024]
                                              [--requests 1000] [--system 2048] [--out DIR]
+                                             [--decode-only] [--attention-config SPLITS/BLOCK_K]
 
 1. Decode step time at each batch size B, every sequence at `--context` tokens: roofline per step =
    max(bytes / HBM read bandwidth, FLOPs / dense GEMM rate), bytes = weights once + each sequence's
@@ -10,6 +11,8 @@
    uniform in [16, 512] (seeded), all submitted at once; generated tokens / wall time.
 3. Prefix caching: time to first token of a request whose `--system`-token system prompt is cached
    (a second request with the same prefix) against a cold one (prefix caching off).
+--decode-only stops after 1; --attention-config gives every decode attention call that split config instead of
+the table's (the A/B of a table row in the step, one process per config).
 Random bf16 weights at real shapes (jaxinfer.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
