@@ -16,22 +16,22 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
+from bench.variant_runs import (EVERY_COMMAND_TYPE, LOOPS_IN_COMMAND_BUFFERS, NO_COMMAND_BUFFERS, SLICE_FUSION,
+                                add_variant_args, apply_bench_options, run_variants)
 from jaxinfer.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
     "default+cond": ("", False, False, {}),
     "default+greedy": ("", True, False, {}),
-    "no-cmdbuf+cond": ("--xla_gpu_enable_command_buffer=", False, False, {}),
-    "no-cmdbuf+greedy": ("--xla_gpu_enable_command_buffer=", True, False, {}),
-    "cmdbuf-while-cond+cond": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
-                               False, False, {}),
+    "no-cmdbuf+cond": (NO_COMMAND_BUFFERS, False, False, {}),
+    "no-cmdbuf+greedy": (NO_COMMAND_BUFFERS, True, False, {}),
+    "cmdbuf-while-cond+cond": (LOOPS_IN_COMMAND_BUFFERS, False, False, {}),
     "profiled-with-cmdbuf+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, {}),
     # what the server runs with by default: top logprobs in every step, the model's whole context
     "logprobs20+greedy": ("", True, False, dict(max_logprobs=20)),
     "len40960+greedy": ("", True, False, dict(max_model_len=40960)),
     "server-defaults+greedy": ("", True, False, dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
-    "server-defaults+no-cmdbuf": ("--xla_gpu_enable_command_buffer=", True, False,
+    "server-defaults+no-cmdbuf": (NO_COMMAND_BUFFERS, True, False,
                                   dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
     # the server's late chain moved earlier (EngineConfig.chain_early_ms): its server-loop step against the
     # user step says whether the device idles between dispatches
@@ -44,9 +44,8 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     # the layers as a rolled scan over the stacked arrays (see prefill_dispatch's "rolled" variants)
     "default+greedy+rolled": ("", True, False, dict(unroll_layers=False)),
     "default+greedy+rolled-dsf-while": (f"{SLICE_FUSION} {EVERY_COMMAND_TYPE}", True, False, dict(unroll_layers=False)),
-    "server-defaults+cmdbuf-while": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,"
-                                     "CONDITIONAL", True, False, dict(max_logprobs=20, max_model_len=40960,
-                                                                      decode_steps=8)),
+    "server-defaults+cmdbuf-while": (LOOPS_IN_COMMAND_BUFFERS, True, False,
+                                     dict(max_logprobs=20, max_model_len=40960, decode_steps=8)),
 }
 
 

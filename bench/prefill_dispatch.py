@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import EVERY_COMMAND_TYPE, SLICE_FUSION, add_variant_args, apply_bench_options, run_variants
+from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, SLICE_FUSION, add_variant_args,
+                                apply_bench_options, run_variants)
 
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
-    "no-cmdbuf": ("--xla_gpu_enable_command_buffer=", False, {}),
+    "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
     "host-trace": (PROFILED, "host", {}),

@@ -24,8 +24,11 @@ def add_variant_args(ap, variants) -> None:
 
 # XLA flags the dispatch benches' variants combine: every command type in the command buffers (loops and
 # conditionals too), and XLA's fusion of a (dynamic) slice into the GEMM that reads it
-EVERY_COMMAND_TYPE = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,"
-                      "WHILE,CONDITIONAL")
+_COMMAND_TYPES = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
+EVERY_COMMAND_TYPE = _COMMAND_TYPES + "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
+# the same without DYNAMIC_SLICE_FUSION, as the fourth session's decode variants were measured
+LOOPS_IN_COMMAND_BUFFERS = _COMMAND_TYPES + "WHILE,CONDITIONAL"
+NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
 
 
