@@ -53,10 +53,6 @@ def _events(log_dir: str, device: bool) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and (e.get("pid") in device_pids) == device and e.get("dur", 0) > 0]
 
 
-def _device_events(log_dir: str) -> list[dict]:
-    return _events(log_dir, device=True)
-
-
 def summarize_host(log_dir: str, top: int = 40) -> list[dict]:
     """The host's traced activities (XLA's and the runtime's TraceMe scopes, Python calls where traced) by
     total time: name, count, total and largest us. Scopes nest, so the totals overlap (inclusive times)."""
@@ -89,7 +85,7 @@ def _short(name: str) -> str:
 
 def summarize(log_dir: str, steps: int) -> dict:
     """Per-step kernel time, busy time (union of kernel intervals), span and copies, over `steps` steps."""
-    events = _device_events(log_dir)
+    events = _events(log_dir, device=True)
     kernels = [e for e in events if "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
     copies = [e for e in events if "memcpy" in e["name"].lower()]
     memsets = [e for e in events if "memset" in e["name"].lower()]   # not kernels: they may sit in the gaps

@@ -179,7 +179,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
 
 def bucket_of(batch: StepBatch | DecodeBatch | Packed) -> int:
     """A batch's bucket: its leading size (tokens of a mixed step, rows of a decode dispatch)."""
-    return batch.shapes().tokens[0] if isinstance(batch, Packed) else batch.tokens.shape[0]
+    return batch.field_shape("tokens")[0] if isinstance(batch, Packed) else batch.tokens.shape[0]
 
 
 def _bucket_key(name: str, batch) -> tuple[str, int]:
