@@ -304,6 +304,18 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  pdl)       # programmatic dependent launch (jaxlib 0.11.2's --xla_gpu_enable_pdl / _launch, off by default): batch-1
+             # decode and the 1k prompt step, each variant its own process, greedy outputs fingerprinted; then
+             # greedy parity (Pallas = reference, float32) with both flags on; then a decode trace with them
+    step 240 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy pdl+greedy \
+         pdl-launch+greedy --out "$OUT"
+    step 150 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default pdl pdl-launch \
+         --out "$OUT"
+    step 180 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" \
+         python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float32
+    mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-pdl.json"
+    step 100 python3 bench/decode_dispatch.py --shape qwen3-4b --variants profiled-pdl-launch+greedy --out "$OUT"
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"

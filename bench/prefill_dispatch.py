@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from bench.table import print_table
-from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, SLICE_FUSION, add_variant_args,
-                                apply_bench_options, run_variants)
+from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, PDL, PDL_LAUNCH, SLICE_FUSION,
+                                add_variant_args, apply_bench_options, run_variants)
 
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
@@ -74,6 +74,10 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # the GPU default since the ninth session), and without it (the paged kernel)
     "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
     "paged-attention": ("", False, {"fresh_prompt_attention": False}),
+    # programmatic dependent launch (variant_runs.PDL): the step's ~450 kernels each wait for the one before
+    "pdl": (PDL, False, {}),
+    "pdl-launch": (PDL_LAUNCH, False, {}),
+    "profiled-pdl-launch": (f"{PROFILED} {PDL_LAUNCH}", True, {}),
 }
 
 
@@ -114,10 +118,11 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
-        engine.take_finished(rid)
+        first = engine.take_finished(rid).token_ids
         t1 = time.perf_counter()
         rows.append((t1 - t0, marks["call"] - t0, marks["launched"] - marks["call"], t1 - marks["launched"]))
     best = min(rows[1:])
+    res["first_token"] = int(first[0])   # variants that change only how kernels launch must agree on it
     res.update({k: 1e3 * v for k, v in zip(("ttft_ms", "host_ms", "launch_ms", "wait_ms"), best)})
     r.launch_mixed, r.fetch = launch_mixed, fetch
 
@@ -180,7 +185,8 @@ def main() -> None:
     print(f"\n{args.shape}, prompt {args.prompt}, ops {args.ops}")
     print_table(rows, [("variant", "variant", ""), ("TTFT ms", "ttft_ms", ".2f"), ("host ms", "host_ms", ".2f"),
                        ("launch ms", "launch_ms", ".2f"), ("wait ms", "wait_ms", ".2f"),
-                       ("raw step ms", "raw_ms", ".2f"), ("compile s", "compile_s", ".1f")])
+                       ("raw step ms", "raw_ms", ".2f"), ("compile s", "compile_s", ".1f"),
+                       ("first token", "first_token", "")])
     Path(args.out, "prefill_dispatch.json").write_text(json.dumps(rows, indent=1))
 
 

@@ -30,6 +30,12 @@ EVERY_COMMAND_TYPE = _COMMAND_TYPES + "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
 LOOPS_IN_COMMAND_BUFFERS = _COMMAND_TYPES + "WHILE,CONDITIONAL"
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
+# Programmatic dependent launch (Hopper+; in jaxlib 0.11.2's XLA, off by default): XLA puts a grid-dependency
+# wait at the start of the kernels it compiles (its fusions and the Triton ones, Pallas's included) and launches
+# them so that a kernel's blocks may be scheduled while the kernel before it drains; PDL_LAUNCH also lets each
+# kernel signal its dependent early (launch_dependents), so the next one's launch overlaps more of the tail
+PDL = "--xla_gpu_enable_pdl=true"
+PDL_LAUNCH = PDL + " --xla_gpu_enable_pdl_launch=true"
 
 
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
