@@ -51,6 +51,10 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "pdl+greedy": (PDL, True, False, {}),
     "pdl-launch+greedy": (PDL_LAUNCH, True, False, {}),
     "pdl-launch+no-cmdbuf": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, {}),
+    # the decode GEMVs with 2 / 4 output rows a program (x and the norm's scale loaded once for them)
+    "rows2+greedy": ("", True, False, dict(gemv_rows=2)),
+    "rows4+greedy": ("", True, False, dict(gemv_rows=4)),
+    "profiled-rows2+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, dict(gemv_rows=2)),
     "profiled-pdl-launch+greedy": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True, {}),
 }
 

@@ -304,6 +304,12 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  rows)      # the decode GEMVs by output rows per program: in isolation (each projection over 36 stacked layers,
+             # against the no-prologue kernel and the plain GEMV), then the batch-1 step at 1 / 2 / 4 rows
+    step 200 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --out "$OUT"
+    step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy rows2+greedy rows4+greedy \
+         --out "$OUT"
+    ;;
   pdl)       # programmatic dependent launch (jaxlib 0.11.2's --xla_gpu_enable_pdl / _launch, off by default): batch-1
              # decode and the 1k prompt step, each variant its own process, greedy outputs fingerprinted; then
              # greedy parity (Pallas = reference, float32) with both flags on; then a decode trace with them

@@ -60,6 +60,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
+    "gemv_rows" (the decode GEMVs' output rows per program, fused_gemv.DEFAULT_ROWS for every shape),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -68,6 +69,11 @@ def apply_bench_options(options: dict) -> dict:
     import jax
 
     import jaxinfer.engine
+    from jaxinfer.pallas import fused_gemv
+
+    if "gemv_rows" in options:   # the decode GEMVs' output rows per program (fused_gemv.ROWS), every shape
+        fused_gemv.ROWS.clear()
+        fused_gemv.DEFAULT_ROWS = options.pop("gemv_rows")
 
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
         from jaxinfer.transfer import to_device

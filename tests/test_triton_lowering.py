@@ -118,3 +118,23 @@ def test_prefill_gemm_lowers_at_real_shapes(shape, M):
             return SG.skinny_gemm(x, w, 1, residual=r, epilogue=epilogue, config=cfg)
 
         assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), res)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
+    """The decode GEMV with `rows` output rows per program (fused_gemv.ROWS), at each Qwen3-4B projection."""
+    from jaxinfer.pallas.fused_gemv import fused_gemv
+
+    D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
+    H, K, hd = QWEN3_4B["num_attention_heads"], QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
+    sd = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for n, k, epilogue in [((H + 2 * K) * hd, D, "none"), (D, H * hd, "residual"), (2 * I, D, "swiglu"),
+                           (D, I + 8, "residual")]:   # the last with a masked tile
+        extra = sd((1, D), bf) if epilogue == "residual" else sd((2, k), bf)   # the residual, or a norm scale
+
+        def gemv(x, w, e, epilogue=epilogue):
+            kw = dict(residual=e) if epilogue == "residual" else dict(scale=e)
+            return fused_gemv(x, w, 1, rows=rows, epilogue=epilogue, **kw)
+
+        assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)

@@ -36,7 +36,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     (pallas/decode_attention_rope.py; one kernel fewer per layer: H200, Qwen3-4B batch 1, 2.725 ->
     2.695 ms a step; off gives rope_kv_write then decode attention, for A/B runs)."""
     from jaxinfer.pallas import decode_attention, decode_attention_rope, prefill_attention, rope_kv_write, skinny_gemm
-    from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv
+    from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
     def _stacked(w, *others):
         """(stacked weight, its layer, the others' layer, stacked others): per-layer parameters come
@@ -55,7 +55,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         if kw.get("epilogue") == "swiglu":
             n_out //= 2
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
-                          vector_layer=vector_layer, interpret=interpret, **kw)
+                          rows=rows_for(n_out, n_in), vector_layer=vector_layer, interpret=interpret, **kw)
 
     def _skinny(x, w, b=None, **kw):
         stacked, layer, vector_layer, (b,) = _stacked(w, b)

@@ -31,7 +31,7 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half):
+def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half, rows):
     refs = list(refs)
     o_ref = refs.pop()
     scale_ref = refs.pop(0) if has_scale else None
@@ -39,11 +39,14 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
     res_ref = refs.pop(0) if epilogue == "residual" else None
     # the matrix's layer, the vectors' (scale, bias): a second entry only where they differ
     layer, vlayer = layer_ref[0], layer_ref[layer_ref.shape[0] - 1]
-    row = pl.program_id(0)
-    rows = (row, row + half) if epilogue == "swiglu" else (row,)
+    # rows > 1: the program's `rows` consecutive output rows share each tile's x (and scale) loads
+    row = pl.program_id(0) if rows == 1 else pl.ds(pl.program_id(0) * rows, rows)
+    first = pl.program_id(0) * rows
+    row_sets = (row, first + half if rows == 1 else pl.ds(first + half, rows)) if epilogue == "swiglu" else (row,)
     lanes = jnp.arange(block_in)
     n_tiles = pl.cdiv(n_in, block_in)
-    accs = [[jnp.zeros((block_in,), f32) for _ in rows] for _ in range(T)]
+    acc_shape = (block_in,) if rows == 1 else (rows, block_in)
+    accs = [[jnp.zeros(acc_shape, f32) for _ in row_sets] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
     for i in range(n_tiles):
         k0 = i * block_in
@@ -57,7 +60,15 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             return plgpu.load(ref_win)
 
         idx = cols if masked else pl.ds(k0, block_in)
-        ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in rows]
+
+        def load_w(r):   # [block_in], or [rows, block_in]
+            if masked and rows > 1:   # both indices as arrays (a slice beside an index array would go last)
+                ids = r.start + jnp.arange(rows)
+                mask = jnp.broadcast_to(cmask[None, :], (rows, block_in))
+                return plgpu.load(w_ref.at[layer, ids[:, None], cols[None, :]], mask=mask, other=0)
+            return load(w_ref.at[layer, r, idx])
+
+        ws = [load_w(r).astype(f32) for r in row_sets]
         scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
@@ -67,12 +78,12 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             accs[t] = [a + w * xt for a, w in zip(accs[t], ws)]
     dtype = o_ref.dtype
     for t in range(T):
-        ys = [jnp.sum(a) for a in accs[t]]
+        ys = [jnp.sum(a, axis=-1) for a in accs[t]]
         if has_scale:
             inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
             ys = [y * inv for y in ys]
         if has_bias:
-            ys = [y + b_ref[vlayer, r].astype(f32) for y, r in zip(ys, rows)]
+            ys = [y + b_ref[vlayer, r].astype(f32) for y, r in zip(ys, row_sets)]
         ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
         if epilogue == "residual":
             out = ys[0] + res_ref[jnp.int32(t), row]
@@ -84,16 +95,17 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
         o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
-               epilogue: str = "none", block_in: int = 256, out_dtype=None, vector_layer: jax.Array | int | None = None,
-               interpret: bool = False) -> jax.Array:
+               epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
+               vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
-    T <= a few tokens; block_in a power of two. The output is in `out_dtype` (default x.dtype): float32
+    T <= a few tokens; block_in a power of two; `rows` output rows per program (a power of two that divides
+    the output rows; 1: one row, as measured best for the plain GEMV, gemv.py). The output is in `out_dtype` (default x.dtype): float32
     keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
         w = w[None]
@@ -114,18 +126,33 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError("fused_gemv: out_dtype goes with epilogue='none' (the epilogues round to x.dtype)")
     half = n_out // 2
     grid_rows = half if epilogue == "swiglu" else n_out
+    if rows < 1 or rows & (rows - 1) or grid_rows % rows:
+        raise ValueError(f"fused_gemv: rows per program ({rows}) must be a power of two dividing {grid_rows}")
     layers = layer_operand(layer, vector_layer)
     args = [layers, x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
-                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half)
+                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
-        grid=(grid_rows,),
+        grid=(grid_rows // rows,),
         interpret=interpret,
         name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
     )(*args)
+
+
+# Output rows per program at batch 1 by (output rows, in); absent: DEFAULT_ROWS. The plain GEMV's sweep found
+# one row best (gemv.py); the fused kernels re-load x (and the norm's scale) for every row, so several rows a
+# program share those loads (bench/kernels_fused_gemv.py measures them).
+ROWS: dict[tuple[int, int], int] = {}
+DEFAULT_ROWS = 1
+
+
+def rows_for(n_out: int, n_in: int) -> int:
+    """Rows per program for an [n_out, in] product (n_out: the SwiGLU kernel's gate rows)."""
+    rows = ROWS.get((n_out, n_in), DEFAULT_ROWS)
+    return rows if n_out % rows == 0 else 1
 
 
 def block_in_for(n_out: int, n_in: int, dtype) -> int:
