@@ -38,7 +38,12 @@ from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
+_FORCED: list[str] = []   # kernel choices this process patched (force_attention_config)
+
+
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
+    if _FORCED:   # the executable cache's key does not see a patched kernel choice: compile afresh
+        kw = {**kw, "executable_cache": ""}
     return Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, max_logprobs=0, **kw)
 
@@ -135,6 +140,7 @@ def force_attention_config(num_splits: int, block_k: int) -> None:
         return decode_attention.SplitConfig(num_splits, block_k)
 
     decode_attention.choose_config = decode_attention_rope.choose_config = forced
+    _FORCED.append(f"attention {num_splits}/{block_k}")
 
 
 def main() -> None:

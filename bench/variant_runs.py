@@ -74,8 +74,12 @@ def apply_bench_options(options: dict) -> dict:
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program (fused_gemv.ROWS), every shape
         fused_gemv.ROWS.clear()
         fused_gemv.DEFAULT_ROWS = options.pop("gemv_rows")
+        # the executable cache's key sees the source and the flags, not a patched table: compile afresh
+        # (the fourteenth session's batch-8 attention A/B loaded its first run's executables for the second)
+        options["executable_cache"] = ""
 
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
+        options["executable_cache"] = ""
         from jaxinfer.transfer import to_device
 
         jaxinfer.engine.to_device_packed = to_device
@@ -89,5 +93,6 @@ def apply_bench_options(options: dict) -> dict:
         return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)], "layer_vectors": None}
 
     jaxinfer.engine.split_layers = {"stacked": lambda params: params, "split-every-array": split_every_array}[layout]
+    options["executable_cache"] = ""
     return options
 
