@@ -54,6 +54,8 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     # the decode GEMVs with 2 / 4 output rows a program (x and the norm's scale loaded once for them)
     "rows2+greedy": ("", True, False, dict(gemv_rows=2)),
     "rows4+greedy": ("", True, False, dict(gemv_rows=4)),
+    "qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2})),   # Qwen3-4B's QKV only
+    "qkv-rows4+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 4})),
     "profiled-rows2+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, dict(gemv_rows=2)),
     "profiled-pdl-launch+greedy": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True, {}),
 }

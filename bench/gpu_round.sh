@@ -307,8 +307,8 @@ case "${1:-1}" in
   rows)      # the decode GEMVs by output rows per program: in isolation (each projection over 36 stacked layers,
              # against the no-prologue kernel and the plain GEMV), then the batch-1 step at 1 / 2 / 4 rows
     step 200 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --out "$OUT"
-    step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy rows2+greedy rows4+greedy \
-         --out "$OUT"
+    step 280 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy ${ROWS_VARIANTS:-rows2+greedy \
+         rows4+greedy} --out "$OUT"
     ;;
   pdl)       # programmatic dependent launch (jaxlib 0.11.2's --xla_gpu_enable_pdl / _launch, off by default): batch-1
              # decode and the 1k prompt step, each variant its own process, greedy outputs fingerprinted; then

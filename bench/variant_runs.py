@@ -60,7 +60,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
-    "gemv_rows" (the decode GEMVs' output rows per program, fused_gemv.DEFAULT_ROWS for every shape),
+    "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -71,9 +71,13 @@ def apply_bench_options(options: dict) -> dict:
     import jaxinfer.engine
     from jaxinfer.pallas import fused_gemv
 
-    if "gemv_rows" in options:   # the decode GEMVs' output rows per program (fused_gemv.ROWS), every shape
+    if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
+        rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
-        fused_gemv.DEFAULT_ROWS = options.pop("gemv_rows")
+        if isinstance(rows, dict):
+            fused_gemv.ROWS.update(rows)
+        else:
+            fused_gemv.DEFAULT_ROWS = rows
         # the executable cache's key sees the source and the flags, not a patched table: compile afresh
         # (the fourteenth session's batch-8 attention A/B loaded its first run's executables for the second)
         options["executable_cache"] = ""

@@ -98,6 +98,23 @@ def test_one_layers_vectors_go_together():
         fused_gemv(x, w, 1, scale=jnp.ones(8), b=jnp.ones((2, 4)), interpret=True)
 
 
+@pytest.mark.parametrize("kind", ["norm_bias", "residual", "swiglu"])
+def test_several_rows_per_program_give_the_one_row_outputs_bit_for_bit(kind):
+    """Each row keeps its own [block_in] sums, as a one-row program's: greedy outputs cannot move with `rows`."""
+    n_out, n_in = 64, 200
+    keys = jax.random.split(jax.random.PRNGKey(11), 5)
+    x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (2, n_out, n_in), jnp.float32) / 8).astype(jnp.bfloat16)
+    kw = dict(norm_bias=dict(scale=jax.random.normal(keys[2], (2, n_in)).astype(jnp.bfloat16),
+                             b=jax.random.normal(keys[3], (2, n_out)).astype(jnp.bfloat16)),
+              residual=dict(residual=jax.random.normal(keys[4], (1, n_out)).astype(jnp.bfloat16), epilogue="residual"),
+              swiglu=dict(scale=jnp.ones((2, n_in), jnp.bfloat16), epilogue="swiglu"))[kind]
+    one = fused_gemv(x, w, 1, block_in=64, interpret=True, **kw)
+    for rows in (2, 4):
+        np.testing.assert_array_equal(np.asarray(fused_gemv(x, w, 1, block_in=64, rows=rows, interpret=True, **kw)),
+                                      np.asarray(one))
+
+
 def test_rows_per_program_must_divide_the_output_rows():
     x, w = jnp.ones((1, 8), jnp.float32), jnp.ones((1, 12, 8), jnp.float32)
     for rows in (3, 8):

@@ -39,14 +39,14 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
     res_ref = refs.pop(0) if epilogue == "residual" else None
     # the matrix's layer, the vectors' (scale, bias): a second entry only where they differ
     layer, vlayer = layer_ref[0], layer_ref[layer_ref.shape[0] - 1]
-    # rows > 1: the program's `rows` consecutive output rows share each tile's x (and scale) loads
-    row = pl.program_id(0) if rows == 1 else pl.ds(pl.program_id(0) * rows, rows)
+    # `rows` consecutive output rows a program share each tile's x (and scale) loads; each row is its own
+    # [block_in] vector, summed exactly as a one-row program sums it (the same outputs, bit for bit)
     first = pl.program_id(0) * rows
-    row_sets = (row, first + half if rows == 1 else pl.ds(first + half, rows)) if epilogue == "swiglu" else (row,)
+    out_rows = [first + r for r in range(rows)]
+    w_rows = out_rows + [r + half for r in out_rows] if epilogue == "swiglu" else out_rows
     lanes = jnp.arange(block_in)
     n_tiles = pl.cdiv(n_in, block_in)
-    acc_shape = (block_in,) if rows == 1 else (rows, block_in)
-    accs = [[jnp.zeros(acc_shape, f32) for _ in row_sets] for _ in range(T)]
+    accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
     for i in range(n_tiles):
         k0 = i * block_in
@@ -60,15 +60,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             return plgpu.load(ref_win)
 
         idx = cols if masked else pl.ds(k0, block_in)
-
-        def load_w(r):   # [block_in], or [rows, block_in]
-            if masked and rows > 1:   # both indices as arrays (a slice beside an index array would go last)
-                ids = r.start + jnp.arange(rows)
-                mask = jnp.broadcast_to(cmask[None, :], (rows, block_in))
-                return plgpu.load(w_ref.at[layer, ids[:, None], cols[None, :]], mask=mask, other=0)
-            return load(w_ref.at[layer, r, idx])
-
-        ws = [load_w(r).astype(f32) for r in row_sets]
+        ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in w_rows]
         scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
@@ -78,21 +70,21 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
             accs[t] = [a + w * xt for a, w in zip(accs[t], ws)]
     dtype = o_ref.dtype
     for t in range(T):
-        ys = [jnp.sum(a, axis=-1) for a in accs[t]]
+        ys = [jnp.sum(a) for a in accs[t]]
         if has_scale:
             inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
             ys = [y * inv for y in ys]
         if has_bias:
-            ys = [y + b_ref[vlayer, r].astype(f32) for y, r in zip(ys, row_sets)]
+            ys = [y + b_ref[vlayer, r].astype(f32) for y, r in zip(ys, w_rows)]
         ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
-        if epilogue == "residual":
-            out = ys[0] + res_ref[jnp.int32(t), row]
-        elif epilogue == "swiglu":
-            gate, up = ys
-            out = silu_mul(gate, up)
-        else:
-            out = ys[0]
-        o_ref[jnp.int32(t), row] = out.astype(dtype)
+        for j, row in enumerate(out_rows):
+            if epilogue == "residual":
+                out = ys[j] + res_ref[jnp.int32(t), row]
+            elif epilogue == "swiglu":
+                out = silu_mul(ys[j], ys[rows + j])   # gate, up
+            else:
+                out = ys[j]
+            o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "interpret"))
