@@ -310,6 +310,15 @@ case "${1:-1}" in
     step 280 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy ${ROWS_VARIANTS:-rows2+greedy \
          rows4+greedy} --out "$OUT"
     ;;
+  rows2)     # after Qwen3-4B's QKV took 2 rows a program (fused_gemv.ROWS): the other shapes' projections by rows,
+             # the batch-1 decode table for Qwen3-4B, greedy parity in float32
+    step 150 python3 bench/kernels_fused_gemv.py --shape llama3-8b --rows 1 2 4 --repeats 3 --out "$OUT"
+    mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-llama3-8b.json"
+    step 100 python3 bench/kernels_fused_gemv.py --shape qwen3-0.6b --rows 1 2 4 --repeats 3 --out "$OUT"
+    mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-qwen3-0.6b.json"
+    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float32
+    step 120 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
+    ;;
   pdl)       # programmatic dependent launch (jaxlib 0.11.2's --xla_gpu_enable_pdl / _launch, off by default): batch-1
              # decode and the 1k prompt step, each variant its own process, greedy outputs fingerprinted; then
              # greedy parity (Pallas = reference, float32) with both flags on; then a decode trace with them

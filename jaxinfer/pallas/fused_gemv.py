@@ -136,8 +136,10 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
 
 # Output rows per program at batch 1 by (output rows, in); absent: DEFAULT_ROWS. The plain GEMV's sweep found
 # one row best (gemv.py); the fused kernels re-load x (and the norm's scale) for every row, so several rows a
-# program share those loads (bench/kernels_fused_gemv.py measures them).
-ROWS: dict[tuple[int, int], int] = {}
+# program share those loads and the norm's per-program work (bench/kernels_fused_gemv.py, H200, 2026-11-30:
+# Qwen3-4B's QKV with its norm prologue 10.87 us at 1 row, 9.71 at 2, 10.69 at 4; o_proj, gate/up and down
+# are slower at 2; the batch-1 step 2.609 -> 2.560 ms, the same greedy tokens).
+ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2}   # Qwen3-4B's QKV
 DEFAULT_ROWS = 1
 
 
