@@ -138,14 +138,10 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
 # one row best (gemv.py); the fused kernels re-load x (and the norm's scale) for every row, so several rows a
 # program share those loads and the norm's per-program work (bench/kernels_fused_gemv.py, H200, 2026-11-30:
 # Qwen3-4B's QKV with its norm prologue 10.87 us at 1 row, 9.71 at 2, 10.69 at 4; o_proj, gate/up and down
-# are slower at 2; the batch-1 step 2.609 -> 2.560 ms, the same greedy tokens. Llama-3-8B's QKV 15.73 -> 14.81;
-# Qwen3-0.6B's QKV 6.67 -> 5.00 and o_proj 5.22 -> 4.82).
-ROWS: dict[tuple[int, int], int] = {
-    (6144, 2560): 2,   # Qwen3-4B QKV
-    (6144, 4096): 2,   # Llama-3-8B QKV
-    (4096, 1024): 2,   # Qwen3-0.6B QKV
-    (1024, 2048): 2,   # Qwen3-0.6B o_proj
-}
+# are slower at 2; the batch-1 step 2.609 -> 2.560 ms, the same greedy tokens). Only rows the step confirmed:
+# Qwen3-0.6B's QKV (6.67 -> 5.00 us) and o_proj (5.22 -> 4.82) at 2 rows left its step as it was (0.875 against
+# 0.882 ms); Llama-3-8B's QKV (15.73 -> 14.81) has no same-run step A/B yet.
+ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2}   # Qwen3-4B's QKV
 DEFAULT_ROWS = 1
 
 
