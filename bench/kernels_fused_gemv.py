@@ -8,8 +8,9 @@ gate/up 26.4 against 24.0; down 13.6 against 13.4: thirteenth session). A one-ro
 norm's scale) once per weight tile: three loads where the plain GEMV has two. For each projection of a layer,
 this times one jit that runs it over every layer of a stacked [L, out, in] array (L x the bytes: every call
 reads HBM, as in the step): the engine's kernel (its norm prologue / epilogue) at 1, 2, 4, 8 rows per program,
-the same product without the prologue, and the plain GEMV at its table's config; each output checked against
-the one-row kernel's. Prints one table: us per call and the share of the HBM read ceiling measured in the run.
+the same product without the prologue, the SwiGLU kernel on a copy of the matrix with gate and up rows
+interleaved, and the plain GEMV at its table's config and at 2 rows; each output checked against the one-row
+kernel's. Prints one table: us per call and the share of the HBM read ceiling measured in the run.
 """
 
 from __future__ import annotations
@@ -84,30 +85,40 @@ def main() -> None:
         nbytes = n * k * 2
         kw = dict(residual=res) if epilogue == "residual" else {}
 
-        def engine_kernel(rows, prologue=norm):
+        def engine_kernel(rows, prologue=norm, interleaved=False):
             def f(x, w, scale):
                 return [fused_gemv(x, w, i, scale=scale if prologue else None, epilogue=epilogue, block_in=block_in,
-                                   rows=rows, interpret=ip, **kw) for i in range(L)]
+                                   rows=rows, interleaved=interleaved, interpret=ip, **kw) for i in range(L)]
             return jax.jit(f)
 
         variants = [(f"engine, {r} row{'s' if r > 1 else ''}", engine_kernel(r)) for r in args.rows
                     if (n // 2 if epilogue == "swiglu" else n) % r == 0]
         if norm:
             variants.append(("engine without the norm prologue, 1 row", engine_kernel(1, prologue=False)))
+        if epilogue == "swiglu":   # gate row i and up row i side by side in memory (an interleaved copy)
+            variants += [(f"engine on interleaved rows, {r} row{'s' if r > 1 else ''}", engine_kernel(r, interleaved=True))
+                         for r in (1, 2)]
         g = choose_config(1, n, k, bf)
-        # the plain GEMV takes the layers as separate arrays: a slice of the stack would be copied first
-        variants.append((f"plain gemv {g.block_out}/{g.block_in}/{g.num_warps}", jax.jit(lambda x, ws, scale: [
-            gemv(x, ws[i], block_out=g.block_out, block_in=g.block_in, num_warps=g.num_warps, interpret=ip)
-            for i in range(L)])))
+
+        def plain(block_out, g=g):   # the layers as separate arrays: a slice of the stack would be copied first
+            return jax.jit(lambda x, ws, scale: [gemv(x, ws[i], block_out=block_out, block_in=g.block_in,
+                                                      num_warps=g.num_warps, interpret=ip) for i in range(L)])
+
+        variants += [(f"plain gemv {bo}/{g.block_in}/{g.num_warps}", plain(bo)) for bo in sorted({g.block_out, 2})]
         base = None
         for label, f in variants:
-            weights = [w[i] for i in range(L)] if label.startswith("plain") else w
+            if label.startswith("plain"):
+                weights = [w[i] for i in range(L)]
+            elif "interleaved" in label:
+                weights = jnp.stack([w[:, :n // 2], w[:, n // 2:]], axis=2).reshape(w.shape)
+            else:
+                weights = w
             outs, ms = timed(f, (x, weights, scale), L, args.repeats)
             del weights
             err = None
             if label.startswith("engine, 1 row"):
                 base = outs
-            elif base is not None and label.startswith("engine, "):
+            elif base is not None and (label.startswith("engine, ") or "interleaved" in label):
                 err = max(rel_err(o, b) for o, b in zip(outs, base))
             us = 1e3 * ms
             row = dict(projection=name, shape=f"{n}x{k}", variant=label, us=us, share=nbytes / (us * 1e-6) / ceiling,
