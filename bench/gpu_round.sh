@@ -313,6 +313,10 @@ case "${1:-1}" in
     step 200 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-4x64.json"
     ;;
+  rows3)     # Llama-3-8B's QKV at 2 rows a program in its batch-1 step (the kernel alone: 15.73 -> 14.81 us)
+    step 240 python3 bench/decode_dispatch.py --shape llama3-8b --variants default+greedy llama-qkv-rows2+greedy \
+         --out "$OUT"
+    ;;
   rows)      # the decode GEMVs by output rows per program: in isolation (each projection over 36 stacked layers,
              # against the no-prologue kernel and the plain GEMV), then the batch-1 step at 1 / 2 / 4 rows
     step 200 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --out "$OUT"
