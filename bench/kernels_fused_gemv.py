@@ -96,8 +96,8 @@ def main() -> None:
         if norm:
             variants.append(("engine without the norm prologue, 1 row", engine_kernel(1, prologue=False)))
         if epilogue == "swiglu":   # gate row i and up row i side by side in memory (an interleaved copy)
-            variants += [(f"engine on interleaved rows, {r} row{'s' if r > 1 else ''}", engine_kernel(r, interleaved=True))
-                         for r in (1, 2)]
+            variants += [(f"engine on interleaved rows, {r} row{'s' if r > 1 else ''}",
+                          engine_kernel(r, interleaved=True)) for r in (1, 2)]
         g = choose_config(1, n, k, bf)
 
         def plain(block_out, g=g):   # the layers as separate arrays: a slice of the stack would be copied first

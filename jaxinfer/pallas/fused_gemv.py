@@ -5,8 +5,9 @@
 It also serves the lm_head at batch 1 with float32 outputs (`out_dtype`): on the H200 it reads Qwen3-4B's
 778 MB matrix in 175 us a call where XLA's reduce fusions took 184 (floor 174; bench/NOTES.md).
 
-The lane mapping is gemv.py's (measured best there): one warp per program, one output row per
-program, the warp's lanes streaming consecutive weights of that row in tiles of `block_in`.
+The lane mapping is gemv.py's (measured best there): one warp per program, the warp's lanes streaming
+consecutive weights of a row in tiles of `block_in`; one output row per program, or `rows` of them where
+`ROWS` says (each row still its own vector, summed as a one-row program sums it: the same outputs).
 What is fused:
 - the layer index: W is the stacked [L, out, in] array, read in place (no slice copy);
 - RMSNorm as a prologue, without a second pass over x: rms_norm(x) . w = rsqrt(mean(x^2) + eps) *
@@ -105,8 +106,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up; `interleaved`: gate row i at 2i, up row i at
     2i + 1) and returns [T, I].
     T <= a few tokens; block_in a power of two; `rows` output rows per program (a power of two that divides
-    the output rows; 1: one row, as measured best for the plain GEMV, gemv.py). The output is in `out_dtype` (default x.dtype): float32
-    keeps the float32 sums unrounded (the lm_head's logits)."""
+    the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
+    float32 keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
         w = w[None]
     vectors = [a for a in (scale, b) if a is not None]
