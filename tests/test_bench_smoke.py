@@ -34,6 +34,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("warm_start.py", ["--serve", "--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64",
                        "--max-num-seqs", "2", "--runs", "1"], "warm_start_serve.json"),
     ("kernels_l2_prefetch.py", ["--interpret"], "l2_prefetch.json"),
+    ("kernels_fused_gemv.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--repeats", "1", "--rows", "1", "2"],
+     "fused_gemv.json"),
     ("step_memory.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-num-seqs", "2",
                         "--max-model-len", "64"], "step_memory.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
