@@ -57,6 +57,8 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2})),   # Qwen3-4B's QKV only
     "qkv-rows4+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 4})),
     # Llama-3-8B's QKV at 2 rows (its kernel: 15.73 -> 14.81 us, fifteenth session), Qwen3-4B's entry kept
+    # the SwiGLU GEMV on interleaved gate/up rows (a program's two rows one contiguous run)
+    "interleaved+greedy": ("", True, False, dict(interleaved_gate_up=True)),
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),
     "profiled-rows2+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, dict(gemv_rows=2)),
     "profiled-pdl-launch+greedy": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True, {}),

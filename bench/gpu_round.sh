@@ -305,9 +305,11 @@ case "${1:-1}" in
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
   swiglu)    # the next session's first call: the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
-             # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7); then batch 8's
+             # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
+             # batch-1 step (same greedy tokens expected); then batch 8's
              # attention row A/B again (the fourteenth session's loaded cached executables: void)
     step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
+    step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
     step 240 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 8/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-8x64.json"
     step 200 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"

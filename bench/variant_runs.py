@@ -61,6 +61,8 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
+    "interleaved_gate_up" (the layers' gate/up rows interleaved and read so by the "pallas" op set; needs the
+    layers unrolled),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -82,6 +84,26 @@ def apply_bench_options(options: dict) -> dict:
         # (the fourteenth session's batch-8 attention A/B loaded its first run's executables for the second)
         options["executable_cache"] = ""
 
+    if options.pop("interleaved_gate_up", False):   # gate/up rows interleaved, and the op set that reads them so
+        import jax.numpy as jnp
+
+        from jaxinfer.ops import get_ops
+        from jaxinfer.ops import pallas as pallas_ops
+
+        split = jaxinfer.engine.split_layers
+
+        def interleave(w):   # [2I, D]: gate i at 2i, up i at 2i + 1
+            return jnp.stack([w[: w.shape[0] // 2], w[w.shape[0] // 2:]], axis=1).reshape(w.shape)
+
+        def split_interleaved(params):
+            params = split(params)
+            return {**params, "layers": [{**lp, "w_gate_up": interleave(lp["w_gate_up"])} for lp in params["layers"]]}
+
+        jaxinfer.engine.split_layers = split_interleaved
+        jaxinfer.engine.get_ops = lambda name: (
+            pallas_ops.make(interpret=name.endswith("-interpret"), interleaved_gate_up=True)
+            if name in ("pallas", "pallas-interpret") else get_ops(name))
+        options["executable_cache"] = ""
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
         options["executable_cache"] = ""
         from jaxinfer.transfer import to_device
