@@ -57,6 +57,10 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2})),   # Qwen3-4B's QKV only
     "qkv-rows4+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 4})),
     # Llama-3-8B's QKV at 2 rows (its kernel: 15.73 -> 14.81 us, fifteenth session), Qwen3-4B's entry kept
+    # decode attention's split count at a 1,024-token context: the table gives batch 1 64 splits of 64 whenever the
+    # page table spans more than 1,024 tokens (so 48 of 64 programs are empty at 1k and the merge reads 64 splits)
+    "attn-16x64+greedy": ("", True, False, dict(attention_config=(16, 64))),
+    "attn-64x64+greedy": ("", True, False, dict(attention_config=(64, 64))),
     # the SwiGLU GEMV on interleaved gate/up rows (a program's two rows one contiguous run)
     "interleaved+greedy": ("", True, False, dict(interleaved_gate_up=True)),
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),

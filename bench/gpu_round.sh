@@ -315,8 +315,13 @@ case "${1:-1}" in
     step 200 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-4x64.json"
     ;;
-  rows3)     # Llama-3-8B's QKV at 2 rows a program in its batch-1 step (the kernel alone: 15.73 -> 14.81 us)
+  rows3)     # Llama-3-8B's QKV at 2 rows a program in its batch-1 step (the kernel alone: 15.73 -> 14.81 us); then
+             # Qwen3-4B's batch-1 step with decode attention forced to 16 and to 64 splits of 64 (the table's 64 at a
+             # 1k context leaves 48 programs empty and the merge reads all 64)
     step 240 python3 bench/decode_dispatch.py --shape llama3-8b --variants default+greedy llama-qkv-rows2+greedy \
+         --out "$OUT"
+    mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-llama.json"
+    step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants attn-64x64+greedy attn-16x64+greedy \
          --out "$OUT"
     ;;
   rows)      # the decode GEMVs by output rows per program: in isolation (each projection over 36 stacked layers,

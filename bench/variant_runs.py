@@ -61,6 +61,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
+    "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "interleaved_gate_up" (the layers' gate/up rows interleaved and read so by the "pallas" op set; needs the
     layers unrolled),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -84,6 +85,11 @@ def apply_bench_options(options: dict) -> dict:
         # (the fourteenth session's batch-8 attention A/B loaded its first run's executables for the second)
         options["executable_cache"] = ""
 
+    if "attention_config" in options:   # every decode attention call at this (splits, block_k)
+        from bench.throughput import force_attention_config
+
+        force_attention_config(*options.pop("attention_config"))
+        options["executable_cache"] = ""
     if options.pop("interleaved_gate_up", False):   # gate/up rows interleaved, and the op set that reads them so
         import jax.numpy as jnp
 
