@@ -306,13 +306,15 @@ case "${1:-1}" in
     ;;
   swiglu)    # the next session's first call: the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
              # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
-             # batch-1 step (same greedy tokens expected); then batch 8's
-             # attention row A/B again (the fourteenth session's loaded cached executables: void)
+             # batch-1 step (same greedy tokens expected)
     step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
-    step 240 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 8/64 --out "$OUT"
+    ;;
+  b8redo)    # batch 8's attention row A/B again, each row compiled (the fourteenth session's second run loaded the
+             # first run's executables: void); each engine start compiles ~125 s
+    step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 8/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-8x64.json"
-    step 200 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
+    step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-4x64.json"
     ;;
   rows3)     # Llama-3-8B's QKV at 2 rows a program in its batch-1 step (the kernel alone: 15.73 -> 14.81 us); then
