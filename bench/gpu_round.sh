@@ -11,7 +11,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -i warn | tee -a "$OUT/round.log"; }
+step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -iE 'warning:|warnings\.warn|^W[0-9]{4} ' | tee -a "$OUT/round.log"; }
 # For the server: random Qwen3-4B weights with the real tokenizer, and the server's wheels (.whl)
 serve_setup() {
   python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
