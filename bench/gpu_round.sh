@@ -309,6 +309,11 @@ case "${1:-1}" in
              # batch-1 step (same greedy tokens expected)
     step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
+    mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-swiglu.json"
+    # the persistent MLP block (pallas/mlp_block.py: one kernel, a grid barrier between SwiGLU and down) against
+    # the engine's two kernels; last, and under its own limit: a program count the GPU cannot keep resident
+    # would spin forever (prediction in NOTES: 36-42 us against 39.5)
+    step 120 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --mlp-block 256 512 1024 --out "$OUT"
     ;;
   b8redo)    # batch 8's attention row A/B again, each row compiled (the fourteenth session's second run loaded the
              # first run's executables: void); each engine start compiles ~125 s
