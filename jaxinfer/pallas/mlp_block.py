@@ -36,14 +36,17 @@ f32 = jnp.float32
 i32 = jnp.int32
 
 
+def _tiles(n: int, block: int):
+    """(index, mask) of each [block] tile over n columns, as fused_gemv walks them (a masked last tile)."""
+    lanes = jnp.arange(block)
+    for k0 in range(0, n, block):
+        yield (k0 + lanes, k0 + lanes < n) if k0 + block > n else (pl.ds(k0, block), None)
+
+
 def _row_dot(load_w, load_x, n_in, block_in):
-    """sum(w * x) over a row in [block_in] tiles, as fused_gemv sums it (a masked last tile)."""
-    lanes = jnp.arange(block_in)
+    """sum(w * x) over a row in [block_in] tiles, as fused_gemv sums it."""
     acc = jnp.zeros((block_in,), f32)
-    for i in range(pl.cdiv(n_in, block_in)):
-        k0 = i * block_in
-        masked = k0 + block_in > n_in
-        idx, mask = (k0 + lanes, k0 + lanes < n_in) if masked else (pl.ds(k0, block_in), None)
+    for idx, mask in _tiles(n_in, block_in):
         acc = acc + load_w(idx, mask).astype(f32) * load_x(idx, mask)
     return jnp.sum(acc)
 
@@ -59,12 +62,8 @@ def _kernel(layer_ref, x_ref, wgu_ref, scale_ref, wd_ref, res_ref, cnt_in_ref, h
         return plgpu.load(ref_win, mask=mask, other=0 if mask is not None else None, **kw)
 
     # the norm's factor: the sum of squares over the same tiles fused_gemv accumulates it in
-    lanes = jnp.arange(block_up)
     sumsq = jnp.zeros((block_up,), f32)
-    for i in range(pl.cdiv(D, block_up)):
-        k0 = i * block_up
-        masked = k0 + block_up > D
-        idx, mask = (k0 + lanes, k0 + lanes < D) if masked else (pl.ds(k0, block_up), None)
+    for idx, mask in _tiles(D, block_up):
         xt = load(x_ref.at[i32(0), idx], mask).astype(f32)
         sumsq = sumsq + xt * xt
     inv = jax.lax.rsqrt(jnp.sum(sumsq) / D + eps)
