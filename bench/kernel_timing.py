@@ -28,15 +28,24 @@ def rel_err(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def best_ms_per_call(f, args: tuple, calls: int, repeats: int = 3):
+def best_ms_per_call(f, args: tuple, calls: int, repeats: int = 3, target_s: float | None = None):
     """(f(*args)'s outputs, best of `repeats` timed runs in ms per call) for a jitted f that runs an op on
-    `calls` inputs in a row (device time >> dispatch); the first, untimed run compiles."""
+    `calls` inputs in a row (device time >> dispatch); the first, untimed run compiles. target_s: each timed
+    run calls f back to back for about that long (runs of ~1 ms leave the GPU at idle clocks: the fifteenth
+    session's first kernels_fused_gemv run measured the plain GEMV at 4x its sweep's time)."""
     outs = jax.block_until_ready(f(*args))
+    n = 1
+    if target_s is not None:
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        n = max(3, int(target_s / max(time.perf_counter() - t0, 1e-6)))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        best = min(best, (time.perf_counter() - t0) / calls)
+        for _ in range(n):
+            r = f(*args)
+        jax.block_until_ready(r)
+        best = min(best, (time.perf_counter() - t0) / (n * calls))
     return outs, 1e3 * best
 
 

@@ -18,16 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import log, rel_err
+from bench.kernel_timing import best_ms_per_call, log, rel_err
 from bench.table import print_table
-from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
+from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, interleave_gate_up
 from jaxinfer.pallas.gemv import choose_config, gemv
 from jaxinfer.random_model import SHAPES
 
@@ -39,24 +38,6 @@ def projections(cfg: dict) -> list[tuple[str, int, int, str, bool]]:
     hd = cfg.get("head_dim") or D // H
     return [("qkv", (H + 2 * K) * hd, D, "none", True), ("o_proj", D, H * hd, "residual", False),
             ("gate/up", 2 * I, D, "swiglu", True), ("down", D, I, "residual", False)]
-
-
-def timed(f, args: tuple, calls: int, repeats: int, target_s: float = 0.25):
-    """(outputs, best ms per product): f runs `calls` products; each timing runs f back to back for ~target_s
-    (a few short calls leave the GPU at idle clocks: the first try of this bench timed 1 ms bursts and
-    measured the plain GEMV at 4x its sweep's time)."""
-    outs = jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    n = max(3, int(target_s / max(time.perf_counter() - t0, 1e-6)))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            r = f(*args)
-        jax.block_until_ready(r)
-        best = min(best, (time.perf_counter() - t0) / (n * calls))
-    return outs, 1e3 * best
 
 
 def mlp_block_rows(cfg: dict, L: int, programs: list[int], repeats: int, ceiling: float, ip: bool) -> list[dict]:
@@ -93,12 +74,12 @@ def mlp_block_rows(cfg: dict, L: int, programs: list[int], repeats: int, ceiling
     for label, f in [("two kernels (engine)", two_kernels)] + [(f"persistent, {P} programs", persistent(P))
                                                                 for P in programs]:
         log(f"# MLP block: {label}")
-        outs, ms = timed(jax.jit(f), (x, wgu, scale, wd, res), L, repeats)
+        outs, ms = best_ms_per_call(jax.jit(f), (x, wgu, scale, wd, res), L, repeats, target_s=0.25)
         err = None if base is None else max(rel_err(o, b) for o, b in zip(outs, base))
         base = outs if base is None else base
         us = 1e3 * ms
         rows.append(dict(projection="MLP block", shape=f"{2 * I}x{D} + {D}x{I}", variant=label, us=us,
-                         share=nbytes / (us * 1e-6) / ceiling, err_vs_1_row="" if err is None else f"{err:.1e}"))
+                         share=nbytes / (us * 1e-6) / ceiling, err="" if err is None else f"{err:.1e}"))
         log(json.dumps(rows[-1]))
     return rows
 
@@ -159,10 +140,10 @@ def main() -> None:
             if label.startswith("plain"):
                 weights = [w[i] for i in range(L)]
             elif "interleaved" in label:
-                weights = jnp.stack([w[:, :n // 2], w[:, n // 2:]], axis=2).reshape(w.shape)
+                weights = interleave_gate_up(w)
             else:
                 weights = w
-            outs, ms = timed(f, (x, weights, scale), L, args.repeats)
+            outs, ms = best_ms_per_call(f, (x, weights, scale), L, args.repeats, target_s=0.25)
             del weights
             err = None
             if label.startswith("engine, 1 row"):
@@ -171,14 +152,14 @@ def main() -> None:
                 err = max(rel_err(o, b) for o, b in zip(outs, base))
             us = 1e3 * ms
             row = dict(projection=name, shape=f"{n}x{k}", variant=label, us=us, share=nbytes / (us * 1e-6) / ceiling,
-                       err_vs_1_row="" if err is None else f"{err:.1e}")
+                       err="" if err is None else f"{err:.1e}")
             rows_out.append(row)
             log(json.dumps(row))
         del w
     print(f"\n{args.shape}, batch 1, bf16, {L} layers stacked; HBM read ceiling {ceiling / 1e12:.2f} TB/s")
     print_table(rows_out, [("projection", "projection", ""), ("shape", "shape", ""), ("variant", "variant", ""),
                            ("us per call", "us", ".2f"), ("share of ceiling", "share", ".1%"),
-                           ("rel. err vs 1 row (MLP block: vs two kernels)", "err_vs_1_row", "")])
+                           ("rel. err vs 1 row (MLP block: vs two kernels)", "err", "")])
     Path(args.out, "fused_gemv.json").write_text(json.dumps(dict(ceiling=ceiling, rows=rows_out), indent=1))
 
 

@@ -74,6 +74,11 @@ def apply_bench_options(options: dict) -> dict:
     import jaxinfer.engine
     from jaxinfer.pallas import fused_gemv
 
+    # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
+    # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
+    # attention A/B loaded its first run's executables for the second).
+    patched = any(k in options for k in ("gemv_rows", "attention_config", "interleaved_gate_up", "unpacked_batch",
+                                         "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
@@ -81,50 +86,40 @@ def apply_bench_options(options: dict) -> dict:
             fused_gemv.ROWS.update(rows)
         else:
             fused_gemv.DEFAULT_ROWS = rows
-        # the executable cache's key sees the source and the flags, not a patched table: compile afresh
-        # (the fourteenth session's batch-8 attention A/B loaded its first run's executables for the second)
-        options["executable_cache"] = ""
-
     if "attention_config" in options:   # every decode attention call at this (splits, block_k)
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
-        options["executable_cache"] = ""
     if options.pop("interleaved_gate_up", False):   # gate/up rows interleaved, and the op set that reads them so
-        import jax.numpy as jnp
-
         from jaxinfer.ops import get_ops
         from jaxinfer.ops import pallas as pallas_ops
 
         split = jaxinfer.engine.split_layers
 
-        def interleave(w):   # [2I, D]: gate i at 2i, up i at 2i + 1
-            return jnp.stack([w[: w.shape[0] // 2], w[w.shape[0] // 2:]], axis=1).reshape(w.shape)
-
         def split_interleaved(params):
             params = split(params)
-            return {**params, "layers": [{**lp, "w_gate_up": interleave(lp["w_gate_up"])} for lp in params["layers"]]}
+            return {**params, "layers": [{**lp, "w_gate_up": fused_gemv.interleave_gate_up(lp["w_gate_up"])}
+                                         for lp in params["layers"]]}
 
         jaxinfer.engine.split_layers = split_interleaved
         jaxinfer.engine.get_ops = lambda name: (
             pallas_ops.make(interpret=name.endswith("-interpret"), interleaved_gate_up=True)
             if name in ("pallas", "pallas-interpret") else get_ops(name))
-        options["executable_cache"] = ""
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
-        options["executable_cache"] = ""
         from jaxinfer.transfer import to_device
 
         jaxinfer.engine.to_device_packed = to_device
     layout = options.pop("weights", None)
-    if layout is None:
-        return options
+    if layout is not None:
+        def split_every_array(params):
+            stacked = params["layers"]
+            n = jax.tree.leaves(stacked)[0].shape[0]
+            return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)],
+                    "layer_vectors": None}
 
-    def split_every_array(params):
-        stacked = params["layers"]
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)], "layer_vectors": None}
-
-    jaxinfer.engine.split_layers = {"stacked": lambda params: params, "split-every-array": split_every_array}[layout]
-    options["executable_cache"] = ""
+        jaxinfer.engine.split_layers = {"stacked": lambda params: params,
+                                        "split-every-array": split_every_array}[layout]
+    if patched:
+        options["executable_cache"] = ""
     return options
 

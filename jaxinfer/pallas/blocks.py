@@ -4,6 +4,7 @@ update of the attention kernels."""
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -41,6 +42,18 @@ def dot_precision(dtype):
     """Precision for tile products: float32 operands need HIGHEST (the Triton lowering turns DEFAULT
     into TF32, measured 4e-4 relative error on the GPU); bf16 products are exact either way."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.dtype(jnp.float32) else None
+
+
+def row_tiles(n: int, block: int):
+    """(index, mask) of each [block] tile of a row of n: a slice, then for a last tile past n the columns as an
+    index array with their mask (else None). The decode GEMVs walk rows so (fused_gemv, mlp_block)."""
+    lanes = jnp.arange(block)
+    for k0 in range(0, n, block):
+        if k0 + block > n:
+            cols = k0 + lanes
+            yield cols, cols < n
+        else:
+            yield pl.ds(k0, block), None
 
 
 def silu_mul(gate, up):

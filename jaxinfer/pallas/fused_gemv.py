@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import layer_operand, silu_mul
+from jaxinfer.pallas.blocks import layer_operand, row_tiles, silu_mul
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
@@ -51,22 +51,14 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bi
         w_rows = [2 * r for r in out_rows] + [2 * r + 1 for r in out_rows]
     else:               # gate rows, then up rows
         w_rows = out_rows + [r + half for r in out_rows]
-    lanes = jnp.arange(block_in)
-    n_tiles = pl.cdiv(n_in, block_in)
     accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
-    for i in range(n_tiles):
-        k0 = i * block_in
-        masked = k0 + block_in > n_in
-        cols = k0 + lanes
-        cmask = cols < n_in if masked else None
-
-        def load(ref_win):
-            if masked:
+    for idx, cmask in row_tiles(n_in, block_in):
+        def load(ref_win, cmask=cmask):
+            if cmask is not None:
                 return plgpu.load(ref_win, mask=cmask, other=0)
             return plgpu.load(ref_win)
 
-        idx = cols if masked else pl.ds(k0, block_in)
         ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in w_rows]
         scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
@@ -144,6 +136,13 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
     )(*args)
+
+
+def interleave_gate_up(w: jax.Array) -> jax.Array:
+    """A fused [..., 2I, D] gate/up matrix (gate rows, then up) with its rows interleaved: gate i at 2i, up i at
+    2i + 1 (the layout `interleaved=True` reads)."""
+    half = w.shape[-2] // 2
+    return jnp.stack([w[..., :half, :], w[..., half:, :]], axis=-2).reshape(w.shape)
 
 
 # Output rows per program at batch 1 by (output rows, in); absent: DEFAULT_ROWS. The plain GEMV's sweep found

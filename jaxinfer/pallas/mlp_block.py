@@ -30,23 +30,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import is_pow2, silu_mul
+from jaxinfer.pallas.blocks import is_pow2, row_tiles, silu_mul
 
 f32 = jnp.float32
 i32 = jnp.int32
 
 
-def _tiles(n: int, block: int):
-    """(index, mask) of each [block] tile over n columns, as fused_gemv walks them (a masked last tile)."""
-    lanes = jnp.arange(block)
-    for k0 in range(0, n, block):
-        yield (k0 + lanes, k0 + lanes < n) if k0 + block > n else (pl.ds(k0, block), None)
-
-
 def _row_dot(load_w, load_x, n_in, block_in):
     """sum(w * x) over a row in [block_in] tiles, as fused_gemv sums it."""
     acc = jnp.zeros((block_in,), f32)
-    for idx, mask in _tiles(n_in, block_in):
+    for idx, mask in row_tiles(n_in, block_in):
         acc = acc + load_w(idx, mask).astype(f32) * load_x(idx, mask)
     return jnp.sum(acc)
 
@@ -63,7 +56,7 @@ def _kernel(layer_ref, x_ref, wgu_ref, scale_ref, wd_ref, res_ref, cnt_in_ref, h
 
     # the norm's factor: the sum of squares over the same tiles fused_gemv accumulates it in
     sumsq = jnp.zeros((block_up,), f32)
-    for idx, mask in _tiles(D, block_up):
+    for idx, mask in row_tiles(D, block_up):
         xt = load(x_ref.at[i32(0), idx], mask).astype(f32)
         sumsq = sumsq + xt * xt
     inv = jax.lax.rsqrt(jnp.sum(sumsq) / D + eps)
