@@ -304,6 +304,11 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  ropeattn)  # the engine's decode attention kernel (RoPE, norm, cache write fused) by split config at batch 1-32
+             # (bench/kernels_decode_attention.py sweeps the plain kernel, which the step no longer runs); batch 8's
+             # attention took 17.6 us a layer in the thirteenth session's trace against ~7.5 at the read ceiling
+    step 420 python3 bench/kernels_decode_attention_rope.py --budget 330
+    ;;
   swiglu)    # the next session's first call: the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
              # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
              # batch-1 step (same greedy tokens expected)

@@ -1,0 +1,220 @@
+"""The engine's decode attention kernel (RoPE, norm and cache write fused: pallas/decode_attention_rope.py) by
+split configuration, at the batches and contexts of a batched decode step.
+
+    PYTHONPATH=. python3 bench/kernels_decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300]
+
+bench/kernels_decode_attention.py sweeps the plain split kernel, which the engine no longer runs in a decode
+step (fourteenth session: batch 8's best plain config did not move the step). This sweeps the kernel the step
+runs, merge included. Qwen3-4B's attention shape (H 32, KVH 8, hd 128, Qwen3's q/k norm and RoPE), bf16, page
+size 16, pages in random order. Each config runs inside one jit as a chain of calls that thread the caches
+(aliased, donated: the calls run one after another, as the layers do), over enough layers that the KV read is
+not served from L2; best of 3 timed runs of ~0.1 s. Each config's first output is checked against the
+reference twin (reference.decode_qkv_attention) before it counts. Prints per point the table's choice
+(choose_config at the engine's span: 1.5x the context, as the benches' page tables) and the best configs,
+with the share of the HBM read ceiling (the KV bytes the batch must read / time). JSON to $OUT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.ceilings import hbm_read_ceiling
+from bench.kernel_timing import log, rel_err, save_results
+from jaxinfer.ops import reference
+from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+H, K, HD, PS = 32, 8, 128, 16
+L2_BYTES = 50e6
+TOL = 2e-2
+POINTS = ["1:1024", "4:1024", "8:1024", "8:2048", "16:1024", "32:1024"]
+
+
+@dataclasses.dataclass
+class Problem:
+    B: int
+    ctx: int
+    L: int
+    qkv: jax.Array        # [L, B, (H + 2K) * hd]: one projection per layer
+    cos: jax.Array
+    sin: jax.Array
+    qn: jax.Array
+    kn: jax.Array
+    k: np.ndarray         # the caches on the host: each config starts from a fresh device copy
+    v: np.ndarray
+    slots: jax.Array
+    pt: jax.Array
+    cl: jax.Array
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.B * self.ctx * K * HD * 2 * 2
+
+
+def make_problem(B: int, ctx: int, seed: int, interpret: bool) -> Problem:
+    rng = np.random.default_rng(seed)
+    P = -(-ctx // PS) + 1
+    per_layer = B * ctx * K * HD * 2 * 2
+    L = 1 if interpret else int(min(16, max(2, math.ceil(4 * L2_BYTES / per_layer))))
+    n_pages = B * P + 1
+    shape = (L, K, n_pages * PS, HD)
+    k = rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
+    v = rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)
+    qkv = jnp.asarray(rng.standard_normal((L, B, (H + 2 * K) * HD), np.float32), jnp.bfloat16)
+    pages = rng.permutation(np.arange(1, n_pages))[: B * P].reshape(B, P).astype(np.int32)
+    pos = np.full((B,), ctx - 1, np.int32)
+    slots = pages[np.arange(B), pos // PS] * PS + pos % PS
+    inv_freq = 1.0 / (1e6 ** (np.arange(0, HD, 2, dtype=np.float32) / HD))
+    cos, sin = reference.rope_cos_sin(jnp.asarray(pos), jnp.asarray(inv_freq), jnp.bfloat16)
+    qn = jnp.asarray(1 + 0.1 * rng.standard_normal((L, HD), np.float32), jnp.bfloat16)
+    kn = jnp.asarray(1 + 0.1 * rng.standard_normal((L, HD), np.float32), jnp.bfloat16)
+    return Problem(B, ctx, L, qkv, cos, sin, qn, kn, k, v, jnp.asarray(slots), jnp.asarray(pages),
+                   jnp.asarray(pos + 1))
+
+
+def reference_out(p: Problem) -> jax.Array:
+    """Layer 0's output by the reference twin."""
+    return reference.decode_qkv_attention(p.qkv[0], (p.cos, p.sin), p.qn[0], p.kn[0], 1e-6, jnp.asarray(p.k),
+                                          jnp.asarray(p.v), jnp.int32(0), p.slots, p.pt, p.cl, PS, HD ** -0.5,
+                                          H, K)[0]
+
+
+def build(p: Problem, cfg: DA.SplitConfig, n: int, interpret: bool):
+    """A jit of n calls over the layers in turn, threading the (donated) caches; returns (k, v, first output)."""
+
+    def chain(k, v, qkv, cos, sin, qn, kn, slots, pt, cl):
+        first = None
+        for i in range(n):
+            out, k, v = decode_attention_rope_write(
+                qkv[i % p.L], cos, sin, qn, kn, k, v, jnp.int32(i % p.L), slots, pt, cl, page_size=PS,
+                scale=HD ** -0.5, num_heads=H, num_kv_heads=K, eps=1e-6, config=cfg, interpret=interpret)
+            first = out if first is None else first
+        return k, v, first
+
+    args = (jnp.asarray(p.k), jnp.asarray(p.v), p.qkv, p.cos, p.sin, p.qn, p.kn, p.slots, p.pt, p.cl)
+    return jax.jit(chain, donate_argnums=(0, 1)).lower(*args).compile()
+
+
+def time_config(compiled, p: Problem, n: int, target_s: float) -> tuple[float, jax.Array]:
+    """(best seconds per call, the first call's output)."""
+    k, v = jnp.asarray(p.k), jnp.asarray(p.v)
+    rest = (p.qkv, p.cos, p.sin, p.qn, p.kn, p.slots, p.pt, p.cl)
+    k, v, first = compiled(k, v, *rest)
+    jax.block_until_ready(first)
+    t0 = time.perf_counter()
+    k, v, _ = compiled(k, v, *rest)
+    jax.block_until_ready(k)
+    reps = max(2, int(target_s / max(time.perf_counter() - t0, 1e-6)))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            k, v, out = compiled(k, v, *rest)
+        jax.block_until_ready((k, v, out))
+        best = min(best, (time.perf_counter() - t0) / (reps * n))
+    return best, first
+
+
+def candidates(p: Problem) -> list[DA.SplitConfig]:
+    cfgs = []
+    for bk in (32, 64, 128):
+        blocks = -(-p.ctx // bk)
+        for s in (1, 2, 4, 8, 16, 32, 64):
+            if s <= blocks:
+                cfgs.append(DA.SplitConfig(num_splits=s, block_k=bk))
+    return cfgs
+
+
+def variants(best: DA.SplitConfig) -> list[DA.SplitConfig]:
+    return [dataclasses.replace(best, num_warps=w, num_stages=st) for w, st in ((2, 2), (8, 2), (4, 1), (4, 3))]
+
+
+def cfg_str(c: DA.SplitConfig) -> str:
+    return f"{c.num_splits}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+
+
+def run(p: Problem, cfgs, ref, n: int, pool, interpret: bool, target_s: float) -> list[dict]:
+    futs = {pool.submit(build, p, c, n, interpret): c for c in cfgs}
+    cf.wait(futs)   # compile all before timing any (lowering holds the GIL)
+    rows = []
+    for fut, c in futs.items():
+        row = {"cfg": dataclasses.asdict(c)}
+        try:
+            t, first = time_config(fut.result(), p, n, target_s)
+            err = rel_err(first, ref)
+            row.update(us=t * 1e6, err=err, ok=err < TOL)
+        except Exception as e:  # noqa: BLE001 - a config that fails is a result too
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--points", nargs="*", default=POINTS, help="B:ctx (ctx counts the new token)")
+    ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
+    ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
+    args = ap.parse_args()
+    t_start = time.time()
+    ip = args.interpret
+    ceiling = None if ip else hbm_read_ceiling()
+    if ceiling:
+        log(f"# HBM read ceiling {ceiling / 1e12:.2f} TB/s")
+    results = {"ceiling": ceiling, "points": []}
+    table = []
+    with cf.ThreadPoolExecutor(8) as pool:
+        for i, point in enumerate(args.points):
+            if time.time() - t_start > args.budget:
+                log(f"# out of budget before {point}")
+                break
+            B, ctx = map(int, point.split(":"))
+            p = make_problem(B, ctx, seed=i, interpret=ip)
+            ref = reference_out(p)
+            n = 2 if ip else int(min(32, max(8, round(400e-6 / max(p.kv_bytes / 3.5e12, 4e-6)))))
+            engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS)
+            cfgs = candidates(p)[:3] if ip else candidates(p)
+            cfgs = list(dict.fromkeys([engine] + cfgs))
+            target = 0.0 if ip else 0.1
+            rows = run(p, cfgs, ref, n, pool, ip, target)
+            good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])
+            if good and not ip:
+                more = [c for c in variants(DA.SplitConfig(**good[0]["cfg"])) if c not in cfgs]
+                rows += run(p, more, ref, n, pool, ip, target)
+                good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])
+            for r in rows:
+                if not r["ok"]:
+                    log(f"   FAILED {cfg_str(DA.SplitConfig(**r['cfg']))}: {r.get('error') or 'err %.2e' % r['err']}")
+            eng = next((r for r in rows if DA.SplitConfig(**r["cfg"]) == engine and r["ok"]), None)
+            results["points"].append({"B": B, "ctx": ctx, "L": p.L, "calls": n, "kv_bytes": p.kv_bytes,
+                                      "engine": dataclasses.asdict(engine), "rows": rows})
+            log(f"[{time.time() - t_start:6.1f}s] B={B} ctx={ctx}: engine {cfg_str(engine)} "
+                f"{eng['us'] if eng else float('nan'):.2f} us; best "
+                + "; ".join(f"{cfg_str(DA.SplitConfig(**r['cfg']))} {r['us']:.2f}" for r in good[:5]))
+
+            def share(us, kv_bytes=p.kv_bytes):
+                return f"{kv_bytes / (us * 1e-6) / ceiling:.1%}" if ceiling and us else "-"
+
+            if good:
+                table.append(f"| {B} | {ctx:,} | {cfg_str(engine)} | {eng['us'] if eng else float('nan'):.2f} | "
+                             f"{share(eng['us'] if eng else None)} | {cfg_str(DA.SplitConfig(**good[0]['cfg']))} | "
+                             f"{good[0]['us']:.2f} | {share(good[0]['us'])} | {good[0]['err']:.1e} |")
+    save_results(results, "decode_attention_rope.json")
+    print("\nQwen3-4B attention (H 32, KVH 8, hd 128), bf16, RoPE + q/k norm + cache write fused, merge included"
+          + (f"; HBM read ceiling {ceiling / 1e12:.2f} TB/s" if ceiling else ""))
+    print("| batch | context | engine's config | us | share | best config | us | share | rel. err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
