@@ -304,6 +304,11 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  table16)   # after batch 5-8's attention row (8 x 64): the batched decode table at batch 1-64 with the tables as
+             # shipped, and Llama-3-8B's batch-1 decode with its QKV at 2 rows a program
+    step 330 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --decode-only --out "$OUT"
+    step 200 python3 bench/decode.py --shapes llama3-8b --paths pallas --out "$OUT"
+    ;;
   ropeattn)  # the engine's decode attention kernel (RoPE, norm, cache write fused) by split config at batch 1-32
              # (bench/kernels_decode_attention.py sweeps the plain kernel, which the step no longer runs); batch 8's
              # attention took 17.6 us a layer in the thirteenth session's trace against ~7.5 at the read ceiling

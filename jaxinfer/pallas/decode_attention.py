@@ -219,6 +219,9 @@ _TABLE: list[tuple[int, int, SplitConfig]] = [
     (32, 128, SplitConfig(1, 64)),
     (32, 1024, SplitConfig(16, 64)),     # batch 4: ctx 1,024 10.1 us
     (32, _BIG, SplitConfig(8, 128)),     # batch 4: ctx 8,192 39.4 us, 32,768 135 us (91%)
+    (64, _BIG, SplitConfig(8, 64)),      # batch 5-8, RoPE-fused kernel (bench/kernels_decode_attention_rope.py,
+                                         # 2026-11-30): B8 ctx 1,024 13.9 us against 4x64's 15.8, 2,048 22.4
+                                         # against 26.1; the B8 step 3.261 -> 3.157 ms
     (128, 128, SplitConfig(1, 64)),
     (128, 1024, SplitConfig(8, 64)),     # batch 16: ctx 1,024 23.3 us
     (128, _BIG, SplitConfig(4, 64)),     # batch 16: ctx 8,192 131 us, 32,768 505 us (95%)
