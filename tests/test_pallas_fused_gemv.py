@@ -149,18 +149,23 @@ def test_float32_outputs_only_without_an_epilogue():
         fused_gemv(x, w, 0, epilogue="swiglu", out_dtype=jnp.float32, interpret=True)
 
 
-def test_a_layer_shared_with_the_vectors_is_one_operand_entry():
-    """ops.pallas passes the kernels [layer] where the vectors share the matrix's layer (a scan's one traced
-    index: a free reshape) and [layer, vector_layer] only where they differ (model.split_layers)."""
+def test_the_layer_indices_are_one_entry_operands_never_a_joined_pair():
+    """ops.pallas passes a kernel the matrix's layer and the vectors' (model.split_layers: they differ) as two
+    one-entry operands: a joined [2] pair of constants becomes a kernel of its own on the GPU
+    (blocks.layer_operands). The vectors are still read at their own layer."""
     from jaxinfer.ops import get_ops
 
     ops = get_ops("pallas-interpret")
-    x = jnp.ones((1, 64), jnp.float32)
-    w, s = jnp.ones((3, 32, 64), jnp.float32), jnp.ones((3, 64), jnp.float32)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((3, 32, 64)), jnp.float32)
+    s = jnp.asarray(1 + 0.5 * rng.standard_normal((3, 64)), jnp.float32)
 
-    def jaxpr(shared: bool) -> str:
-        f = lambda i, j: ops.rms_norm_linear(x, LayerWeight(s, i if shared else j), 1e-6, LayerWeight(w, i))
-        return str(jax.make_jaxpr(f)(jnp.int32(1), jnp.int32(2)))
+    def f(i, j):
+        return ops.rms_norm_linear(x, LayerWeight(s, j), 1e-6, LayerWeight(w, i))
 
-    assert "concatenate" not in jaxpr(shared=True)
-    assert "concatenate" in jaxpr(shared=False)
+    text = str(jax.make_jaxpr(f)(jnp.int32(1), jnp.int32(2)))
+    assert "concatenate" not in text and "stack" not in text
+    got = f(jnp.int32(1), jnp.int32(2))
+    np.testing.assert_allclose(got, reference.rms_norm_linear(x, s[2], 1e-6, w[1]), rtol=2e-5, atol=2e-5)
+    assert not np.allclose(got, reference.rms_norm_linear(x, s[1], 1e-6, w[1]), rtol=1e-3)

@@ -9,6 +9,8 @@ for its compute capability; this machine has none). Lowering stops before ptxas,
 compile error can still surface only on the GPU; a lowering error cannot.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -30,6 +32,9 @@ def h200(monkeypatch):
 
 
 TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"   # how a lowered Pallas Triton kernel appears in the module
+# Two scalars (a kernel's layer indices) joined into one int32[2]: on the GPU XLA makes a pair of constants a
+# parameterless fusion that runs as a kernel every step (pallas/blocks.py, layer_operands)
+LAYER_PAIR = re.compile(r"stablehlo\.concatenate [^\n]*\(tensor<1xi32>, tensor<1xi32>\) -> tensor<2xi32>")
 
 
 def _lower(fn, *args):
@@ -68,6 +73,7 @@ def test_engine_steps_lower(small_model, ops, kv, unroll):
         traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert TRITON_CALL in text
+        assert not LAYER_PAIR.search(text), (name, LAYER_PAIR.search(text).group(0))
 
 
 @pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])

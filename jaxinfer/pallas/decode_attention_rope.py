@@ -30,8 +30,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kv_cache import to_cache
-from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, online_softmax_update, page_compute_dtype,
-                                     page_slots, pow2_at_least, rope_halves, split_range, to_compute)
+from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
+                                     page_compute_dtype, page_slots, pow2_at_least, rope_halves, split_range,
+                                     to_compute)
 from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
 
 f32 = jnp.float32
@@ -41,7 +42,7 @@ def supports(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 32
 
 
-def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size, n_pages,
+def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size, n_pages,
             block_k, num_splits, qk_scale, has_norm, has_rope, eps):
     refs = list(refs)
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
@@ -49,7 +50,7 @@ def _kernel(layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G,
     k_ref, v_ref = refs.pop(0), refs.pop(0)        # the caches, as inputs (aliased to kc_ref, vc_ref)
     *out_refs, kc_ref, vc_ref = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    layer, norm_layer = layer_ref[0], layer_ref[1]
+    layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), n_pages * page_size)
     dtype = qkv_ref.dtype
     half = hd // 2
@@ -162,10 +163,8 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     group = H // K
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None
-    norm_layer = layer if norm_layer is None else norm_layer
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(norm_layer, jnp.int32).reshape(())])
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
-    args = [layers, slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
+    args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
             qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
     n = len(args)
     S = config.num_splits

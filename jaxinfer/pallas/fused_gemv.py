@@ -26,21 +26,20 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import layer_operand, row_tiles, silu_mul
+from jaxinfer.pallas.blocks import layer_operands, row_tiles, silu_mul
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half, rows,
+def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half, rows,
             interleaved):
     refs = list(refs)
     o_ref = refs.pop()
     scale_ref = refs.pop(0) if has_scale else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
-    # the matrix's layer, the vectors' (scale, bias): a second entry only where they differ
-    layer, vlayer = layer_ref[0], layer_ref[layer_ref.shape[0] - 1]
+    layer, vlayer = layer_ref[0], vlayer_ref[0]   # the matrix's layer, the vectors' (scale, bias)
     # `rows` consecutive output rows a program share each tile's x (and scale) loads; each row is its own
     # [block_in] vector, summed exactly as a one-row program sums it (the same outputs, bit for bit)
     first = pl.program_id(0) * rows
@@ -123,8 +122,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     grid_rows = half if epilogue == "swiglu" else n_out
     if rows < 1 or rows & (rows - 1) or grid_rows % rows:
         raise ValueError(f"fused_gemv: rows per program ({rows}) must be a power of two dividing {grid_rows}")
-    layers = layer_operand(layer, vector_layer)
-    args = [layers, x, w] + [a for a in (scale, b, residual) if a is not None]
+    args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
                                interleaved=interleaved)

@@ -19,13 +19,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kv_cache import to_cache
-from jaxinfer.pallas.blocks import head_rms_norm, rope_halves
+from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, rope_halves
 
 f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
 
 
-def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
+def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
     refs = list(refs)
     k_ref, v_ref = (refs.pop(), refs.pop())[::-1] if with_kv else (None, None)
     q_ref, kc_ref, vc_ref = refs[-3:]
@@ -33,7 +33,7 @@ def _kernel(layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     tb, h = pl.program_id(0), pl.program_id(1)
-    layer, norm_layer = layer_ref[0], layer_ref[1]
+    layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     half = hd // 2
     dtype = qkv_ref.dtype
     lo, hi = pl.ds(0, half), pl.ds(half, half)
@@ -101,10 +101,8 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
     has_rope, has_norm = cos is not None, q_norm is not None
-    norm_layer = layer if norm_layer is None else norm_layer
-    layer = jnp.stack([jnp.asarray(layer, jnp.int32).reshape(()), jnp.asarray(norm_layer, jnp.int32).reshape(())])
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
-    args = [layer, slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
+    args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
     BT = min(TOKENS_PER_PROGRAM, T)
     kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,

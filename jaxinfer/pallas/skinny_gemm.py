@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operand, pow2_at_least, silu_mul, tile_mask
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -120,7 +120,7 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
     return dataclasses.replace(cfg, num_stages=stages)
 
 
-def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
+def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
             tiles_per_split):
     refs = list(refs)
     o_ref = refs.pop()
@@ -129,7 +129,7 @@ def _kernel(layer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
-    vlayer = plgpu.load(layer_ref.at[i32(layer_ref.shape[0] - 1)])    # the bias's layer (a second entry if it differs)
+    vlayer = plgpu.load(vlayer_ref.at[i32(0)])    # the bias's layer
     m0 = pl.program_id(0) * BM
     n0 = pl.program_id(1) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
@@ -235,11 +235,11 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     cfg = dataclasses.replace(cfg, split_k=S)
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
-    layer = layer_operand(layer, vector_layer)
+    layers = layer_operands(layer, vector_layer)
     if partial:
-        args, out_shape = [layer, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
+        args, out_shape = [*layers, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
-        args = [layer, x, w] + [a for a in (b, residual) if a is not None]
+        args = [*layers, x, w] + [a for a in (b, residual) if a is not None]
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
     kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
                                epilogue="none" if partial else epilogue, half=half,
@@ -251,5 +251,5 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial:
-        return _finish(y, None if b is None else b[layer[-1]], residual, epilogue, x.dtype)
+        return _finish(y, None if b is None else b[layers[1][0]], residual, epilogue, x.dtype)
     return y
