@@ -304,6 +304,38 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
+  pairs)     # the seventeenth session's first call: two changes of the sixteenth, each against the package before it,
+             # in one run, each its own process: the kernels' layer indices as one-entry operands (blocks.
+             # layer_operands; before, each [layer, vector_layer] pair was a parameterless XLA fusion run every step:
+             # 37 of them, ~0.84 us each, in a batch-1 Qwen3-4B step), then the merge kernel reading only the splits
+             # that had positions. .carry/before-pairs = `git archive b77fb52 jaxinfer`, .carry/before-merge = the
+             # package at the layer-operands commit (DEVELOPERS.md). Predictions in NOTES: batch 1 2.56 -> ~2.53 ms
+             # (pairs), then ~-0.02 ms (merge); Qwen3-0.6B 0.875 -> ~0.85; the same greedy tokens throughout
+    for shape in qwen3-4b qwen3-0.6b; do
+      for pkg in before-pairs before-merge now; do
+        path=.; [ $pkg != now ] && path=.carry/$pkg:.
+        step 130 env PYTHONPATH=$path python3 bench/decode_dispatch.py --shape $shape --variants default+greedy \
+             --out "$OUT"
+        mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-$shape-$pkg.json"
+      done
+    done
+    ;;
+  pairs8)    # the same at batch 8 (its mixed step had 36-38 pair fusions a step, 0.81 us each); ~160 s an engine
+    step 280 env PYTHONPATH=.carry/before-pairs:. python3 bench/throughput.py --shape qwen3-4b --batches 8 \
+         --decode-only --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-before.json"
+    step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-after.json"
+    ;;
+  normflags) # batch 8's two RMSNorm fusions and split-K finish a layer (6.5 us: the finish's add is not fused into the
+             # Triton softmax-style norm fusion after it): XLA flags that might fuse them, each its own engine (~160 s);
+             # FLAGS picks the variant (default: the Triton norm fusions off)
+    step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-default.json"
+    step 280 env XLA_FLAGS="${FLAGS:---xla_gpu_enable_triton_softmax_fusion=false}" python3 bench/throughput.py \
+         --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-flags.json"
+    ;;
   table16)   # after batch 5-8's attention row (8 x 64): the batched decode table at batch 1-64 with the tables as
              # shipped, and Llama-3-8B's batch-1 decode with its QKV at 2 rows a program
     step 330 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --decode-only --out "$OUT"

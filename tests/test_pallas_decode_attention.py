@@ -147,3 +147,34 @@ def test_rejects_bad_configs():
                                   interpret=True)
     with pytest.raises(ValueError):
         DA.paged_decode_attention(q[:, :3], k, v, 0, pt, cl, 16, 0.25, interpret=True)
+
+
+@pytest.mark.parametrize("cached_offset", [0, 1], ids=["plain", "rope"])
+def test_merge_reads_only_the_splits_that_had_positions(cached_offset):
+    """The merge kernel skips the splits its sequence's context left empty (split 0 always read). Empty splits'
+    memory is poisoned with NaN: read, it would spoil the output; skipped, the output equals the merge of clean
+    partials (empty splits as kernel 1 writes them: o = 0, lse = NEG) bit for bit."""
+    rng = np.random.default_rng(7)
+    B, H, S, hd, bk, max_ctx = 4, 4, 16, 64, 16, 16 * 16 * 4
+    ctx = np.array([1, 17, 100, max_ctx], np.int32)    # counting the RoPE kernel's new token where cached_offset = 1
+    n_blocks = -(-(ctx - cached_offset) // bk)
+    per = -(-n_blocks // S)
+    live = (np.arange(S)[None, :] * per[:, None] < n_blocks[:, None]) | (np.arange(S)[None, :] == 0)
+    assert (~live).any() and live.any(axis=1).all()
+    o = rng.standard_normal((B, H, S, hd)).astype(np.float32)
+    lse = (3 * rng.standard_normal((B, H, S))).astype(np.float32)
+    clean_o = np.where(live[:, None, :, None], o, 0.0)
+    clean_lse = np.where(live[:, None, :], lse, DA.NEG)
+    poisoned_o = np.where(live[:, None, :, None], o, np.nan)
+    poisoned_lse = np.where(live[:, None, :], lse, np.nan)
+
+    def merge(o_part, lse_part, lens):
+        return DA.merge_splits(jnp.asarray(o_part), jnp.asarray(lse_part), jnp.float32, hd, interpret=True,
+                               context_lens=jnp.asarray(lens), block_k=bk, max_ctx=max_ctx,
+                               cached_offset=cached_offset)
+
+    everything = np.full((B,), max_ctx, np.int32)   # every split counted as live: the merge reads all S
+    want = np.asarray(merge(clean_o, clean_lse, everything))
+    got = np.asarray(merge(poisoned_o, poisoned_lse, ctx))
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(np.asarray(merge(poisoned_o, poisoned_lse, everything))).any()

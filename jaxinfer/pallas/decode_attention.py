@@ -121,18 +121,21 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
         plgpu.store(lse_ref.at[b, h * group + rows, s], lse, mask=row_mask)
 
 
-def _merge_kernel(o_part_ref, lse_ref, o_ref, *, hd, D, num_splits):
+def _merge_kernel(cl_ref, o_part_ref, lse_ref, o_ref, *, hd, D, num_splits, block_k, max_ctx, cached_offset):
     b = pl.program_id(0)
     hq = pl.program_id(1)
     cols = jnp.arange(D, dtype=jnp.int32)
-    if D != hd:
-        col_mask = cols < hd
-        splits = jnp.arange(num_splits, dtype=jnp.int32)
-        o = plgpu.load(o_part_ref.at[b, hq, splits[:, None], cols[None, :]],
-                       mask=col_mask[None, :], other=0)
-    else:
-        o = plgpu.load(o_part_ref.at[b, hq, pl.ds(0, num_splits), pl.ds(0, D)])
-    lse = plgpu.load(lse_ref.at[b, hq, pl.ds(0, num_splits)])                 # [S]
+    splits = jnp.arange(num_splits, dtype=jnp.int32)
+    # Only the splits that had positions are read (split 0 always: the RoPE kernel's new token lives there). An
+    # empty split wrote o = 0 and lse = NEG, exactly the masked loads' `other`, so the tile and its sums are
+    # the same as reading everything: at a 1k context in a 40k page table 16 of 64 splits hold positions.
+    ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), max_ctx) - cached_offset
+    start, stop = split_range(pl.cdiv(ctx, block_k), splits, num_splits)
+    live = (start < stop) | (splits == 0)
+    col_mask = cols < hd
+    o = plgpu.load(o_part_ref.at[b, hq, splits[:, None], cols[None, :]], mask=live[:, None] & col_mask[None, :],
+                   other=0)
+    lse = plgpu.load(lse_ref.at[b, hq, splits], mask=live, other=NEG)                # [S]
     w = jnp.exp2(lse - jnp.max(lse))
     out = jnp.sum(o * w[:, None], axis=0) / jnp.sum(w)
     if D != hd:
@@ -184,13 +187,17 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     )(layer, page_table, context_lens, q, k_cache, v_cache)
     if num_splits == 1:
         return res
-    return merge_splits(*res, q.dtype, hd, merge, interpret)
+    return merge_splits(*res, q.dtype, hd, merge, interpret, context_lens=context_lens, block_k=block_k,
+                        max_ctx=n_pages * page_size)
 
 
 def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str = "pallas",
-                 interpret: bool = False) -> jax.Array:
+                 interpret: bool = False, *, context_lens: jax.Array, block_k: int, max_ctx: int,
+                 cached_offset: int = 0) -> jax.Array:
     """Kernel 2: the splits' normalised outputs o_part [B, H, S, hd] (float32) and base-2
-    log-sum-exps lse [B, H, S] merged into [B, H, hd] in `dtype` (merge "jnp": the same in XLA)."""
+    log-sum-exps lse [B, H, S] merged into [B, H, hd] in `dtype` (merge "jnp": the same in XLA).
+    context_lens [B], block_k, max_ctx (the page table's span) and cached_offset (1 where kernel 1 split
+    context_lens - 1 cached positions) say which splits had positions: the kernel reads only those."""
     B, H, num_splits, _ = o_part.shape
     if merge == "jnp":
         w = jnp.exp2(lse - jnp.max(lse, axis=2, keepdims=True))
@@ -198,12 +205,13 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
         return out.astype(dtype)
     D = pow2_at_least(hd, 16)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, hd=hd, D=D, num_splits=num_splits),
+        functools.partial(_merge_kernel, hd=hd, D=D, num_splits=num_splits, block_k=block_k, max_ctx=max_ctx,
+                          cached_offset=cached_offset),
         out_shape=jax.ShapeDtypeStruct((B, H, hd), dtype), grid=(B, H), interpret=interpret,
         name="decode_attention_merge",
         compiler_params=plgpu.CompilerParams(num_warps=4 if num_splits * D >= 4096 else 2,
                                              num_stages=1),
-    )(o_part, lse)
+    )(context_lens.astype(jnp.int32), o_part, lse)
 
 
 # Measured on one H200 (bench/kernels_decode_attention.py --sweep, 2026-11-29, bf16, KVH 8, hd 128, page 16;

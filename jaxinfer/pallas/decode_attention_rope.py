@@ -188,4 +188,6 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     )(*args)
     if S == 1:
         return res[0], k_cache, v_cache
-    return merge_splits(*res, qkv.dtype, hd, config.merge, interpret), k_cache, v_cache
+    merged = merge_splits(*res, qkv.dtype, hd, config.merge, interpret, context_lens=context_lens,
+                          block_k=config.block_k, max_ctx=page_table.shape[1] * page_size, cached_offset=1)
+    return merged, k_cache, v_cache
