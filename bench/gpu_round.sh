@@ -304,20 +304,25 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
-  pairs)     # the seventeenth session's first call: two changes of the sixteenth, each against the package before it,
-             # in one run, each its own process: the kernels' layer indices as one-entry operands (blocks.
+  pairs)     # the seventeenth session's first call: three changes of the sixteenth, each against the package before
+             # it, in one run, each its own process: the kernels' layer indices as one-entry operands (blocks.
              # layer_operands; before, each [layer, vector_layer] pair was a parameterless XLA fusion run every step:
-             # 37 of them, ~0.84 us each, in a batch-1 Qwen3-4B step), then the merge kernel reading only the splits
-             # that had positions. .carry/before-pairs = `git archive b77fb52 jaxinfer`, .carry/before-merge = the
-             # package at the layer-operands commit (DEVELOPERS.md). Predictions in NOTES: batch 1 2.56 -> ~2.53 ms
-             # (pairs), then ~-0.02 ms (merge); Qwen3-0.6B 0.875 -> ~0.85; the same greedy tokens throughout
-    for shape in qwen3-4b qwen3-0.6b; do
-      for pkg in before-pairs before-merge now; do
-        path=.; [ $pkg != now ] && path=.carry/$pkg:.
-        step 130 env PYTHONPATH=$path python3 bench/decode_dispatch.py --shape $shape --variants default+greedy \
-             --out "$OUT"
-        mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-$shape-$pkg.json"
-      done
+             # 37 of them, ~0.84 us each, in a batch-1 Qwen3-4B step), the merge kernel reading only the splits that
+             # had positions, the greedy step's argmax and logprob in two reductions (sampling.greedy_with_logprob).
+             # .carry/before-X = `git archive REV jaxinfer` (DEVELOPERS.md). Predictions in NOTES: batch 1 2.56 ->
+             # ~2.53 ms (pairs), ~-0.02 ms (merge), ~-0.01 ms (logprob); Qwen3-0.6B 0.875 -> ~0.84 in all; the same
+             # greedy tokens throughout
+    for pkg in before-pairs before-merge before-logprob now; do
+      path=.; [ $pkg != now ] && path=.carry/$pkg:.
+      step 110 env PYTHONPATH=$path python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy \
+           --out "$OUT"
+      mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-qwen3-4b-$pkg.json"
+    done
+    for pkg in before-pairs now; do
+      path=.; [ $pkg != now ] && path=.carry/$pkg:.
+      step 80 env PYTHONPATH=$path python3 bench/decode_dispatch.py --shape qwen3-0.6b --variants default+greedy \
+           --out "$OUT"
+      mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-qwen3-0.6b-$pkg.json"
     done
     ;;
   pairs8)    # the same at batch 8 (its mixed step had 36-38 pair fusions a step, 0.81 us each); ~160 s an engine

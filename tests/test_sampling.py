@@ -16,6 +16,7 @@ from jaxinfer.sampling import (
     SamplingParamsError,
     SamplingParams,
     apply_penalties,
+    greedy_with_logprob,
     sample,
     SORT_MAX_ROWS,
     sampler_for,
@@ -695,3 +696,22 @@ def test_the_filter_samplers_sort_only_the_candidate_blocks(method):
     sorted_shapes = {shape for line in text.splitlines() if " sort(" in line
                      for shape in re.findall(r"\w+\[([\d,]+)\]", line.split(" sort(")[0])}
     assert sorted_shapes <= {f"{B},64"}, sorted_shapes
+
+
+@pytest.mark.parametrize("V", [7, 1000, 151936])
+def test_greedy_with_logprob_is_argmax_and_log_softmax(V):
+    """The one-pass greedy reduction picks what jnp.argmax picks (the first of equal values; NaN above all;
+    a row of -inf gives 0) and the token's log_softmax of the raw logits, penalised and raw rows apart."""
+    rng = np.random.default_rng(V)
+    raw = jnp.asarray(rng.standard_normal((6, V)) * 4, jnp.float32)
+    pen = raw * 0.9
+    pen = pen.at[1, V // 2].set(50.0).at[1, V - 1].set(50.0).at[1, 3].set(50.0)   # a three-way tie: the first
+    pen = pen.at[2].set(-jnp.inf)                                                  # every entry -inf: index 0
+    pen = pen.at[3].set(-jnp.inf).at[3, V - 1].set(-1e30)
+    pen = pen.at[4, V - 2].set(jnp.nan).at[4, V - 1].set(jnp.nan)                  # NaN wins, the first of them
+    raw = raw.at[5, 2].set(-jnp.inf)                                               # a raw -inf adds nothing
+    tokens, logprob = jax.jit(greedy_with_logprob)(raw, pen)
+    want = jnp.argmax(pen, axis=-1)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+    ref = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), want[:, None], axis=-1)[:, 0]
+    np.testing.assert_allclose(np.asarray(logprob), np.asarray(ref), rtol=1e-5, atol=1e-5)
