@@ -341,6 +341,10 @@ case "${1:-1}" in
          --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-flags.json"
     ;;
+  skinny32)  # batch 17-32's projections: the tensor-core GEMM's table has M = 16 and 64 configs only, and B32's step runs
+             # gate/up on XLA's GEMM at 32.7 us a layer (the M = 64 sweep found XLA faster there); a sweep at M = 32
+    step 330 python3 bench/kernels_skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 260
+    ;;
   table16)   # after batch 5-8's attention row (8 x 64): the batched decode table at batch 1-64 with the tables as
              # shipped, and Llama-3-8B's batch-1 decode with its QKV at 2 rows a program
     step 330 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --decode-only --out "$OUT"

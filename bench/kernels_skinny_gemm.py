@@ -145,6 +145,8 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
     ap.add_argument("--prefill", action="store_true", help="prompt rows: the kernel tiled over M against XLA")
     ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm in the product")
+    ap.add_argument("--sweep-ms", type=int, nargs="*", default=None, help="the sweep's M values (default 16 64)")
+    ap.add_argument("--ms", type=int, nargs="*", default=None, help="the table's M values")
     args = ap.parse_args()
     global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL, NORM
     INTERPRET = KG.INTERPRET = args.interpret
@@ -154,6 +156,10 @@ def main():
         SHAPES = {m: [s for s in shapes if s[2] != "residual"] for m, shapes in SHAPES.items()}
     if PREFILL:
         MS, SWEEP_MS = PREFILL_MS, PREFILL_SWEEP_MS
+    if args.sweep_ms:
+        SWEEP_MS = args.sweep_ms
+    if args.ms:
+        MS = args.ms
     if INTERPRET:
         SHAPES = {"tiny": [(96, 64, "none"), (128, 64, "swiglu")]}
         MS, SWEEP_MS = ([80, 130], [80]) if PREFILL else ([2, 16], [16])
