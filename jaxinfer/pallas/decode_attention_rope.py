@@ -42,8 +42,8 @@ def supports(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 32
 
 
-def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size, n_pages,
-            block_k, num_splits, qk_scale, has_norm, has_rope, eps):
+def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size,
+            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps):
     refs = list(refs)
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
@@ -164,8 +164,8 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
-    args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32), context_lens.astype(jnp.int32),
-            qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
+    args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32),
+            context_lens.astype(jnp.int32), qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
     n = len(args)
     S = config.num_splits
     if S == 1:

@@ -32,8 +32,8 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
 
-def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half, rows,
-            interleaved):
+def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
+            rows, interleaved):
     refs = list(refs)
     o_ref = refs.pop()
     scale_ref = refs.pop(0) if has_scale else None
