@@ -332,12 +332,13 @@ case "${1:-1}" in
     step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-after.json"
     ;;
-  normflags) # batch 8's two RMSNorm fusions and split-K finish a layer (6.5 us: the finish's add is not fused into the
-             # Triton softmax-style norm fusion after it): XLA flags that might fuse them, each its own engine (~160 s);
-             # FLAGS picks the variant (default: the Triton norm fusions off)
-    step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
-    mv "$OUT/throughput.json" "$OUT/throughput-b8-default.json"
-    step 280 env XLA_FLAGS="${FLAGS:---xla_gpu_enable_triton_softmax_fusion=false}" python3 bench/throughput.py \
+  normflags) # XLA's residual add (or split-K finish) and the RMSNorm fusion after it run as two kernels (the norm is a
+             # Triton softmax-style fusion the add does not join): 72 pairs a 1k prefill step (5.5 + 4.5 us), two a
+             # layer at batch 8 (1.7 + 2.4 us). Without Triton's norm fusions the add might join a native norm
+             # reduction. The 1k prefill first (one process a variant), then batch 8 (an engine each, ~160 s)
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default no-triton-norm \
+         profiled-no-triton-norm --out "$OUT"
+    step 250 env XLA_FLAGS="${FLAGS:---xla_gpu_enable_triton_softmax_fusion=false}" python3 bench/throughput.py \
          --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-flags.json"
     ;;
