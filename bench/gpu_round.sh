@@ -342,6 +342,11 @@ case "${1:-1}" in
          --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-flags.json"
     ;;
+  barrier)   # does a grid barrier order memory between Pallas Triton programs? (the persistent MLP block's outputs
+             # were off at 256-512 programs): wrong values and the counter, by variant (fences, the last arriver)
+             # and program count; ~1 min. What a persistent kernel or a merge by the last split needs first
+    step 150 python3 bench/kernels_barrier.py --programs 128 256 512 1024 --calls 200
+    ;;
   skinny32)  # batch 17-32's projections: the tensor-core GEMM's table has M = 16 and 64 configs only, and B32's step runs
              # gate/up on XLA's GEMM at 32.7 us a layer (the M = 64 sweep found XLA faster there); a sweep at M = 32
     step 330 python3 bench/kernels_skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 260
