@@ -325,7 +325,8 @@ case "${1:-1}" in
       mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-qwen3-0.6b-$pkg.json"
     done
     ;;
-  pairs8)    # the same at batch 8 (its mixed step had 36-38 pair fusions a step, 0.81 us each); ~160 s an engine
+  pairs8)    # batch 8, the package before the three changes against now (its step had 36 pair fusions, 0.81 us each;
+             # the merge reads every split at batch 8 and 1k either way; the greedy logprob applies); ~160 s an engine
     step 280 env PYTHONPATH=.carry/before-pairs:. python3 bench/throughput.py --shape qwen3-4b --batches 8 \
          --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-before.json"
