@@ -40,7 +40,12 @@ PDL_LAUNCH = PDL + " --xla_gpu_enable_pdl_launch=true"
 
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
     """For each variant name -> XLA_FLAGS, run `script --child NAME *child_args` with those flags
-    added; returns one row per variant: its RESULT fields, or `error`."""
+    added; returns one row per variant: its RESULT fields, or `error`, and the jaxinfer package the children
+    import (the same PYTHONPATH as here: an A/B against an older package puts that one first)."""
+    import jaxinfer
+
+    package = os.path.dirname(os.path.abspath(jaxinfer.__file__))
+    print(f"# jaxinfer from {package}", flush=True)
     rows = []
     for name, flags in variants.items():
         env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
@@ -54,7 +59,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
             print("\n".join(l for l in p.stdout.splitlines() if l.startswith(("|", "# profile", "# idle"))), flush=True)
         except subprocess.TimeoutExpired:
             res = dict(error="timeout")
-        rows.append(dict(variant=name, flags=flags, **res))
+        rows.append(dict(variant=name, flags=flags, package=package, **res))
     return rows
 
 
