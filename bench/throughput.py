@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import hashlib
 import json
 import os
 import time
@@ -66,7 +67,9 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         # prefill and the start cancel out, and so do dispatches that run past the last token.
         # (The engine has prefix caching off: both runs send the same prompts.)
         prefill_only, _ = run_all(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in params])
-        full, _ = run_all(engine, prompts, params)
+        full, outs = run_all(engine, prompts, params)
+        # the greedy tokens' fingerprint: op sets that change only how a kernel computes must agree on it
+        tokens_sha = hashlib.sha1(np.asarray([o.token_ids for o in outs], np.int64).tobytes()).hexdigest()[:12]
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
         weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
@@ -74,9 +77,9 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
         raw_ms = raw_decode_step_ms(engine, B, context)
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
-                   share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms)
+                   share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms, tokens_sha=tokens_sha)
         print(f"| {B} | {raw_ms:.3f} | {1e3 * B / raw_ms:,.0f} | {100 * roof_ms / raw_ms:.1f}% | {step_ms:.3f} | "
-              f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% |", flush=True)
+              f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% | {tokens_sha} |", flush=True)
         if B in profile:
             row["profile"] = trace_engine_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
         rows.append(row)
@@ -185,8 +188,8 @@ def main() -> None:
 
     print(f"\n## decode step at {args.context} tokens of context: the device alone (back-to-back dispatches), "
           "then end to end ((wall(n tokens) - wall(1 token)) / (n - 1), decodes riding in prefill steps included)")
-    print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens |")
+    print("|---|---|---|---|---|---|---|---|---|")
     out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile)
     if args.decode_only:
         Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
