@@ -6,8 +6,6 @@ Tolerances: float32 1e-5 relative (same products, another summation order); bflo
 (outputs round to bf16, ~4e-3 per element, and a different summation order can flip a rounding).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,57 +55,6 @@ def test_skinny_gemm_matches_reference(kind, case, dtype):
         ref = reference.swiglu(reference.linear(x, lw))
     assert y.shape == ref.shape and y.dtype == ref.dtype
     assert rel_err(y, ref) <= TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("kind", ["norm", "norm-bias", "norm-swiglu"])
-def test_the_norm_prologue_matches_the_reference(kind, case, dtype):
-    """rms_norm(x) folded into the product (scale at its own vector layer, as model.split_layers passes
-    it), every case's tiles without split-K. bf16: the tensor cores take x * scale rounded once where the
-    reference rounds twice; the outputs stay within the bf16 tolerance."""
-    M, N, K, cfg = CASES[case]
-    cfg = dataclasses.replace(cfg, split_k=1)
-    keys = jax.random.split(jax.random.PRNGKey(hash((kind, case, str(dtype))) % 2**31), 4)
-    x = (3 * jax.random.normal(keys[0], (M, K), jnp.float32)).astype(dtype)
-    w = (jax.random.normal(keys[1], (1, N, K), jnp.float32) / np.sqrt(K)).astype(dtype)
-    scale = (1 + 0.5 * jax.random.normal(keys[2], (3, K), jnp.float32)).astype(dtype)
-    b = jax.random.normal(keys[3], (3, N), jnp.float32).astype(dtype)
-    lw, ls, lb = LayerWeight(w, jnp.int32(0)), LayerWeight(scale, jnp.int32(2)), LayerWeight(b, jnp.int32(2))
-    kw = dict(scale=scale, eps=1e-5, vector_layer=2, config=cfg, interpret=True)
-    if kind == "norm":
-        y, ref = skinny_gemm(x, w, 0, **kw), reference.rms_norm_linear(x, ls, 1e-5, lw)
-    elif kind == "norm-bias":
-        y, ref = skinny_gemm(x, w, 0, b=b, **kw), reference.rms_norm_linear(x, ls, 1e-5, lw, lb)
-    else:
-        y, ref = skinny_gemm(x, w, 0, epilogue="swiglu", **kw), reference.rms_norm_swiglu(x, ls, 1e-5, lw)
-    assert y.shape == ref.shape and y.dtype == ref.dtype
-    assert rel_err(y, ref) <= TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", range(len(CASES)))
-@pytest.mark.parametrize("epilogue", ["none", "swiglu"])
-def test_the_exact_norm_prologue_equals_the_norm_then_the_product(epilogue, case, dtype):
-    """With the rows' inv_rms given (ops pallas-exact-norm), the prologue rounds as reference.rms_norm:
-    the outputs are the unfused norm-then-GEMM's bit for bit, split-K cases included."""
-    M, N, K, cfg = CASES[case]
-    keys = jax.random.split(jax.random.PRNGKey(hash((epilogue, case, str(dtype))) % 2**31), 3)
-    x = (3 * jax.random.normal(keys[0], (M, K), jnp.float32)).astype(dtype)
-    w = (jax.random.normal(keys[1], (1, N, K), jnp.float32) / np.sqrt(K)).astype(dtype)
-    scale = (1 + 0.5 * jax.random.normal(keys[2], (3, K), jnp.float32)).astype(dtype)
-    kw = dict(epilogue=epilogue, config=cfg, interpret=True)
-    y = skinny_gemm(x, w, 0, scale=scale, eps=1e-5, vector_layer=2, inv_rms=reference.inv_rms(x, 1e-5)[:, 0], **kw)
-    unfused = skinny_gemm(reference.rms_norm(x, scale[2], 1e-5), w, 0, **kw)
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(unfused, np.float32))
-
-
-def test_the_norm_prologue_refuses_split_k():
-    x, w, scale = jnp.ones((4, 256)), jnp.ones((32, 256)), jnp.ones((256,))
-    with pytest.raises(ValueError, match="split_k"):
-        skinny_gemm(x, w, scale=scale, config=SkinnyConfig(block_n=32, block_k=32, split_k=2), interpret=True)
-    with pytest.raises(ValueError, match="inv_rms"):   # the rows' inv_rms goes with a scale
-        skinny_gemm(x, w, inv_rms=jnp.ones((4,)), interpret=True)
 
 
 @pytest.mark.parametrize("split_k", [1, 2])

@@ -9,7 +9,6 @@ for its compute capability; this machine has none). Lowering stops before ptxas,
 compile error can still surface only on the GPU; a lowering error cannot.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -125,30 +124,6 @@ def test_prefill_gemm_lowers_at_real_shapes(shape, M):
             return SG.skinny_gemm(x, w, 1, residual=r, epilogue=epilogue, config=cfg)
 
         assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), res)
-
-
-@pytest.mark.parametrize("M", [8, 32])
-def test_batched_decode_gemm_with_the_norm_prologue_lowers_at_real_shapes(M):
-    """A batched decode step's QKV and gate/up GEMMs with the RMSNorm prologue (skinny_gemm `scale`), at Qwen3-4B's
-    table configs, the norm scale at its own layer (model.split_layers)."""
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
-    H, K, hd = QWEN3_4B["num_attention_heads"], QWEN3_4B["num_key_value_heads"], QWEN3_4B["head_dim"]
-    sd = jax.ShapeDtypeStruct
-    for n, epilogue in [((H + 2 * K) * hd, "none"), (2 * I, "swiglu")]:
-        cfg = SG.choose_config(M, n, D, epilogue)
-        assert cfg.split_k == 1
-        for exact in (False, True):   # folded; rounding as the reference with the rows' inv_rms (split-K too)
-            for config in [cfg] + ([dataclasses.replace(cfg, split_k=2)] if exact else []):
-
-                def gemm(x, w, scale, exact=exact, epilogue=epilogue, config=config):
-                    inv = jnp.ones((M,), jnp.float32) if exact else None
-                    return SG.skinny_gemm(x, w, 0, scale=scale, vector_layer=3, eps=1e-6, inv_rms=inv,
-                                          epilogue=epilogue, config=config)
-
-                text = _lower(gemm, sd((M, D), jnp.bfloat16), sd((1, n, D), jnp.bfloat16), sd((36, D), jnp.bfloat16))
-                assert TRITON_CALL in text and f"skinny_gemm_{epilogue}_norm" in text
 
 
 @pytest.mark.parametrize("rows", [2, 4])

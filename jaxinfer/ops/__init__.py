@@ -2,8 +2,7 @@
 "reference" (jax.numpy), "pallas" (Pallas GPU kernels where they measured faster, the flash prefill
 attention and the decode attention with the new token's norm, RoPE and cache write folded in
 included), "pallas-xla-attention" (the same without the flash prefill kernel) and "pallas-unfused-rope"
-(RoPE and the cache write as a kernel of their own before decode attention) and "pallas-exact-norm" (the
-batched-decode GEMM's norm prologue rounding as the reference does), for A/B runs, and
+(RoPE and the cache write as a kernel of their own before decode attention), both for A/B runs, and
 "-interpret" variants (the same kernels in Pallas interpret mode, for CPU tests).
 
 Weight matrices of a layer reach the ops as `LayerWeight`s: the stacked [L, out, in] array and the
@@ -49,10 +48,9 @@ def get_ops(name: str = "reference"):
         from jaxinfer.ops import pallas
 
         return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=not name.startswith("pallas-xla-attention"),
-                           fused_decode_rope=not name.startswith("pallas-unfused-rope"),
-                           exact_norm=name.startswith("pallas-exact-norm"))
+                           fused_decode_rope=not name.startswith("pallas-unfused-rope"))
     raise ValueError(f"unknown ops backend {name!r} ({', '.join(BACKENDS)})")
 
 
 BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-xla-attention", "pallas-xla-attention-interpret",
-            "pallas-unfused-rope", "pallas-unfused-rope-interpret", "pallas-exact-norm", "pallas-exact-norm-interpret")
+            "pallas-unfused-rope", "pallas-unfused-rope-interpret")

@@ -4,7 +4,7 @@ Ops not overridden here are the reference ops. The projections of a batch-1 deco
 tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows
 it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
-residual and SwiGLU epilogues, the RMSNorm as a prologue where the config has no split-K) at the shapes where its measured table beat XLA
+residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
 (in interpret mode: always, so the CPU tests cover it); prompt rows go to the same kernel tiled over
 rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
@@ -30,7 +30,7 @@ class OpSet(SimpleNamespace):
 
 
 def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope: bool = True,
-         interleaved_gate_up: bool = False, exact_norm: bool = False) -> OpSet:
+         interleaved_gate_up: bool = False) -> OpSet:
     """flash_prefill: the Pallas flash prefill attention (H200: 1.2x XLA's attention path end to end
     at 1k tokens, 3.6x at 8k, 7.5x at 32k); off gives the reference attention, for A/B runs.
     fused_decode_rope: a decode step's norm/RoPE/cache write inside the decode attention kernel
@@ -38,9 +38,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     2.695 ms a step; off gives rope_kv_write then decode attention, for A/B runs).
     interleaved_gate_up: the fused gate/up matrices come with their rows interleaved (gate i at 2i, up i at
     2i + 1; bench/variant_runs.py makes them): the batch-1 SwiGLU GEMV reads a program's two rows as one
-    contiguous run; more rows go through XLA's GEMM. For A/B runs (bench/NOTES.md, fifteenth session).
-    exact_norm: the batched-decode GEMM's norm prologue rounds as reference.rms_norm does, from rows'
-    inv_rms computed in XLA (at any split-K), instead of folding the norm into the product."""
+    contiguous run; more rows go through XLA's GEMM. For A/B runs (bench/NOTES.md, fifteenth session)."""
     from jaxinfer.pallas import decode_attention, decode_attention_rope, prefill_attention, rope_kv_write, skinny_gemm
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
@@ -63,20 +61,9 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
                           rows=rows_for(n_out, n_in), vector_layer=vector_layer, interpret=interpret, **kw)
 
-    def _skinny(x, w, b=None, scale=None, **kw):
-        stacked, layer, vector_layer, (scale, b) = _stacked(w, scale, b)
-        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, scale=scale, vector_layer=vector_layer,
-                                       interpret=interpret, **kw)
-
-    def _skinny_norm(x, scale, eps, w, b=None, **kw):
-        """The tensor-core GEMM of rms_norm(x): the norm as its prologue where the config has no split-K
-        (each program then sees whole rows), else in XLA before it; exact_norm: as its prologue always,
-        with the rows' inv_rms from XLA."""
-        if exact_norm:
-            return _skinny(x, w, b, scale=scale, eps=eps, inv_rms=reference.inv_rms(x, eps)[:, 0], **kw)
-        if kw["config"].split_k == 1:
-            return _skinny(x, w, b, scale=scale, eps=eps, **kw)
-        return _skinny(reference.rms_norm(x, scale, eps), w, b, **kw)
+    def _skinny(x, w, b=None, **kw):
+        stacked, layer, vector_layer, (b,) = _stacked(w, b)
+        return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, vector_layer=vector_layer, interpret=interpret, **kw)
 
     def small(x) -> bool:
         return x.ndim == 2 and 0 < x.shape[0] <= MAX_T
@@ -104,7 +91,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
         if (cfg := skinny_config(x, w)) is not None:
-            return _skinny_norm(x, scale, eps, w, b, config=cfg)
+            return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg)
         return reference.rms_norm_linear(x, scale, eps, w, b)
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
@@ -114,7 +101,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
             y = reference.rms_norm_linear(x, scale, eps, w_gate_up)
             return reference.swiglu(y.reshape(*y.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(y.shape))
         if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
-            return _skinny_norm(x, scale, eps, w_gate_up, epilogue="swiglu", config=cfg)
+            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
 
     def logits(x, w):
@@ -184,7 +171,6 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     ops["prefixed_chunk_attention"] = prefixed_chunk_attention
     base = "pallas-unfused-rope" if not fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
     base += "-interleaved-gate-up" if interleaved_gate_up else ""
-    base += "-exact-norm" if exact_norm else ""
     return OpSet(**ops, name=base + ("-interpret" if interpret else ""))
 
 

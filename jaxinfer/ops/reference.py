@@ -17,14 +17,9 @@ f32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def inv_rms(x: jax.Array, eps: float) -> jax.Array:
-    """float32 rsqrt(mean(x^2) + eps) over the last axis (kept, size 1): what rms_norm scales by."""
-    h = x.astype(f32)
-    return jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-
-
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    h = x.astype(f32) * inv_rms(x, eps)
+    h = x.astype(f32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     return weight(scale) * h.astype(x.dtype)
 
 

@@ -19,12 +19,6 @@ fastest, so the programs running at one time share W's column blocks (read from 
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
 residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
 reads rows I + n, and writes silu(gate) * up [M, I].
-
-The RMSNorm before a projection can come in as a prologue (`scale`; without split-K), folded as the
-batch-1 GEMV folds it: rms_norm(x) . w = rsqrt(mean(x^2) + eps) * ((x * scale) . w), x^2 summed from
-the tiles the dot loads. The tensor cores take x * scale rounded to x.dtype once (the reference rounds
-x * rsqrt(...) and then its product with scale); a batched decode step then has no XLA norm kernel
-before its QKV and gate/up projections (two a layer, ~2.4 us each at batch 8 on the H200).
 """
 
 from __future__ import annotations
@@ -126,18 +120,16 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
     return dataclasses.replace(cfg, num_stages=stages)
 
 
-def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_scale, exact_norm, eps,
-            has_bias, epilogue, half, tiles_per_split):
+def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
+            tiles_per_split):
     refs = list(refs)
     o_ref = refs.pop()
-    scale_ref = refs.pop(0) if has_scale else None
-    inv_ref = refs.pop(0) if exact_norm else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     partial = S > 1   # split-K: float32 partial sums out, the XLA epilogue finishes
     layer = plgpu.load(layer_ref.at[i32(0)])
-    vlayer = plgpu.load(vlayer_ref.at[i32(0)])    # the norm scale's and the bias's layer
+    vlayer = plgpu.load(vlayer_ref.at[i32(0)])    # the bias's layer
     m0 = pl.program_id(0) * BM
     n0 = pl.program_id(1) * BN
     cols_n = half if epilogue == "swiglu" else N      # output columns this kernel covers
@@ -155,25 +147,14 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
     k_tiles = pl.cdiv(K, BK)
     t_lo = pl.program_id(2) * tiles_per_split if partial else 0
     t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
-    inv = plgpu.load(inv_ref.at[rows_ld]) if exact_norm else None    # [BM] the rows' rsqrt(mean(x^2) + eps)
 
-    def body(t, carry):
-        accs, sumsq = carry
+    def body(t, accs):
         k0 = pl.multiple_of(t * BK, BK)
         k = k0 + lanes
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
         x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
         x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
-        if has_scale:   # the norm's prologue
-            xf = x.astype(f32)
-            sc = plgpu.load(scale_ref.at[vlayer, kk[0]], mask=k_ok if ragged_k else None,
-                            other=0 if ragged_k else None).astype(f32)
-            if exact_norm:   # as reference.rms_norm rounds: scale * round(x * inv)
-                x = (sc[None, :] * (xf * inv[:, None]).astype(x.dtype).astype(f32)).astype(x.dtype)
-            else:            # sum x^2 from the tile the dot loads; the dot takes x * scale
-                sumsq = sumsq + jnp.sum(xf * xf, axis=1)
-                x = (xf * sc[None, :]).astype(x.dtype)
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
@@ -183,13 +164,9 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
             out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
                                                  preferred_element_type=f32))
-        return tuple(out), sumsq
+        return tuple(out)
 
-    accs, sumsq = jax.lax.fori_loop(t_lo, t_hi, body, (tuple(jnp.zeros((BM, BN), f32) for _ in bases),
-                                                       jnp.zeros((BM,), f32)))
-    if has_scale and not exact_norm:   # rms_norm(x) . w = rsqrt(mean(x^2) + eps) * ((x * scale) . w)
-        inv = jax.lax.rsqrt(sumsq / K + eps)
-        accs = tuple(acc * inv[:, None] for acc in accs)
+    accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
     mask = row_ok[:, None] & n_ok[None, :]
     if partial:   # [S, M, N_full]
         s = pl.program_id(2)
@@ -224,24 +201,18 @@ def _finish(partial, b, residual, epilogue, dtype):
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
-                vector_layer: jax.Array | int | None = None, scale: jax.Array | None = None, eps: float = 1e-6,
-                inv_rms: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [Lb, N] read at
-    `vector_layer` (default `layer`); scale [Lb, K] (read at `vector_layer`) turns on the RMSNorm
-    prologue: the product is then rms_norm(x, scale, eps) @ W.T, folded as fused_gemv folds it (needs
-    split_k 1: each program sums x^2 over the whole row); with inv_rms [M] (float32 rsqrt(mean(x^2) + eps),
-    reference.inv_rms, computed outside) the prologue rounds as reference.rms_norm does, at any split_k;
+    `vector_layer` (default `layer`);
     epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
     returns [M, I]. config: None picks `choose_config`."""
     if w.ndim == 2:
         w = w[None]
-    if (b is not None and b.ndim == 1) or (scale is not None and scale.ndim == 1):
-        if (b is not None and b.ndim != 1) or (scale is not None and scale.ndim != 1):
-            raise ValueError("skinny_gemm: scale and b are both one layer's or both stacked")
-        b, scale, vector_layer = None if b is None else b[None], None if scale is None else scale[None], 0
+    if b is not None and b.ndim == 1:
+        b, vector_layer = b[None], 0
     M, K = x.shape
     _, N, K_w = w.shape
     if K_w != K:
@@ -261,29 +232,22 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     BM = block_rows(cfg, M)
     k_tiles = -(-K // cfg.block_k)
     S = min(cfg.split_k, k_tiles)
-    if inv_rms is not None and (scale is None or inv_rms.shape != (M,)):
-        raise ValueError(f"skinny_gemm: inv_rms {inv_rms.shape} goes with a scale and x's {M} rows")
-    if scale is not None and inv_rms is None and S > 1:
-        raise ValueError(f"skinny_gemm: the folded norm prologue needs split_k 1, not {S}")
     cfg = dataclasses.replace(cfg, split_k=S)
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
     layers = layer_operands(layer, vector_layer)
-    norm = [a for a in (scale, inv_rms) if a is not None]
     if partial:
-        args, out_shape = [*layers, x, w, *norm], jax.ShapeDtypeStruct((S, M, N), f32)
+        args, out_shape = [*layers, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
-        args = [*layers, x, w, *norm] + [a for a in (b, residual) if a is not None]
+        args = [*layers, x, w] + [a for a in (b, residual) if a is not None]
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
-    kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_scale=scale is not None,
-                               exact_norm=inv_rms is not None, eps=float(eps),
-                               has_bias=b is not None and not partial,
+    kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
                                epilogue="none" if partial else epilogue, half=half,
                                tiles_per_split=tiles_per_split)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(M, BM), pl.cdiv(N if partial else cols, cfg.block_n), S),
         interpret=interpret,
-        name=f"skinny_gemm_{epilogue}" + ("_norm" if scale is not None else ""),
+        name=f"skinny_gemm_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial:

@@ -44,25 +44,3 @@ def test_skinny_gemm_at_real_shapes(shape, M):
         y, ref = skinny_gemm(x, w, 1, config=cfg), reference.linear(x, w[1])
     assert y.shape == ref.shape
     assert _rel(y, ref) <= 1e-2, cfg
-
-
-NORMED = [s for s in SHAPES if s[2] != "residual"]   # the projections that follow an RMSNorm
-
-
-@pytest.mark.parametrize("M", [2, 8, 27, 64])
-@pytest.mark.parametrize("shape", NORMED, ids=[f"{n}x{k}-{e}" for n, k, e in NORMED])
-def test_the_norm_prologue_at_real_shapes(shape, M):
-    """rms_norm(x) folded into the product, as the batched decode step runs it where the config has no split-K."""
-    N, K, ep = shape
-    cfg = choose_config(M, N, K, ep)
-    if cfg.split_k > 1:
-        pytest.skip("split-K: the norm stays in XLA")
-    kx, kw, ks = jax.random.split(jax.random.PRNGKey(N + K + M + 1), 3)
-    x = 4 * jax.random.normal(kx, (M, K), jnp.bfloat16)
-    w = jax.random.normal(kw, (1, N, K), jnp.bfloat16) * jnp.bfloat16(1 / np.sqrt(K))
-    scale = (1 + 0.3 * jax.random.normal(ks, (3, K), jnp.float32)).astype(jnp.bfloat16)
-    y = skinny_gemm(x, w, 0, scale=scale, vector_layer=2, eps=1e-6, epilogue=ep, config=cfg)
-    ref = reference.rms_norm_linear(x, scale[2], 1e-6, w[0])
-    ref = reference.swiglu(ref) if ep == "swiglu" else ref
-    assert y.shape == ref.shape
-    assert _rel(y, ref) <= 1e-2, cfg
