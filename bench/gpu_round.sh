@@ -426,6 +426,17 @@ case "${1:-1}" in
          --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-folded.json"
     ;;
+  skinny32ab) # batch 17-32's GEMMs at their own M = 32 configs: the sweep at M = 32 (its winners: the configs that beat
+             # XLA at M = 32 in the same run), then batch 32 decode without and with them in the table
+             # (throughput.py --skinny-table), engines compiled lazily (only the steps taken). B32's gate/up runs on
+             # XLA's GEMM (32.7 us a layer, sixteenth session). Predicted in NOTES: 4.45 -> ~4.25 ms if gate/up wins
+    step 250 python3 bench/kernels_skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 150
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b32-before.json"
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile \
+         --skinny-table "$OUT/skinny_gemm.json" --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b32-table.json"
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"

@@ -136,6 +136,19 @@ def speed(p, us: float, ceiling: float) -> tuple[str, float]:
     return f"{rate / 1e12:.2f} TB/s", rate / ceiling
 
 
+def sweep_winners(results: dict, margin: float = 0.97) -> list[dict]:
+    """The sweep's best config per (shape, epilogue, M) where it beat XLA's time at that M in the same
+    run's table (by `margin`): rows for skinny_gemm._TABLE (bench/throughput.py --skinny-table)."""
+    xla = {(tuple(r["shape"]), r["epilogue"], r["M"]): r["xla_us"] for r in results["rows"] if r.get("xla_ok")}
+    out = []
+    for e in results["sweep"]:
+        ref = xla.get((tuple(e["shape"]), e["epilogue"], e["M"]))
+        if e["top"] and ref is not None and e["top"][0]["us"] < margin * ref:
+            out.append(dict(shape=e["shape"], epilogue=e["epilogue"], M=e["M"], cfg=e["top"][0]["cfg"],
+                            us=e["top"][0]["us"], xla_us=ref))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sweep", action="store_true")
@@ -232,6 +245,11 @@ def main():
         sp = f"{r['xla_us'] / r['kernel_us']:.2f}x" if k_ok and x_ok else ""
         print(f"| {r['model']} | {r['shape'][0]} x {r['shape'][1]} | {r['epilogue']} | {r['M']} | "
               f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |")
+    if args.sweep and not PREFILL:
+        results["winners"] = sweep_winners(results)
+        for w in results["winners"]:
+            print(f"# table row: {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: "
+                  f"{cfg_str(SG.SkinnyConfig(**w['cfg']))} {w['us']:.2f} us against XLA {w['xla_us']:.2f}")
     print(f"total {time.time() - t_start:.0f} s")
     save_results(results, "prefill_gemm.json" if PREFILL else "skinny_norm_gemm.json" if NORM else "skinny_gemm.json")
 

@@ -57,12 +57,17 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
 
 
-def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()) -> list[dict]:
+def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=(), warm_all: bool = False) -> list[dict]:
+    """warm_all: warm with every row (an engine that compiles on first use compiles each batch's steps then)."""
     rows = []
     for B in batches:
         prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
         params = [SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)] * B
-        run_all(engine, prompts[:1], params[:1])                     # warm
+        if warm_all:   # both runs below once, so that each compiles what it takes first
+            for n in (1, steps):
+                run_all(engine, prompts, [dataclasses.replace(p, max_tokens=n) for p in params])
+        else:
+            run_all(engine, prompts[:1], params[:1])                 # warm
         # Decode time per step = (wall with `steps` tokens - wall with 1 token) / (steps - 1): the
         # prefill and the start cancel out, and so do dispatches that run past the last token.
         # (The engine has prefix caching off: both runs send the same prompts.)
@@ -146,6 +151,16 @@ def force_attention_config(num_splits: int, block_k: int) -> None:
     _FORCED.append(f"attention {num_splits}/{block_k}")
 
 
+def patch_skinny_table(path: str) -> None:
+    """Add the sweep's winning rows (kernels_skinny_gemm.py's JSON, "winners") to skinny_gemm's table."""
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    for w in json.loads(Path(path).read_text()).get("winners", []):
+        SG._TABLE[(*w["shape"], w["epilogue"], w["M"])] = SG.SkinnyConfig(**w["cfg"])
+        _FORCED.append(f"skinny {w['shape']} {w['epilogue']} M={w['M']}")
+        print(f"# skinny table + {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
@@ -161,11 +176,17 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode step table (no offline, no prefix)")
     ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
                     help="every decode attention call with this split config, not the table's (A/B runs)")
+    ap.add_argument("--skinny-table", default=None, metavar="JSON",
+                    help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
+    ap.add_argument("--lazy-compile", action="store_true",
+                    help="compile only the steps the run takes (engine compile_at_start=False; A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     if args.attention_config:
         force_attention_config(*map(int, args.attention_config.split("/")))
+    if args.skinny_table:
+        patch_skinny_table(args.skinny_table)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)
@@ -182,7 +203,7 @@ def main() -> None:
     max_len = max(args.context + 2 * args.steps + 32, 1024 + 512 + 16, args.system + 256)
     t0 = time.perf_counter()
     engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        kv_cache_dtype=args.kv_cache_dtype, compile_at_start=not args.lazy_compile)
     out["start_s"] = dict(total=time.perf_counter() - t0, compile=engine.compile_seconds)
     print(f"# engine start {out['start_s']['total']:.1f} s (compile {engine.compile_seconds:.1f} s)", flush=True)
 
@@ -190,7 +211,8 @@ def main() -> None:
           "then end to end ((wall(n tokens) - wall(1 token)) / (n - 1), decodes riding in prefill steps included)")
     print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
-    out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile)
+    out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile,
+                                 warm_all=args.lazy_compile)
     if args.decode_only:
         Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
         return

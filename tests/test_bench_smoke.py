@@ -109,3 +109,28 @@ def test_throughput_forces_the_attention_config(monkeypatch):
     force_attention_config(2, 16)
     for module in (decode_attention, decode_attention_rope):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
+
+
+def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
+    """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
+    throughput.py --skinny-table adds those rows to skinny_gemm's table (and compiles afresh)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import json
+
+    import bench.throughput as T
+    from bench.kernels_skinny_gemm import sweep_winners
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    cfg = dict(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1, block_m=0)
+    results = {"sweep": [dict(shape=[19456, 2560], epilogue="swiglu", M=32, top=[dict(cfg=cfg, us=27.0)]),
+                         dict(shape=[6144, 2560], epilogue="none", M=32, top=[dict(cfg=cfg, us=11.9)])],
+               "rows": [dict(shape=[19456, 2560], epilogue="swiglu", M=32, xla_ok=True, xla_us=32.7),
+                        dict(shape=[6144, 2560], epilogue="none", M=32, xla_ok=True, xla_us=12.0)]}
+    winners = sweep_winners(results)
+    assert [(w["shape"], w["M"]) for w in winners] == [([19456, 2560], 32)]   # 11.9 against 12.0 is no win
+    (tmp_path / "s.json").write_text(json.dumps({**results, "winners": winners}))
+    monkeypatch.setattr(SG, "_TABLE", dict(SG._TABLE))
+    monkeypatch.setattr(T, "_FORCED", [])
+    assert SG.table_config(32, 19456, 2560, "swiglu") is None
+    T.patch_skinny_table(str(tmp_path / "s.json"))
+    assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED

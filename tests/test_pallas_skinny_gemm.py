@@ -91,6 +91,17 @@ def test_table_covers_measured_shapes_only():
     assert table_config(8, 4096, 4096, "residual") is None           # not swept
 
 
+def test_a_32_row_entry_serves_17_to_32_rows_only(monkeypatch):
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    cfg32 = SkinnyConfig(block_n=32, block_k=256)
+    monkeypatch.setitem(SG._TABLE, (6144, 2560, "none", 32), cfg32)
+    assert table_config(16, 6144, 2560) == SG._TABLE[(6144, 2560, "none", 16)]
+    assert table_config(17, 6144, 2560) == table_config(32, 6144, 2560) == cfg32
+    assert table_config(33, 6144, 2560) == SG._TABLE[(6144, 2560, "none", 64)]
+    assert table_config(32, 2560, 4096, "residual") == SG._TABLE[(2560, 4096, "residual", 64)]   # no 32 row: 64's
+
+
 def test_prefill_rows_get_row_tiles():
     assert choose_config(1024, 6144, 2560) == PREFILL_DEFAULT and PREFILL_DEFAULT.block_m
     assert prefill_table_config(1024, 6144, 2560) is None            # not measured yet: XLA's GEMM

@@ -69,10 +69,15 @@ _TABLE = {
 
 
 def table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
-    """The measured config for this product, or None where XLA's GEMM measured as fast or faster."""
+    """The measured config for this product, or None where XLA's GEMM measured as fast or faster. Rows
+    17..32 take an M = 32 row where the table has one, else the M = 64 row."""
     if M > MAX_T:
         return None
-    return _TABLE.get((N, K, epilogue, 16 if M <= 16 else 64))
+    if M <= 16:
+        return _TABLE.get((N, K, epilogue, 16))
+    if M <= 32 and (N, K, epilogue, 32) in _TABLE:
+        return _TABLE[(N, K, epilogue, 32)]
+    return _TABLE.get((N, K, epilogue, 64))
 
 
 def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig:
