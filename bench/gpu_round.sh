@@ -437,6 +437,21 @@ case "${1:-1}" in
          --skinny-table "$OUT/skinny_gemm.json" --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b32-table.json"
     ;;
+  skinny32b) # run 5's M = 32 rows that keep the summation order (QKV: split 1 as before; down: split 4 as before,
+             # other stages) against none, batch 32; then batch 8 in an engine compiled at start against a lazy one
+             # (run 5's lazy B32 engine measured 4.342 ms where the sixteenth session's eager ones measured 4.45-4.49)
+    for t in none qkv-down; do
+      extra=(); [ $t != none ] && extra=(--skinny-table .carry/skinny32-$t.json)
+      step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile "${extra[@]}" \
+           --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b32-$t.json"
+    done
+    for how in eager lazy; do
+      extra=(); [ $how = lazy ] && extra=(--lazy-compile)
+      step 200 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only "${extra[@]}" --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b8-$how.json"
+    done
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"
