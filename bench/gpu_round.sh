@@ -452,6 +452,16 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-$how.json"
     done
     ;;
+  hostrow)   # the prompt step's host time with the server's shapes: main against branch one-row-prompt-batch cherry-picked
+             # onto it (.carry/one-row = its `git archive ... jaxinfer`), each its own process; then `determ`
+    for pkg in now one-row; do
+      path=.; [ $pkg != now ] && path=.carry/$pkg:.
+      step 100 env PYTHONPATH=$path python3 bench/host_prompt_step.py --fresh-prompt-attention --out "$OUT"
+      mv "$OUT/host_prompt_step.json" "$OUT/host_prompt_step-$pkg.json"
+    done
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
+         --out "$OUT"
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"
