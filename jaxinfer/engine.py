@@ -576,7 +576,15 @@ class Engine:
         t_build = time.perf_counter()
         total = sum(n for _, n in chunks)
         bucket = r.token_bucket(total)
-        a = r.empty_mixed(bucket)
+        next_tokens = np.zeros(bucket, np.int32)
+        scored = self._prompt_rows(chunks, next_tokens)
+        attention = "paged"
+        if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
+            attention = "fresh" if chunks[0][0].num_computed == 0 else \
+                "prefixed" if self.config.prefixed_chunk_attention else "paged"
+        rows = r.sampled_rows(attention)   # a one-sequence step's batch has one row
+        a = r.empty_mixed(bucket, rows)
+        a["next_tokens"] = next_tokens
         t = 0
         for b, (seq, n) in enumerate(chunks):
             start = seq.num_computed
@@ -596,18 +604,12 @@ class Engine:
             a["step_index"][b] = len(seq.output_ids) + pending
             t += n
             a["query_start"][b + 1:] = t
-        scored = self._prompt_rows(chunks, a["next_tokens"])
-        sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks],
-                                              r.max_num_seqs)
+        sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
         t0 = time.perf_counter()
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
         t1 = time.perf_counter()
-        attention = "paged"
-        if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
-            attention = "fresh" if chunks[0][0].num_computed == 0 else \
-                "prefixed" if self.config.prefixed_chunk_attention else "paged"
-        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], r.sampled_rows(attention))
+        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)
         for seq, n in chunks:
             seq.num_computed += n

@@ -99,7 +99,8 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states. Such a step carries one sequence, so
     it samples its first row alone (the outputs padded back to B): the sampler's cost grows with its rows
-    (the sort over 152k ids: 0.18 ms at 1 row, 2.3 ms at 64 on the H200). batch: a StepBatch, or one packed
+    (the sort over 152k ids: 0.18 ms at 1 row, 2.3 ms at 64 on the H200). The engine hands it a one-row
+    batch (Runner.sampled_rows), whose page table is one row. batch: a StepBatch, or one packed
     into a single buffer (transfer.to_device_packed: split here, one argument instead of ~20)."""
     batch = unpacked(batch)
     rows = batch if attention == "paged" else _first_row(batch)
@@ -380,8 +381,10 @@ class ModelRunner:
         return self.fetch(self.launch_decode(batch, greedy, sampler)[1])
 
     # Padded, inert batches: used for warm-up and as the template the engine fills in.
-    def empty_mixed(self, T: int) -> dict[str, np.ndarray]:
-        B = self.max_num_seqs
+    def empty_mixed(self, T: int, rows: int | None = None) -> dict[str, np.ndarray]:
+        """A mixed step's host arrays for T tokens and `rows` sequences (default max_num_seqs; a one-sequence
+        prompt step's batch has 1: its page table is one row, not max_num_seqs x pages_per_seq)."""
+        B = rows or self.max_num_seqs
         return dict(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
@@ -409,10 +412,15 @@ class ModelRunner:
         called as steps[name](params, kv, state, batch)."""
         calls = []
         for t in self.token_buckets:
-            batch = to_device_packed(StepBatch(**self.empty_mixed(t),
-                                               sampling=SamplingArrays.from_params([], [], self.max_num_seqs)))
-            calls += [(name, batch) for name in self.steps if name.startswith("mixed") and
-                      (not name.endswith(("-fresh", "-prefixed")) or self.has_one_sequence_step(t))]
+            for attention in ("paged", "fresh"):   # "prefixed" takes fresh's one-row batch
+                one = attention != "paged"
+                if one and not self.has_one_sequence_step(t):
+                    continue
+                rows = self.sampled_rows(attention)
+                batch = to_device_packed(StepBatch(**self.empty_mixed(t, rows),
+                                                   sampling=SamplingArrays.from_params([], [], rows)))
+                calls += [(name, batch) for name in self.steps if name.startswith("mixed") and
+                          name.endswith(("-fresh", "-prefixed")) == one]
         for b in self.batch_buckets:
             batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             n = self.decode_steps_for(b)
@@ -421,7 +429,7 @@ class ModelRunner:
         return calls
 
     def sampled_rows(self, attention: str) -> int:
-        """Rows a mixed step of this attention samples (mixed_step): a one-sequence step its one."""
+        """Rows a mixed step of this attention carries and samples (mixed_step): a one-sequence step its one."""
         return self.max_num_seqs if attention == "paged" else 1
 
     def warmup(self, progress: bool = True, threads: int = 1, compile: bool = True) -> float:
