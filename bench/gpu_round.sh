@@ -362,7 +362,7 @@ case "${1:-1}" in
              # attention took 17.6 us a layer in the thirteenth session's trace against ~7.5 at the read ceiling
     step 420 python3 bench/kernels_decode_attention_rope.py --budget 330
     ;;
-  swiglu)    # the next session's first call: the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
+  swiglu)    # (the interleaved variant was removed in the seventeenth session: this round no longer runs as written) the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
              # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
              # batch-1 step (same greedy tokens expected)
     step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"

@@ -8,8 +8,7 @@ gate/up 26.4 against 24.0; down 13.6 against 13.4: thirteenth session). A one-ro
 norm's scale) once per weight tile: three loads where the plain GEMV has two. For each projection of a layer,
 this times one jit that runs it over every layer of a stacked [L, out, in] array (L x the bytes: every call
 reads HBM, as in the step): the engine's kernel (its norm prologue / epilogue) at 1, 2, 4, 8 rows per program,
-the same product without the prologue, the SwiGLU kernel on a copy of the matrix with gate and up rows
-interleaved, and the plain GEMV at its table's config and at 2 rows; each output checked against the one-row
+the same product without the prologue, and the plain GEMV at its table's config and at 2 rows; each output checked against the one-row
 kernel's. Prints one table: us per call and the share of the HBM read ceiling measured in the run.
 """
 
@@ -26,7 +25,7 @@ import jax.numpy as jnp
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import best_ms_per_call, log, rel_err
 from bench.table import print_table
-from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, interleave_gate_up
+from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
 from jaxinfer.pallas.gemv import choose_config, gemv
 from jaxinfer.random_model import SHAPES
 
@@ -115,19 +114,16 @@ def main() -> None:
         nbytes = n * k * 2
         kw = dict(residual=res) if epilogue == "residual" else {}
 
-        def engine_kernel(rows, prologue=norm, interleaved=False):
+        def engine_kernel(rows, prologue=norm):
             def f(x, w, scale):
                 return [fused_gemv(x, w, i, scale=scale if prologue else None, epilogue=epilogue, block_in=block_in,
-                                   rows=rows, interleaved=interleaved, interpret=ip, **kw) for i in range(L)]
+                                   rows=rows, interpret=ip, **kw) for i in range(L)]
             return jax.jit(f)
 
         variants = [(f"engine, {r} row{'s' if r > 1 else ''}", engine_kernel(r)) for r in args.rows
                     if (n // 2 if epilogue == "swiglu" else n) % r == 0]
         if norm:
             variants.append(("engine without the norm prologue, 1 row", engine_kernel(1, prologue=False)))
-        if epilogue == "swiglu":   # gate row i and up row i side by side in memory (an interleaved copy)
-            variants += [(f"engine on interleaved rows, {r} row{'s' if r > 1 else ''}",
-                          engine_kernel(r, interleaved=True)) for r in (1, 2)]
         g = choose_config(1, n, k, bf)
 
         def plain(block_out, g=g):   # the layers as separate arrays: a slice of the stack would be copied first
@@ -137,18 +133,13 @@ def main() -> None:
         variants += [(f"plain gemv {bo}/{g.block_in}/{g.num_warps}", plain(bo)) for bo in sorted({g.block_out, 2})]
         base = None
         for label, f in variants:
-            if label.startswith("plain"):
-                weights = [w[i] for i in range(L)]
-            elif "interleaved" in label:
-                weights = interleave_gate_up(w)
-            else:
-                weights = w
+            weights = [w[i] for i in range(L)] if label.startswith("plain") else w
             outs, ms = best_ms_per_call(f, (x, weights, scale), L, args.repeats, target_s=0.25)
             del weights
             err = None
             if label.startswith("engine, 1 row"):
                 base = outs
-            elif base is not None and (label.startswith("engine, ") or "interleaved" in label):
+            elif base is not None and label.startswith("engine, "):
                 err = max(rel_err(o, b) for o, b in zip(outs, base))
             us = 1e3 * ms
             row = dict(projection=name, shape=f"{n}x{k}", variant=label, us=us, share=nbytes / (us * 1e-6) / ceiling,

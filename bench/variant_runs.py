@@ -67,8 +67,6 @@ def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
-    "interleaved_gate_up" (the layers' gate/up rows interleaved and read so by the "pallas" op set; needs the
-    layers unrolled),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -82,8 +80,7 @@ def apply_bench_options(options: dict) -> dict:
     # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
-    patched = any(k in options for k in ("gemv_rows", "attention_config", "interleaved_gate_up", "unpacked_batch",
-                                         "weights"))
+    patched = any(k in options for k in ("gemv_rows", "attention_config", "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
@@ -95,21 +92,6 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
-    if options.pop("interleaved_gate_up", False):   # gate/up rows interleaved, and the op set that reads them so
-        from jaxinfer.ops import get_ops
-        from jaxinfer.ops import pallas as pallas_ops
-
-        split = jaxinfer.engine.split_layers
-
-        def split_interleaved(params):
-            params = split(params)
-            return {**params, "layers": [{**lp, "w_gate_up": fused_gemv.interleave_gate_up(lp["w_gate_up"])}
-                                         for lp in params["layers"]]}
-
-        jaxinfer.engine.split_layers = split_interleaved
-        jaxinfer.engine.get_ops = lambda name: (
-            pallas_ops.make(interpret=name.endswith("-interpret"), interleaved_gate_up=True)
-            if name in ("pallas", "pallas-interpret") else get_ops(name))
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
         from jaxinfer.transfer import to_device
 

@@ -43,26 +43,6 @@ def test_qwen3_pallas_interpret_equals_reference():
     assert ours == [golden["greedy_0"][:8].tolist(), golden["greedy_1"][:8].tolist()]
 
 
-def test_interleaved_gate_up_rows_give_the_same_tokens(monkeypatch):
-    """bench/variant_runs.py's A/B: the layers' gate/up rows interleaved and an op set that reads them so (the
-    batch-1 SwiGLU GEMV with interleaved=True, XLA's GEMM for prompts): the default op set's greedy tokens."""
-    import jaxinfer.engine
-    from bench.variant_runs import apply_bench_options
-
-    golden = np.load(DATA / "golden" / "qwen3.npz")
-    prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]
-    want = [golden["greedy_0"][:8].tolist(), golden["greedy_1"][:8].tolist()]
-    for name in ("split_layers", "get_ops"):   # restored after the test
-        monkeypatch.setattr(jaxinfer.engine, name, getattr(jaxinfer.engine, name))
-    options = apply_bench_options({"interleaved_gate_up": True, "unroll_layers": True})
-    # one sequence at a time: its decode steps take the batch-1 GEMV, its prompts XLA's GEMM
-    llm = LLM(DATA / "models" / "qwen3", ops="pallas-interpret", max_num_seqs=1, max_num_batched_tokens=16,
-              decode_steps=4, progress=False, skip_tokenizer_init=True, **options)
-    assert llm.engine.runner.ops.name == "pallas-interleaved-gate-up-interpret"
-    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == want
-
-
 def test_qwen3_unfused_decode_rope_interpret_equals_reference():
     """The A/B op set with the norm, RoPE and cache write as a kernel of their own before decode
     attention (head_dim 32, Qwen3's q/k norms), scanned and unrolled layers: the reference path's

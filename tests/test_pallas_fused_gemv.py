@@ -115,25 +115,6 @@ def test_several_rows_per_program_give_the_one_row_outputs_bit_for_bit(kind):
                                       np.asarray(one))
 
 
-@pytest.mark.parametrize("rows", [1, 2])
-def test_swiglu_on_interleaved_rows_equals_swiglu_on_the_fused_matrix(rows):
-    """The same matrix with its gate and up rows interleaved (gate i at 2i, up i at 2i + 1): the same outputs, bit for
-    bit (each row's sums are the same), and the reference's."""
-    n_i, n_in = 48, 130
-    keys = jax.random.split(jax.random.PRNGKey(5), 3)
-    x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(jnp.bfloat16)
-    w = (jax.random.normal(keys[1], (2, 2 * n_i, n_in), jnp.float32) / 8).astype(jnp.bfloat16)
-    scale = (1 + 0.2 * jax.random.normal(keys[2], (2, n_in), jnp.float32)).astype(jnp.bfloat16)
-    inter = jnp.stack([w[:, :n_i], w[:, n_i:]], axis=2).reshape(w.shape)
-    kw = dict(scale=scale, eps=1e-6, epilogue="swiglu", block_in=64, rows=rows, interpret=True)
-    y = fused_gemv(x, inter, 1, interleaved=True, **kw)
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(fused_gemv(x, w, 1, **kw)))
-    ref = reference.rms_norm_swiglu(x, LayerWeight(scale, jnp.int32(1)), 1e-6, LayerWeight(w, jnp.int32(1)))
-    assert rel_err(y, ref) <= TOL[jnp.bfloat16]
-    with pytest.raises(ValueError, match="interleaved"):
-        fused_gemv(x, w, 1, interleaved=True, interpret=True)
-
-
 def test_rows_per_program_must_divide_the_output_rows():
     x, w = jnp.ones((1, 8), jnp.float32), jnp.ones((1, 12, 8), jnp.float32)
     for rows in (3, 8):

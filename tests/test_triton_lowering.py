@@ -128,8 +128,7 @@ def test_prefill_gemm_lowers_at_real_shapes(shape, M):
 
 @pytest.mark.parametrize("rows", [2, 4])
 def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
-    """The decode GEMV with `rows` output rows per program (fused_gemv.ROWS), at each Qwen3-4B projection (the
-    SwiGLU one on interleaved gate/up rows too)."""
+    """The decode GEMV with `rows` output rows per program (fused_gemv.ROWS), at each Qwen3-4B projection."""
     from jaxinfer.pallas.fused_gemv import fused_gemv
 
     D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
@@ -140,12 +139,11 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
                            (D, I + 8, "residual")]:   # the last with a masked tile
         extra = sd((1, D), bf) if epilogue == "residual" else sd((2, k), bf)   # the residual, or a norm scale
 
-        for interleaved in (False, True) if epilogue == "swiglu" else (False,):
-            def gemv(x, w, e, epilogue=epilogue, interleaved=interleaved):
-                kw = dict(residual=e) if epilogue == "residual" else dict(scale=e)
-                return fused_gemv(x, w, 1, rows=rows, epilogue=epilogue, interleaved=interleaved, **kw)
+        def gemv(x, w, e, epilogue=epilogue):
+            kw = dict(residual=e) if epilogue == "residual" else dict(scale=e)
+            return fused_gemv(x, w, 1, rows=rows, epilogue=epilogue, **kw)
 
-            assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)
+        assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)
 
 
 def test_persistent_mlp_block_lowers_at_a_real_shape():

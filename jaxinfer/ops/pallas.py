@@ -29,16 +29,14 @@ class OpSet(SimpleNamespace):
     __eq__ = object.__eq__
 
 
-def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope: bool = True,
-         interleaved_gate_up: bool = False) -> OpSet:
+def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope: bool = True) -> OpSet:
     """flash_prefill: the Pallas flash prefill attention (H200: 1.2x XLA's attention path end to end
     at 1k tokens, 3.6x at 8k, 7.5x at 32k); off gives the reference attention, for A/B runs.
     fused_decode_rope: a decode step's norm/RoPE/cache write inside the decode attention kernel
     (pallas/decode_attention_rope.py; one kernel fewer per layer: H200, Qwen3-4B batch 1, 2.725 ->
     2.695 ms a step; off gives rope_kv_write then decode attention, for A/B runs).
-    interleaved_gate_up: the fused gate/up matrices come with their rows interleaved (gate i at 2i, up i at
-    2i + 1; bench/variant_runs.py makes them): the batch-1 SwiGLU GEMV reads a program's two rows as one
-    contiguous run; more rows go through XLA's GEMM. For A/B runs (bench/NOTES.md, fifteenth session)."""
+    (Gate/up rows interleaved for the SwiGLU GEMV measured no faster on the H200 and were removed: bench/NOTES.md,
+    sixteenth session.)"""
     from jaxinfer.pallas import decode_attention, decode_attention_rope, prefill_attention, rope_kv_write, skinny_gemm
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
@@ -96,10 +94,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
 
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
-            return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu", interleaved=interleaved_gate_up)
-        if interleaved_gate_up:   # XLA's GEMM, its columns put back as gate columns then up columns
-            y = reference.rms_norm_linear(x, scale, eps, w_gate_up)
-            return reference.swiglu(y.reshape(*y.shape[:-1], -1, 2).swapaxes(-1, -2).reshape(y.shape))
+            return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
         if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
             return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
@@ -170,7 +165,6 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     ops["fresh_prompt_attention"] = fresh_prompt_attention
     ops["prefixed_chunk_attention"] = prefixed_chunk_attention
     base = "pallas-unfused-rope" if not fused_decode_rope else "pallas" if flash_prefill else "pallas-xla-attention"
-    base += "-interleaved-gate-up" if interleaved_gate_up else ""
     return OpSet(**ops, name=base + ("-interpret" if interpret else ""))
 
 

@@ -33,7 +33,7 @@ MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows, interleaved):
+            rows):
     refs = list(refs)
     o_ref = refs.pop()
     scale_ref = refs.pop(0) if has_scale else None
@@ -44,12 +44,8 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     # [block_in] vector, summed exactly as a one-row program sums it (the same outputs, bit for bit)
     first = pl.program_id(0) * rows
     out_rows = [first + r for r in range(rows)]
-    if epilogue != "swiglu":
-        w_rows = out_rows
-    elif interleaved:   # gate row i at 2i, up row i at 2i + 1: a program's rows are one contiguous run
-        w_rows = [2 * r for r in out_rows] + [2 * r + 1 for r in out_rows]
-    else:               # gate rows, then up rows
-        w_rows = out_rows + [r + half for r in out_rows]
+    # swiglu: gate rows, then up rows
+    w_rows = out_rows + [r + half for r in out_rows] if epilogue == "swiglu" else out_rows
     accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
     for idx, cmask in row_tiles(n_in, block_in):
@@ -85,17 +81,15 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
             o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "interleaved", "out_dtype",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
-               epilogue: str = "none", block_in: int = 256, rows: int = 1, interleaved: bool = False, out_dtype=None,
+               epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
                vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
-    [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up; `interleaved`: gate row i at 2i, up row i at
-    2i + 1) and returns [T, I].
+    [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
     T <= a few tokens; block_in a power of two; `rows` output rows per program (a power of two that divides
     the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
     float32 keeps the float32 sums unrounded (the lm_head's logits)."""
@@ -114,8 +108,6 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError(f"fused_gemv: unknown epilogue {epilogue!r}")
     if (epilogue == "residual") != (residual is not None):
         raise ValueError("fused_gemv: a residual goes with epilogue='residual'")
-    if interleaved and epilogue != "swiglu":
-        raise ValueError("fused_gemv: interleaved rows go with epilogue='swiglu'")
     if out_dtype is not None and epilogue != "none":
         raise ValueError("fused_gemv: out_dtype goes with epilogue='none' (the epilogues round to x.dtype)")
     half = n_out // 2
@@ -124,8 +116,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError(f"fused_gemv: rows per program ({rows}) must be a power of two dividing {grid_rows}")
     args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
-                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
-                               interleaved=interleaved)
+                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
@@ -134,13 +125,6 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
     )(*args)
-
-
-def interleave_gate_up(w: jax.Array) -> jax.Array:
-    """A fused [..., 2I, D] gate/up matrix (gate rows, then up) with its rows interleaved: gate i at 2i, up i at
-    2i + 1 (the layout `interleaved=True` reads)."""
-    half = w.shape[-2] // 2
-    return jnp.stack([w[..., :half, :], w[..., half:, :]], axis=-2).reshape(w.shape)
 
 
 # Output rows per program at batch 1 by (output rows, in); absent: DEFAULT_ROWS. The plain GEMV's sweep found
