@@ -462,6 +462,20 @@ case "${1:-1}" in
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"
     ;;
+  b8fp)      # are batch 8's greedy tokens stable across processes once XLA's autotuning is pinned? (the seventeenth
+             # session's runs 4 and 6 gave be47710b4305 and 3f2b72ccf011 with the same package; B1's and B32's were
+             # stable). Two lazily compiled B8 engines as now, then two sharing XLA's per-fusion autotune cache
+             # (the first writes it, the second reads it). Predicted: the pinned pair agrees; the plain pair may not
+    for i in 1 2; do
+      step 120 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b8-plain-$i.json"
+    done
+    for i in 1 2; do
+      step 120 env XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla-autotune" python3 bench/throughput.py \
+           --shape qwen3-4b --batches 8 --decode-only --lazy-compile --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
+    done
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"
