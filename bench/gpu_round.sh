@@ -368,6 +368,7 @@ case "${1:-1}" in
     step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
     mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-swiglu.json"
+    # (pallas/mlp_block.py and --mlp-block were removed in the seventeenth session; at dae4e19)
     # the persistent MLP block (pallas/mlp_block.py: one kernel, a grid barrier between SwiGLU and down) against
     # the engine's two kernels; last, and under its own limit: a program count the GPU cannot keep resident
     # would spin forever (prediction in NOTES: 36-42 us against 39.5)

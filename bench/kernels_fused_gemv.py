@@ -39,50 +39,6 @@ def projections(cfg: dict) -> list[tuple[str, int, int, str, bool]]:
             ("gate/up", 2 * I, D, "swiglu", True), ("down", D, I, "residual", False)]
 
 
-def mlp_block_rows(cfg: dict, L: int, programs: list[int], repeats: int, ceiling: float, ip: bool) -> list[dict]:
-    """The MLP block over L layers: the engine's two kernels (SwiGLU GEMV, residual GEMV) against the persistent
-    kernel (pallas/mlp_block.py) at each program count; outputs checked against the two kernels'."""
-    from jaxinfer.pallas.mlp_block import mlp_block
-
-    D, I = cfg["hidden_size"], cfg["intermediate_size"]
-    bf = jnp.bfloat16
-    keys = jax.random.split(jax.random.PRNGKey(7), 5)
-    wgu = (jax.random.normal(keys[0], (L, 2 * I, D), jnp.float32) * 0.02).astype(bf)
-    wd = (jax.random.normal(keys[1], (L, D, I), jnp.float32) * 0.02).astype(bf)
-    scale = (1 + 0.1 * jax.random.normal(keys[2], (L, D), jnp.float32)).astype(bf)
-    x = jax.random.normal(keys[3], (1, D), bf)
-    res = jax.random.normal(keys[4], (1, D), bf)
-    b_up, b_down = block_in_for(I, D, bf), block_in_for(D, I, bf)
-    nbytes = 3 * I * D * 2
-
-    def two_kernels(x, wgu, scale, wd, res):
-        return [fused_gemv(fused_gemv(x, wgu, i, scale=scale, epilogue="swiglu", block_in=b_up, interpret=ip), wd,
-                           i, residual=res, epilogue="residual", block_in=b_down, interpret=ip) for i in range(L)]
-
-    def persistent(P):
-        def f(x, wgu, scale, wd, res):
-            counter, outs = jnp.zeros((1,), jnp.int32), []
-            for i in range(L):
-                out, counter = mlp_block(x, wgu, scale, wd, res, counter, i, programs=P, block_up=b_up,
-                                         block_down=b_down, interpret=ip)
-                outs.append(out)
-            return outs
-        return f
-
-    rows, base = [], None
-    for label, f in [("two kernels (engine)", two_kernels)] + [(f"persistent, {P} programs", persistent(P))
-                                                                for P in programs]:
-        log(f"# MLP block: {label}")
-        outs, ms = best_ms_per_call(jax.jit(f), (x, wgu, scale, wd, res), L, repeats, target_s=0.25)
-        err = None if base is None else max(rel_err(o, b) for o, b in zip(outs, base))
-        base = outs if base is None else base
-        us = 1e3 * ms
-        rows.append(dict(projection="MLP block", shape=f"{2 * I}x{D} + {D}x{I}", variant=label, us=us,
-                         share=nbytes / (us * 1e-6) / ceiling, err="" if err is None else f"{err:.1e}"))
-        log(json.dumps(rows[-1]))
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
@@ -91,9 +47,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shape tiny)")
-    ap.add_argument("--mlp-block", type=int, nargs="*", default=None, metavar="PROGRAMS",
-                    help="only the MLP block: two kernels against the persistent kernel at these program counts "
-                         "(powers of two the GPU keeps resident at once; interpret mode: 1)")
     args = ap.parse_args()
     ip = args.interpret
     cfg = SHAPES[args.shape]
@@ -102,9 +55,7 @@ def main() -> None:
     log(f"# HBM read ceiling {ceiling / 1e12:.2f} TB/s")
     bf = jnp.bfloat16
     rows_out = []
-    if args.mlp_block is not None:
-        rows_out = mlp_block_rows(cfg, L, args.mlp_block, args.repeats, ceiling, ip)
-    for name, n, k, epilogue, norm in projections(cfg) if args.mlp_block is None else []:
+    for name, n, k, epilogue, norm in projections(cfg):
         keys = jax.random.split(jax.random.PRNGKey(n + k), 4)
         w = (jax.random.normal(keys[0], (L, n, k), jnp.float32) * 0.02).astype(bf)
         x = jax.random.normal(keys[1], (1, k), bf)

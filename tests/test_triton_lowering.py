@@ -144,17 +144,3 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
             return fused_gemv(x, w, 1, rows=rows, epilogue=epilogue, **kw)
 
         assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)
-
-
-def test_persistent_mlp_block_lowers_at_a_real_shape():
-    """pallas/mlp_block.py (its grid barrier: atomics, a spin on a volatile load) at Qwen3-4B's MLP."""
-    from jaxinfer.pallas.mlp_block import mlp_block
-
-    D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def block(x, wgu, scale, wd, res, counter):
-        return mlp_block(x, wgu, scale, wd, res, counter, 1, programs=512, block_up=256, block_down=128)
-
-    assert TRITON_CALL in _lower(block, sd((1, D), bf), sd((2, 2 * I, D), bf), sd((2, D), bf), sd((2, D, I), bf),
-                                 sd((1, D), bf), sd((1,), jnp.int32))

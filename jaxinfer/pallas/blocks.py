@@ -46,7 +46,7 @@ def dot_precision(dtype):
 
 def row_tiles(n: int, block: int):
     """(index, mask) of each [block] tile of a row of n: a slice, then for a last tile past n the columns as an
-    index array with their mask (else None). The decode GEMVs walk rows so (fused_gemv, mlp_block)."""
+    index array with their mask (else None). The decode GEMVs walk rows so (fused_gemv)."""
     lanes = jnp.arange(block)
     for k0 in range(0, n, block):
         if k0 + block > n:
