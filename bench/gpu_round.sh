@@ -477,6 +477,21 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
     done
     ;;
+  prefetch)  # the RoPE-fused decode attention with each block's loads a block ahead, the first before the new token's
+             # norm/RoPE (SplitConfig.prefetch; outputs equal bit for bit in the interpret tests): the kernel sweep
+             # with and without it, the batch-1 step A/B (same tokens expected), then batch 8 (engines compiled
+             # lazily, XLA's autotuning pinned by a shared cache so that the tokens compare). Predicted in NOTES
+    step 200 python3 bench/kernels_decode_attention_rope.py --prefetch --budget 150 --points 1:1024 4:1024 8:1024 \
+         8:2048 32:1024
+    step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy attn-prefetch+greedy \
+         --out "$OUT"
+    for v in plain prefetch; do
+      extra=(); [ $v = prefetch ] && extra=(--attention-prefetch)
+      step 120 env XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla-autotune" python3 bench/throughput.py \
+           --shape qwen3-4b --batches 8 --decode-only --lazy-compile "${extra[@]}" --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b8-$v.json"
+    done
+    ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \
          --out "$OUT"

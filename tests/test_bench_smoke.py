@@ -109,6 +109,24 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
+def test_throughput_prefetches_the_attention_loads(monkeypatch):
+    """--attention-prefetch (variant option attention_prefetch) turns SplitConfig.prefetch on in whatever config
+    both attention kernels' modules choose, a forced one included."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import bench.throughput as T
+    from jaxinfer.pallas import decode_attention, decode_attention_rope
+
+    for module in (decode_attention, decode_attention_rope):
+        monkeypatch.setattr(module, "choose_config", module.choose_config)
+    monkeypatch.setattr(T, "_FORCED", [])
+    table = decode_attention.choose_config(8, 8, 40960)
+    assert not table.prefetch
+    T.force_attention_config(2, 16)
+    T.prefetch_attention()
+    for module in (decode_attention, decode_attention_rope):
+        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16, prefetch=True)
+
+
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
     throughput.py --skinny-table adds those rows to skinny_gemm's table (and compiles afresh)."""
