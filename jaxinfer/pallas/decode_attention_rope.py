@@ -15,7 +15,8 @@ two half-width products (no lane shuffle). The cached positions 0..ctx-2 are spl
 programs as before; the new token (position ctx-1) is folded in by split 0 from registers, as the
 initial state of its online softmax, and split 0 also writes k and v into the cache (in place,
 input_output_aliases). No program reads the slot being written, so there is no race. The merge
-kernel is decode_attention's.
+kernel is decode_attention's. With `SplitConfig.prefetch` a program loads its first block before the new
+token's work and each next block before the current one's products (the same products in the same order).
 
 Needs hd a power of two >= 32 (`supports`); the op set falls back to the two kernels otherwise.
 """
@@ -69,16 +70,18 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     def slots_of(i):
         return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
 
-    def load_block(i, slot):
-        """Block i's K halves and V [block_k, .] (nothing read past the split's blocks or the cached positions)."""
-        valid = (i * block_k + offs < cached) & (i < stop)
+    def load_block(i, slot, ahead=False):
+        """Block i's K halves and V [block_k, .], nothing read past the cached positions (nor, loading ahead,
+        past the split's own blocks)."""
+        valid = i * block_k + offs < cached
+        valid = valid & (i < stop) if ahead else valid
         ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
         kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(cdt)
         return ka, kb, v
 
     if prefetch:   # the first block's loads go out before the new token's loads, norm and RoPE
-        first_block, second_slots = load_block(start, slots_of(start)), slots_of(start + 1)
+        first_block, second_slots = load_block(start, slots_of(start), ahead=True), slots_of(start + 1)
 
     # The new token: q of this KV head's query heads [G, half] x 2, and its k, v.
     def q_half(c0):
@@ -134,7 +137,7 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
 
     def body_prefetch(i, carry):   # block i + 1's loads go out before block i's products
         acc, m, l, block, slot = carry
-        nxt = load_block(i + 1, slot)
+        nxt = load_block(i + 1, slot, ahead=True)
         return (*fold(i, acc, m, l, block), nxt, slots_of(i + 2))
 
     # Split 0 starts from the new token (its score, weight 1, its value); the others from nothing.
