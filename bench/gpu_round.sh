@@ -333,7 +333,8 @@ case "${1:-1}" in
     step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-after.json"
     ;;
-  normflags) # XLA's residual add (or split-K finish) and the RMSNorm fusion after it run as two kernels (the norm is a
+  normflags) # (does not run as written: the flag is not one of jax 0.11.2's XLA, and the variants are gone; seventeenth
+             # session, run 3) XLA's residual add (or split-K finish) and the RMSNorm fusion after it run as two kernels (the norm is a
              # Triton softmax-style fusion the add does not join): 72 pairs a 1k prefill step (5.5 + 4.5 us), two a
              # layer at batch 8 (1.7 + 2.4 us). Without Triton's norm fusions the add might join a native norm
              # reduction. The 1k prefill first (one process a variant), then batch 8 (an engine each, ~160 s)
@@ -491,6 +492,11 @@ case "${1:-1}" in
            --shape qwen3-4b --batches 8 --decode-only --lazy-compile "${extra[@]}" --out "$OUT"
       mv "$OUT/throughput.json" "$OUT/throughput-b8-$v.json"
     done
+    ;;
+  ropetiled) # the 1k prompt step with the norm/RoPE/cache-write kernel's tokens as tiles (rope_kv_write.TILED; 13.5 us
+             # a layer as a token loop, ~2.4x its bytes): TTFT A/B, the same first token expected, then its trace
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default rope-tiled \
+         profiled-rope-tiled --out "$OUT"
     ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \

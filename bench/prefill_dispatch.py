@@ -48,11 +48,10 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "profiled-deterministic": (f"{PROFILED} --xla_gpu_exclude_nondeterministic_ops=true", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
-    # XLA's residual add after o_proj's and down's GEMMs (5.5 us) and the RMSNorm fusion after it (4.5 us, a
-    # Triton softmax-style fusion) run apart, 72 pairs a 1k step: without Triton's norm fusions the add might
-    # fuse into a native norm reduction with two outputs (sixteenth session's batch-8 trace shows the same pair)
-    "no-triton-norm": ("--xla_gpu_enable_triton_softmax_fusion=false", False, {}),
-    "profiled-no-triton-norm": (f"{PROFILED} --xla_gpu_enable_triton_softmax_fusion=false", True, {}),
+    # the norm/RoPE/cache-write kernel with a program's 8 tokens as tiles (rope_kv_write.TILED; 13.5 us a layer at
+    # 1k as a token loop, ~2.4x its bytes, seventeenth session)
+    "rope-tiled": ("", False, {"rope_write_tiled": True}),
+    "profiled-rope-tiled": (PROFILED, True, {"rope_write_tiled": True}),
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
     "graph-min-1": ("--xla_gpu_graph_min_graph_size=1", False, {}),
     # launch ~1.1 ms for one call: is it XLA updating the command buffers' recorded addresses? SKIP_TEMP gives

@@ -68,6 +68,7 @@ def apply_bench_options(options: dict) -> dict:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "attention_prefetch" (every decode attention config with its loads a block ahead, throughput.prefetch_attention),
+    "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles: rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -81,8 +82,8 @@ def apply_bench_options(options: dict) -> dict:
     # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
-    patched = any(k in options for k in ("gemv_rows", "attention_config", "attention_prefetch", "unpacked_batch",
-                                         "weights"))
+    patched = any(k in options for k in ("gemv_rows", "attention_config", "attention_prefetch", "rope_write_tiled",
+                                         "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
@@ -94,6 +95,10 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
+    if options.pop("rope_write_tiled", False):
+        from jaxinfer.pallas import rope_kv_write
+
+        rope_kv_write.TILED = True
     if options.pop("attention_prefetch", False):
         from bench.throughput import prefetch_attention
 

@@ -127,6 +127,19 @@ def test_throughput_prefetches_the_attention_loads(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16, prefetch=True)
 
 
+def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
+    """prefill_dispatch's rope-tiled variants: the bench option turns rope_kv_write.TILED on."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.variant_runs import apply_bench_options
+    from jaxinfer.pallas import rope_kv_write
+
+    monkeypatch.setattr(rope_kv_write, "TILED", False)
+    # a patched kernel choice compiles afresh (the executable cache's key cannot see it)
+    assert apply_bench_options({"rope_write_tiled": True, "unroll_layers": True}) == {"unroll_layers": True,
+                                                                                      "executable_cache": ""}
+    assert rope_kv_write.TILED
+
+
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
     throughput.py --skinny-table adds those rows to skinny_gemm's table (and compiles afresh)."""

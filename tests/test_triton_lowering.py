@@ -146,3 +146,26 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
             return fused_gemv(x, w, 1, rows=rows, epilogue=epilogue, **kw)
 
         assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)
+
+
+@pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
+@pytest.mark.parametrize("T", [1, 1000, 2048])
+def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T):
+    """The prompt step's norm/RoPE/cache-write kernel with a program's tokens as tiles (rope_kv_write.TILED), the
+    fresh prompt's k/v returned too, at bf16 and float8 caches."""
+    from jaxinfer.pallas.rope_kv_write import qkv_rope_write
+
+    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
+    hd = shape.get("head_dim") or shape["hidden_size"] // H
+    sd = jax.ShapeDtypeStruct
+    norm = sd((2, hd), jnp.bfloat16) if shape is QWEN3_4B else None
+    for kv_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        cache = sd((2, K, 4096, hd), kv_dtype)
+
+        def write(qkv, cs, qn, kc, vc, slots):
+            return qkv_rope_write(qkv, cs, cs, qn, qn, kc, vc, 1, slots, num_heads=H, num_kv_heads=K, with_kv=True,
+                                  tiled=True)
+
+        text = _lower(write, sd((T, (H + 2 * K) * hd), jnp.bfloat16), sd((T, hd), jnp.bfloat16), norm, cache, cache,
+                      sd((T,), jnp.int32))
+        assert TRITON_CALL in text

@@ -23,9 +23,15 @@ from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, rope_halves
 
 f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
+# A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each) instead of BT one-token
+# passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
+# ~2.4x its bytes (seventeenth session). Off until measured (bench option rope_write_tiled); the same arithmetic
+# per token, the norm's sums over the same 64-wide halves.
+TILED = False
 
 
-def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
+def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv,
+            tiled):
     refs = list(refs)
     k_ref, v_ref = (refs.pop(), refs.pop())[::-1] if with_kv else (None, None)
     q_ref, kc_ref, vc_ref = refs[-3:]
@@ -79,6 +85,11 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd
                 v_ref[t, h - H - K, lo] = x1.astype(dtype)
                 v_ref[t, h - H - K, hi] = x2.astype(dtype)
 
+    if tiled:
+        _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref,
+                      k_ref, v_ref, tb=tb, h=h, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope,
+                      eps=eps, with_kv=with_kv)
+        return
     # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
     # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
     for j in range(BT):
@@ -89,14 +100,68 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd
             pl.when(t < T)(lambda t=t: one_token(t))
 
 
-@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "with_kv"),
+def _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref,
+                  k_ref, v_ref, *, tb, h, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
+    """The program's BT tokens of head h as [BT, hd/2] tiles (TILED); tokens past T are masked."""
+    half = hd // 2
+    dtype = qkv_ref.dtype
+    j = jnp.arange(BT, dtype=jnp.int32)
+    t = tb * BT + j
+    t_ok = (t < T)[:, None]
+    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
+    rows = jnp.minimum(t, T - 1)[:, None]   # loads: a masked token reads the last one's row
+    # stores: a masked token's row and slot lie past the arrays' ends, each its own (a masked store
+    # writes nothing on the GPU; interpret mode writes masked entries back, so no two may share an index)
+    out_rows = t[:, None]
+    slot = jnp.where(t_ok, plgpu.load(slot_ref.at[rows[:, 0]])[:, None], kc_ref.shape[2] + j[:, None])
+    x1 = plgpu.load(qkv_ref.at[rows, h * hd + cols]).astype(f32)
+    x2 = plgpu.load(qkv_ref.at[rows, h * hd + half + cols]).astype(f32)
+
+    def transform(n_ref):
+        y1, y2 = x1, x2
+        if has_norm:
+            y1, y2 = head_rms_norm(y1, y2, plgpu.load(n_ref.at[norm_layer, cols]),
+                                   plgpu.load(n_ref.at[norm_layer, half + cols]), hd, eps, dtype)
+        if has_rope:
+            c1, c2 = (plgpu.load(cos_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
+            s1, s2 = (plgpu.load(sin_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
+            return rope_halves(y1, y2, c1, c2, s1, s2, dtype)
+        return y1.astype(dtype), y2.astype(dtype)
+
+    mask = jnp.broadcast_to(t_ok, (BT, half))
+
+    def store(ref, index, y1, y2):
+        plgpu.store(ref.at[(*index, cols)], y1, mask=mask)
+        plgpu.store(ref.at[(*index, half + cols)], y2, mask=mask)
+
+    @pl.when(h < H)
+    def _():
+        store(q_ref, (out_rows, h), *transform(qn_ref))
+
+    @pl.when((h >= H) & (h < H + K))
+    def _():
+        y1, y2 = transform(kn_ref)
+        store(kc_ref, (layer, h - H, slot), to_cache(y1, kc_ref.dtype), to_cache(y2, kc_ref.dtype))
+        if with_kv:
+            store(k_ref, (out_rows, h - H), y1, y2)
+
+    @pl.when(h >= H + K)
+    def _():
+        y1, y2 = x1.astype(dtype), x2.astype(dtype)
+        store(vc_ref, (layer, h - H - K, slot), to_cache(y1, vc_ref.dtype), to_cache(y2, vc_ref.dtype))
+        if with_kv:
+            store(v_ref, (out_rows, h - H - K), y1, y2)
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "eps", "interpret", "with_kv", "tiled"),
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
                    num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
-                   with_kv: bool = False):
+                   with_kv: bool = False, tiled: bool | None = None):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
-    k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype)."""
+    k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).
+    tiled: a program's tokens as tiles (default: TILED when first traced; needs hd/2 a power of two)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -104,9 +169,10 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
-    BT = min(TOKENS_PER_PROGRAM, T)
+    tiled = TILED if tiled is None else tiled
+    BT = TOKENS_PER_PROGRAM if tiled else min(TOKENS_PER_PROGRAM, T)   # a tile's rows: a power of two, masked
     kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,
-                               with_kv=with_kv)
+                               with_kv=with_kv, tiled=tiled)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T, H, hd), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
