@@ -495,8 +495,8 @@ case "${1:-1}" in
     ;;
   ropetiled) # the 1k prompt step with the norm/RoPE/cache-write kernel's tokens as tiles (rope_kv_write.TILED; 13.5 us
              # a layer as a token loop, ~2.4x its bytes): TTFT A/B, the same first token expected, then its trace
-    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default rope-tiled \
-         profiled-rope-tiled --out "$OUT"
+    step 260 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default rope-tiled \
+         rope-tiled-16 rope-tiled-32 profiled-rope-tiled --out "$OUT"
     ;;
   determ)    # the same memsets with XLA told to exclude nondeterministic ops (no cross-tile atomic reductions)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-deterministic \

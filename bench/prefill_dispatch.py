@@ -48,10 +48,12 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "profiled-deterministic": (f"{PROFILED} --xla_gpu_exclude_nondeterministic_ops=true", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
-    # the norm/RoPE/cache-write kernel with a program's 8 tokens as tiles (rope_kv_write.TILED; 13.5 us a layer at
-    # 1k as a token loop, ~2.4x its bytes, seventeenth session)
-    "rope-tiled": ("", False, {"rope_write_tiled": True}),
-    "profiled-rope-tiled": (PROFILED, True, {"rope_write_tiled": True}),
+    # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8, 16, 32 (rope_kv_write.TILED; 13.5 us a
+    # layer at 1k as a token loop, ~2.4x its bytes, seventeenth session)
+    "rope-tiled": ("", False, {"rope_write_tiled": 8}),
+    "rope-tiled-16": ("", False, {"rope_write_tiled": 16}),
+    "rope-tiled-32": ("", False, {"rope_write_tiled": 32}),
+    "profiled-rope-tiled": (PROFILED, True, {"rope_write_tiled": 8}),
     "cmdbuf-every-type": (EVERY_COMMAND_TYPE, False, {}),
     "graph-min-1": ("--xla_gpu_graph_min_graph_size=1", False, {}),
     # launch ~1.1 ms for one call: is it XLA updating the command buffers' recorded addresses? SKIP_TEMP gives

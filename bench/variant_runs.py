@@ -68,7 +68,8 @@ def apply_bench_options(options: dict) -> dict:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "attention_prefetch" (every decode attention config with its loads a block ahead, throughput.prefetch_attention),
-    "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles: rope_kv_write.TILED),
+    "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
+    rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
     "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
@@ -95,10 +96,11 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
-    if options.pop("rope_write_tiled", False):
+    tiles = options.pop("rope_write_tiled", 0)
+    if tiles:
         from jaxinfer.pallas import rope_kv_write
 
-        rope_kv_write.TILED = True
+        rope_kv_write.TILED = tiles
     if options.pop("attention_prefetch", False):
         from bench.throughput import prefetch_attention
 

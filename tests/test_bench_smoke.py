@@ -133,11 +133,11 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     from bench.variant_runs import apply_bench_options
     from jaxinfer.pallas import rope_kv_write
 
-    monkeypatch.setattr(rope_kv_write, "TILED", False)
+    monkeypatch.setattr(rope_kv_write, "TILED", 0)
     # a patched kernel choice compiles afresh (the executable cache's key cannot see it)
-    assert apply_bench_options({"rope_write_tiled": True, "unroll_layers": True}) == {"unroll_layers": True,
-                                                                                      "executable_cache": ""}
-    assert rope_kv_write.TILED
+    assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True,
+                                                                                    "executable_cache": ""}
+    assert rope_kv_write.TILED == 16
 
 
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):

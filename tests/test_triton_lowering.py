@@ -150,7 +150,8 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
 
 @pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
 @pytest.mark.parametrize("T", [1, 1000, 2048])
-def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T):
+@pytest.mark.parametrize("tiles", [8, 32])
+def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T, tiles):
     """The prompt step's norm/RoPE/cache-write kernel with a program's tokens as tiles (rope_kv_write.TILED), the
     fresh prompt's k/v returned too, at bf16 and float8 caches."""
     from jaxinfer.pallas.rope_kv_write import qkv_rope_write
@@ -164,7 +165,7 @@ def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T):
 
         def write(qkv, cs, qn, kc, vc, slots):
             return qkv_rope_write(qkv, cs, cs, qn, qn, kc, vc, 1, slots, num_heads=H, num_kv_heads=K, with_kv=True,
-                                  tiled=True)
+                                  tiled=tiles)
 
         text = _lower(write, sd((T, (H + 2 * K) * hd), jnp.bfloat16), sd((T, hd), jnp.bfloat16), norm, cache, cache,
                       sd((T,), jnp.int32))

@@ -25,9 +25,9 @@ f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
 # A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each) instead of BT one-token
 # passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
-# ~2.4x its bytes (seventeenth session). Off until measured (bench option rope_write_tiled); the same arithmetic
-# per token, the norm's sums over the same 64-wide halves.
-TILED = False
+# ~2.4x its bytes (seventeenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop. Off until
+# measured (bench option rope_write_tiled); the same arithmetic per token, the norm's sums over the same halves.
+TILED = 0
 
 
 def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv,
@@ -157,11 +157,12 @@ def _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
                    num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
-                   with_kv: bool = False, tiled: bool | None = None):
+                   with_kv: bool = False, tiled: int | None = None):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
     k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).
-    tiled: a program's tokens as tiles (default: TILED when first traced; needs hd/2 a power of two)."""
+    tiled: a program's tokens as tiles of that many (a power of two; 0: a loop over TOKENS_PER_PROGRAM tokens;
+    default: TILED when first traced; tiles need hd/2 a power of two)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -170,7 +171,9 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
     tiled = TILED if tiled is None else tiled
-    BT = TOKENS_PER_PROGRAM if tiled else min(TOKENS_PER_PROGRAM, T)   # a tile's rows: a power of two, masked
+    if tiled and tiled & (tiled - 1):
+        raise ValueError(f"qkv_rope_write: tiles of {tiled} tokens: a power of two")
+    BT = tiled or min(TOKENS_PER_PROGRAM, T)   # a tile's rows are a power of two, the tokens past T masked
     kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,
                                with_kv=with_kv, tiled=tiled)
     return pl.pallas_call(
