@@ -11,14 +11,13 @@ between ("raw"), and optionally a profiler trace (kernel time against span). Pri
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
 
 from bench.table import print_table
 from bench.variant_runs import (EVERY_COMMAND_TYPE, LOOPS_IN_COMMAND_BUFFERS, NO_COMMAND_BUFFERS, PDL, PDL_LAUNCH,
-                                SLICE_FUSION, add_variant_args, apply_bench_options, run_variants)
+                                SLICE_FUSION, add_variant_args, apply_bench_options, run_variants, tokens_fingerprint)
 from jaxinfer.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
@@ -93,8 +92,7 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
         while engine.has_unfinished():
             engine.step()
         tokens = engine.take_finished(rid).token_ids
-    # the greedy tokens' fingerprint: variants that change only how kernels are launched must agree on it
-    res["tokens_sha"] = hashlib.sha1(np.asarray(tokens, np.int64).tobytes()).hexdigest()[:12]
+    res["tokens_sha"] = tokens_fingerprint(tokens)
     res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
     # as a user sees it (first token to last), driven as `jaxinfer generate` drives the engine and as
     # the server's engine thread does when nobody arrives

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import hashlib
 import json
 import os
 import time
@@ -33,6 +32,7 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
 from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
+from bench.variant_runs import tokens_fingerprint
 from jaxinfer.config import load_config
 from jaxinfer.engine import Engine
 from jaxinfer.random_model import bench_model
@@ -73,8 +73,7 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         # (The engine has prefix caching off: both runs send the same prompts.)
         prefill_only, _ = run_all(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in params])
         full, outs = run_all(engine, prompts, params)
-        # the greedy tokens' fingerprint: op sets that change only how a kernel computes must agree on it
-        tokens_sha = hashlib.sha1(np.asarray([o.token_ids for o in outs], np.int64).tobytes()).hexdigest()[:12]
+        tokens_sha = tokens_fingerprint([o.token_ids for o in outs])
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
         weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B

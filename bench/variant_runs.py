@@ -38,6 +38,16 @@ PDL = "--xla_gpu_enable_pdl=true"
 PDL_LAUNCH = PDL + " --xla_gpu_enable_pdl_launch=true"
 
 
+def tokens_fingerprint(token_ids) -> str:
+    """12 hex digits of the greedy tokens (a list, or a list of equal-length lists): runs that change only how a
+    kernel computes or is launched must agree on it."""
+    import hashlib
+
+    import numpy as np
+
+    return hashlib.sha1(np.asarray(token_ids, np.int64).tobytes()).hexdigest()[:12]
+
+
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
     """For each variant name -> XLA_FLAGS, run `script --child NAME *child_args` with those flags
     added; returns one row per variant: its RESULT fields, or `error`, and the jaxinfer package the children

@@ -121,7 +121,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping,
                                             num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
                                             interpret=interpret, norm_layer=None if q_norm is None else q_norm.layer,
-                                            with_kv=with_kv)
+                                            with_kv=with_kv, tiled=rope_kv_write.TILED)
 
     def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
                              context_lens, page_size, scale, num_heads, num_kv_heads):

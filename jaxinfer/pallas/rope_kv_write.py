@@ -27,17 +27,23 @@ TOKENS_PER_PROGRAM = 8
 # passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
 # ~2.4x its bytes (seventeenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop. Off until
 # measured (bench option rope_write_tiled); the same arithmetic per token, the norm's sums over the same halves.
+# Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
 TILED = 0
 
 
-def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv,
-            tiled):
+def _unpack(refs, has_rope, has_norm, with_kv):
+    """A kernel's refs after qkv: (cos, sin, q_norm, k_norm, q out, k cache out, v cache out, k out, v out)."""
     refs = list(refs)
     k_ref, v_ref = (refs.pop(), refs.pop())[::-1] if with_kv else (None, None)
     q_ref, kc_ref, vc_ref = refs[-3:]
     refs = refs[:-5]  # the aliased cache inputs (refs[-5:-3]) are the outputs kc_ref, vc_ref
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
+    return cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref, k_ref, v_ref
+
+
+def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
+    cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref, k_ref, v_ref = _unpack(refs, has_rope, has_norm, with_kv)
     tb, h = pl.program_id(0), pl.program_id(1)
     layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     half = hd // 2
@@ -85,11 +91,6 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd
                 v_ref[t, h - H - K, lo] = x1.astype(dtype)
                 v_ref[t, h - H - K, hi] = x2.astype(dtype)
 
-    if tiled:
-        _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref,
-                      k_ref, v_ref, tb=tb, h=h, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope,
-                      eps=eps, with_kv=with_kv)
-        return
     # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
     # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
     for j in range(BT):
@@ -100,9 +101,12 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd
             pl.when(t < T)(lambda t=t: one_token(t))
 
 
-def _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref,
-                  k_ref, v_ref, *, tb, h, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
-    """The program's BT tokens of head h as [BT, hd/2] tiles (TILED); tokens past T are masked."""
+def _tiled_kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps,
+                  with_kv):
+    """_kernel with the program's BT tokens of head h as [BT, hd/2] tiles (TILED); tokens past T are masked."""
+    cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref, k_ref, v_ref = _unpack(refs, has_rope, has_norm, with_kv)
+    tb, h = pl.program_id(0), pl.program_id(1)
+    layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     half = hd // 2
     dtype = qkv_ref.dtype
     j = jnp.arange(BT, dtype=jnp.int32)
@@ -157,12 +161,12 @@ def _tiled_tokens(layer, norm_layer, slot_ref, qkv_ref, cos_ref, sin_ref, qn_ref
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
                    num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
-                   with_kv: bool = False, tiled: int | None = None):
+                   with_kv: bool = False, tiled: int = 0):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
     k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).
     tiled: a program's tokens as tiles of that many (a power of two; 0: a loop over TOKENS_PER_PROGRAM tokens;
-    default: TILED when first traced; tiles need hd/2 a power of two)."""
+    tiles need hd/2 a power of two)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -170,12 +174,11 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
-    tiled = TILED if tiled is None else tiled
     if tiled and tiled & (tiled - 1):
         raise ValueError(f"qkv_rope_write: tiles of {tiled} tokens: a power of two")
     BT = tiled or min(TOKENS_PER_PROGRAM, T)   # a tile's rows are a power of two, the tokens past T masked
-    kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,
-                               with_kv=with_kv, tiled=tiled)
+    kernel = functools.partial(_tiled_kernel if tiled else _kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm,
+                               has_rope=has_rope, eps=eps, with_kv=with_kv)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T, H, hd), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
