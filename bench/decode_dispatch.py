@@ -60,8 +60,6 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     # page table spans more than 1,024 tokens (so 48 of 64 programs are empty at 1k and the merge reads 64 splits)
     "attn-16x64+greedy": ("", True, False, dict(attention_config=(16, 64))),
     "attn-64x64+greedy": ("", True, False, dict(attention_config=(64, 64))),
-    # the RoPE-fused attention with each block's loads issued a block ahead, the first before the q prologue
-    "attn-prefetch+greedy": ("", True, False, dict(attention_prefetch=True)),
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),
     "profiled-rows2+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, dict(gemv_rows=2)),
     "profiled-pdl-launch+greedy": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True, {}),

@@ -141,7 +141,7 @@ def variants(best: DA.SplitConfig) -> list[DA.SplitConfig]:
 
 
 def cfg_str(c: DA.SplitConfig) -> str:
-    return f"{c.num_splits}x{c.block_k}/w{c.num_warps}/s{c.num_stages}" + ("/prefetch" if c.prefetch else "")
+    return f"{c.num_splits}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
 
 
 def run(p: Problem, cfgs, ref, n: int, pool, interpret: bool, target_s: float) -> list[dict]:
@@ -165,8 +165,6 @@ def main() -> None:
     ap.add_argument("--points", nargs="*", default=POINTS, help="B:ctx (ctx counts the new token)")
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
-    ap.add_argument("--prefetch", action="store_true",
-                    help="also every candidate with its loads a block ahead (SplitConfig.prefetch)")
     args = ap.parse_args()
     t_start = time.time()
     ip = args.interpret
@@ -187,8 +185,6 @@ def main() -> None:
             engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS)
             cfgs = candidates(p)[:3] if ip else candidates(p)
             cfgs = list(dict.fromkeys([engine] + cfgs))
-            if args.prefetch:
-                cfgs += [dataclasses.replace(c, prefetch=True) for c in cfgs]
             target = 0.0 if ip else 0.1
             rows = run(p, cfgs, ref, n, pool, ip, target)
             good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])

@@ -48,8 +48,9 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "profiled-deterministic": (f"{PROFILED} --xla_gpu_exclude_nondeterministic_ops=true", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
-    # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8, 16, 32 (rope_kv_write.TILED; 13.5 us a
-    # layer at 1k as a token loop, ~2.4x its bytes, seventeenth session)
+    # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8 (the default since the eighteenth
+    # session), 16, 32, or as the token loop (13.5 us a layer at 1k, ~2.4x its bytes; rope_kv_write.TILED)
+    "rope-loop": ("", False, {"rope_write_tiled": 0}),
     "rope-tiled": ("", False, {"rope_write_tiled": 8}),
     "rope-tiled-16": ("", False, {"rope_write_tiled": 16}),
     "rope-tiled-32": ("", False, {"rope_write_tiled": 32}),

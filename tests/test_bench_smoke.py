@@ -109,26 +109,9 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
-def test_throughput_prefetches_the_attention_loads(monkeypatch):
-    """--attention-prefetch (variant option attention_prefetch) turns SplitConfig.prefetch on in whatever config
-    both attention kernels' modules choose, a forced one included."""
-    monkeypatch.syspath_prepend(str(REPO))
-    import bench.throughput as T
-    from jaxinfer.pallas import decode_attention, decode_attention_rope
-
-    for module in (decode_attention, decode_attention_rope):
-        monkeypatch.setattr(module, "choose_config", module.choose_config)
-    monkeypatch.setattr(T, "_FORCED", [])
-    table = decode_attention.choose_config(8, 8, 40960)
-    assert not table.prefetch
-    T.force_attention_config(2, 16)
-    T.prefetch_attention()
-    for module in (decode_attention, decode_attention_rope):
-        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16, prefetch=True)
-
-
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
-    """prefill_dispatch's rope-tiled variants: the bench option turns rope_kv_write.TILED on."""
+    """prefill_dispatch's rope-tiled and rope-loop variants: the bench option sets rope_kv_write.TILED (0: the token
+    loop)."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.variant_runs import apply_bench_options
     from jaxinfer.pallas import rope_kv_write
@@ -138,6 +121,8 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True,
                                                                                     "executable_cache": ""}
     assert rope_kv_write.TILED == 16
+    apply_bench_options({"rope_write_tiled": 0})
+    assert rope_kv_write.TILED == 0
 
 
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):

@@ -14,14 +14,16 @@ TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("T, H, K, hd, norm, rope", [(1, 8, 4, 16, True, True), (3, 4, 2, 8, False, True),
                                                      (5, 16, 2, 64, True, True), (2, 4, 4, 16, False, False),
-                                                     (19, 4, 2, 16, True, True), (16, 8, 2, 16, True, False)])
+                                                     (19, 4, 2, 16, True, True), (16, 8, 2, 16, True, False),
+                                                     (9, 4, 2, 24, True, True)])
 @pytest.mark.parametrize("norm_stack, with_kv", [("stacked", False), ("one-layer", True)])
 @pytest.mark.parametrize("tiled", [0, 8, 16], ids=["token-loop", "tiles-8", "tiles-16"])
 def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack, with_kv, tiled):
     """Token counts around the 8-token blocks; norms from the cache's layer of a stack, or from a
     one-layer stack (per-layer parameters) read at index 0 while the cache is written at `layer`;
     with_kv: the k and v written returned too (a fresh prompt's attention takes them); tiled: a program's
-    tokens as [tiled, hd/2] tiles (rope_kv_write.TILED), which must also equal the token loop's outputs bit for bit."""
+    tokens as [tiled, hd/2] tiles (rope_kv_write.TILED), which must also equal the token loop's outputs bit for bit
+    (hd 24: halves of 12 are no tile's width, so the token loop runs)."""
     L, layer, slots = 3, 2, 64
     ks = jax.random.split(jax.random.PRNGKey(T * 100 + H + hd + norm), 8)
     qkv = jax.random.normal(ks[0], (T, (H + 2 * K) * hd), jnp.float32).astype(dtype)

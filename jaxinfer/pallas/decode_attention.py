@@ -55,9 +55,6 @@ class SplitConfig:
     num_warps: int = 4
     num_stages: int = 2   # Triton software pipelining of the block loop
     merge: str = "pallas"  # "pallas" (kernel 2) or "jnp" (XLA reduction); unused with one split
-    # the RoPE-fused kernel (decode_attention_rope.py) only: load a split's first block before the new token's
-    # norm/RoPE and each next block before the current one's products (the same outputs, bit for bit)
-    prefetch: bool = False
 
     def astuple(self):
         return dataclasses.astuple(self)

@@ -15,8 +15,7 @@ two half-width products (no lane shuffle). The cached positions 0..ctx-2 are spl
 programs as before; the new token (position ctx-1) is folded in by split 0 from registers, as the
 initial state of its online softmax, and split 0 also writes k and v into the cache (in place,
 input_output_aliases). No program reads the slot being written, so there is no race. The merge
-kernel is decode_attention's. With `SplitConfig.prefetch` a program loads its first block before the new
-token's work and each next block before the current one's products (the same products in the same order).
+kernel is decode_attention's.
 
 Needs hd a power of two >= 32 (`supports`); the op set falls back to the two kernels otherwise.
 """
@@ -44,7 +43,7 @@ def supports(head_dim: int) -> bool:
 
 
 def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size,
-            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps, prefetch):
+            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps):
     refs = list(refs)
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
@@ -60,28 +59,6 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     row_mask = rows < group
     hcols = jnp.arange(half, dtype=jnp.int32)
     cols = jnp.arange(hd, dtype=jnp.int32)
-
-    # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
-    cached = ctx - 1
-    start, stop = split_range(pl.cdiv(cached, block_k), s, num_splits)
-    offs = jnp.arange(block_k, dtype=jnp.int32)
-    cdt = page_compute_dtype(k_ref.dtype, dtype)   # float8 pages: float16 products
-
-    def slots_of(i):
-        return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
-
-    def load_block(i, slot, ahead=False):
-        """Block i's K halves and V [block_k, .], nothing read past the cached positions (nor, loading ahead,
-        past the split's own blocks)."""
-        valid = i * block_k + offs < cached
-        valid = valid & (i < stop) if ahead else valid
-        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
-        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(cdt)
-        return ka, kb, v
-
-    if prefetch:   # the first block's loads go out before the new token's loads, norm and RoPE
-        first_block, second_slots = load_block(start, slots_of(start), ahead=True), slots_of(start + 1)
 
     # The new token: q of this KV head's query heads [G, half] x 2, and its k, v.
     def q_half(c0):
@@ -117,28 +94,29 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     if kc_ref.dtype != dtype:
         k1, k2, v_new = kq1.astype(dtype), kq2.astype(dtype), vq.astype(dtype)
 
+    # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
+    cached = ctx - 1
+    start, stop = split_range(pl.cdiv(cached, block_k), s, num_splits)
+    offs = jnp.arange(block_k, dtype=jnp.int32)
+    cdt = page_compute_dtype(kc_ref.dtype, dtype)   # float8 pages: float16 products
     q1c, q2c = to_compute(q1, cdt), to_compute(q2, cdt)
     prec = dot_precision(cdt)
 
-    def fold(i, acc, m, l, block):
-        """Block i into the online softmax."""
-        ka, kb, v = block
+    def slots_of(i):
+        return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
+
+    def body(i, carry):
+        acc, m, l, slot = carry
         valid = i * block_k + offs < cached
+        nxt = slots_of(i + 1)
+        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
+        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(cdt)
         dims = (((1,), (1,)), ((), ()))
         sc = (jax.lax.dot_general(q1c, ka.astype(cdt), dims, precision=prec, preferred_element_type=f32)
               + jax.lax.dot_general(q2c, kb.astype(cdt), dims, precision=prec, preferred_element_type=f32))
         sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
-        return online_softmax_update(acc, m, l, sc, v, prec)
-
-    def body(i, carry):
-        acc, m, l, slot = carry
-        nxt = slots_of(i + 1)
-        return (*fold(i, acc, m, l, load_block(i, slot)), nxt)
-
-    def body_prefetch(i, carry):   # block i + 1's loads go out before block i's products
-        acc, m, l, block, slot = carry
-        nxt = load_block(i + 1, slot, ahead=True)
-        return (*fold(i, acc, m, l, block), nxt, slots_of(i + 2))
+        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
 
     # Split 0 starts from the new token (its score, weight 1, its value); the others from nothing.
     first = s == 0
@@ -149,10 +127,7 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     m0 = jnp.where(first, new_sc, jnp.full((G,), NEG, f32))
     l0 = jnp.where(first, jnp.ones((G,), f32), jnp.zeros((G,), f32))
     acc0 = jnp.where(first, jnp.broadcast_to(v_new.astype(f32)[None, :], (G, hd)), jnp.zeros((G, hd), f32))
-    if prefetch:
-        acc, m, l, _, _ = jax.lax.fori_loop(start, stop, body_prefetch, (acc0, m0, l0, first_block, second_slots))
-    else:
-        acc, m, l, _ = jax.lax.fori_loop(start, stop, body, (acc0, m0, l0, slots_of(start)))
+    acc, m, l, _ = jax.lax.fori_loop(start, stop, body, (acc0, m0, l0, slots_of(start)))
 
     nonempty = l > 0
     out = acc / jnp.where(nonempty, l, 1.0)[:, None]
@@ -200,7 +175,7 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     kernel = functools.partial(
         _kernel, H=H, K=K, group=group, G=G, hd=hd, page_size=page_size, n_pages=page_table.shape[1],
         block_k=config.block_k, num_splits=S, qk_scale=float(scale) * LOG2E, has_norm=has_norm,
-        has_rope=has_rope, eps=eps, prefetch=config.prefetch)
+        has_rope=has_rope, eps=eps)
     *res, k_cache, v_cache = pl.pallas_call(
         kernel,
         out_shape=(*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),

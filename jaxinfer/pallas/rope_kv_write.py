@@ -25,10 +25,11 @@ f32 = jnp.float32
 TOKENS_PER_PROGRAM = 8
 # A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each) instead of BT one-token
 # passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
-# ~2.4x its bytes (seventeenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop. Off until
-# measured (bench option rope_write_tiled); the same arithmetic per token, the norm's sums over the same halves.
-# Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
-TILED = 0
+# ~2.4x its bytes (seventeenth session); as tiles of 8 it took 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of
+# 16: 13.92, 32: 14.14; eighteenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop (bench
+# option rope_write_tiled). The same arithmetic per token, the norm's sums over the same halves, so the outputs are
+# equal bit for bit. Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
+TILED = 8
 
 
 def _unpack(refs, has_rope, has_norm, with_kv):
@@ -165,8 +166,8 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
     k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).
-    tiled: a program's tokens as tiles of that many (a power of two; 0: a loop over TOKENS_PER_PROGRAM tokens;
-    tiles need hd/2 a power of two)."""
+    tiled: a program's tokens as tiles of that many (a power of two; 0: a loop over TOKENS_PER_PROGRAM tokens,
+    also taken where hd/2 is not a power of two, which a tile's columns must be)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -176,6 +177,8 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     n = len(args)
     if tiled and tiled & (tiled - 1):
         raise ValueError(f"qkv_rope_write: tiles of {tiled} tokens: a power of two")
+    if (hd // 2) & (hd // 2 - 1):
+        tiled = 0
     BT = tiled or min(TOKENS_PER_PROGRAM, T)   # a tile's rows are a power of two, the tokens past T masked
     kernel = functools.partial(_tiled_kernel if tiled else _kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm,
                                has_rope=has_rope, eps=eps, with_kv=with_kv)
