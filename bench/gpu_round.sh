@@ -478,7 +478,23 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
     done
     ;;
-  prefetch)  # the RoPE-fused decode attention with each block's loads a block ahead, the first before the new token's
+  mergelast) # decode attention's splits merged by the last program to finish (SplitConfig.merge "last": no merge
+             # kernel, no launch between; counters threaded through the layers): GPU parity (20 calls threading the
+             # counters, bit-equal outputs, exact counters), the kernel sweep with and without, the batch-1 step A/B,
+             # batch 8 (lazy engines, XLA's autotuning shared). Predicted in NOTES (eighteenth session)
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_decode_attention_rope_gpu.py
+    step 150 python3 bench/kernels_decode_attention_rope.py --merge-last --budget 100 --points 1:1024 8:1024 8:2048
+    step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy merge-last+greedy \
+         --out "$OUT"
+    for v in plain last; do
+      extra=(); [ $v = last ] && extra=(--attention-merge-last)
+      step 100 env XLA_FLAGS="--xla_gpu_per_fusion_autotune_cache_dir=/tmp/xla-autotune" python3 bench/throughput.py \
+           --shape qwen3-4b --batches 8 --decode-only --lazy-compile "${extra[@]}" --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b8-$v.json"
+    done
+    ;;
+  prefetch)  # (no longer runs: SplitConfig.prefetch was removed after this round measured it slower, eighteenth
+             # session; the code is at f8fd696) the RoPE-fused decode attention with each block's loads a block ahead, the first before the new token's
              # norm/RoPE (SplitConfig.prefetch; outputs equal bit for bit in the interpret tests): the kernel sweep
              # with and without it, the batch-1 step A/B (same tokens expected), then batch 8 (engines compiled
              # lazily, XLA's autotuning pinned by a shared cache so that the tokens compare). Predicted in NOTES
