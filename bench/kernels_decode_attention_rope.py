@@ -1,7 +1,7 @@
 """The engine's decode attention kernel (RoPE, norm and cache write fused: pallas/decode_attention_rope.py) by
 split configuration, at the batches and contexts of a batched decode step.
 
-    PYTHONPATH=. python3 bench/kernels_decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300] [--merge-last]
+    PYTHONPATH=. python3 bench/kernels_decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300]
 
 bench/kernels_decode_attention.py sweeps the plain split kernel, which the engine no longer runs in a decode
 step (fourteenth session: batch 8's best plain config did not move the step). This sweeps the kernel the step
@@ -31,7 +31,7 @@ from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import log, rel_err, save_results
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
-from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write_counted
+from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 H, K, HD, PS = 32, 8, 128, 16
@@ -94,10 +94,9 @@ def build(p: Problem, cfg: DA.SplitConfig, n: int, interpret: bool):
 
     def chain(k, v, qkv, cos, sin, qn, kn, slots, pt, cl):
         first = None
-        counters = jnp.zeros((p.B * K,), jnp.int32)   # a merge by the last split's, zeros once as in a step
         for i in range(n):
-            out, k, v, counters = decode_attention_rope_write_counted(
-                qkv[i % p.L], cos, sin, qn, kn, k, v, jnp.int32(i % p.L), slots, pt, cl, counters, page_size=PS,
+            out, k, v = decode_attention_rope_write(
+                qkv[i % p.L], cos, sin, qn, kn, k, v, jnp.int32(i % p.L), slots, pt, cl, page_size=PS,
                 scale=HD ** -0.5, num_heads=H, num_kv_heads=K, eps=1e-6, config=cfg, interpret=interpret)
             first = out if first is None else first
         return k, v, first
@@ -142,7 +141,7 @@ def variants(best: DA.SplitConfig) -> list[DA.SplitConfig]:
 
 
 def cfg_str(c: DA.SplitConfig) -> str:
-    return f"{c.num_splits}x{c.block_k}/w{c.num_warps}/s{c.num_stages}" + ("/last" if c.merge == "last" else "")
+    return f"{c.num_splits}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
 
 
 def run(p: Problem, cfgs, ref, n: int, pool, interpret: bool, target_s: float) -> list[dict]:
@@ -166,8 +165,6 @@ def main() -> None:
     ap.add_argument("--points", nargs="*", default=POINTS, help="B:ctx (ctx counts the new token)")
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
-    ap.add_argument("--merge-last", action="store_true",
-                    help="also every candidate merged by the last split to finish (SplitConfig.merge \"last\")")
     args = ap.parse_args()
     t_start = time.time()
     ip = args.interpret
@@ -188,8 +185,6 @@ def main() -> None:
             engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS)
             cfgs = candidates(p)[:3] if ip else candidates(p)
             cfgs = list(dict.fromkeys([engine] + cfgs))
-            if args.merge_last:
-                cfgs += [dataclasses.replace(c, merge="last") for c in cfgs if c.num_splits > 1]
             target = 0.0 if ip else 0.1
             rows = run(p, cfgs, ref, n, pool, ip, target)
             good = sorted((r for r in rows if r["ok"]), key=lambda r: r["us"])

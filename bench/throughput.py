@@ -150,20 +150,6 @@ def force_attention_config(num_splits: int, block_k: int) -> None:
     _FORCED.append(f"attention {num_splits}/{block_k}")
 
 
-def merge_attention_by_last_split() -> None:
-    """Every decode attention config (the table's or a forced one) merges by the last split to finish
-    (SplitConfig.merge "last"; the RoPE-fused kernel's A/B: its merge kernel and launch go)."""
-    from jaxinfer.pallas import decode_attention, decode_attention_rope
-
-    choose = decode_attention_rope.choose_config
-
-    def with_last(*args, **kw):
-        return dataclasses.replace(choose(*args, **kw), merge="last")
-
-    decode_attention.choose_config = decode_attention_rope.choose_config = with_last
-    _FORCED.append("attention merge last")
-
-
 def patch_skinny_table(path: str) -> None:
     """Add the sweep's winning rows (kernels_skinny_gemm.py's JSON, "winners") to skinny_gemm's table."""
     from jaxinfer.pallas import skinny_gemm as SG
@@ -189,8 +175,6 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode step table (no offline, no prefix)")
     ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
                     help="every decode attention call with this split config, not the table's (A/B runs)")
-    ap.add_argument("--attention-merge-last", action="store_true",
-                    help="decode attention's splits merged by the last to finish, no merge kernel (A/B runs)")
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
@@ -200,8 +184,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.attention_config:
         force_attention_config(*map(int, args.attention_config.split("/")))
-    if args.attention_merge_last:   # after --attention-config: it wraps whatever chooses the config
-        merge_attention_by_last_split()
     if args.skinny_table:
         patch_skinny_table(args.skinny_table)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU

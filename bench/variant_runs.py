@@ -77,8 +77,6 @@ def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
-    "attention_merge_last" (decode attention's splits merged by the last to finish, throughput's
-    merge_attention_by_last_split),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
     rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -94,7 +92,7 @@ def apply_bench_options(options: dict) -> dict:
     # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
-    patched = any(k in options for k in ("gemv_rows", "attention_config", "attention_merge_last", "rope_write_tiled",
+    patched = any(k in options for k in ("gemv_rows", "attention_config", "rope_write_tiled",
                                          "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
@@ -107,10 +105,6 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
-    if options.pop("attention_merge_last", False):   # after attention_config: it wraps whatever chooses the config
-        from bench.throughput import merge_attention_by_last_split
-
-        merge_attention_by_last_split()
     if "rope_write_tiled" in options:   # 0: the token loop
         from jaxinfer.pallas import rope_kv_write
 

@@ -32,15 +32,15 @@ def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array
     return ops.layer_norm(x, p["scale"], p["bias"], cfg.norm_eps)
 
 
-def _attention_block(cfg, ops, lp, x, kv_k, kv_v, sync, layer, cos_sin, tokens_arrays, page_size, decode,
+def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays, page_size, decode,
                      attention="paged"):
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
     if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
-        attn, kv_k, kv_v, sync = ops.decode_qkv_attention(
-            qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps, kv_k, kv_v, layer, slot_mapping,
-            page_table, positions + 1, page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads, sync=sync)
+        attn, kv_k, kv_v = ops.decode_qkv_attention(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
+                                                    kv_k, kv_v, layer, slot_mapping, page_table, positions + 1,
+                                                    page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
     else:
         # A fresh prompt's attention takes its K/V from the write where the cache holds them as computed (no
         # gather back: two fewer kernels a layer); from a float8 cache it reads them back, as the paged kernels do
@@ -58,7 +58,7 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, sync, layer, cos_sin, tokens_a
             attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
                                        page_size, cfg.head_dim ** -0.5)
     x = ops.linear_residual(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), x)
-    return x, kv_k, kv_v, sync
+    return x, kv_k, kv_v
 
 
 def _norm_linear(ops, cfg, x, norm_p, w, b):
@@ -79,10 +79,10 @@ def _mlp_block(cfg, ops, lp, x):
 
 
 def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention="paged"):
-    x, kv_k, kv_v, sync = carry
-    x, kv_k, kv_v, sync = _attention_block(cfg, ops, lp, x, kv_k, kv_v, sync, index, cos_sin, token_arrays,
-                                           page_size, decode, attention)
-    return _mlp_block(cfg, ops, lp, x), kv_k, kv_v, sync
+    x, kv_k, kv_v = carry
+    x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size, decode,
+                                     attention)
+    return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 10))
@@ -131,9 +131,7 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     def layer(carry, lp, index):
         return _layer(cfg, ops, kv.page_size, decode, carry, lp, index, cos_sin, token_arrays, attention)
 
-    # a decode step's attention state from layer to layer (the merge counters of the RoPE-fused kernel), made once
-    sync = ops.decode_sync_state(x.shape[0], cfg.num_kv_heads) if decode else None
-    carry = (x, kv.k, kv.v, sync)
+    carry = (x, kv.k, kv.v)
     if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (split_layers): straight-line code
         for i, matrices in enumerate(params["layers"]):
             carry = _split_layer(cfg, ops, kv.page_size, decode, carry, matrices, params["layer_vectors"],
@@ -142,7 +140,7 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
         indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
                                 indices, unroll=unroll)
-    x, k, v, _ = carry
+    x, k, v = carry
     return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
 
 

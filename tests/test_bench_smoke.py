@@ -109,24 +109,6 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
-def test_the_merge_last_option_reaches_both_attention_modules(monkeypatch):
-    """--attention-merge-last (variant option attention_merge_last) sets merge "last" in whatever config both
-    attention modules choose, a forced one included."""
-    monkeypatch.syspath_prepend(str(REPO))
-    import bench.throughput as T
-    from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import decode_attention, decode_attention_rope
-
-    for module in (decode_attention, decode_attention_rope):
-        monkeypatch.setattr(module, "choose_config", module.choose_config)
-    monkeypatch.setattr(T, "_FORCED", [])
-    assert decode_attention.choose_config(8, 8, 40960).merge == "pallas"
-    T.force_attention_config(2, 16)
-    assert apply_bench_options({"attention_merge_last": True}) == {"executable_cache": ""}
-    for module in (decode_attention, decode_attention_rope):
-        assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16, merge="last")
-
-
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     """prefill_dispatch's rope-tiled and rope-loop variants: the bench option sets rope_kv_write.TILED (0: the token
     loop)."""

@@ -87,33 +87,3 @@ def test_bf16_pallas_differs_from_reference_less_than_bf16_differs_from_f32():
     assert [o.token_ids for o in pal16] == [o.token_ids for o in ref16]
     assert kernel_gap <= ref_error          # the two bf16 paths differ by less than bf16's own error
     assert pallas_error <= 1.1 * ref_error  # and the fused kernels are no less accurate than XLA's path
-
-
-def test_qwen3_merge_by_the_last_split_interpret_equals_reference(monkeypatch):
-    """Decode attention with 4 splits merged by the last to finish (SplitConfig.merge "last"): the merge counters are
-    made once a step and threaded through the layers, scanned and unrolled; the reference path's greedy tokens."""
-    import dataclasses
-
-    import jax
-
-    from jaxinfer.pallas import decode_attention_rope
-
-    golden = np.load(DATA / "golden" / "qwen3.npz")
-    prompts = [golden["prompt_0"].tolist(), golden["prompt_1"].tolist()]
-    want = [golden["greedy_0"][:8].tolist(), golden["greedy_1"][:8].tolist()]
-    chosen = []
-
-    def four_splits_merged_last(*args, **kw):
-        chosen.append(dataclasses.replace(decode_attention_rope.SplitConfig(4, 16), merge="last"))
-        return chosen[-1]
-
-    monkeypatch.setattr(decode_attention_rope, "choose_config", four_splits_merged_last)
-    jax.clear_caches()   # traces made with the table's config must not serve this test (nor its traces later ones)
-    try:
-        for unroll in (False, True):
-            ours = _greedy(DATA / "models" / "qwen3", "pallas-interpret", prompts, 8, skip_tokenizer_init=True,
-                           unroll_layers=unroll)
-            assert ours == want, unroll
-    finally:
-        jax.clear_caches()
-    assert chosen

@@ -19,8 +19,7 @@ import pytest
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
-from jaxinfer.pallas.decode_attention_rope import (decode_attention_rope_write, decode_attention_rope_write_counted,
-                                                   supports)
+from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write, supports
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 KV_TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2}   # relative Frobenius, the new rows
@@ -105,31 +104,6 @@ def test_float32(case):
 @pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[4]], ids=[IDS[1], IDS[2], IDS[4]])
 def test_bfloat16(case):
     _check(*_run(case, jnp.bfloat16, seed_offset=1), jnp.bfloat16)
-
-
-@pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_merge_by_the_last_split(case):
-    """merge "last" (the program that completes its sequence and KV head's count merges the splits, no kernel 2):
-    the same outputs and caches as kernel 2's merge, bit for bit in interpret mode, over two calls threading the
-    counters, which end at two multiples of num_splits (one split: untouched)."""
-    B, H, K, hd, ps, lens, S, bk, norm, rope = case
-    qkv, cos_sin, qn, kn, k, v, slots, pt, cl = _problem(zlib.crc32(repr(case).encode()) + 2, B, H, K, hd, ps, lens,
-                                                         jnp.float32, norm, rope)
-    cos, sin = cos_sin if rope else (None, None)
-    kw = dict(page_size=ps, scale=hd ** -0.5, num_heads=H, num_kv_heads=K, interpret=True)
-    want = decode_attention_rope_write(qkv, cos, sin, qn, kn, jnp.array(k), jnp.array(v), jnp.int32(1), slots, pt, cl,
-                                       config=DA.SplitConfig(S, bk), **kw)
-    kc, vc, counters = jnp.array(k), jnp.array(v), jnp.zeros((B * K,), jnp.int32)
-    for _ in range(2):
-        o, kc, vc, counters = decode_attention_rope_write_counted(
-            qkv, cos, sin, qn, kn, kc, vc, jnp.int32(1), slots, pt, cl, counters,
-            config=DA.SplitConfig(S, bk, merge="last"), **kw)
-        for a, b in zip((o, kc, vc), want):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_array_equal(np.asarray(counters), 2 * S if S > 1 else 0)
-    with pytest.raises(ValueError, match="counters"):
-        decode_attention_rope_write_counted(qkv, cos, sin, qn, kn, kc, vc, jnp.int32(1), slots, pt, cl,
-                                            jnp.zeros((B * K + 1,), jnp.int32), **kw)
 
 
 def test_supported_head_dims():

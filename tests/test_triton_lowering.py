@@ -9,7 +9,6 @@ for its compute capability; this machine has none). Lowering stops before ptxas,
 compile error can still surface only on the GPU; a lowering error cannot.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -91,15 +90,13 @@ def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context, kv
     norm = sd((L, hd), jnp.bfloat16) if shape is QWEN3_4B else None   # Qwen3 has per-head q/k norms
     config = DA.choose_config(batch, K, P * ps, jnp.dtype(kv_dtype).itemsize)
 
-    for merge in ("pallas", "last"):   # kernel 2, or the last split to finish (counters, atomics)
-        def fused(qkv, cs, qn, kc, vc, layer, slots, pt, cl, merge=merge):
-            return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,
-                                               scale=hd ** -0.5, num_heads=H, num_kv_heads=K,
-                                               config=dataclasses.replace(config, merge=merge))
+    def fused(qkv, cs, qn, kc, vc, layer, slots, pt, cl):
+        return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,
+                                           scale=hd ** -0.5, num_heads=H, num_kv_heads=K, config=config)
 
-        text = _lower(fused, sd((batch, (H + 2 * K) * hd), jnp.bfloat16), sd((batch, hd), jnp.bfloat16), norm,
-                      cache, cache, i32, rows, pt, rows)
-        assert TRITON_CALL in text
+    text = _lower(fused, sd((batch, (H + 2 * K) * hd), jnp.bfloat16), sd((batch, hd), jnp.bfloat16), norm,
+                  cache, cache, i32, rows, pt, rows)
+    assert TRITON_CALL in text
 
     def plain(q, kc, vc, layer, pt, cl):
         return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config)

@@ -123,32 +123,24 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
                                             interpret=interpret, norm_layer=None if q_norm is None else q_norm.layer,
                                             with_kv=with_kv, tiled=rope_kv_write.TILED)
 
-    def decode_sync_state(batch, num_kv_heads):
-        """The RoPE-fused decode attention's merge counters (one per sequence and KV head), zeros once a step; unused
-        (and dropped by XLA) unless its config merges by the last split (decode_attention_rope.py)."""
-        return jnp.zeros((batch * num_kv_heads,), jnp.int32) if fused_decode_rope else None
-
     def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
-                             context_lens, page_size, scale, num_heads, num_kv_heads, sync=None):
+                             context_lens, page_size, scale, num_heads, num_kv_heads):
         hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
         if not (fused_decode_rope and decode_attention_rope.supports(hd)):
             q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
                                                  slot_mapping, num_heads, num_kv_heads)
             return (decode_attention.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens,
-                                                            page_size, scale, interpret=interpret), k_cache, v_cache,
-                    sync)
+                                                            page_size, scale, interpret=interpret), k_cache, v_cache)
         cos, sin = cos_sin if cos_sin is not None else (None, None)
         qn, kn = (None, None) if q_norm is None else (q_norm.stacked, k_norm.stacked)
-        counters = decode_sync_state(qkv.shape[0], num_kv_heads) if sync is None else sync
-        return decode_attention_rope.decode_attention_rope_write_counted(
-            qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping, page_table, context_lens, counters,
+        return decode_attention_rope.decode_attention_rope_write(
+            qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping, page_table, context_lens,
             page_size=page_size, scale=float(scale), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
             norm_layer=None if q_norm is None else q_norm.layer, interpret=interpret)
 
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
                linear_residual=linear_residual, logits=logits, qkv_rope_write=qkv_rope_write, decode_qkv_attention=decode_qkv_attention,
-               decode_sync_state=decode_sync_state,
                paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
                                                         interpret=interpret))
     if flash_prefill:

@@ -256,24 +256,17 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     return jax.lax.map(attend, (qs, seqs, poss)).reshape(n * chunk, H, hd)[:T]
 
 
-def decode_sync_state(batch: int, num_kv_heads: int) -> None:
-    """State that a decode step's attention threads from layer to layer (decode_qkv_attention's `sync`), made
-    once a step; the reference keeps none."""
-    return None
-
-
 def decode_qkv_attention(qkv: jax.Array, cos_sin, q_norm, k_norm, eps: float, k_cache: jax.Array,
                          v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, page_table: jax.Array,
                          context_lens: jax.Array, page_size: int, scale: float, num_heads: int,
-                         num_kv_heads: int, sync=None) -> tuple[jax.Array, jax.Array, jax.Array, object]:
+                         num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's attention from the QKV projection on: qkv_rope_write for the one new token per
     sequence, then paged_decode_attention over context_lens[b] positions (the new one included).
-    Returns (out [B, H, hd], k_cache, v_cache, sync). An op of its own so that a kernel can do both; `sync`
-    (decode_sync_state's) passes through here."""
+    Returns (out [B, H, hd], k_cache, v_cache). An op of its own so that a kernel can do both."""
     q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
                                          num_heads, num_kv_heads)
     return (paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale),
-            k_cache, v_cache, sync)
+            k_cache, v_cache)
 
 
 def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,

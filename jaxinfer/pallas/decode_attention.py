@@ -54,9 +54,7 @@ class SplitConfig:
     block_k: int = 64     # positions per inner step; power of two >= 16
     num_warps: int = 4
     num_stages: int = 2   # Triton software pipelining of the block loop
-    # "pallas" (kernel 2), "jnp" (XLA reduction) or "last" (the last split to finish merges, inside kernel 1: the
-    # RoPE-fused kernel only, decode_attention_rope.py; this module's kernel takes kernel 2 then); unused with one split
-    merge: str = "pallas"
+    merge: str = "pallas"  # "pallas" (kernel 2) or "jnp" (XLA reduction); unused with one split
 
     def astuple(self):
         return dataclasses.astuple(self)
@@ -291,4 +289,4 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return paged_decode_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, merge="pallas" if config.merge == "last" else config.merge, interpret=interpret)
+        num_stages=config.num_stages, merge=config.merge, interpret=interpret)
