@@ -478,6 +478,14 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
     done
     ;;
+  gateup)    # gate/up with its SwiGLU epilogue on the Pallas GEMM at 1k prompt rows (the eighth session's prefill sweep
+             # reached QKV, 0.90x XLA, and o_proj, 0.77x, not gate/up): the sweep, then the 1k prompt step with the
+             # sweep's best config in the prefill table (the SiLU-multiply kernel and cuBLAS's memset gap go)
+    step 200 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 120 --models qwen3-4b --epilogues swiglu \
+         --ms 1024
+    step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default prefill-table \
+         --out "$OUT"
+    ;;
   tiledparity) # after the prompt kernel's tiles became the default (68c293d), batch 1's and 8's greedy fingerprints
              # moved (run 3): the GPU's float32 greedy parity with the reference and the kernel's GPU test, then batch
              # 1 with the token loop against the tiles (the fingerprints' cause)

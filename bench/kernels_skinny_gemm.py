@@ -19,6 +19,10 @@ best per case: what fills skinny_gemm._TABLE. JSON to $OUT/skinny_gemm.json when
 skinny_gemm._PREFILL_TABLE where the kernel wins. Both sides compute the plain product for the
 residual shapes (XLA's extra add kernel, ~5 us at 1k rows, is left out: in XLA's favour).
 
+--epilogues swiglu (or none, residual): only those products (e.g. gate/up with SwiGLU at 1k rows, the one
+prefill product the eighth session's sweep did not reach; prefill_dispatch's `prefill-table` variant then
+runs the 1k step with each swept product's best config).
+
 --norm: the products that follow an RMSNorm (QKV, gate/up) with the norm in: XLA's rms_norm_linear /
 rms_norm_swiglu against XLA's norm then the kernel (as ops.pallas calls it). (A norm prologue inside
 the kernel, x * scale on the loaded tiles, measured 2-3x slower than this on the H200; bench/NOTES.md.)
@@ -160,6 +164,8 @@ def main():
     ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm in the product")
     ap.add_argument("--sweep-ms", type=int, nargs="*", default=None, help="the sweep's M values (default 16 64)")
     ap.add_argument("--ms", type=int, nargs="*", default=None, help="the table's M values")
+    ap.add_argument("--epilogues", nargs="*", default=None, choices=["none", "residual", "swiglu"],
+                    help="only the products with these epilogues (default all)")
     args = ap.parse_args()
     global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL, NORM
     INTERPRET = KG.INTERPRET = args.interpret
@@ -167,6 +173,8 @@ def main():
     NORM = args.norm
     if NORM:
         SHAPES = {m: [s for s in shapes if s[2] != "residual"] for m, shapes in SHAPES.items()}
+    if args.epilogues:
+        SHAPES = {m: [s for s in shapes if s[2] in args.epilogues] for m, shapes in SHAPES.items()}
     if PREFILL:
         MS, SWEEP_MS = PREFILL_MS, PREFILL_SWEEP_MS
     if args.sweep_ms:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -51,6 +52,11 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8 (the default since the eighteenth
     # session), 16, 32, or as the token loop (13.5 us a layer at 1k, ~2.4x its bytes; rope_kv_write.TILED)
     "rope-loop": ("", False, {"rope_write_tiled": 0}),
+    # the Pallas GEMM where kernels_skinny_gemm.py --prefill --sweep (its JSON in $OUT) swept a product: gate/up with
+    # its SwiGLU epilogue takes the SiLU-multiply kernel (15 us a layer at 1k) and cuBLAS's memset gap out
+    "prefill-table": ("", False, {"prefill_table": os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")}),
+    "profiled-prefill-table": (PROFILED, True, {"prefill_table": os.path.join(os.environ.get("OUT", "."),
+                                                                              "prefill_gemm.json")}),
     "rope-tiled": ("", False, {"rope_write_tiled": 8}),
     "rope-tiled-16": ("", False, {"rope_write_tiled": 16}),
     "rope-tiled-32": ("", False, {"rope_write_tiled": 32}),

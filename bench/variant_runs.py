@@ -73,10 +73,27 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
     return rows
 
 
+def patch_prefill_table(path: str) -> list[dict]:
+    """Each swept product's best config (kernels_skinny_gemm.py --prefill --sweep's JSON, "sweep") into
+    skinny_gemm._PREFILL_TABLE, so that prompt steps run the Pallas GEMM there. Returns the entries used."""
+    import json
+
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    used = [e for e in json.loads(open(path).read()).get("sweep", []) if e["top"]]
+    for e in used:
+        SG._PREFILL_TABLE[(*e["shape"], e["epilogue"])] = SG.SkinnyConfig(**e["top"][0]["cfg"])
+        print(f"# prefill table + {e['shape'][0]} x {e['shape'][1]} {e['epilogue']}: {e['top'][0]['cfg']} "
+              f"({e['top'][0]['us']:.1f} us at M={e['M']})", flush=True)
+    return used
+
+
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
+    "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
+    skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
     rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -92,7 +109,7 @@ def apply_bench_options(options: dict) -> dict:
     # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
-    patched = any(k in options for k in ("gemv_rows", "attention_config", "rope_write_tiled",
+    patched = any(k in options for k in ("gemv_rows", "attention_config", "prefill_table", "rope_write_tiled",
                                          "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
@@ -105,6 +122,8 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
+    if "prefill_table" in options:
+        patch_prefill_table(options.pop("prefill_table"))
     if "rope_write_tiled" in options:   # 0: the token loop
         from jaxinfer.pallas import rope_kv_write
 

@@ -109,6 +109,25 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
+def test_the_prefill_table_option_fills_the_table_from_a_sweep(monkeypatch, tmp_path):
+    """prefill_dispatch's prefill-table variants: each product the prefill sweep timed goes into skinny_gemm's
+    prefill table at its best config (whether or not it beat XLA in isolation), and the child compiles afresh."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.variant_runs import apply_bench_options
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    monkeypatch.setattr(SG, "_PREFILL_TABLE", {})
+    best = dict(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, block_m=128)
+    sweep = [dict(shape=[19456, 2560], epilogue="swiglu", M=1024, top=[dict(cfg=best, us=150.0)], failed=0),
+             dict(shape=[6144, 2560], epilogue="none", M=1024, top=[], failed=3)]
+    path = tmp_path / "prefill_gemm.json"
+    path.write_text(json.dumps({"sweep": sweep}))
+    assert apply_bench_options({"prefill_table": str(path)}) == {"executable_cache": ""}
+    assert SG._PREFILL_TABLE == {(19456, 2560, "swiglu"): SG.SkinnyConfig(**best)}
+    assert SG.prefill_table_config(1024, 19456, 2560, "swiglu") == SG.SkinnyConfig(**best)
+    assert SG.prefill_table_config(1024, 6144, 2560) is None
+
+
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     """prefill_dispatch's rope-tiled and rope-loop variants: the bench option sets rope_kv_write.TILED (0: the token
     loop)."""
