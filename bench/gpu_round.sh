@@ -478,6 +478,11 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
     done
     ;;
+  state)     # the session's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
+             # 1k TTFT share, with the package as it ends the session
+    step 170 python3 bench/decode.py --shapes qwen3-4b --paths pallas reference --long --out "$OUT"
+    step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
+    ;;
   gateup)    # gate/up with its SwiGLU epilogue on the Pallas GEMM at 1k prompt rows (the eighth session's prefill sweep
              # reached QKV, 0.90x XLA, and o_proj, 0.77x, not gate/up): the sweep, then the 1k prompt step with the
              # sweep's best config in the prefill table (the SiLU-multiply kernel and cuBLAS's memset gap go)
