@@ -27,6 +27,8 @@ from bench.table import print_table
 from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, PDL, PDL_LAUNCH, SLICE_FUSION,
                                 add_variant_args, apply_bench_options, run_variants)
 
+# kernels_skinny_gemm.py --prefill --sweep's JSON, for the prefill-table variants
+PREFILL_SWEEP = os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
@@ -54,9 +56,8 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "rope-loop": ("", False, {"rope_write_tiled": 0}),
     # the Pallas GEMM where kernels_skinny_gemm.py --prefill --sweep (its JSON in $OUT) swept a product: gate/up with
     # its SwiGLU epilogue takes the SiLU-multiply kernel (15 us a layer at 1k) and cuBLAS's memset gap out
-    "prefill-table": ("", False, {"prefill_table": os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")}),
-    "profiled-prefill-table": (PROFILED, True, {"prefill_table": os.path.join(os.environ.get("OUT", "."),
-                                                                              "prefill_gemm.json")}),
+    "prefill-table": ("", False, {"prefill_table": PREFILL_SWEEP}),
+    "profiled-prefill-table": (PROFILED, True, {"prefill_table": PREFILL_SWEEP}),
     "rope-tiled": ("", False, {"rope_write_tiled": 8}),
     "rope-tiled-16": ("", False, {"rope_write_tiled": 16}),
     "rope-tiled-32": ("", False, {"rope_write_tiled": 32}),

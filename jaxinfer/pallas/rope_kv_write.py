@@ -27,8 +27,10 @@ TOKENS_PER_PROGRAM = 8
 # passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
 # ~2.4x its bytes (seventeenth session); as tiles of 8 it took 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of
 # 16: 13.92, 32: 14.14; eighteenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop (bench
-# option rope_write_tiled). The same arithmetic per token, the norm's sums over the same halves, so the outputs are
-# equal bit for bit. Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
+# option rope_write_tiled). The same arithmetic per token, the norm's sums over the same halves: equal bit for bit in
+# interpret mode; on the GPU the sums of squares associate otherwise along a tile's rows (float32 last bits: the
+# bf16 greedy tokens of a random-weight bench model moved, the float32 GPU parity with the reference holds).
+# Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
 TILED = 8
 
 
