@@ -478,6 +478,11 @@ case "${1:-1}" in
       mv "$OUT/throughput.json" "$OUT/throughput-b8-pinned-$i.json"
     done
     ;;
+  ncu)       # the decode step's Pallas kernels under Nsight Compute (never used here before; Firecracker machines read
+             # the counters): per kernel duration, DRAM throughput, registers, occupancy and its limiter, at batch 1
+             # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them)
+    step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --out "$OUT"
+    ;;
   state)     # the session's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
              # 1k TTFT share, with the package as it ends the session
     step 170 python3 bench/decode.py --shapes qwen3-4b --paths pallas reference --long --out "$OUT"

@@ -167,3 +167,53 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     assert SG.table_config(32, 19456, 2560, "swiglu") is None
     T.patch_skinny_table(str(tmp_path / "s.json"))
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED
+
+
+def test_ncu_kernels_child_runs_its_workload(tmp_path):
+    """bench/ncu_kernels.py: the workload ncu watches (B sequences, a prompt each, greedy tokens) runs."""
+    _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", "tiny", "--ops", "reference", "--context",
+         "40", "--tokens", "3")
+
+
+def test_ncu_kernels_without_ncu_says_so(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    import bench.ncu_kernels as N
+
+    monkeypatch.setattr(N.shutil, "which", lambda name: None)
+    monkeypatch.setattr(N.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(sys, "argv", ["ncu_kernels.py", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="ncu .* not on this machine"):
+        N.main()
+
+
+def test_ncu_kernels_reads_the_details_page():
+    """ncu's `--csv --page details` (its ==PROF== lines mixed in): one row a launch, durations in microseconds, the
+    blocks-per-SM limiter named."""
+    sys.path.insert(0, str(REPO))
+    from bench.ncu_kernels import limiter, parse_details, table
+
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+            '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+    def row(i, kernel, section, metric, unit, value):
+        return (f'"{i}","7","python3","127.0.0.1","{kernel}","1","7","(128, 1, 1)","(1, 8, 32)","0","9.0",'
+                f'"{section}","{metric}","{unit}","{value}"')
+
+    text = "\n".join([
+        "==PROF== Connected to process 7", head,
+        row(0, "gemv_none_norm", "GPU Speed Of Light Throughput", "Duration", "usecond", "9.71"),
+        row(0, "gemv_none_norm", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "71.20"),
+        row(0, "gemv_none_norm", "Launch Statistics", "Registers Per Thread", "register/thread", "40"),
+        row(0, "gemv_none_norm", "Occupancy", "Block Limit Registers", "block", "12"),
+        row(0, "gemv_none_norm", "Occupancy", "Block Limit Warps", "block", "16"),
+        row(1, "decode_attention_rope_split", "GPU Speed Of Light Throughput", "Duration", "nsecond", "4,310.50"),
+        row(1, "decode_attention_rope_split", "Occupancy", "Block Limit Registers", "block", "3"),
+        row(1, "decode_attention_rope_split", "Occupancy", "Block Limit Shared Mem", "block", "3"),
+        "==PROF== Report: /tmp/ncu-B1.ncu-rep"])
+    kernels = parse_details(text)
+    assert [k["kernel"] for k in kernels] == ["gemv_none_norm", "decode_attention_rope_split"]
+    assert kernels[0]["Duration"] == 9.71 and kernels[1]["Duration"] == pytest.approx(4.3105)
+    assert kernels[0]["Registers Per Thread"] == 40.0
+    assert limiter(kernels[0]) == "Registers (12)" and limiter(kernels[1]) == "Registers/Shared Mem (3)"
+    out = table(kernels)
+    assert "| gemv_none_norm | 9.71 | 71.2 |" in out and "4.31" in out

@@ -1,0 +1,159 @@
+"""The decode step's Pallas kernels under Nsight Compute (ncu): what each one's time is made of, on the H200.
+
+    PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--kernels REGEX] [--skip 600]
+                                              [--count 14] [--out DIR]
+
+Per batch, ncu runs a child (this file, --child) that builds the engine and decodes --tokens greedy tokens after a
+1,024-token prompt per sequence, XLA's command buffers off so that every kernel is a launch of its own (the kernels
+are the same). ncu passes over the first --skip launches of kernels whose names match --kernels (by default the
+decode step's Pallas kernels: the GEMVs, the batched-decode GEMM, decode attention and its merge; the prompt steps
+run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
+SpeedOfLight, LaunchStats, Occupancy and WarpStateStats sections, the clocks left alone (--clock-control none) and
+the caches flushed before each kernel (ncu's default; a decode step's weights come from HBM too). The machine must
+let ncu read the counters (Firecracker machines do; gVisor ones do not). Prints per kernel: duration, DRAM
+throughput as a share of peak, registers per thread, theoretical and achieved occupancy with the limiting resource,
+and warp cycles per issued instruction; the reports are kept as $OUT/ncu-B{batch}.ncu-rep and .csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+
+KERNELS = "gemv|decode_attention|skinny_gemm"
+SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
+# (column, ncu's metric name on the details page)
+COLUMNS = [("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("grid", "Grid Size"), ("block", "Block Size"),
+           ("regs", "Registers Per Thread"), ("theor. occ. %", "Theoretical Occupancy"),
+           ("achieved occ. %", "Achieved Occupancy"), ("waves", "Waves Per SM"),
+           ("cycles / issue", "Warp Cycles Per Issued Instruction")]
+LIMITS = ("Block Limit Registers", "Block Limit Shared Mem", "Block Limit Warps", "Block Limit SM")
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+
+
+def find_ncu() -> str | None:
+    """ncu on the PATH, else the newest under /opt/nvidia/nsight-compute."""
+    found = shutil.which("ncu")
+    if found:
+        return found
+    installed = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))
+    return installed[-1] if installed else None
+
+
+def number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def parse_details(text: str) -> list[dict]:
+    """ncu's `--csv --page details` output -> one dict a profiled kernel launch, in launch order: its name, and
+    each metric's value (floats where they parse; durations in microseconds)."""
+    rows = [line for line in text.splitlines() if line.startswith('"')]   # ncu's own ==PROF== lines are not CSV
+    kernels: dict[str, dict] = {}
+    for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        k = kernels.setdefault(r["ID"], {"ID": int(r["ID"]), "kernel": r["Kernel Name"]})
+        value = number(r["Metric Value"])
+        if r["Metric Name"] == "Duration" and value is not None:
+            value *= TO_US.get(r["Metric Unit"], float("nan"))
+        k[r["Metric Name"]] = value if value is not None else r["Metric Value"]
+    return sorted(kernels.values(), key=lambda k: k["ID"])
+
+
+def limiter(k: dict) -> str:
+    """The resource that caps a kernel's blocks per SM the most (ncu's Block Limit rows; ties: all of them)."""
+    limits = {name.removeprefix("Block Limit "): k[name] for name in LIMITS if isinstance(k.get(name), float)}
+    if not limits:
+        return "-"
+    low = min(limits.values())
+    return "/".join(n for n, v in limits.items() if v == low) + f" ({low:.0f})"
+
+
+def table(kernels: list[dict]) -> str:
+    def cell(k, metric):
+        v = k.get(metric)
+        return "-" if v is None else f"{v:,.2f}" if isinstance(v, float) and metric == "Duration" else (
+            f"{v:,.4g}" if isinstance(v, float) else str(v))
+
+    head = ["kernel", *(c for c, _ in COLUMNS), "blocks/SM limited by"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for k in kernels:
+        name = k["kernel"].split("(")[0][:48]
+        lines.append("| " + " | ".join([name, *(cell(k, m) for _, m in COLUMNS), limiter(k)]) + " |")
+    return "\n".join(lines)
+
+
+def child(args) -> None:
+    """The workload ncu watches: B sequences of a 1,024-token prompt each, then --tokens greedy tokens."""
+    import numpy as np
+
+    from bench.throughput import engine_for, run_all
+    from jaxinfer.config import load_config
+    from jaxinfer.random_model import bench_model
+    from jaxinfer.sampling import SamplingParams
+
+    model_dir = args.model or bench_model(args.models, args.shape)
+    cfg = load_config(model_dir, "bfloat16")
+    engine = engine_for(model_dir, args.ops, args.batch, args.context + args.tokens + 16, compile_at_start=False,
+                        enable_prefix_caching=False)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, cfg.vocab_size - 100, args.context).tolist() for _ in range(args.batch)]
+    run_all(engine, prompts, [SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)] * args.batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--kernels", default=KERNELS, help="regex over kernel names")
+    ap.add_argument("--skip", type=int, default=600, help="matching launches passed over first (warm-up)")
+    ap.add_argument("--count", type=int, default=14, help="matching launches profiled")
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--ops", default="pallas")
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--model", default=None, help="a model folder instead of random weights at --shape")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return
+    ncu = find_ncu()
+    if ncu is None:
+        raise SystemExit("ncu (Nsight Compute) is not on this machine")
+    from bench.variant_runs import NO_COMMAND_BUFFERS
+
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()}
+    for B in args.batches:
+        report = os.path.join(args.out, f"ncu-B{B}")
+        work = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(B), "--shape", args.shape,
+                "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops, "--models",
+                args.models] + (["--model", args.model] if args.model else [])
+        cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", f"regex:{args.kernels}",
+               "--launch-skip", str(args.skip), "--launch-count", str(args.count),
+               *(a for s in SECTIONS for a in ("--section", s)), "-f", "-o", report, *work]
+        print("# " + " ".join(cmd), flush=True)
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if run.returncode:
+            print(run.stdout[-3000:] + run.stderr[-3000:], flush=True)
+            raise SystemExit(f"ncu failed for batch {B} (rc {run.returncode})")
+        details = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "details"], capture_output=True,
+                                 text=True, check=True).stdout
+        with open(report + ".csv", "w") as f:
+            f.write(details)
+        print(f"\n{args.shape}, batch {B}, context {args.context}: {args.count} launches after {args.skip}\n"
+              + table(parse_details(details)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
