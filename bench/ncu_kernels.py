@@ -25,7 +25,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import defaultdict
 
 KERNELS = "gemv|decode_attention|skinny_gemm"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
@@ -151,8 +150,12 @@ def main() -> None:
                                  text=True, check=True).stdout
         with open(report + ".csv", "w") as f:
             f.write(details)
-        print(f"\n{args.shape}, batch {B}, context {args.context}: {args.count} launches after {args.skip}\n"
-              + table(parse_details(details)), flush=True)
+        kernels = parse_details(details)
+        if not kernels:   # fewer matching launches than --skip: nothing was profiled
+            print(f"# batch {B}: no launch profiled (fewer than {args.skip} matched {args.kernels!r}?)", flush=True)
+            continue
+        print(f"\n{args.shape}, batch {B}, context {args.context}: {len(kernels)} launches after {args.skip}\n"
+              + table(kernels), flush=True)
 
 
 if __name__ == "__main__":
