@@ -79,8 +79,11 @@ def limiter(k: dict) -> str:
 def table(kernels: list[dict]) -> str:
     def cell(k, metric):
         v = k.get(metric)
-        return "-" if v is None else f"{v:,.2f}" if isinstance(v, float) and metric == "Duration" else (
-            f"{v:,.4g}" if isinstance(v, float) else str(v))
+        if v is None:
+            return "-"
+        if not isinstance(v, float):   # a value ncu gives as text (e.g. a launch's dimensions)
+            return str(v)
+        return f"{v:,.2f}" if metric == "Duration" else f"{v:,.4g}"
 
     head = ["kernel", *(c for c, _ in COLUMNS), "blocks/SM limited by"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
