@@ -430,9 +430,14 @@ def test_full_queue_answers_503_quickly(stories):
         driver.max_waiting = saved
     codes = [c for c, _, _ in results]
     assert codes.count(200) >= 16 and codes.count(503) > 0, codes
+    # Answered at admission, not after waiting for room: every 503 comes back sooner than any accepted request
+    # takes (each of those runs >= 200 slowed steps). Relative, because an absolute 1 s bound failed on a loaded
+    # 2-core CI machine (a 503 in 1.76 s).
+    fastest_accepted = min(seconds for code, seconds, _ in results if code == 200)
     for code, seconds, body in results:
         if code == 503:
-            assert body["error"]["code"] == "server_overloaded" and seconds < 1.0
+            assert body["error"]["code"] == "server_overloaded" and seconds < fastest_accepted, (seconds,
+                                                                                                 fastest_accepted)
     assert metrics(stories)["jaxinfer_request_rejected_total"] >= codes.count(503)
 
 
