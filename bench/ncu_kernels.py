@@ -34,7 +34,8 @@ COLUMNS = [("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("grid", "Grid Siz
            ("achieved occ. %", "Achieved Occupancy"), ("waves", "Waves Per SM"),
            ("cycles / issue", "Warp Cycles Per Issued Instruction")]
 LIMITS = ("Block Limit Registers", "Block Limit Shared Mem", "Block Limit Warps", "Block Limit SM")
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+# duration units as ncu versions spell them
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
 
 def find_ncu() -> str | None:

@@ -206,7 +206,7 @@ def test_ncu_kernels_reads_the_details_page():
         row(0, "gemv_none_norm", "Launch Statistics", "Registers Per Thread", "register/thread", "40"),
         row(0, "gemv_none_norm", "Occupancy", "Block Limit Registers", "block", "12"),
         row(0, "gemv_none_norm", "Occupancy", "Block Limit Warps", "block", "16"),
-        row(1, "decode_attention_rope_split", "GPU Speed Of Light Throughput", "Duration", "nsecond", "4,310.50"),
+        row(1, "decode_attention_rope_split", "GPU Speed Of Light Throughput", "Duration", "ns", "4,310.50"),
         row(1, "decode_attention_rope_split", "Occupancy", "Block Limit Registers", "block", "3"),
         row(1, "decode_attention_rope_split", "Occupancy", "Block Limit Shared Mem", "block", "3"),
         "==PROF== Report: /tmp/ncu-B1.ncu-rep"])
