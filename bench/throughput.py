@@ -160,6 +160,18 @@ def patch_skinny_table(path: str) -> None:
         print(f"# skinny table + {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
 
 
+def patch_prefill_table(path: str) -> None:
+    """Each product the prefill sweep timed (kernels_skinny_gemm.py --prefill --sweep's JSON, "sweep") into
+    skinny_gemm's prefill table at its best config, whether or not it beat XLA in isolation (the step's A/B)."""
+    from jaxinfer.pallas import skinny_gemm as SG
+
+    for e in json.loads(Path(path).read_text()).get("sweep", []):
+        if e["top"]:
+            SG._PREFILL_TABLE[(*e["shape"], e["epilogue"])] = SG.SkinnyConfig(**e["top"][0]["cfg"])
+            print(f"# prefill table + {e['shape'][0]} x {e['shape'][1]} {e['epilogue']}: {e['top'][0]['cfg']} "
+                  f"({e['top'][0]['us']:.1f} us at M={e['M']})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")

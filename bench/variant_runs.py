@@ -73,21 +73,6 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
     return rows
 
 
-def patch_prefill_table(path: str) -> list[dict]:
-    """Each swept product's best config (kernels_skinny_gemm.py --prefill --sweep's JSON, "sweep") into
-    skinny_gemm._PREFILL_TABLE, so that prompt steps run the Pallas GEMM there. Returns the entries used."""
-    import json
-
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    used = [e for e in json.loads(open(path).read()).get("sweep", []) if e["top"]]
-    for e in used:
-        SG._PREFILL_TABLE[(*e["shape"], e["epilogue"])] = SG.SkinnyConfig(**e["top"][0]["cfg"])
-        print(f"# prefill table + {e['shape'][0]} x {e['shape'][1]} {e['epilogue']}: {e['top'][0]['cfg']} "
-              f"({e['top'][0]['us']:.1f} us at M={e['M']})", flush=True)
-    return used
-
-
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
@@ -123,6 +108,8 @@ def apply_bench_options(options: dict) -> dict:
 
         force_attention_config(*options.pop("attention_config"))
     if "prefill_table" in options:
+        from bench.throughput import patch_prefill_table
+
         patch_prefill_table(options.pop("prefill_table"))
     if "rope_write_tiled" in options:   # 0: the token loop
         from jaxinfer.pallas import rope_kv_write
