@@ -481,7 +481,7 @@ case "${1:-1}" in
   ncu)       # the decode step's Pallas kernels under Nsight Compute (never used here before; Firecracker machines read
              # the counters): per kernel duration, DRAM throughput, registers, occupancy and its limiter, at batch 1
              # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them)
-    step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --out "$OUT"
+    step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --all-launches --skip 1500 4500 --count 40 --out "$OUT"
     ;;
   state)     # the session's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
              # 1k TTFT share, with the package as it ends the session

@@ -22,9 +22,12 @@ import csv
 import glob
 import io
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 KERNELS = "gemv|decode_attention|skinny_gemm"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
@@ -105,11 +108,15 @@ def child(args) -> None:
 
     model_dir = args.model or bench_model(args.models, args.shape)
     cfg = load_config(model_dir, "bfloat16")
+    t0 = time.perf_counter()
     engine = engine_for(model_dir, args.ops, args.batch, args.context + args.tokens + 16, compile_at_start=False,
                         enable_prefix_caching=False)
+    print(f"# child: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, cfg.vocab_size - 100, args.context).tolist() for _ in range(args.batch)]
+    print("# child: prompts queued", flush=True)
     run_all(engine, prompts, [SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)] * args.batch)
+    print(f"# child: decoded {args.tokens} tokens, {time.perf_counter() - t0:.0f} s in all", flush=True)
 
 
 def main() -> None:
@@ -117,7 +124,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-4b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kernels", default=KERNELS, help="regex over kernel names")
-    ap.add_argument("--skip", type=int, default=600, help="matching launches passed over first (warm-up)")
+    ap.add_argument("--skip", type=int, nargs="+", default=[600],
+                    help="matching launches passed over first (warm-up): one figure, or one a batch")
     ap.add_argument("--count", type=int, default=14, help="matching launches profiled")
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--context", type=int, default=1024)
@@ -125,6 +133,9 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--model", default=None, help="a model folder instead of random weights at --shape")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--all-launches", action="store_true",
+                    help="--skip and --count over every kernel launch; the table keeps the --kernels matches")
+    ap.add_argument("--timeout", type=float, default=170, help="seconds for each batch's ncu run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -136,29 +147,56 @@ def main() -> None:
         raise SystemExit("ncu (Nsight Compute) is not on this machine")
     from bench.variant_runs import NO_COMMAND_BUFFERS
 
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS}".strip()}
-    for B in args.batches:
+    if not args.model:   # the weights are written outside ncu, where their kernels run at full speed
+        subprocess.run([sys.executable, "-c", "from jaxinfer.random_model import bench_model; "
+                        f"bench_model({args.models!r}, {args.shape!r})"], check=True)
+    # ncu's kernel replay saves and restores the device memory a kernel may write; JAX's usual pool (75% of the
+    # card, one allocation) would make each replay copy ~100 GB, so the pool grows as needed here. (JAX's platform
+    # allocator, a cudaMalloc a buffer, segfaulted under ncu on the H200.)
+    # XLA's GEMM autotuner is kept from timing kernels under ncu, and a crash prints the Python stack.
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONFAULTHANDLER": "1",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS} --xla_gpu_autotune_level=0".strip()}
+    skips = args.skip * len(args.batches) if len(args.skip) == 1 else args.skip
+    if len(skips) != len(args.batches):
+        raise SystemExit("--skip takes one figure or one a batch")
+    for B, skip in zip(args.batches, skips):
         report = os.path.join(args.out, f"ncu-B{B}")
         work = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(B), "--shape", args.shape,
                 "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops, "--models",
                 args.models] + (["--model", args.model] if args.model else [])
-        cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--kernel-name", f"regex:{args.kernels}",
-               "--launch-skip", str(args.skip), "--launch-count", str(args.count),
+        # --apply-rules no: ncu's rule engine (_NvRules) segfaulted on these kernels on the H200 (2026-12-01)
+        # --all-launches: ncu counts every kernel (no name filter: it crashed with one on the H200) and the table
+        # keeps those whose names match --kernels
+        name_filter = [] if args.all_launches else ["--kernel-name", f"regex:{args.kernels}"]
+        cmd = [ncu, "--clock-control", "none", "--apply-rules", "no", "--target-processes", "all", *name_filter,
+               "--launch-skip", str(skip), "--launch-count", str(args.count),
                *(a for s in SECTIONS for a in ("--section", s)), "-f", "-o", report, *work]
         print("# " + " ".join(cmd), flush=True)
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if run.returncode:
-            print(run.stdout[-3000:] + run.stderr[-3000:], flush=True)
-            raise SystemExit(f"ncu failed for batch {B} (rc {run.returncode})")
+        log = report + ".log"   # ncu's and the child's output, kept even when the run is cut short
+        with open(log, "w") as f:
+            # its own process group: on a timeout the child goes with ncu (it would hold the GPU otherwise)
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = f"timed out after {args.timeout:.0f} s"
+        if rc:
+            with open(log) as f:
+                print(f.read()[-3000:], flush=True)
+            raise SystemExit(f"ncu failed for batch {B} ({rc})")
         details = subprocess.run([ncu, "-i", report + ".ncu-rep", "--csv", "--page", "details"], capture_output=True,
                                  text=True, check=True).stdout
         with open(report + ".csv", "w") as f:
             f.write(details)
         kernels = parse_details(details)
+        if args.all_launches:
+            kernels = [k for k in kernels if re.search(args.kernels, k["kernel"])]
         if not kernels:   # fewer matching launches than --skip: nothing was profiled
-            print(f"# batch {B}: no launch profiled (fewer than {args.skip} matched {args.kernels!r}?)", flush=True)
+            print(f"# batch {B}: no launch profiled (fewer than {skip} matched {args.kernels!r}?)", flush=True)
             continue
-        print(f"\n{args.shape}, batch {B}, context {args.context}: {len(kernels)} launches after {args.skip}\n"
+        print(f"\n{args.shape}, batch {B}, context {args.context}: {len(kernels)} launches after {skip}\n"
               + table(kernels), flush=True)
 
 
