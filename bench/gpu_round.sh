@@ -483,6 +483,20 @@ case "${1:-1}" in
              # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them)
     step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --all-launches --skip 1500 4500 --count 40 --out "$OUT"
     ;;
+  hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
+             # pack's dtype names cached, integer prompts checked with numpy) against the package before it
+             # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then
+             # issue 4's 1k TTFT share with the package now. Predictions in NOTES (nineteenth session)
+    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    i=0
+    for pkg in before-host now before-host now; do
+      path=.; [ $pkg != now ] && path=.carry/$pkg:.; i=$((i + 1))
+      step 90 env PYTHONPATH=$path python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default \
+           --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$pkg.json"
+    done
+    step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
+    ;;
   state)     # the session's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
              # 1k TTFT share, with the package as it ends the session
     step 170 python3 bench/decode.py --shapes qwen3-4b --paths pallas reference --long --out "$OUT"

@@ -33,7 +33,7 @@ from jaxinfer.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dty
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
-from jaxinfer.transfer import to_device, to_device_packed
+from jaxinfer.transfer import packed_on_host, to_device
 from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
 from jaxinfer.generation_defaults import describe, read_generation_defaults
@@ -326,8 +326,14 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this engine was started without a tokenizer: give prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
-        ids = [int(t) for t in prompt]
-        if ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size):
+        arr = np.asarray(prompt) if isinstance(prompt, (list, np.ndarray)) else None
+        if arr is not None and arr.ndim == 1 and np.issubdtype(arr.dtype, np.integer):   # ~4x faster than by element
+            ids = arr.tolist()
+            bad = arr.size and (arr.min() < 0 or arr.max() >= self.cfg.vocab_size)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = ids and (min(ids) < 0 or max(ids) >= self.cfg.vocab_size)
+        if bad:
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
         return None, ids
 
@@ -607,7 +613,7 @@ class Engine:
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
         t0 = time.perf_counter()
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
-        batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
+        batch = packed_on_host(StepBatch(**a, sampling=sampling))   # the step copies and splits it (one argument)
         t1 = time.perf_counter()
         sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)

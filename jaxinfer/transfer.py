@@ -51,9 +51,15 @@ def pack(tree) -> tuple[np.ndarray, Layout]:
         else:
             raise TypeError(f"to_device packs int32, bool, float32 and uint32 arrays, not {a.dtype}")
         parts.append(flat)
-        spec.append((a.shape, a.dtype.name))
+        spec.append((a.shape, _dtype_name(a.dtype)))
     buf = np.concatenate(parts) if parts else np.zeros(0, np.int32)
     return buf, Layout(treedef, tuple(spec))
+
+
+@functools.lru_cache(maxsize=16)
+def _dtype_name(dtype: np.dtype) -> str:
+    """numpy computes `dtype.name` in Python (~10 us); pack asks for it once per leaf."""
+    return dtype.name
 
 
 def _split(buf: jax.Array, layout: Layout):
@@ -111,6 +117,14 @@ def _leaf_indices(treedef):
 def unpacked(tree):
     """Inside a jitted function: a Packed argument split back into its pytree (anything else as is)."""
     return _split(tree.buf, tree.layout) if isinstance(tree, Packed) else tree
+
+
+def packed_on_host(tree) -> Packed:
+    """The pytree of numpy arrays as one host buffer, for a jitted step that takes a `Packed`: the call copies it
+    to the device on its C++ argument path, which costs less host time than `jax.device_put` (1k prompt step on
+    the 2-core VM: host time before the launch 0.95 -> 0.64 ms, the call itself +0.08-0.27 ms)."""
+    buf, layout = pack(tree)
+    return Packed(buf, layout)
 
 
 def to_device_packed(tree) -> Packed:

@@ -95,6 +95,18 @@ def test_empty_prompt_and_bad_ids(llm):
         llm.generate([[1, 99999]], SamplingParams(max_tokens=4))
 
 
+@pytest.mark.parametrize("prompt", [[1, 99999], [-1, 5], np.array([3, 512]), (7, -2), [2.0, 600.0]])
+def test_bad_ids_by_either_path(llm, prompt):
+    """Engine.encode checks integer lists and arrays with numpy and anything else element by element: both
+    refuse ids outside the vocabulary (stories260k: 512), and both give the same list for good ids."""
+    with pytest.raises(ValueError, match=r"token ids must lie in \[0, 512\)"):
+        llm.engine.encode(prompt)
+    good = [5, 0, 511]
+    for form in (good, np.array(good, np.int64), np.array(good, np.int32), tuple(good), [5.0, 0.0, 511.0]):
+        text, ids = llm.engine.encode(form)
+        assert text is None and ids == good and all(type(t) is int for t in ids), form
+
+
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("top_k", -5),
                                           ("max_tokens", 0), ("min_p", 2.0), ("repetition_penalty", 0.0)])
 def test_invalid_sampling_values(field, value):
