@@ -489,7 +489,7 @@ case "${1:-1}" in
              # issue 4's 1k TTFT share with the package now. Predictions in NOTES (nineteenth session)
     python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     i=0
-    for pkg in before-host now before-host now; do
+    for pkg in ${PKGS:-before-host now before-host now}; do
       path=.; [ $pkg != now ] && path=.carry/$pkg:.; i=$((i + 1))
       step 90 env PYTHONPATH=$path python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default \
            --out "$OUT"

@@ -33,7 +33,7 @@ from jaxinfer.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dty
 from jaxinfer.model import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.paging import PageAllocator
-from jaxinfer.transfer import packed_on_host, to_device
+from jaxinfer.transfer import to_device, to_device_packed
 from jaxinfer.serve.scheduler import Scheduler, Sequence
 from jaxinfer.runner import DecodeBatch, ModelRunner
 from jaxinfer.generation_defaults import describe, read_generation_defaults
@@ -613,7 +613,7 @@ class Engine:
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
         t0 = time.perf_counter()
         greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
-        batch = packed_on_host(StepBatch(**a, sampling=sampling))   # the step copies and splits it (one argument)
+        batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
         t1 = time.perf_counter()
         sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
         outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)

@@ -119,14 +119,6 @@ def unpacked(tree):
     return _split(tree.buf, tree.layout) if isinstance(tree, Packed) else tree
 
 
-def packed_on_host(tree) -> Packed:
-    """The pytree of numpy arrays as one host buffer, for a jitted step that takes a `Packed`: the call copies it
-    to the device on its C++ argument path, which costs less host time than `jax.device_put` (1k prompt step on
-    the 2-core VM: host time before the launch 0.95 -> 0.64 ms, the call itself +0.08-0.27 ms)."""
-    buf, layout = pack(tree)
-    return Packed(buf, layout)
-
-
 def to_device_packed(tree) -> Packed:
     """The pytree of numpy arrays on the device as one buffer, to be split by the step (`unpacked`)."""
     buf, layout = pack(tree)

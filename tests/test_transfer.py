@@ -73,18 +73,3 @@ def test_a_packed_batch_is_split_inside_the_jitted_step():
     assert len(traces) == 2   # another layout: another trace
     assert unpacked(tree) is tree   # not packed: as is
 
-
-def test_a_batch_packed_on_host_runs_the_device_packed_executable():
-    """packed_on_host (the engine's prompt steps): the buffer stays numpy and the call copies it; an executable
-    compiled for a device-packed batch takes it and gives the same outputs bit for bit."""
-    from jaxinfer.transfer import packed_on_host, to_device_packed, unpacked
-
-    rng = np.random.default_rng(2)
-    tree = dict(a=rng.integers(-50, 50, (3, 4), dtype=np.int32), f=rng.random(7).astype(np.float32),
-                u=rng.integers(0, 2**32, 5, dtype=np.uint32), b=rng.random(6) > 0.5)
-    exe = jax.jit(lambda p: unpacked(p)).lower(to_device_packed(tree)).compile()
-    host = packed_on_host(tree)
-    assert isinstance(host.buf, np.ndarray) and host.layout == to_device_packed(tree).layout
-    out = exe(host)
-    for k, v in tree.items():
-        assert np.asarray(out[k]).tobytes() == v.tobytes() and out[k].dtype == v.dtype, k
