@@ -483,6 +483,14 @@ case "${1:-1}" in
              # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them)
     step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --all-launches --skip 1500 4500 --count 40 --out "$OUT"
     ;;
+  ncu2)      # ncu's front-end crashed on the engine's workload (calls 2-8): the decode step on an unwritten cache
+             # (no prompt step: no cuDNN, no cuBLAS) at batch 1 and 8, then the engine's requests with the prompt's
+             # attention on our kernel instead of cuDNN (nineteenth session)
+    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    step 160 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --workload synthetic --skip 300 \
+         --timeout 70 --out "$OUT"
+    step 80 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload no-cudnn --timeout 70 --out "$OUT"
+    ;;
   hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it
              # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then

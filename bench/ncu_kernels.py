@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 KERNELS = "gemv|decode_attention|skinny_gemm"
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
 # (column, ncu's metric name on the details page)
@@ -99,8 +101,6 @@ def table(kernels: list[dict]) -> str:
 
 def child(args) -> None:
     """The workload ncu watches: B sequences of a 1,024-token prompt each, then --tokens greedy tokens."""
-    import numpy as np
-
     from bench.throughput import engine_for, run_all
     from jaxinfer.config import load_config
     from jaxinfer.random_model import bench_model
@@ -109,14 +109,47 @@ def child(args) -> None:
     model_dir = args.model or bench_model(args.models, args.shape)
     cfg = load_config(model_dir, "bfloat16")
     t0 = time.perf_counter()
+    options = {"fresh_prompt_attention": False} if args.workload == "no-cudnn" else {}
     engine = engine_for(model_dir, args.ops, args.batch, args.context + args.tokens + 16, compile_at_start=False,
-                        enable_prefix_caching=False)
+                        enable_prefix_caching=False, **options)
     print(f"# child: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
+    if args.workload == "synthetic":
+        synthetic_decode(engine, args.batch, args.context, args.tokens)
+        print(f"# child: {args.tokens} synthetic decode dispatches, {time.perf_counter() - t0:.0f} s in all", flush=True)
+        return
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, cfg.vocab_size - 100, args.context).tolist() for _ in range(args.batch)]
     print("# child: prompts queued", flush=True)
     run_all(engine, prompts, [SamplingParams(max_tokens=args.tokens, temperature=0, ignore_eos=True)] * args.batch)
     print(f"# child: decoded {args.tokens} tokens, {time.perf_counter() - t0:.0f} s in all", flush=True)
+
+
+def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
+    """The batch-B greedy decode step on an unwritten cache, without a prompt step: B rows at position `context`,
+    each with its own pages (the same kernels and bytes as after real prompts; no cuDNN or cuBLAS prompt kernels)."""
+    import jax
+
+    from jaxinfer.runner import DecodeBatch
+    from jaxinfer.sampling import SamplingArrays
+    from jaxinfer.transfer import to_device
+
+    r = engine.runner
+    bucket = r.batch_bucket(B)
+    a = r.empty_decode(bucket)
+    per_seq = -(-(context + 1) // r.page_size)
+    for b in range(B):
+        a["tokens"][b] = 100 + b
+        a["positions"][b] = context
+        a["page_table"][b, :per_seq] = 1 + b * per_seq + np.arange(per_seq)
+        a["state_row"][b] = b
+        a["remaining"][b] = 1 << 20
+        a["active"][b] = True
+    batch = to_device(DecodeBatch(**a, sampling=SamplingArrays.from_params([], [], bucket)))
+    out = None
+    for _ in range(dispatches):
+        batch, out = r.launch_decode(batch, greedy=True)
+    jax.block_until_ready(out)
+    print(f"# child: rows now at positions {np.asarray(batch.positions)[:B].tolist()}", flush=True)
 
 
 def main() -> None:
@@ -135,6 +168,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--all-launches", action="store_true",
                     help="--skip and --count over every kernel launch; the table keeps the --kernels matches")
+    ap.add_argument("--workload", default="engine", choices=["engine", "no-cudnn", "synthetic"],
+                    help="what ncu watches: the engine's requests; the same with the prompt's attention on our "
+                         "kernel instead of cuDNN; or decode dispatches on an unwritten cache (no prompt step)")
     ap.add_argument("--timeout", type=float, default=170, help="seconds for each batch's ncu run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -160,9 +196,10 @@ def main() -> None:
     if len(skips) != len(args.batches):
         raise SystemExit("--skip takes one figure or one a batch")
     for B, skip in zip(args.batches, skips):
-        report = os.path.join(args.out, f"ncu-B{B}")
+        report = os.path.join(args.out, f"ncu-B{B}" + ("" if args.workload == "engine" else f"-{args.workload}"))
         work = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(B), "--shape", args.shape,
-                "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops, "--models",
+                "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops,
+                "--workload", args.workload, "--models",
                 args.models] + (["--model", args.model] if args.model else [])
         # --apply-rules no: ncu's rule engine (_NvRules) segfaulted on these kernels on the H200 (2026-12-01)
         # --all-launches: ncu counts every kernel (no name filter: it crashed with one on the H200) and the table

@@ -169,10 +169,15 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED
 
 
-def test_ncu_kernels_child_runs_its_workload(tmp_path):
-    """bench/ncu_kernels.py: the workload ncu watches (B sequences, a prompt each, greedy tokens) runs."""
-    _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", "tiny", "--ops", "reference", "--context",
-         "40", "--tokens", "3")
+@pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic"])
+def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
+    """bench/ncu_kernels.py: the workloads ncu watches run (B sequences, a prompt each, greedy tokens; or decode
+    dispatches on an unwritten cache, whose rows advance from the context's position)."""
+    out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", "tiny", "--ops", "reference",
+               "--context", "40", "--tokens", "3", "--workload", workload)
+    if workload == "synthetic":
+        positions = json.loads(out.split("rows now at positions ")[1].splitlines()[0])
+        assert len(positions) == 2 and all(p > 40 for p in positions) and positions[0] == positions[1], out
 
 
 def test_ncu_kernels_without_ncu_says_so(tmp_path, monkeypatch):
