@@ -106,6 +106,10 @@ def child(args) -> None:
     from jaxinfer.random_model import bench_model
     from jaxinfer.sampling import SamplingParams
 
+    if args.workload in ONE_KERNEL:
+        one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens)
+        print(f"# child: {args.workload} called {args.tokens} times", flush=True)
+        return
     model_dir = args.model or bench_model(args.models, args.shape)
     cfg = load_config(model_dir, "bfloat16")
     t0 = time.perf_counter()
@@ -152,6 +156,52 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
     print(f"# child: rows now at positions {np.asarray(batch.positions)[:B].tolist()}", flush=True)
 
 
+# One Pallas kernel family alone at the shape's sizes (to find which one ncu cannot take): name -> what it runs
+ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fused_gemv with SwiGLU (gate/up)",
+              "o-proj": "fused_gemv with the residual (o_proj)", "attention": "paged_decode_attention (split "
+              "kernel and merge)", "skinny": "skinny_gemm (QKV)"}
+
+
+def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
+    """`calls` calls of one kernel family at `shape`'s sizes, B rows, random bf16 inputs (interpret mode on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.config import config_from_hf
+    from jaxinfer.pallas.decode_attention import paged_decode_attention
+    from jaxinfer.pallas.fused_gemv import fused_gemv
+    from jaxinfer.pallas.skinny_gemm import skinny_gemm
+    from jaxinfer.random_model import SHAPES
+
+    cfg = config_from_hf(SHAPES[shape], "bfloat16")
+    D, hd, interpret = cfg.hidden_size, cfg.head_dim, jax.default_backend() == "cpu"
+    k = iter(jax.random.split(jax.random.key(0), 8))
+
+    def rand(*dims):
+        return (0.02 * jax.random.normal(next(k), dims)).astype(jnp.bfloat16)
+
+    if name == "attention":
+        page, pages = 16, -(-(context + 1) // 16)
+        slots = B * pages * page
+        kc, vc = rand(1, cfg.num_kv_heads, slots, hd), rand(1, cfg.num_kv_heads, slots, hd)
+        table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
+        lens = jnp.full((B,), context + 1, jnp.int32)
+        f = jax.jit(lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
+                                                     interpret=interpret))
+        x = rand(B, cfg.num_heads, hd)
+    else:
+        n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
+                       "o-proj": (D, cfg.q_size), "skinny": (cfg.q_size + 2 * cfg.kv_size, D)}[name]
+        w, x, scale, res = rand(1, n_out, n_in), rand(B, n_in), 1 + rand(n_in), rand(B, n_out)
+        f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, interpret=interpret),
+                     "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", interpret=interpret),
+                     "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", interpret=interpret),
+                     "skinny": lambda x: skinny_gemm(x, w, 0, interpret=interpret)}[name])
+    outs = [f(x) for _ in range(calls)]
+    jax.block_until_ready(outs)
+    assert all(bool(jnp.isfinite(o.astype(jnp.float32)).all()) for o in outs), name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
@@ -168,9 +218,10 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--all-launches", action="store_true",
                     help="--skip and --count over every kernel launch; the table keeps the --kernels matches")
-    ap.add_argument("--workload", default="engine", choices=["engine", "no-cudnn", "synthetic"],
+    ap.add_argument("--workload", default="engine", choices=["engine", "no-cudnn", "synthetic", *ONE_KERNEL],
                     help="what ncu watches: the engine's requests; the same with the prompt's attention on our "
-                         "kernel instead of cuDNN; or decode dispatches on an unwritten cache (no prompt step)")
+                         "kernel instead of cuDNN; decode dispatches on an unwritten cache (no prompt step); or one "
+                         "Pallas kernel family alone (ONE_KERNEL), called --tokens times")
     ap.add_argument("--timeout", type=float, default=170, help="seconds for each batch's ncu run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -183,7 +234,7 @@ def main() -> None:
         raise SystemExit("ncu (Nsight Compute) is not on this machine")
     from bench.variant_runs import NO_COMMAND_BUFFERS
 
-    if not args.model:   # the weights are written outside ncu, where their kernels run at full speed
+    if not args.model and args.workload not in ONE_KERNEL:   # written outside ncu, where their kernels run at full speed
         subprocess.run([sys.executable, "-c", "from jaxinfer.random_model import bench_model; "
                         f"bench_model({args.models!r}, {args.shape!r})"], check=True)
     # ncu's kernel replay saves and restores the device memory a kernel may write; JAX's usual pool (75% of the
