@@ -493,7 +493,7 @@ case "${1:-1}" in
     ;;
   ncu3)      # which of our kernel families ncu cannot take (it crashed on every engine workload, calls 2-11): each
              # alone at Qwen3-4B's sizes, its own ncu process (nineteenth session)
-    for w in qkv gate-up o-proj attention; do
+    for w in qkv gate-up o-proj down attention; do
       step 60 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload $w --skip 1 --count 2 --tokens 4 \
            --timeout 45 --out "$OUT"
     done

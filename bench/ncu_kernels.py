@@ -157,9 +157,10 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
 
 
 # One Pallas kernel family alone at the shape's sizes (to find which one ncu cannot take): name -> what it runs
+# (the GEMVs with the block_in and rows the engine's ops give them: ops/pallas.py `_gemv`)
 ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fused_gemv with SwiGLU (gate/up)",
-              "o-proj": "fused_gemv with the residual (o_proj)", "attention": "paged_decode_attention (split "
-              "kernel and merge)", "skinny": "skinny_gemm (QKV)"}
+              "o-proj": "fused_gemv with the residual (o_proj)", "down": "fused_gemv with the residual (down)",
+              "attention": "paged_decode_attention (split kernel and merge)", "skinny": "skinny_gemm (QKV)"}
 
 
 def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
@@ -169,7 +170,7 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
 
     from jaxinfer.config import config_from_hf
     from jaxinfer.pallas.decode_attention import paged_decode_attention
-    from jaxinfer.pallas.fused_gemv import fused_gemv
+    from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
     from jaxinfer.pallas.skinny_gemm import skinny_gemm
     from jaxinfer.random_model import SHAPES
 
@@ -191,11 +192,15 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
         x = rand(B, cfg.num_heads, hd)
     else:
         n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
-                       "o-proj": (D, cfg.q_size), "skinny": (cfg.q_size + 2 * cfg.kv_size, D)}[name]
+                       "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
+                       "skinny": (cfg.q_size + 2 * cfg.kv_size, D)}[name]
         w, x, scale, res = rand(1, n_out, n_in), rand(B, n_in), 1 + rand(n_in), rand(B, n_out)
-        f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, interpret=interpret),
-                     "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", interpret=interpret),
-                     "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", interpret=interpret),
+        rows_out = n_out // 2 if name == "gate-up" else n_out   # the SwiGLU kernel's table key: its gate rows
+        gemv = dict(block_in=block_in_for(rows_out, n_in, w.dtype), rows=rows_for(rows_out, n_in), interpret=interpret)
+        f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, **gemv),
+                     "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", **gemv),
+                     "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
+                     "down": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
                      "skinny": lambda x: skinny_gemm(x, w, 0, interpret=interpret)}[name])
     outs = [f(x) for _ in range(calls)]
     jax.block_until_ready(outs)

@@ -169,8 +169,8 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED
 
 
-@pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "attention",
-                                      "skinny"])
+@pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
+                                      "attention", "skinny"])
 def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
     """bench/ncu_kernels.py: the workloads ncu watches run (B sequences, a prompt each, greedy tokens; or decode
     dispatches on an unwritten cache, whose rows advance from the context's position)."""
