@@ -491,14 +491,17 @@ case "${1:-1}" in
          --timeout 70 --out "$OUT"
     step 80 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload no-cudnn --timeout 70 --out "$OUT"
     ;;
-  ncu3)      # which of our kernel families ncu cannot take (it crashed on every engine workload, calls 2-11): each
-             # alone at Qwen3-4B's sizes, its own ncu process (nineteenth session)
-    for w in qkv gate-up o-proj down attention; do
+  ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
+             # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
+             # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)
+    for w in qkv gate-up o-proj down attention-rope; do
       step 60 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload $w --skip 1 --count 2 --tokens 4 \
            --timeout 45 --out "$OUT"
     done
-    step 60 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 8 --workload skinny --skip 1 --count 2 --tokens 4 \
-         --timeout 45 --out "$OUT"
+    for w in attention-rope skinny skinny-gate-up skinny-down; do
+      step 60 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 8 --workload $w --skip 1 --count 2 --tokens 4 \
+           --timeout 45 --out "$OUT"
+    done
     ;;
   hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it

@@ -160,7 +160,10 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
 # (the GEMVs with the block_in and rows the engine's ops give them: ops/pallas.py `_gemv`)
 ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fused_gemv with SwiGLU (gate/up)",
               "o-proj": "fused_gemv with the residual (o_proj)", "down": "fused_gemv with the residual (down)",
-              "attention": "paged_decode_attention (split kernel and merge)", "skinny": "skinny_gemm (QKV)"}
+              "attention": "paged_decode_attention (split kernel and merge)",
+              "attention-rope": "decode_attention_rope_write (the engine's: q/k norm, RoPE, cache write, split "
+              "kernel and merge)", "skinny": "skinny_gemm (QKV)", "skinny-gate-up": "skinny_gemm with SwiGLU",
+              "skinny-down": "skinny_gemm with the residual (down)"}
 
 
 def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
@@ -170,6 +173,7 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
 
     from jaxinfer.config import config_from_hf
     from jaxinfer.pallas.decode_attention import paged_decode_attention
+    from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
     from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
     from jaxinfer.pallas.skinny_gemm import skinny_gemm
     from jaxinfer.random_model import SHAPES
@@ -190,18 +194,35 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
         f = jax.jit(lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
                                                      interpret=interpret))
         x = rand(B, cfg.num_heads, hd)
+    elif name == "attention-rope":
+        page, pages = 16, -(-(context + 1) // 16)
+        slots = B * pages * page
+        kc, vc = rand(1, cfg.num_kv_heads, slots, hd), rand(1, cfg.num_kv_heads, slots, hd)
+        table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
+        lens = jnp.full((B,), context + 1, jnp.int32)
+        slot = table[:, context // page] * page + context % page
+        cos, sin = jnp.cos(rand(B, hd).astype(jnp.float32)), jnp.sin(rand(B, hd).astype(jnp.float32))
+        qn, kn = 1 + rand(1, hd), 1 + rand(1, hd)
+        f = jax.jit(lambda qkv: decode_attention_rope_write(
+            qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens, page_size=page, scale=hd ** -0.5,
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, interpret=interpret)[0])
+        x = rand(B, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
     else:
         n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
                        "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
-                       "skinny": (cfg.q_size + 2 * cfg.kv_size, D)}[name]
+                       "skinny": (cfg.q_size + 2 * cfg.kv_size, D), "skinny-gate-up": (2 * cfg.intermediate_size, D),
+                       "skinny-down": (D, cfg.intermediate_size)}[name]
         w, x, scale, res = rand(1, n_out, n_in), rand(B, n_in), 1 + rand(n_in), rand(B, n_out)
-        rows_out = n_out // 2 if name == "gate-up" else n_out   # the SwiGLU kernel's table key: its gate rows
+        rows_out = n_out // 2 if name in ("gate-up", "skinny-gate-up") else n_out   # SwiGLU: keyed by gate rows
         gemv = dict(block_in=block_in_for(rows_out, n_in, w.dtype), rows=rows_for(rows_out, n_in), interpret=interpret)
         f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, **gemv),
                      "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", **gemv),
                      "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
                      "down": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
-                     "skinny": lambda x: skinny_gemm(x, w, 0, interpret=interpret)}[name])
+                     "skinny": lambda x: skinny_gemm(x, w, 0, interpret=interpret),
+                     "skinny-gate-up": lambda x: skinny_gemm(x, w, 0, epilogue="swiglu", interpret=interpret),
+                     "skinny-down": lambda x: skinny_gemm(x, w, 0, residual=res, epilogue="residual",
+                                                          interpret=interpret)}[name])
     outs = [f(x) for _ in range(calls)]
     jax.block_until_ready(outs)
     assert all(bool(jnp.isfinite(o.astype(jnp.float32)).all()) for o in outs), name

@@ -170,11 +170,12 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
-                                      "attention", "skinny"])
+                                      "attention", "attention-rope", "skinny", "skinny-gate-up", "skinny-down"])
 def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
     """bench/ncu_kernels.py: the workloads ncu watches run (B sequences, a prompt each, greedy tokens; or decode
     dispatches on an unwritten cache, whose rows advance from the context's position)."""
-    out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", "tiny", "--ops", "reference",
+    shape = "qwen3-0.6b" if workload == "attention-rope" else "tiny"   # the fused kernel takes head dims >= 32
+    out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", shape, "--ops", "reference",
                "--context", "40", "--tokens", "3", "--workload", workload)
     if workload == "synthetic":
         positions = json.loads(out.split("rows now at positions ")[1].splitlines()[0])
