@@ -185,28 +185,23 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
     def rand(*dims):
         return (0.02 * jax.random.normal(next(k), dims)).astype(jnp.bfloat16)
 
-    if name == "attention":
+    if name.startswith("attention"):   # B rows at position `context`, each with its own pages of the cache
         page, pages = 16, -(-(context + 1) // 16)
-        slots = B * pages * page
-        kc, vc = rand(1, cfg.num_kv_heads, slots, hd), rand(1, cfg.num_kv_heads, slots, hd)
+        kc, vc = (rand(1, cfg.num_kv_heads, B * pages * page, hd) for _ in range(2))
         table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
         lens = jnp.full((B,), context + 1, jnp.int32)
-        f = jax.jit(lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
-                                                     interpret=interpret))
-        x = rand(B, cfg.num_heads, hd)
-    elif name == "attention-rope":
-        page, pages = 16, -(-(context + 1) // 16)
-        slots = B * pages * page
-        kc, vc = rand(1, cfg.num_kv_heads, slots, hd), rand(1, cfg.num_kv_heads, slots, hd)
-        table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
-        lens = jnp.full((B,), context + 1, jnp.int32)
-        slot = table[:, context // page] * page + context % page
-        cos, sin = jnp.cos(rand(B, hd).astype(jnp.float32)), jnp.sin(rand(B, hd).astype(jnp.float32))
-        qn, kn = 1 + rand(1, hd), 1 + rand(1, hd)
-        f = jax.jit(lambda qkv: decode_attention_rope_write(
-            qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens, page_size=page, scale=hd ** -0.5,
-            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, interpret=interpret)[0])
-        x = rand(B, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
+        if name == "attention":
+            f = jax.jit(lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
+                                                         interpret=interpret))
+            x = rand(B, cfg.num_heads, hd)
+        else:
+            slot = table[:, context // page] * page + context % page
+            cos, sin = jnp.cos(rand(B, hd).astype(jnp.float32)), jnp.sin(rand(B, hd).astype(jnp.float32))
+            qn, kn = 1 + rand(1, hd), 1 + rand(1, hd)
+            f = jax.jit(lambda qkv: decode_attention_rope_write(
+                qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens, page_size=page, scale=hd ** -0.5,
+                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, interpret=interpret)[0])
+            x = rand(B, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
     else:
         n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
                        "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),

@@ -72,4 +72,3 @@ def test_a_packed_batch_is_split_inside_the_jitted_step():
     step(to_device_packed(dict(a=np.zeros((2, 3), np.int32), f=np.zeros(5, np.float32), b=np.zeros(6, bool))))
     assert len(traces) == 2   # another layout: another trace
     assert unpacked(tree) is tree   # not packed: as is
-
