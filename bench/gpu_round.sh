@@ -504,6 +504,17 @@ case "${1:-1}" in
            --timeout 45 --out "$OUT"
     done
     ;;
+  ncugemv)   # the batch-1 GEMVs' registers, occupancy and waves by block_in and rows a program, under ncu (~3 min):
+             # o_proj ran at 98 registers (16 blocks an SM, 1.21 waves) in call 12 of the nineteenth session
+    for w in o-proj down qkv; do
+      for bi in 128 256 512; do
+        for r in 1 2; do
+          step 40 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload $w --block-in $bi --rows $r \
+               --skip 1 --count 1 --tokens 3 --timeout 35 --out "$OUT"
+        done
+      done
+    done
+    ;;
   hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it
              # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then

@@ -107,7 +107,7 @@ def child(args) -> None:
     from jaxinfer.sampling import SamplingParams
 
     if args.workload in ONE_KERNEL:
-        one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens)
+        one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens, args.block_in, args.rows)
         print(f"# child: {args.workload} called {args.tokens} times", flush=True)
         return
     model_dir = args.model or bench_model(args.models, args.shape)
@@ -166,8 +166,10 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
               "skinny-down": "skinny_gemm with the residual (down)"}
 
 
-def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
-    """`calls` calls of one kernel family at `shape`'s sizes, B rows, random bf16 inputs (interpret mode on a CPU)."""
+def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in: int | None = None,
+               rows: int | None = None) -> None:
+    """`calls` calls of one kernel family at `shape`'s sizes, B rows, random bf16 inputs (interpret mode on a CPU);
+    block_in / rows: a GEMV's, instead of the engine's."""
     import jax
     import jax.numpy as jnp
 
@@ -209,7 +211,8 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int) -> None:
                        "skinny-down": (D, cfg.intermediate_size)}[name]
         w, x, scale, res = rand(1, n_out, n_in), rand(B, n_in), 1 + rand(n_in), rand(B, n_out)
         rows_out = n_out // 2 if name in ("gate-up", "skinny-gate-up") else n_out   # SwiGLU: keyed by gate rows
-        gemv = dict(block_in=block_in_for(rows_out, n_in, w.dtype), rows=rows_for(rows_out, n_in), interpret=interpret)
+        gemv = dict(block_in=block_in or block_in_for(rows_out, n_in, w.dtype), rows=rows or rows_for(rows_out, n_in),
+                    interpret=interpret)
         f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, **gemv),
                      "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", **gemv),
                      "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
@@ -243,6 +246,8 @@ def main() -> None:
                     help="what ncu watches: the engine's requests; the same with the prompt's attention on our "
                          "kernel instead of cuDNN; decode dispatches on an unwritten cache (no prompt step); or one "
                          "Pallas kernel family alone (ONE_KERNEL), called --tokens times")
+    ap.add_argument("--block-in", type=int, default=None, help="a one-kernel GEMV's block_in (default: the engine's)")
+    ap.add_argument("--rows", type=int, default=None, help="a one-kernel GEMV's rows a program (default: the engine's)")
     ap.add_argument("--timeout", type=float, default=170, help="seconds for each batch's ncu run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -268,10 +273,13 @@ def main() -> None:
     if len(skips) != len(args.batches):
         raise SystemExit("--skip takes one figure or one a batch")
     for B, skip in zip(args.batches, skips):
-        report = os.path.join(args.out, f"ncu-B{B}" + ("" if args.workload == "engine" else f"-{args.workload}"))
+        tag = "" if args.workload == "engine" else f"-{args.workload}"
+        tag += (f"-in{args.block_in}" if args.block_in else "") + (f"-rows{args.rows}" if args.rows else "")
+        report = os.path.join(args.out, f"ncu-B{B}{tag}")
         work = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(B), "--shape", args.shape,
                 "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops,
-                "--workload", args.workload, "--models",
+                "--workload", args.workload, *(["--block-in", str(args.block_in)] if args.block_in else []),
+                *(["--rows", str(args.rows)] if args.rows else []), "--models",
                 args.models] + (["--model", args.model] if args.model else [])
         # --apply-rules no: ncu's rule engine (_NvRules) segfaulted on these kernels on the H200 (2026-12-01)
         # --all-launches: ncu counts every kernel (no name filter: it crashed with one on the H200) and the table

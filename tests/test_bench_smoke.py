@@ -177,6 +177,9 @@ def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
     shape = "qwen3-0.6b" if workload == "attention-rope" else "tiny"   # the fused kernel takes head dims >= 32
     out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", shape, "--ops", "reference",
                "--context", "40", "--tokens", "3", "--workload", workload)
+    if workload == "o-proj":   # a GEMV at another block_in and rows than the engine's
+        _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "1", "--shape", shape, "--context", "40", "--tokens", "2",
+             "--workload", workload, "--block-in", "32", "--rows", "2")
     if workload == "synthetic":
         positions = json.loads(out.split("rows now at positions ")[1].splitlines()[0])
         assert len(positions) == 2 and all(p > 40 for p in positions) and positions[0] == positions[1], out
