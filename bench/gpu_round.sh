@@ -515,6 +515,11 @@ case "${1:-1}" in
       done
     done
     ;;
+  oproj)     # batch-1 Qwen3-4B step with o_proj at block_in 128 / 512 or 2 rows a program against the default, each its
+             # own process (decode_dispatch.py; pick by ncugemv's registers and waves first; nineteenth session)
+    step 420 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy oproj-in128+greedy \
+         oproj-in512+greedy oproj-rows2+greedy --out "$OUT"
+    ;;
   hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it
              # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then

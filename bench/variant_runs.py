@@ -76,6 +76,7 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
+    "gemv_block_in" ({(out, in): block_in} for the decode GEMVs of those shapes: gemv._TABLE entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
     skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
@@ -94,7 +95,7 @@ def apply_bench_options(options: dict) -> dict:
     # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
-    patched = any(k in options for k in ("gemv_rows", "attention_config", "prefill_table", "rope_write_tiled",
+    patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table", "rope_write_tiled",
                                          "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
@@ -103,6 +104,13 @@ def apply_bench_options(options: dict) -> dict:
             fused_gemv.ROWS.update(rows)
         else:
             fused_gemv.DEFAULT_ROWS = rows
+    if "gemv_block_in" in options:   # {(out, in): block_in}; block_in_for reads gemv's table
+        import dataclasses
+
+        from jaxinfer.pallas import gemv
+
+        for key, block_in in options.pop("gemv_block_in").items():
+            gemv._TABLE[key] = dataclasses.replace(gemv._TABLE.get(key, gemv._DEFAULT), block_in=block_in)
     if "attention_config" in options:   # every decode attention call at this (splits, block_k)
         from bench.throughput import force_attention_config
 

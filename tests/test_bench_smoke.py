@@ -144,6 +144,24 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     assert rope_kv_write.TILED == 0
 
 
+def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
+    """decode_dispatch's oproj-in* variants: the bench option sets block_in for those shapes only (the engine's
+    GEMVs read it through fused_gemv.block_in_for), keeps the entry's other fields, and compiles afresh."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import jax.numpy as jnp
+
+    from bench.variant_runs import apply_bench_options
+    from jaxinfer.pallas import gemv
+    from jaxinfer.pallas.fused_gemv import block_in_for
+
+    monkeypatch.setattr(gemv, "_TABLE", dict(gemv._TABLE))
+    before = gemv._TABLE[(2560, 4096)]
+    assert apply_bench_options({"gemv_block_in": {(2560, 4096): 128, (7, 64): 32}}) == {"executable_cache": ""}
+    assert block_in_for(2560, 4096, jnp.bfloat16) == 128 and block_in_for(7, 64, jnp.bfloat16) == 32
+    assert gemv._TABLE[(2560, 4096)].block_out == before.block_out
+    assert block_in_for(6144, 2560, jnp.bfloat16) == gemv._TABLE[(6144, 2560)].block_in   # others as they were
+
+
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
     throughput.py --skinny-table adds those rows to skinny_gemm's table (and compiles afresh)."""
