@@ -59,8 +59,6 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     # decode attention's split count at a 1,024-token context: the table gives batch 1 64 splits of 64 whenever the
     # page table spans more than 1,024 tokens (so 48 of 64 programs are empty at 1k and the merge reads 64 splits)
     "attn-16x64+greedy": ("", True, False, dict(attention_config=(16, 64))),
-    # the prompt step's norm/RoPE/cache-write kernel as its token loop (the default until the eighteenth session)
-    "rope-loop+greedy": ("", True, False, dict(rope_write_tiled=0)),
     "attn-64x64+greedy": ("", True, False, dict(attention_config=(64, 64))),
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),
     # Qwen3-4B's o_proj (98 registers, 16 blocks an SM, 1.21 waves under ncu: nineteenth session) at another block_in

@@ -549,7 +549,8 @@ case "${1:-1}" in
     ;;
   tiledparity) # after the prompt kernel's tiles became the default (68c293d), batch 1's and 8's greedy fingerprints
              # moved (run 3): the GPU's float32 greedy parity with the reference and the kernel's GPU test, then batch
-             # 1 with the token loop against the tiles (the fingerprints' cause)
+             # 1 with the token loop against the tiles (the fingerprints' cause). The token loop and its rope-loop
+             # variant are gone (nineteenth session): the last step no longer runs as written
     step 240 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py tests/gpu/test_rope_kv_write_gpu.py -k "float32 or rope_kv_write"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy rope-loop+greedy --out "$OUT"
     ;;

@@ -52,8 +52,7 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
     # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8 (the default since the eighteenth
-    # session), 16, 32, or as the token loop (13.5 us a layer at 1k, ~2.4x its bytes; rope_kv_write.TILED)
-    "rope-loop": ("", False, {"rope_write_tiled": 0}),
+    # session), 16 or 32 (rope_kv_write.TILED; the token loop it replaced is gone since the nineteenth)
     # the Pallas GEMM where kernels_skinny_gemm.py --prefill --sweep (its JSON in $OUT) swept a product: gate/up with
     # its SwiGLU epilogue takes the SiLU-multiply kernel (15 us a layer at 1k) and cuBLAS's memset gap out
     "prefill-table": ("", False, {"prefill_table": PREFILL_SWEEP}),

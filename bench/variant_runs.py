@@ -119,7 +119,7 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import patch_prefill_table
 
         patch_prefill_table(options.pop("prefill_table"))
-    if "rope_write_tiled" in options:   # 0: the token loop
+    if "rope_write_tiled" in options:
         from jaxinfer.pallas import rope_kv_write
 
         rope_kv_write.TILED = options.pop("rope_write_tiled")

@@ -129,19 +129,18 @@ def test_the_prefill_table_option_fills_the_table_from_a_sweep(monkeypatch, tmp_
 
 
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
-    """prefill_dispatch's rope-tiled and rope-loop variants: the bench option sets rope_kv_write.TILED (0: the token
-    loop)."""
+    """prefill_dispatch's rope-tiled variants: the bench option sets rope_kv_write.TILED."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.variant_runs import apply_bench_options
     from jaxinfer.pallas import rope_kv_write
 
-    monkeypatch.setattr(rope_kv_write, "TILED", 0)
+    monkeypatch.setattr(rope_kv_write, "TILED", 8)
     # a patched kernel choice compiles afresh (the executable cache's key cannot see it)
     assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True,
                                                                                     "executable_cache": ""}
     assert rope_kv_write.TILED == 16
-    apply_bench_options({"rope_write_tiled": 0})
-    assert rope_kv_write.TILED == 0
+    apply_bench_options({"rope_write_tiled": 32})
+    assert rope_kv_write.TILED == 32
 
 
 def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):

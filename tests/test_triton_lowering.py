@@ -168,3 +168,20 @@ def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T, tiles):
         text = _lower(write, sd((T, (H + 2 * K) * hd), jnp.bfloat16), sd((T, hd), jnp.bfloat16), norm, cache, cache,
                       sd((T,), jnp.int32))
         assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("hd", [24, 96])
+def test_rope_kv_write_lowers_with_padded_columns(hd):
+    """Head dims whose halves are no power of two (12, 48): the kernel's tiles take padded, masked columns."""
+    from jaxinfer.pallas.rope_kv_write import qkv_rope_write
+
+    H, K, T = 8, 2, 13
+    sd = jax.ShapeDtypeStruct
+    cache = sd((2, K, 256, hd), jnp.bfloat16)
+
+    def write(qkv, cs, qn, kc, vc, slots):
+        return qkv_rope_write(qkv, cs, cs, qn, qn, kc, vc, 1, slots, num_heads=H, num_kv_heads=K, with_kv=True)
+
+    text = _lower(write, sd((T, (H + 2 * K) * hd), jnp.bfloat16), sd((T, hd), jnp.bfloat16), sd((2, hd), jnp.bfloat16),
+                  cache, cache, sd((T,), jnp.int32))
+    assert TRITON_CALL in text

@@ -19,18 +19,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.kv_cache import to_cache
-from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, rope_halves
+from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, pow2_at_least, rope_halves
 
 f32 = jnp.float32
-TOKENS_PER_PROGRAM = 8
-# A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each) instead of BT one-token
-# passes, each behind the previous one's branches: the 1k prompt step's kernel took 13.5 us a layer on the H200,
-# ~2.4x its bytes (seventeenth session); as tiles of 8 it took 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of
-# 16: 13.92, 32: 14.14; eighteenth session). TILED = N: tiles of N tokens (a power of two); 0: the token loop (bench
-# option rope_write_tiled). The same arithmetic per token, the norm's sums over the same halves: equal bit for bit in
-# interpret mode; on the GPU the sums of squares associate otherwise along a tile's rows (float32 last bits: the
-# bf16 greedy tokens of a random-weight bench model moved, the float32 GPU parity with the reference holds).
-# Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
+# A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each): as a loop of one-token
+# passes, each behind the previous one's branches, the 1k prompt step's kernel took 13.5 us a layer on the H200,
+# ~2.4x its bytes (seventeenth session); as tiles of 8, 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of 16:
+# 13.92, 32: 14.14; eighteenth session; the loop is at 4fd479e). On the
+# GPU the norm's sums of squares associate along a tile's rows as Triton reduces them (the bf16 greedy tokens of a
+# random-weight bench model moved from the loop's; the float32 GPU parity with the reference held). TILED = N:
+# tiles of N tokens (a power of two; bench option rope_write_tiled). Read by the op set (ops.pallas) when it traces
+# a step, and passed on as `tiled`.
 TILED = 8
 
 
@@ -46,96 +45,43 @@ def _unpack(refs, has_rope, has_norm, with_kv):
 
 
 def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps, with_kv):
+    """One program: BT tokens of head h as two [BT, P] tiles (the rotate-half halves, P = hd/2 rounded up to a power
+    of two, the columns past hd/2 masked: zeros in the norm's sums); tokens past T are masked."""
     cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref, k_ref, v_ref = _unpack(refs, has_rope, has_norm, with_kv)
     tb, h = pl.program_id(0), pl.program_id(1)
     layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     half = hd // 2
-    dtype = qkv_ref.dtype
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
-
-    def one_token(t):
-        slot = slot_ref[t]
-        x1 = qkv_ref[t, pl.ds(h * hd, half)].astype(f32)
-        x2 = qkv_ref[t, pl.ds(h * hd + half, half)].astype(f32)
-
-        def norm(x1, x2, n_ref):
-            return head_rms_norm(x1, x2, n_ref[norm_layer, lo], n_ref[norm_layer, hi], hd, eps, dtype)
-
-        def rope(x1, x2):
-            return rope_halves(x1, x2, cos_ref[t, lo].astype(f32), cos_ref[t, hi].astype(f32),
-                               sin_ref[t, lo].astype(f32), sin_ref[t, hi].astype(f32), dtype)
-
-        def transform(n_ref):
-            y1, y2 = norm(x1, x2, n_ref) if has_norm else (x1, x2)
-            if has_rope:
-                return rope(y1, y2)
-            return y1.astype(dtype), y2.astype(dtype)
-
-        @pl.when(h < H)
-        def _():
-            y1, y2 = transform(qn_ref)
-            q_ref[t, h, lo] = y1
-            q_ref[t, h, hi] = y2
-
-        @pl.when((h >= H) & (h < H + K))
-        def _():
-            y1, y2 = transform(kn_ref)
-            kc_ref[layer, h - H, slot, lo] = to_cache(y1, kc_ref.dtype)
-            kc_ref[layer, h - H, slot, hi] = to_cache(y2, kc_ref.dtype)
-            if with_kv:
-                k_ref[t, h - H, lo] = y1
-                k_ref[t, h - H, hi] = y2
-
-        @pl.when(h >= H + K)
-        def _():
-            vc_ref[layer, h - H - K, slot, lo] = to_cache(x1.astype(dtype), vc_ref.dtype)
-            vc_ref[layer, h - H - K, slot, hi] = to_cache(x2.astype(dtype), vc_ref.dtype)
-            if with_kv:
-                v_ref[t, h - H - K, lo] = x1.astype(dtype)
-                v_ref[t, h - H - K, hi] = x2.astype(dtype)
-
-    # BT tokens per program (a static loop): one program per (token, head) made ~400k programs of
-    # a few hundred bytes each for an 8k-token prefill, and their scheduling was the cost.
-    for j in range(BT):
-        t = tb * BT + j
-        if T % BT == 0:
-            one_token(t)
-        else:
-            pl.when(t < T)(lambda t=t: one_token(t))
-
-
-def _tiled_kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd, has_norm, has_rope, eps,
-                  with_kv):
-    """_kernel with the program's BT tokens of head h as [BT, hd/2] tiles (TILED); tokens past T are masked."""
-    cos_ref, sin_ref, qn_ref, kn_ref, q_ref, kc_ref, vc_ref, k_ref, v_ref = _unpack(refs, has_rope, has_norm, with_kv)
-    tb, h = pl.program_id(0), pl.program_id(1)
-    layer, norm_layer = layer_ref[0], norm_layer_ref[0]
-    half = hd // 2
+    P = pow2_at_least(half)
     dtype = qkv_ref.dtype
     j = jnp.arange(BT, dtype=jnp.int32)
     t = tb * BT + j
     t_ok = (t < T)[:, None]
-    cols = jnp.arange(half, dtype=jnp.int32)[None, :]
+    cols = jnp.arange(P, dtype=jnp.int32)[None, :]
+    col_ok = None if P == half else cols < half
     rows = jnp.minimum(t, T - 1)[:, None]   # loads: a masked token reads the last one's row
     # stores: a masked token's row and slot lie past the arrays' ends, each its own (a masked store
     # writes nothing on the GPU; interpret mode writes masked entries back, so no two may share an index)
     out_rows = t[:, None]
     slot = jnp.where(t_ok, plgpu.load(slot_ref.at[rows[:, 0]])[:, None], kc_ref.shape[2] + j[:, None])
-    x1 = plgpu.load(qkv_ref.at[rows, h * hd + cols]).astype(f32)
-    x2 = plgpu.load(qkv_ref.at[rows, h * hd + half + cols]).astype(f32)
+
+    def load(ref_at):   # a half's columns (padded ones read as 0)
+        return plgpu.load(ref_at) if col_ok is None else plgpu.load(ref_at, mask=col_ok, other=0)
+
+    x1 = load(qkv_ref.at[rows, h * hd + cols]).astype(f32)
+    x2 = load(qkv_ref.at[rows, h * hd + half + cols]).astype(f32)
 
     def transform(n_ref):
         y1, y2 = x1, x2
         if has_norm:
-            y1, y2 = head_rms_norm(y1, y2, plgpu.load(n_ref.at[norm_layer, cols]),
-                                   plgpu.load(n_ref.at[norm_layer, half + cols]), hd, eps, dtype)
+            y1, y2 = head_rms_norm(y1, y2, load(n_ref.at[norm_layer, cols]), load(n_ref.at[norm_layer, half + cols]),
+                                   hd, eps, dtype)
         if has_rope:
-            c1, c2 = (plgpu.load(cos_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
-            s1, s2 = (plgpu.load(sin_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
+            c1, c2 = (load(cos_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
+            s1, s2 = (load(sin_ref.at[rows, c0 + cols]).astype(f32) for c0 in (0, half))
             return rope_halves(y1, y2, c1, c2, s1, s2, dtype)
         return y1.astype(dtype), y2.astype(dtype)
 
-    mask = jnp.broadcast_to(t_ok, (BT, half))
+    mask = jnp.broadcast_to(t_ok, (BT, P)) if col_ok is None else t_ok & col_ok
 
     def store(ref, index, y1, y2):
         plgpu.store(ref.at[(*index, cols)], y1, mask=mask)
@@ -164,12 +110,11 @@ def _tiled_kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H,
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
                    num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
-                   with_kv: bool = False, tiled: int = 0):
+                   with_kv: bool = False, tiled: int = TILED):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
     k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).
-    tiled: a program's tokens as tiles of that many (a power of two; 0: a loop over TOKENS_PER_PROGRAM tokens,
-    also taken where hd/2 is not a power of two, which a tile's columns must be)."""
+    tiled: a program's tokens as tiles of that many (a power of two)."""
     T = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -177,13 +122,11 @@ def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), qkv, *extra, k_cache, v_cache]
     n = len(args)
-    if tiled and tiled & (tiled - 1):
+    if tiled < 1 or tiled & (tiled - 1):
         raise ValueError(f"qkv_rope_write: tiles of {tiled} tokens: a power of two")
-    if (hd // 2) & (hd // 2 - 1):
-        tiled = 0
-    BT = tiled or min(TOKENS_PER_PROGRAM, T)   # a tile's rows are a power of two, the tokens past T masked
-    kernel = functools.partial(_tiled_kernel if tiled else _kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm,
-                               has_rope=has_rope, eps=eps, with_kv=with_kv)
+    BT = tiled   # a tile's rows; the tokens past T are masked
+    kernel = functools.partial(_kernel, T=T, BT=BT, H=H, K=K, hd=hd, has_norm=has_norm, has_rope=has_rope, eps=eps,
+                               with_kv=with_kv)
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((T, H, hd), qkv.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),

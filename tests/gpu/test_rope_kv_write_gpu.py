@@ -1,5 +1,6 @@
 """On the GPU: the norm/RoPE/KV-write kernel against ops.reference.qkv_rope_write at real shapes,
-token counts around its 8-token blocks, and norms read from a one-layer stack (per-layer weights).
+token counts around its 8-token tiles, a head dim whose halves are no power of two, and norms read from a one-layer
+stack (per-layer weights).
 
 Run on the H200: PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_rope_kv_write_gpu.py
 """
@@ -14,12 +15,13 @@ from jaxinfer.pallas.rope_kv_write import qkv_rope_write
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
 
-SHAPES = {"qwen3-4b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}   # H, K, head_dim
+# H, K, head_dim; hd 96: halves of 48, padded to 64 masked columns in the kernel's tiles
+SHAPES = {"qwen3-4b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128), "hd-96": (32, 8, 96)}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("T", [1, 7, 8195])
-@pytest.mark.parametrize("model", ["qwen3-4b"])
+@pytest.mark.parametrize("model", ["qwen3-4b", "hd-96"])
 @pytest.mark.parametrize("one_layer_norms, with_kv", [(False, False), (True, True)])
 def test_matches_reference(model, T, dtype, one_layer_norms, with_kv):
     H, K, hd = SHAPES[model]
