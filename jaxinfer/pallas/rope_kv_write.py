@@ -25,11 +25,10 @@ f32 = jnp.float32
 # A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each): as a loop of one-token
 # passes, each behind the previous one's branches, the 1k prompt step's kernel took 13.5 us a layer on the H200,
 # ~2.4x its bytes (seventeenth session); as tiles of 8, 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of 16:
-# 13.92, 32: 14.14; eighteenth session; the loop is at 4fd479e). On the
-# GPU the norm's sums of squares associate along a tile's rows as Triton reduces them (the bf16 greedy tokens of a
-# random-weight bench model moved from the loop's; the float32 GPU parity with the reference held). TILED = N:
-# tiles of N tokens (a power of two; bench option rope_write_tiled). Read by the op set (ops.pallas) when it traces
-# a step, and passed on as `tiled`.
+# 13.92, 32: 14.14; eighteenth session; the loop is at 4fd479e). On the GPU the norm's sums of squares associate
+# along a tile's rows as Triton reduces them (the bf16 greedy tokens of a random-weight bench model moved from the
+# loop's; the float32 GPU parity with the reference held). TILED = N: tiles of N tokens (a power of two; bench
+# option rope_write_tiled). Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
 TILED = 8
 
 
