@@ -166,10 +166,11 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
               "skinny-down": "skinny_gemm with the residual (down)"}
 
 
-def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in: int | None = None,
-               rows: int | None = None) -> None:
-    """`calls` calls of one kernel family at `shape`'s sizes, B rows, random bf16 inputs (interpret mode on a CPU);
-    block_in / rows: a GEMV's, instead of the engine's."""
+def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | None = None, rows: int | None = None,
+                interpret: bool = False):
+    """(fn, args): one kernel family (ONE_KERNEL) at `shape`'s sizes for B rows, as a function of its arrays. An arg
+    is a jax.ShapeDtypeStruct (any values do: fill it at random) or a small concrete array (page tables, lengths,
+    slots, angles). block_in / rows: a GEMV's, instead of the engine's."""
     import jax
     import jax.numpy as jnp
 
@@ -181,47 +182,60 @@ def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in
     from jaxinfer.random_model import SHAPES
 
     cfg = config_from_hf(SHAPES[shape], "bfloat16")
-    D, hd, interpret = cfg.hidden_size, cfg.head_dim, jax.default_backend() == "cpu"
-    k = iter(jax.random.split(jax.random.key(0), 8))
+    D, hd, H, K = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
 
-    def rand(*dims):
-        return (0.02 * jax.random.normal(next(k), dims)).astype(jnp.bfloat16)
+    def spec(*dims):
+        return jax.ShapeDtypeStruct(dims, jnp.bfloat16)
 
     if name.startswith("attention"):   # B rows at position `context`, each with its own pages of the cache
         page, pages = 16, -(-(context + 1) // 16)
-        kc, vc = (rand(1, cfg.num_kv_heads, B * pages * page, hd) for _ in range(2))
+        cache = spec(1, K, B * pages * page, hd)
         table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
         lens = jnp.full((B,), context + 1, jnp.int32)
         if name == "attention":
-            f = jax.jit(lambda q: paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
-                                                         interpret=interpret))
-            x = rand(B, cfg.num_heads, hd)
-        else:
-            slot = table[:, context // page] * page + context % page
-            cos, sin = jnp.cos(rand(B, hd).astype(jnp.float32)), jnp.sin(rand(B, hd).astype(jnp.float32))
-            qn, kn = 1 + rand(1, hd), 1 + rand(1, hd)
-            f = jax.jit(lambda qkv: decode_attention_rope_write(
-                qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens, page_size=page, scale=hd ** -0.5,
-                num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, interpret=interpret)[0])
-            x = rand(B, (cfg.num_heads + 2 * cfg.num_kv_heads) * hd)
-    else:
-        n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
-                       "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
-                       "skinny": (cfg.q_size + 2 * cfg.kv_size, D), "skinny-gate-up": (2 * cfg.intermediate_size, D),
-                       "skinny-down": (D, cfg.intermediate_size)}[name]
-        w, x, scale, res = rand(1, n_out, n_in), rand(B, n_in), 1 + rand(n_in), rand(B, n_out)
-        rows_out = n_out // 2 if name in ("gate-up", "skinny-gate-up") else n_out   # SwiGLU: keyed by gate rows
-        gemv = dict(block_in=block_in or block_in_for(rows_out, n_in, w.dtype), rows=rows or rows_for(rows_out, n_in),
-                    interpret=interpret)
-        f = jax.jit({"qkv": lambda x: fused_gemv(x, w, 0, scale=scale, **gemv),
-                     "gate-up": lambda x: fused_gemv(x, w, 0, scale=scale, epilogue="swiglu", **gemv),
-                     "o-proj": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
-                     "down": lambda x: fused_gemv(x, w, 0, residual=res, epilogue="residual", **gemv),
-                     "skinny": lambda x: skinny_gemm(x, w, 0, interpret=interpret),
-                     "skinny-gate-up": lambda x: skinny_gemm(x, w, 0, epilogue="swiglu", interpret=interpret),
-                     "skinny-down": lambda x: skinny_gemm(x, w, 0, residual=res, epilogue="residual",
-                                                          interpret=interpret)}[name])
-    outs = [f(x) for _ in range(calls)]
+            def fn(q, kc, vc, table, lens):
+                return paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
+                                              interpret=interpret)
+            return fn, [spec(B, H, hd), cache, cache, table, lens]
+        slot = table[:, context // page] * page + context % page
+        angles = jnp.linspace(0, 3, B * hd, dtype=jnp.float32).reshape(B, hd)
+
+        def fn(qkv, cos, sin, qn, kn, kc, vc, slot, table, lens):
+            return decode_attention_rope_write(qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens,
+                                               page_size=page, scale=hd ** -0.5, num_heads=H, num_kv_heads=K,
+                                               interpret=interpret)[0]
+        return fn, [spec(B, (H + 2 * K) * hd), jnp.cos(angles), jnp.sin(angles), spec(1, hd), spec(1, hd), cache,
+                    cache, slot, table, lens]
+    n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
+                   "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
+                   "skinny": (cfg.q_size + 2 * cfg.kv_size, D), "skinny-gate-up": (2 * cfg.intermediate_size, D),
+                   "skinny-down": (D, cfg.intermediate_size)}[name]
+    rows_out = n_out // 2 if name in ("gate-up", "skinny-gate-up") else n_out   # SwiGLU: keyed by gate rows
+    gemv = dict(block_in=block_in or block_in_for(rows_out, n_in, jnp.bfloat16), rows=rows or rows_for(rows_out, n_in),
+                interpret=interpret)
+    fns = {"qkv": lambda x, w, v: fused_gemv(x, w, 0, scale=v, **gemv),
+           "gate-up": lambda x, w, v: fused_gemv(x, w, 0, scale=v, epilogue="swiglu", **gemv),
+           "o-proj": lambda x, w, v: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv),
+           "down": lambda x, w, v: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv),
+           "skinny": lambda x, w, v: skinny_gemm(x, w, 0, interpret=interpret),
+           "skinny-gate-up": lambda x, w, v: skinny_gemm(x, w, 0, epilogue="swiglu", interpret=interpret),
+           "skinny-down": lambda x, w, v: skinny_gemm(x, w, 0, residual=v, epilogue="residual", interpret=interpret)}
+    vector = spec(n_in) if name in ("qkv", "gate-up") else spec(B, n_out)   # the norm's scale, or the residual
+    return fns[name], [spec(B, n_in), spec(1, n_out, n_in), vector]
+
+
+def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in: int | None = None,
+               rows: int | None = None) -> None:
+    """`calls` calls of one kernel family (kernel_call) on random bf16 inputs (interpret mode on a CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    fn, args = kernel_call(name, shape, B, context, block_in, rows, interpret=jax.default_backend() == "cpu")
+    keys = iter(jax.random.split(jax.random.key(0), len(args)))
+    args = [(1 + 0.02 * jax.random.normal(next(keys), a.shape)).astype(a.dtype)
+            if isinstance(a, jax.ShapeDtypeStruct) else a for a in args]
+    f = jax.jit(fn)
+    outs = [f(*args) for _ in range(calls)]
     jax.block_until_ready(outs)
     assert all(bool(jnp.isfinite(o.astype(jnp.float32)).all()) for o in outs), name
 

@@ -244,3 +244,25 @@ def test_ncu_kernels_reads_the_details_page():
     assert limiter(kernels[0]) == "Registers (12)" and limiter(kernels[1]) == "Registers/Shared Mem (3)"
     out = table(kernels)
     assert "| gemv_none_norm | 9.71 | 71.2 |" in out and "4.31" in out
+
+
+def test_kernel_registers_occupancy_matches_what_ncu_reported():
+    """bench/kernel_registers.py's blocks an SM by registers, against the limits Nsight Compute reported on the
+    H200 (nineteenth session): 66 registers -> 28 one-warp blocks, 98 -> 16, 92 with 4 warps -> 5, 48 with 4 -> 10."""
+    from bench.kernel_registers import occupancy
+
+    assert [occupancy(r, w, 132)[0] for r, w in [(66, 1), (98, 1), (92, 4), (48, 4), (32, 1)]] == [28, 16, 5, 10, 32]
+    assert occupancy(98, 1, 2560)[1] == pytest.approx(2560 / (132 * 16))
+
+
+def test_kernel_registers_finds_each_kernels_triton_module():
+    """The lowering half of bench/kernel_registers.py (no GPU, no triton package): each Pallas kernel of a workload
+    with its launch attributes and its Triton module."""
+    from bench.kernel_registers import triton_modules
+    from bench.ncu_kernels import kernel_call
+
+    found = triton_modules(*kernel_call("o-proj", "qwen3-4b", 1, 1024, block_in=128))
+    assert [(a["name"], a["grid_x"], a["num_warps"]) for a, _ in found] == [("gemv_residual", 2560, 1)]
+    assert "tt.func public @gemv_residual" in found[0][1]
+    names = [a["name"] for a, _ in triton_modules(*kernel_call("attention-rope", "qwen3-4b", 8, 1024))]
+    assert names == ["decode_attention_rope_split", "decode_attention_merge"]
