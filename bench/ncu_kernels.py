@@ -1,10 +1,13 @@
 """The decode step's Pallas kernels under Nsight Compute (ncu): what each one's time is made of, on the H200.
 
-    PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--kernels REGEX] [--skip 600]
-                                              [--count 14] [--out DIR]
+    PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--workload W] [--kernels REGEX]
+                                              [--skip 600 ...] [--count 14] [--block-in N] [--rows N] [--out DIR]
 
-Per batch, ncu runs a child (this file, --child) that builds the engine and decodes --tokens greedy tokens after a
-1,024-token prompt per sequence, XLA's command buffers off so that every kernel is a launch of its own (the kernels
+On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`:
+nineteenth session) but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
+`attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`: ONE_KERNEL, called --tokens times on random inputs;
+use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
+the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off so that every kernel is a launch of its own (the kernels
 are the same). ncu passes over the first --skip launches of kernels whose names match --kernels (by default the
 decode step's Pallas kernels: the GEMVs, the batched-decode GEMM, decode attention and its merge; the prompt steps
 run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
