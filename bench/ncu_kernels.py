@@ -7,8 +7,8 @@ On the H200, ncu's own process segfaults on the engine's workloads (`--workload 
 nineteenth session) but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
 `attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`: ONE_KERNEL, called --tokens times on random inputs;
 use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
-the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off so that every kernel is a launch of its own (the kernels
-are the same). ncu passes over the first --skip launches of kernels whose names match --kernels (by default the
+the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
+so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches of kernels whose names match --kernels (by default the
 decode step's Pallas kernels: the GEMVs, the batched-decode GEMM, decode attention and its merge; the prompt steps
 run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
 SpeedOfLight, LaunchStats, Occupancy and WarpStateStats sections, the clocks left alone (--clock-control none) and
@@ -281,9 +281,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-c", "from jaxinfer.random_model import bench_model; "
                         f"bench_model({args.models!r}, {args.shape!r})"], check=True)
     # ncu's kernel replay saves and restores the device memory a kernel may write; JAX's usual pool (75% of the
-    # card, one allocation) would make each replay copy ~100 GB, so the pool grows as needed here. (JAX's platform
-    # allocator, a cudaMalloc a buffer, segfaulted under ncu on the H200.)
-    # XLA's GEMM autotuner is kept from timing kernels under ncu, and a crash prints the Python stack.
+    # card, one allocation) would make each replay copy ~100 GB, so the pool grows as needed here. XLA's GEMM
+    # autotuner is kept from timing kernels under ncu, and a crash prints the Python stack.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONFAULTHANDLER": "1",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS} --xla_gpu_autotune_level=0".strip()}
     skips = args.skip * len(args.batches) if len(args.skip) == 1 else args.skip
@@ -298,9 +297,8 @@ def main() -> None:
                 "--workload", args.workload, *(["--block-in", str(args.block_in)] if args.block_in else []),
                 *(["--rows", str(args.rows)] if args.rows else []), "--models",
                 args.models] + (["--model", args.model] if args.model else [])
-        # --apply-rules no: ncu's rule engine (_NvRules) segfaulted on these kernels on the H200 (2026-12-01)
-        # --all-launches: ncu counts every kernel (no name filter: it crashed with one on the H200) and the table
-        # keeps those whose names match --kernels
+        # --apply-rules no: the rules' advice is not read here. --all-launches: ncu counts every kernel and the table
+        # keeps those whose names match --kernels. (Neither stopped the engine workloads' crash: NOTES.)
         name_filter = [] if args.all_launches else ["--kernel-name", f"regex:{args.kernels}"]
         cmd = [ncu, "--clock-control", "none", "--apply-rules", "no", "--target-processes", "all", *name_filter,
                "--launch-skip", str(skip), "--launch-count", str(args.count),
