@@ -8,9 +8,9 @@ nineteenth session) but takes one kernel family alone (`--workload qkv`, `gate-u
 `attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`: ONE_KERNEL, called --tokens times on random inputs;
 use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
 the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
-so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches of kernels whose names match --kernels (by default the
-decode step's Pallas kernels: the GEMVs, the batched-decode GEMM, decode attention and its merge; the prompt steps
-run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
+so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches
+of kernels whose names match --kernels (by default the decode step's Pallas kernels: the GEMVs, the batched-decode
+GEMM, decode attention and its merge; the prompt steps run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
 SpeedOfLight, LaunchStats, Occupancy and WarpStateStats sections, the clocks left alone (--clock-control none) and
 the caches flushed before each kernel (ncu's default; a decode step's weights come from HBM too). The machine must
 let ncu read the counters (Firecracker machines do; gVisor ones do not). Prints per kernel: duration, DRAM
@@ -122,7 +122,8 @@ def child(args) -> None:
     print(f"# child: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.workload == "synthetic":
         synthetic_decode(engine, args.batch, args.context, args.tokens)
-        print(f"# child: {args.tokens} synthetic decode dispatches, {time.perf_counter() - t0:.0f} s in all", flush=True)
+        print(f"# child: {args.tokens} synthetic decode dispatches, {time.perf_counter() - t0:.0f} s in all",
+              flush=True)
         return
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, cfg.vocab_size - 100, args.context).tolist() for _ in range(args.batch)]
@@ -277,7 +278,7 @@ def main() -> None:
         raise SystemExit("ncu (Nsight Compute) is not on this machine")
     from bench.variant_runs import NO_COMMAND_BUFFERS
 
-    if not args.model and args.workload not in ONE_KERNEL:   # written outside ncu, where their kernels run at full speed
+    if not args.model and args.workload not in ONE_KERNEL:   # weights written outside ncu, at full speed
         subprocess.run([sys.executable, "-c", "from jaxinfer.random_model import bench_model; "
                         f"bench_model({args.models!r}, {args.shape!r})"], check=True)
     # ncu's kernel replay saves and restores the device memory a kernel may write; JAX's usual pool (75% of the
