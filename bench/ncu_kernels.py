@@ -10,9 +10,10 @@ use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a chil
 the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
 so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches
 of kernels whose names match --kernels (by default the decode step's Pallas kernels: the GEMVs, the batched-decode
-GEMM, decode attention and its merge; the prompt steps run none of them) and profiles the next --count (about two layers: six kernels a layer at batch 1) with its
-SpeedOfLight, LaunchStats, Occupancy and WarpStateStats sections, the clocks left alone (--clock-control none) and
-the caches flushed before each kernel (ncu's default; a decode step's weights come from HBM too). The machine must
+GEMM, decode attention and its merge; the prompt steps run none of them) and profiles the next --count (about two
+layers: six kernels a layer at batch 1) with its SpeedOfLight, LaunchStats, Occupancy and WarpStateStats sections,
+the clocks left alone (--clock-control none) and the caches flushed before each kernel (ncu's default; a decode
+step's weights come from HBM too). The machine must
 let ncu read the counters (Firecracker machines do; gVisor ones do not). Prints per kernel: duration, DRAM
 throughput as a share of peak, registers per thread, theoretical and achieved occupancy with the limiting resource,
 and warp cycles per issued instruction; the reports are kept as $OUT/ncu-B{batch}.ncu-rep and .csv.
