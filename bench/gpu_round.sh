@@ -482,7 +482,7 @@ case "${1:-1}" in
              # the counters): per kernel duration, DRAM throughput, registers, occupancy and its limiter, at batch 1
              # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them). On the H200 ncu's own
              # process segfaults on this workload (nineteenth session, calls 1-8): ncu3 profiles the kernels alone
-    step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --all-launches --skip 1500 4500 --count 40 --out "$OUT"
+    step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --out "$OUT"
     ;;
   ncu2)      # ncu's front-end crashed on the engine's workload (calls 2-8): the decode step on an unwritten cache
              # (no prompt step: no cuDNN, no cuBLAS) at batch 1 and 8, then the engine's requests with the prompt's

@@ -20,7 +20,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
 SMS, REGS_PER_SM, MAX_BLOCKS = 132, 65536, 32
@@ -90,7 +89,6 @@ def occupancy(regs: int, num_warps: int, programs: int) -> tuple[int, float]:
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from bench.ncu_kernels import ONE_KERNEL, kernel_call
 
     ap = argparse.ArgumentParser()

@@ -1,7 +1,7 @@
 """The decode step's Pallas kernels under Nsight Compute (ncu): what each one's time is made of, on the H200.
 
     PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--workload W] [--kernels REGEX]
-                                              [--skip 600 ...] [--count 14] [--block-in N] [--rows N] [--out DIR]
+                                              [--skip 600] [--count 14] [--block-in N] [--rows N] [--out DIR]
 
 On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`:
 nineteenth session) but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
@@ -26,7 +26,6 @@ import csv
 import glob
 import io
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -250,8 +249,7 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-4b")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--kernels", default=KERNELS, help="regex over kernel names")
-    ap.add_argument("--skip", type=int, nargs="+", default=[600],
-                    help="matching launches passed over first (warm-up): one figure, or one a batch")
+    ap.add_argument("--skip", type=int, default=600, help="matching launches passed over first (warm-up)")
     ap.add_argument("--count", type=int, default=14, help="matching launches profiled")
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--context", type=int, default=1024)
@@ -259,8 +257,6 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--model", default=None, help="a model folder instead of random weights at --shape")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--all-launches", action="store_true",
-                    help="--skip and --count over every kernel launch; the table keeps the --kernels matches")
     ap.add_argument("--workload", default="engine", choices=["engine", "no-cudnn", "synthetic", *ONE_KERNEL],
                     help="what ncu watches: the engine's requests; the same with the prompt's attention on our "
                          "kernel instead of cuDNN; decode dispatches on an unwritten cache (no prompt step); or one "
@@ -287,10 +283,7 @@ def main() -> None:
     # autotuner is kept from timing kernels under ncu, and a crash prints the Python stack.
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONFAULTHANDLER": "1",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_COMMAND_BUFFERS} --xla_gpu_autotune_level=0".strip()}
-    skips = args.skip * len(args.batches) if len(args.skip) == 1 else args.skip
-    if len(skips) != len(args.batches):
-        raise SystemExit("--skip takes one figure or one a batch")
-    for B, skip in zip(args.batches, skips):
+    for B in args.batches:
         tag = "" if args.workload == "engine" else f"-{args.workload}"
         tag += (f"-in{args.block_in}" if args.block_in else "") + (f"-rows{args.rows}" if args.rows else "")
         report = os.path.join(args.out, f"ncu-B{B}{tag}")
@@ -299,11 +292,11 @@ def main() -> None:
                 "--workload", args.workload, *(["--block-in", str(args.block_in)] if args.block_in else []),
                 *(["--rows", str(args.rows)] if args.rows else []), "--models",
                 args.models] + (["--model", args.model] if args.model else [])
-        # --apply-rules no: the rules' advice is not read here. --all-launches: ncu counts every kernel and the table
-        # keeps those whose names match --kernels. (Neither stopped the engine workloads' crash: NOTES.)
-        name_filter = [] if args.all_launches else ["--kernel-name", f"regex:{args.kernels}"]
-        cmd = [ncu, "--clock-control", "none", "--apply-rules", "no", "--target-processes", "all", *name_filter,
-               "--launch-skip", str(skip), "--launch-count", str(args.count),
+        # --apply-rules no: the rules' advice is not read here (turning them off did not stop the engine
+        # workloads' crash: NOTES)
+        cmd = [ncu, "--clock-control", "none", "--apply-rules", "no", "--target-processes", "all",
+               "--kernel-name", f"regex:{args.kernels}",
+               "--launch-skip", str(args.skip), "--launch-count", str(args.count),
                *(a for s in SECTIONS for a in ("--section", s)), "-f", "-o", report, *work]
         print("# " + " ".join(cmd), flush=True)
         log = report + ".log"   # ncu's and the child's output, kept even when the run is cut short
@@ -325,12 +318,10 @@ def main() -> None:
         with open(report + ".csv", "w") as f:
             f.write(details)
         kernels = parse_details(details)
-        if args.all_launches:
-            kernels = [k for k in kernels if re.search(args.kernels, k["kernel"])]
         if not kernels:   # fewer matching launches than --skip: nothing was profiled
-            print(f"# batch {B}: no launch profiled (fewer than {skip} matched {args.kernels!r}?)", flush=True)
+            print(f"# batch {B}: no launch profiled (fewer than {args.skip} matched {args.kernels!r}?)", flush=True)
             continue
-        print(f"\n{args.shape}, batch {B}, context {args.context}: {len(kernels)} launches after {skip}\n"
+        print(f"\n{args.shape}, batch {B}, context {args.context}: {len(kernels)} launches after {args.skip}\n"
               + table(kernels), flush=True)
 
 
