@@ -492,6 +492,25 @@ case "${1:-1}" in
          --timeout 70 --out "$OUT"
     step 80 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload no-cudnn --timeout 70 --out "$OUT"
     ;;
+  mgpu)      # the Mosaic GPU (wgmma/TMA) prompt GEMM with fused epilogues against XLA's GEMM + epilogue at Qwen3-4B's
+             # prefill projections (twentieth session); then the GPU tests unrun since the nineteenth session
+    step 300 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --out "$OUT"
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_parity_gpu.py -k \
+         "rope or float32"
+    ;;
+  mgpu2)     # after mgpu: the Mosaic GEMM at the other token buckets (128-4,096 rows), its GPU tests, then the 1k prompt
+             # step with it against without (hopper_gemm's table emptied), alternating, each its own process, and
+             # issue 4's TTFT table (twentieth session; predictions in NOTES)
+    step 200 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 128 256 512 2048 4096 --configs best --out "$OUT"
+    step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
+    i=0
+    for v in no-hopper default no-hopper default; do
+      i=$((i + 1))
+      step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
+    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference --out "$OUT"
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

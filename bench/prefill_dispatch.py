@@ -32,6 +32,8 @@ PREFILL_SWEEP = os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
+    # prompt rows on XLA's GEMM (+ the SwiGLU multiply in XLA) where the Mosaic GPU GEMM's table takes them
+    "no-hopper": ("", False, {"no_hopper_gemm": True}),
     "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)

@@ -80,6 +80,7 @@ def apply_bench_options(options: dict) -> dict:
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
     skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
+    "no_hopper_gemm" (prompt rows on XLA's GEMM where hopper_gemm's table would take them: its table emptied),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
     rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -96,7 +97,7 @@ def apply_bench_options(options: dict) -> dict:
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
     patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table",
-                                         "rope_write_tiled", "unpacked_batch", "weights"))
+                                         "no_hopper_gemm", "rope_write_tiled", "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
@@ -119,6 +120,10 @@ def apply_bench_options(options: dict) -> dict:
         from bench.throughput import patch_prefill_table
 
         patch_prefill_table(options.pop("prefill_table"))
+    if options.pop("no_hopper_gemm", False):
+        from jaxinfer.pallas import hopper_gemm
+
+        hopper_gemm.PREFILL_TABLE.clear()
     if "rope_write_tiled" in options:
         from jaxinfer.pallas import rope_kv_write
 

@@ -6,7 +6,9 @@ it, the residual add and SwiGLU in the epilogue, weights read in place from the 
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
 residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
 (in interpret mode: always, so the CPU tests cover it); prompt rows go to the same kernel tiled over
-rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Decode attention is
+rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Prompt rows of the
+products in pallas/hopper_gemm.py's measured table (Qwen3-4B's QKV and gate/up + SwiGLU) go to the Mosaic GPU
+wgmma GEMM with the epilogue fused, ahead of both. Decode attention is
 the split-sequence kernel of pallas/decode_attention.py.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
@@ -37,7 +39,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     2.695 ms a step; off gives rope_kv_write then decode attention, for A/B runs).
     (Gate/up rows interleaved for the SwiGLU GEMV measured no faster on the H200 and were removed: bench/NOTES.md,
     sixteenth session.)"""
-    from jaxinfer.pallas import decode_attention, decode_attention_rope, prefill_attention, rope_kv_write, skinny_gemm
+    from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_gemm, prefill_attention, rope_kv_write,
+                                 skinny_gemm)
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
     def _stacked(w, *others):
@@ -78,6 +81,16 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         table = skinny_gemm.table_config if x.shape[0] <= skinny_gemm.MAX_T else skinny_gemm.prefill_table_config
         return table(x.shape[0], n, k, epilogue)
 
+    def hopper_config(x, w, epilogue="none"):
+        """The Mosaic GPU GEMM's config for these prompt rows (a plain [N, K] matrix: the prefill's split
+        layers) where its measured table beat XLA's GEMM plus the epilogue in XLA; else None."""
+        if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T) or isinstance(w, LayerWeight) or w.ndim != 2:
+            return None
+        return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
+
+    def _hopper(x, w, config, **kw):
+        return hopper_gemm.hopper_gemm(x, w, config=config, interpret=interpret, **kw)
+
     def linear(x, w, b=None):
         if small(x):
             return _gemv(x, w, b=b)
@@ -88,6 +101,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def rms_norm_linear(x, scale, eps, w, b=None):
         if small(x):
             return _gemv(x, w, scale=scale, eps=eps, b=b)
+        if b is None and (cfg := hopper_config(x, w)) is not None:
+            return _hopper(reference.rms_norm(x, scale, eps), w, cfg)
         if (cfg := skinny_config(x, w)) is not None:
             return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg)
         return reference.rms_norm_linear(x, scale, eps, w, b)
@@ -95,6 +110,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
+        if (cfg := hopper_config(x, w_gate_up, "swiglu")) is not None:
+            return _hopper(reference.rms_norm(x, scale, eps), w_gate_up, cfg, epilogue="swiglu")
         if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
             return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
         return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
@@ -110,6 +127,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def linear_residual(x, w, b, residual):
         if small(x):
             return _gemv(x, w, b=b, residual=residual, epilogue="residual")
+        if b is None and (cfg := hopper_config(x, w, "residual")) is not None:
+            return _hopper(x, w, cfg, residual=residual, epilogue="residual")
         if (cfg := skinny_config(x, w, "residual")) is not None:
             return _skinny(x, w, b, residual=residual, epilogue="residual", config=cfg)
         return reference.linear_residual(x, w, b, residual)

@@ -1,0 +1,192 @@
+"""Prompt-row GEMM on Hopper tensor cores through Mosaic GPU (wgmma + TMA), with fused epilogues.
+
+y = x [M, K] @ w[N, K].T, bf16 inputs, float32 accumulation, then an epilogue, rounding as the
+reference ops round (as skinny_gemm's epilogues do):
+  "none":     round to x.dtype;
+  "residual": round, then add residual [M, N] (reference.linear_residual);
+  "swiglu":   w is the fused [2I, K] gate/up matrix; gate and up are each rounded, then
+              silu_mul (reference.rms_norm_swiglu after its norm): [M, I].
+The Triton GEMM from Pallas reached 61-76% of cuBLAS's rate at 1k prompt rows (bench/NOTES.md), too
+slow to pay for its epilogues; this one is built the way Hopper GEMMs reach the tensor-core rate:
+a persistent grid of one CTA an SM walking output tiles in a planar snake (L2 reuse of weight
+tiles), a memory warpgroup streaming x and w tiles through a multi-stage shared-memory ring by TMA,
+and two compute warpgroups (each tile_m of the CTA's 2 x tile_m rows) issuing wgmma on them. Both
+compute warpgroups read the same weight tile: weights cross the bus once per CTA tile. The
+weight tile is loaded as stored ([tile_n, tile_k], K-major) and handed to wgmma transposed.
+
+Shapes must tile exactly (M by 2 x tile_m, N by tile_n, K by tile_k); `supported` says whether they
+do. `interpret=True` runs Mosaic GPU's interpret mode (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxinfer.pallas.blocks import silu_mul
+
+EPILOGUES = ("none", "residual", "swiglu")
+f32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    tile_m: int = 64        # rows per compute warpgroup (the CTA takes 2 x tile_m)
+    tile_n: int = 128       # output columns per CTA (swiglu: gate and up columns each)
+    tile_k: int = 64        # 64 bf16 = one 128-byte swizzled row
+    stages: int = 4         # shared-memory ring depth
+    epi_n: int = 64         # epilogue tile columns (rows: tile_m)
+    snake_width: int = 8    # planar snake: tiles of this many along M before moving along N
+
+
+# Prompt-row products where the kernel measured faster than XLA's GEMM plus its epilogue in XLA
+# (bench/kernels_hopper_gemm.py, H200, 2026-12-01; Qwen3-4B's shapes; us a call, kernel against XLA):
+# (N, K, epilogue) -> ((first rows, last rows, config), ...). Absent: XLA's GEMM.
+PREFILL_TABLE: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {
+    (6144, 2560, "none"): ((1024, 1024, HopperConfig(64, 128, 64, 5)),),      # QKV 1k: 50.2 vs 68.3 (8k: XLA)
+    (19456, 2560, "swiglu"): ((1024, 1024, HopperConfig(128, 64, 64, 3)),     # gate/up 1k: 153.4 vs 181.9
+                              (8192, 8192, HopperConfig(64, 128, 64, 3))),    # 8k: 1196 vs 1280
+}
+
+
+def table_config(M: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
+    """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster."""
+    for first, last, config in PREFILL_TABLE.get((N, K, epilogue), ()):
+        if first <= M <= last and supported(M, N, K, epilogue, config):
+            return config
+    return None
+
+
+def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bool:
+    cols = N // 2 if epilogue == "swiglu" else N
+    return (M % (2 * config.tile_m) == 0 and cols % config.tile_n == 0 and K % config.tile_k == 0
+            and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
+
+
+def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int):
+    res_gmem = refs[0] if epilogue == "residual" else None
+    out_gmem = refs[-1]
+    M, K = x_gmem.shape
+    dtype = out_gmem.dtype
+    tm, tn, tk, en = config.tile_m, config.tile_n, config.tile_k, config.epi_n
+    cta_m = 2 * tm
+    m_iters, n_iters, k_iters = M // cta_m, cols // tn, K // tk
+    swizzle = plgpu.find_swizzle(tk * jnp.dtype(x_gmem.dtype).itemsize * 8)
+    in_transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_gmem.dtype).itemsize)),
+                     plgpu.SwizzleTransform(swizzle))
+    out_swizzle = plgpu.find_swizzle(en * jnp.dtype(dtype).itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(dtype).itemsize)),
+                      plgpu.SwizzleTransform(out_swizzle))
+    n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
+
+    def pipeline(body, compute_context):
+        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40,
+            in_specs=[plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=in_transforms,
+                                      memory_space=plgpu.SMEM)] + [w_spec] * n_w,
+            wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
+            compute_context=compute_context)
+
+    w_args = (w_gmem, w_gmem) if n_w == 2 else (w_gmem,)
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, *w_args),
+        out_smem=plgpu.SMEM((2, 2, tm, en), dtype, transforms=out_transforms),
+        res_barrier=None if res_gmem is None else plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def _scope(allocs, out_smem, res_barrier):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tile(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 0, config.snake_width)
+            cta_rows = pl.ds(m_idx * cta_m, cta_m)
+            wg_rows = pl.ds(m_idx * cta_m + wg * tm, tm)
+
+            def compute_context(run):
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
+                def _accs(accs):
+                    run(accs)
+                    ys = [acc[...].astype(dtype) for acc in accs]
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for e in range(tn // en):
+                        cols_e = slice(e * en, (e + 1) * en)
+                        out_cols = pl.ds(n_idx * tn + e * en, en)
+                        slot = out_smem.at[wg, e % 2]
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        if epilogue == "swiglu":
+                            slot[...] = silu_mul(ys[0][:, cols_e], ys[1][:, cols_e])
+                        elif epilogue == "residual":
+                            barrier = res_barrier.at[wg * 2 + e % 2]
+                            plgpu.copy_gmem_to_smem(res_gmem.at[wg_rows, out_cols], slot, barrier)
+                            plgpu.barrier_wait(barrier)
+                            slot[...] = slot[...] + ys[0][:, cols_e]
+                        else:
+                            slot[...] = ys[0][:, cols_e]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(slot, out_gmem.at[wg_rows, out_cols])
+
+            def mma(_, x_smem, *w_and_accs):
+                w_smems, accs = w_and_accs[:n_w], w_and_accs[n_w]
+                x_wg = x_smem.at[pl.ds(wg * tm, tm)]
+                for acc, w_smem in zip(accs, w_smems):
+                    plgpu.wgmma(acc, x_wg, w_smem.T)
+                plgpu.wgmma_wait(0)
+                return accs
+
+            col_slices = [pl.ds(n_idx * tn, tn)] + ([pl.ds(cols + n_idx * tn, tn)] if n_w == 2 else [])
+            pipeline(mma, compute_context)(x_gmem.at[cta_rows, :], *[w_gmem.at[c, :] for c in col_slices],
+                                           allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def num_sms() -> int:
+    try:
+        return jax.devices("gpu")[0].core_count
+    except RuntimeError:
+        return 4
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "sms", "interpret"))
+def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None, epilogue: str = "none",
+                config: HopperConfig = HopperConfig(), sms: int | None = None, interpret: bool = False) -> jax.Array:
+    """x [M, K] @ w[N, K].T with `epilogue` (see the module docstring); sms: CTAs of the persistent grid
+    (default: the GPU's SM count)."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"hopper_gemm: unknown epilogue {epilogue!r}")
+    if (epilogue == "residual") != (residual is not None):
+        raise ValueError("hopper_gemm: a residual goes with epilogue='residual'")
+    M, K = x.shape
+    N, K2 = w.shape
+    if K != K2 or x.dtype != w.dtype:
+        raise ValueError(f"hopper_gemm: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not match")
+    if not supported(M, N, K, epilogue, config):
+        raise ValueError(f"hopper_gemm: ({M}, {N}, {K}) {epilogue} does not tile by {config}")
+    cols = N // 2 if epilogue == "swiglu" else N
+    if residual is not None and residual.shape != (M, cols):
+        raise ValueError(f"hopper_gemm: residual {residual.shape} is not {(M, cols)}")
+    sms = sms or num_sms()
+    call = plgpu.kernel(
+        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
+        out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),
+        grid=(min(sms, (M // (2 * config.tile_m)) * (cols // config.tile_n)),), grid_names=("sm",),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    args = (x, w) + ((residual,) if residual is not None else ())
+    if interpret:
+        with plgpu.force_gpu_interpret_mode():
+            return call(*args)
+    return call(*args)

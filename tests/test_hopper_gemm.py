@@ -1,0 +1,103 @@
+"""The Mosaic GPU prompt GEMM (pallas/hopper_gemm.py) in Mosaic GPU's interpret mode on the CPU, against the
+reference ops at several tilings with fresh random inputs; its shape checks; and the pallas ops taking it
+for prompt rows where its table has the product."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.ops import get_ops, reference
+from jaxinfer.pallas import hopper_gemm
+from jaxinfer.pallas.blocks import silu_mul
+from jaxinfer.pallas.hopper_gemm import HopperConfig
+
+SMALL = HopperConfig(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_n=32)
+
+
+def _inputs(seed, M, N, K, cols):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    x = jax.random.normal(ks[0], (M, K), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    r = jax.random.normal(ks[2], (M, cols), jnp.float32).astype(jnp.bfloat16)
+    return x, w, r
+
+
+def _reference(x, w, r, epilogue):
+    """The kernel's twin: the reference ops' products and residual add; SwiGLU rounded as silu_mul rounds."""
+    if epilogue == "residual":
+        return reference.linear_residual(x, w, None, r)
+    if epilogue == "swiglu":
+        return silu_mul(*jnp.split(reference.linear(x, w), 2, axis=-1))
+    return reference.linear(x, w)
+
+
+def _close(y, ref):
+    """float32 sums in another order: outputs equal after rounding to bf16, or a bf16 step or two apart (a
+    product one step off, then the residual add's own rounding)."""
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    assert y.shape == ref.shape
+    np.testing.assert_allclose(y, ref, rtol=2 ** -6, atol=2 ** -6)
+    assert np.mean(y == ref) > 0.99
+
+
+@pytest.mark.parametrize("epilogue", hopper_gemm.EPILOGUES)
+@pytest.mark.parametrize("M, N, K, config", [
+    (128, 128, 64, SMALL),                                        # one tile, one k step
+    (256, 192, 320, SMALL),                                       # several tiles and k steps, 3 CTAs
+    (128, 256, 128, HopperConfig(64, 128, 64, 3, epi_n=64)),      # a wider tile, one epilogue tile a half
+])
+def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
+    n_w = 2 * N if epilogue == "swiglu" else N
+    x, w, r = _inputs(M + N + K, M, n_w, K, N)
+    y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
+                                config=config, sms=3, interpret=True)
+    _close(y, _reference(x, w, r, epilogue))
+
+
+def test_shapes_that_do_not_tile_are_refused_and_say_why():
+    x, w, r = _inputs(0, 192, 128, 64, 128)      # 192 rows: not a multiple of 2 x 64
+    assert not hopper_gemm.supported(192, 128, 64, "none", SMALL)
+    with pytest.raises(ValueError, match="does not tile"):
+        hopper_gemm.hopper_gemm(x, w, config=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="residual goes with"):
+        hopper_gemm.hopper_gemm(x[:128], w, epilogue="residual", config=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="unknown epilogue"):
+        hopper_gemm.hopper_gemm(x[:128], w, epilogue="gelu", config=SMALL, interpret=True)
+    with pytest.raises(ValueError, match="do not match"):
+        hopper_gemm.hopper_gemm(x[:128, :32], w, config=SMALL, interpret=True)
+
+
+def test_table_config_covers_only_measured_rows():
+    cfg = hopper_gemm.table_config(1024, 19456, 2560, "swiglu")
+    assert cfg is not None and hopper_gemm.supported(1024, 19456, 2560, "swiglu", cfg)
+    assert hopper_gemm.table_config(1000, 19456, 2560, "swiglu") is None        # rows not measured
+    assert hopper_gemm.table_config(1024, 2560, 9728, "residual") is None       # XLA measured faster
+
+
+def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch):
+    """Prompt rows of a product in the table run the kernel (the epilogue fused) and give the reference ops'
+    outputs; a product outside it stays on XLA's GEMM."""
+    M, D, I = 256, 128, 128
+    monkeypatch.setattr(hopper_gemm, "PREFILL_TABLE", {(2 * I, D, "swiglu"): ((M, M, SMALL),),
+                                                      (D, I, "residual"): ((M, M, SMALL),),
+                                                      (D, D, "none"): ((M, M, SMALL),)})
+    calls = []
+    real = hopper_gemm.hopper_gemm
+    monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda *a, **k: calls.append(k.get("epilogue", "none"))
+                        or real(*a, **{**k, "sms": 3}))
+    ops = get_ops("pallas-interpret")
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    x = jax.random.normal(ks[0], (M, D), jnp.float32).astype(jnp.bfloat16)
+    scale = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(jnp.bfloat16)
+    w_gu = (jax.random.normal(ks[2], (2 * I, D)) / np.sqrt(D)).astype(jnp.bfloat16)
+    w_down = (jax.random.normal(ks[3], (D, I)) / np.sqrt(I)).astype(jnp.bfloat16)
+    w_q = (jax.random.normal(ks[4], (D, D)) / np.sqrt(D)).astype(jnp.bfloat16)
+    h = ops.rms_norm_swiglu(x, scale, 1e-6, w_gu)
+    # rounded as the other kernels' SwiGLU epilogues round (silu_mul: silu rounded before the product)
+    _close(h, silu_mul(*jnp.split(reference.rms_norm_linear(x, scale, 1e-6, w_gu), 2, axis=-1)))
+    _close(ops.linear_residual(h, w_down, None, x), reference.linear_residual(h, w_down, None, x))
+    _close(ops.rms_norm_linear(x, scale, 1e-6, w_q), reference.rms_norm_linear(x, scale, 1e-6, w_q))
+    assert calls == ["swiglu", "residual", "none"]
+    ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)       # 128 rows: not in the table, XLA's GEMM
+    assert calls == ["swiglu", "residual", "none"]
