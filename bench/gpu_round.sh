@@ -511,6 +511,13 @@ case "${1:-1}" in
     done
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference --out "$OUT"
     ;;
+  mgpu3)     # after mgpu2 (the 1k step only -0.1-0.2 ms faster with the Mosaic GEMM, against -1.7 ms in isolation): the
+             # step traced with and without it (each kernel's time in the step), then batch-1 decode with o_proj at
+             # block_in 128 against the default again (twentieth session)
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
+         profiled-no-hopper --out "$OUT"
+    step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants oproj-in128+greedy default+greedy --out "$OUT"
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

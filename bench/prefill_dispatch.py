@@ -36,6 +36,7 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "no-hopper": ("", False, {"no_hopper_gemm": True}),
     "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
+    "profiled-no-hopper": (PROFILED, True, {"no_hopper_gemm": True}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
     "host-trace": (PROFILED, "host", {}),
     # the memsets before gate/up's and o_proj's GEMM and cuDNN's attention (3 a layer, each followed by ~5 us
