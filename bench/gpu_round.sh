@@ -518,6 +518,15 @@ case "${1:-1}" in
          profiled-no-hopper --out "$OUT"
     step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants oproj-in128+greedy default+greedy --out "$OUT"
     ;;
+  mgpu4)     # mgpu3's trace had no Mosaic kernel in the step (the split layers' matrices reach the ops as one-layer
+             # stacks, which the table's lookup refused): with that fixed, the 1k step traced with and without, an
+             # unprofiled pair, then issue 4's TTFT (twentieth session)
+    step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
+         profiled-no-hopper --out "$OUT"
+    mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-profiled.json"
+    step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default no-hopper --out "$OUT"
+    step 120 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import get_ops, reference
+from jaxinfer.ops import LayerWeight, get_ops, reference
 from jaxinfer.pallas import hopper_gemm
 from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig
@@ -99,5 +99,10 @@ def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch)
     _close(ops.linear_residual(h, w_down, None, x), reference.linear_residual(h, w_down, None, x))
     _close(ops.rms_norm_linear(x, scale, 1e-6, w_q), reference.rms_norm_linear(x, scale, 1e-6, w_q))
     assert calls == ["swiglu", "residual", "none"]
+    # the split layers' matrices reach the ops as one-layer stacks (model._split_layer): the kernel too
+    one_layer = LayerWeight(w_q[None], jnp.int32(0))
+    _close(ops.rms_norm_linear(x, scale, 1e-6, one_layer), reference.rms_norm_linear(x, scale, 1e-6, w_q))
+    assert calls == ["swiglu", "residual", "none", "none"]
     ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)       # 128 rows: not in the table, XLA's GEMM
-    assert calls == ["swiglu", "residual", "none"]
+    ops.rms_norm_linear(x, scale, 1e-6, LayerWeight(jnp.stack([w_q, w_q]), jnp.int32(1)))   # a deeper stack
+    assert calls == ["swiglu", "residual", "none", "none"]

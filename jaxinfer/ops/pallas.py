@@ -81,15 +81,22 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         table = skinny_gemm.table_config if x.shape[0] <= skinny_gemm.MAX_T else skinny_gemm.prefill_table_config
         return table(x.shape[0], n, k, epilogue)
 
+    def one_matrix(w):
+        """w as one [N, K] array where it is one (a plain matrix, or a one-layer stack: the split layers'
+        matrices reach the ops so), else None (a layer of a deeper stack: a traced index)."""
+        if isinstance(w, LayerWeight):
+            return w.stacked[0] if w.stacked.shape[0] == 1 else None
+        return w if w.ndim == 2 else None
+
     def hopper_config(x, w, epilogue="none"):
-        """The Mosaic GPU GEMM's config for these prompt rows (a plain [N, K] matrix: the prefill's split
-        layers) where its measured table beat XLA's GEMM plus the epilogue in XLA; else None."""
-        if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T) or isinstance(w, LayerWeight) or w.ndim != 2:
+        """The Mosaic GPU GEMM's config for these prompt rows of one matrix where its measured table beat
+        XLA's GEMM plus the epilogue in XLA; else None."""
+        if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T) or one_matrix(w) is None:
             return None
         return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
 
     def _hopper(x, w, config, **kw):
-        return hopper_gemm.hopper_gemm(x, w, config=config, interpret=interpret, **kw)
+        return hopper_gemm.hopper_gemm(x, one_matrix(w), config=config, interpret=interpret, **kw)
 
     def linear(x, w, b=None):
         if small(x):
