@@ -63,7 +63,8 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),
     # Qwen3-4B's o_proj (98 registers, 16 blocks an SM, 1.21 waves under ncu: nineteenth session) at another block_in
     # or at 2 rows a program (1,280 programs: one wave), QKV's 2 rows kept
-    "oproj-in128+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 128})),
+    "oproj-in128+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 128})),   # the default since s20
+    "oproj-in256+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 256})),   # the default before
     "oproj-in512+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 512})),
     "oproj-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (2560, 4096): 2})),
     "profiled-rows2+greedy": ("--xla_enable_command_buffers_during_profiling=true", True, True, dict(gemv_rows=2)),

@@ -155,8 +155,8 @@ def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
 
     monkeypatch.setattr(gemv, "_TABLE", dict(gemv._TABLE))
     before = gemv._TABLE[(2560, 4096)]
-    assert apply_bench_options({"gemv_block_in": {(2560, 4096): 128, (7, 64): 32}}) == {"executable_cache": ""}
-    assert block_in_for(2560, 4096, jnp.bfloat16) == 128 and block_in_for(7, 64, jnp.bfloat16) == 32
+    assert apply_bench_options({"gemv_block_in": {(2560, 4096): 512, (7, 64): 32}}) == {"executable_cache": ""}
+    assert block_in_for(2560, 4096, jnp.bfloat16) == 512 and block_in_for(7, 64, jnp.bfloat16) == 32
     assert gemv._TABLE[(2560, 4096)].block_out == before.block_out
     assert block_in_for(6144, 2560, jnp.bfloat16) == gemv._TABLE[(6144, 2560)].block_in   # others as they were
 
