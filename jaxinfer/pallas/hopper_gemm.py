@@ -182,7 +182,7 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
         functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
         out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),
         grid=(min(sms, (M // (2 * config.tile_m)) * (cols // config.tile_n)),), grid_names=("sm",),
-        num_threads=3, thread_name="wg",
+        num_threads=3, thread_name="wg", kernel_name=f"hopper_gemm_{epilogue}",   # traces tell the epilogues apart
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     args = (x, w) + ((residual,) if residual is not None else ())
