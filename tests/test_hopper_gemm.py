@@ -106,3 +106,16 @@ def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch)
     ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)       # 128 rows: not in the table, XLA's GEMM
     ops.rms_norm_linear(x, scale, 1e-6, LayerWeight(jnp.stack([w_q, w_q]), jnp.int32(1)))   # a deeper stack
     assert calls == ["swiglu", "residual", "none", "none"]
+
+
+def test_the_kernel_needs_a_hopper_gpu():
+    """Off a Hopper GPU (here: the CPU) the pallas ops keep prompt rows on XLA's GEMM even at a table's shape
+    (wgmma and TMA are sm_90 instructions); only interpret mode takes the kernel there."""
+    assert not hopper_gemm.available()
+    M, N, K = 1024, 6144, 2560
+    assert hopper_gemm.table_config(M, N, K, "none") is not None
+    ops = get_ops("pallas")
+    x = jnp.ones((M, K), jnp.bfloat16)
+    w = jnp.ones((N, K), jnp.bfloat16)
+    text = jax.jit(lambda x, s, w: ops.rms_norm_linear(x, s, 1e-6, w)).lower(x, jnp.ones((K,), jnp.bfloat16), w).as_text()
+    assert "mosaic" not in text.lower() and "dot_general" in text

@@ -90,7 +90,9 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
 
     def hopper_config(x, w, epilogue="none"):
         """The Mosaic GPU GEMM's config for these prompt rows of one matrix where its measured table beat
-        XLA's GEMM plus the epilogue in XLA; else None."""
+        XLA's GEMM plus the epilogue in XLA (on a Hopper GPU, or in interpret mode); else None."""
+        if not (interpret or hopper_gemm.available()):
+            return None
         if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T) or one_matrix(w) is None:
             return None
         return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)

@@ -152,6 +152,16 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+@functools.cache
+def available() -> bool:
+    """wgmma and TMA need a Hopper GPU (compute capability 9.x); the table's shapes exist on any GPU."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    return str(getattr(device, "compute_capability", "")).startswith("9")
+
+
 def num_sms() -> int:
     try:
         return jax.devices("gpu")[0].core_count
