@@ -29,11 +29,15 @@ from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, PDL, PDL
 
 # kernels_skinny_gemm.py --prefill --sweep's JSON, for the prefill-table variants
 PREFILL_SWEEP = os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")
+HOPPER_JSON = os.path.join(os.environ.get("OUT", "."), "kernels_hopper_gemm.json")
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
     # prompt rows on XLA's GEMM (+ the SwiGLU multiply in XLA) where the Mosaic GPU GEMM's table takes them
     "no-hopper": ("", False, {"no_hopper_gemm": True}),
+    # the Mosaic GEMM's table rows at the configs that ran fastest in kernels_hopper_gemm.py (its JSON in $OUT)
+    "hopper-fastest": ("", False, {"hopper_table": HOPPER_JSON}),
+    "profiled-hopper-fastest": (PROFILED, True, {"hopper_table": HOPPER_JSON}),
     "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
     "profiled-no-hopper": (PROFILED, True, {"no_hopper_gemm": True}),

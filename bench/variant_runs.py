@@ -81,6 +81,7 @@ def apply_bench_options(options: dict) -> dict:
     "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
     skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
     "no_hopper_gemm" (prompt rows on XLA's GEMM where hopper_gemm's table would take them: its table emptied),
+    "hopper_table" (a kernels_hopper_gemm.py JSON: each of hopper_gemm's table rows at the config that ran fastest),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
     rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -97,7 +98,7 @@ def apply_bench_options(options: dict) -> dict:
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
     patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table",
-                                         "no_hopper_gemm", "rope_write_tiled", "unpacked_batch", "weights"))
+                                         "no_hopper_gemm", "hopper_table", "rope_write_tiled", "unpacked_batch", "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
@@ -124,6 +125,10 @@ def apply_bench_options(options: dict) -> dict:
         from jaxinfer.pallas import hopper_gemm
 
         hopper_gemm.PREFILL_TABLE.clear()
+    if "hopper_table" in options:
+        from bench.kernels_hopper_gemm import patch_table
+
+        patch_table(options.pop("hopper_table"))
     if "rope_write_tiled" in options:
         from jaxinfer.pallas import rope_kv_write
 

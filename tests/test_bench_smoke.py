@@ -266,3 +266,28 @@ def test_kernel_registers_finds_each_kernels_triton_module():
     assert "tt.func public @gemv_residual" in found[0][1]
     names = [a["name"] for a, _ in triton_modules(*kernel_call("attention-rope", "qwen3-4b", 8, 1024))]
     assert names == ["decode_attention_rope_split", "decode_attention_merge"]
+
+
+def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
+    """prefill_dispatch's hopper-fastest variant: each of hopper_gemm's table rows (a measured row count) takes the
+    config that ran fastest and right in kernels_hopper_gemm.py's JSON; rows it did not time keep theirs; the
+    child compiles afresh."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import json
+
+    from bench.variant_runs import apply_bench_options
+    from jaxinfer.pallas import hopper_gemm
+    from jaxinfer.pallas.hopper_gemm import HopperConfig
+
+    monkeypatch.setattr(hopper_gemm, "PREFILL_TABLE", dict(hopper_gemm.PREFILL_TABLE))
+    carry = HopperConfig(64, 128, 64, 5, carry=True)
+    results = [dict(N=6144, K=2560, epilogue="none", M=1024, config=carry.__dict__, us=40.0, rel_err=0.0),
+               dict(N=6144, K=2560, epilogue="none", M=1024, config=HopperConfig().__dict__, us=30.0, rel_err=1.0),
+               dict(N=6144, K=2560, epilogue="none", M=1024, config=HopperConfig(stages=3).__dict__, us=45.0,
+                    rel_err=0.0)]
+    path = tmp_path / "kernels_hopper_gemm.json"
+    path.write_text(json.dumps(dict(results=results)))
+    gate_up_before = hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")]
+    assert apply_bench_options({"hopper_table": str(path)}) == {"executable_cache": ""}
+    assert hopper_gemm.table_config(1024, 6144, 2560, "none") == carry       # the wrong 30 us one is passed over
+    assert hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")] == gate_up_before
