@@ -48,6 +48,10 @@ class HopperConfig:
     # instead of the ring draining and refilling at every tile. Needs stages to divide K // tile_k, and every
     # CTA two tiles at least (a pipeline is started once and stopped once: the grid is at most half the tiles).
     carry: bool = False
+    # wgmma groups left in flight at each k step (0: each step waits for its own products). 1: the next step's
+    # wgmma is issued while this one's still runs, its shared-memory slot released a step later. Not with carry
+    # (Mosaic GPU's pipeline of pipelines does not take a delayed release).
+    in_flight: int = 0
 
 
 # Prompt-row products where the kernel measured faster than XLA's GEMM plus its epilogue in XLA
@@ -73,7 +77,9 @@ def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bo
     return (M % (2 * config.tile_m) == 0 and cols % config.tile_n == 0 and K % config.tile_k == 0
             and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0)
             and (not config.carry or ((K // config.tile_k) % config.stages == 0
-                                      and (M // (2 * config.tile_m)) * (cols // config.tile_n) >= 2)))
+                                      and (M // (2 * config.tile_m)) * (cols // config.tile_n) >= 2))
+            and config.in_flight in (0, 1) and not (config.carry and config.in_flight)
+            and config.stages > config.in_flight)
 
 
 def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int):
@@ -93,11 +99,12 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
 
     def pipeline(body, compute_context, state=None):
-        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
+        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM,
+                                 delay_release=config.in_flight)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=in_transforms,
-                                      memory_space=plgpu.SMEM)] + [w_spec] * n_w,
+                                      memory_space=plgpu.SMEM, delay_release=config.in_flight)] + [w_spec] * n_w,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
             compute_context=compute_context, pipeline_state=state)
 
@@ -125,6 +132,8 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
                 def _accs(accs):
                     run(accs)
+                    if config.in_flight:
+                        plgpu.wgmma_wait(0)    # the last step's products, before the accumulators are read
                     ys = [acc[...].astype(dtype) for acc in accs]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for e in range(tn // en):
@@ -149,7 +158,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 x_wg = x_smem.at[pl.ds(wg * tm, tm)]
                 for acc, w_smem in zip(accs, w_smems):
                     plgpu.wgmma(acc, x_wg, w_smem.T)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(config.in_flight)
                 return accs
 
             col_slices = [pl.ds(n_idx * tn, tn)] + ([pl.ds(cols + n_idx * tn, tn)] if n_w == 2 else [])
