@@ -531,16 +531,26 @@ case "${1:-1}" in
              # its GPU tests, the kernel bench at 1k and 8k with the carry configs beside the best plain ones, then
              # the 1k step alternating: the table as committed / its rows at the fastest configs of this run /
              # without the kernel (each its own process; predictions in NOTES), one traced step of the fastest
+             # (~8-9 min: a call's 10 minutes hold it only if the steps run short of their limits; mgpu6 is the
+             # rest, with HOPPER_JSON=bench/results/<this call's kernels_hopper_gemm.json> once committed)
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 150 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --configs carry --out "$OUT"
     i=0
-    for v in default hopper-fastest no-hopper default hopper-fastest no-hopper; do
+    for v in default hopper-fastest no-hopper; do
       i=$((i + 1))
-      step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
       mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
     done
-    step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-hopper-fastest \
+    step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-hopper-fastest \
          --out "$OUT"
+    ;;
+  mgpu6)     # mgpu5's step A/B again in another order (HOPPER_JSON: mgpu5's kernels_hopper_gemm.json, committed)
+    i=0
+    for v in no-hopper hopper-fastest default no-hopper hopper-fastest default; do
+      i=$((i + 1))
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
     ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch

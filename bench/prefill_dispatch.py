@@ -29,7 +29,8 @@ from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, PDL, PDL
 
 # kernels_skinny_gemm.py --prefill --sweep's JSON, for the prefill-table variants
 PREFILL_SWEEP = os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")
-HOPPER_JSON = os.path.join(os.environ.get("OUT", "."), "kernels_hopper_gemm.json")
+# kernels_hopper_gemm.py's JSON, for the hopper-fastest variants: $HOPPER_JSON, else this call's $OUT
+HOPPER_JSON = os.environ.get("HOPPER_JSON") or os.path.join(os.environ.get("OUT", "."), "kernels_hopper_gemm.json")
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
 VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), engine options)
     "default": ("", False, {}),
