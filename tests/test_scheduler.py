@@ -46,6 +46,25 @@ def _alone(engine, prompts, params):
     return [_run(engine, [p], [sp])[0] for p, sp in zip(prompts, params)]
 
 
+def _equal_alone_up_to_near_ties(engine, out, prompts, params, gap=1e-4, most=2):
+    """Each greedy output equals the request's output alone, or leaves it only where the alone run's two best
+    tokens were within `gap` in logprob (a recomputed prefix's float32 sums, rounded in another order, may pick
+    the other one; seen on an AMD EPYC CI machine: 419 vs 431 at -0.7529426 / -0.7529435), at most `most` times."""
+    ties = 0
+    for got, prompt, sp in zip(out, prompts, params):
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=sp.max_tokens, temperature=0, logprobs=2))
+        while engine.has_unfinished():
+            engine.step()
+        alone = engine.take_finished(rid)
+        if got == alone.token_ids:
+            continue
+        j = next(j for j, (a, b) in enumerate(zip(got, alone.token_ids)) if a != b)
+        (t0, l0), (t1, l1) = alone.top_logprobs[j][:2]
+        assert {t0, t1} == {got[j], alone.token_ids[j]} and l0 - l1 < gap, (j, alone.top_logprobs[j])
+        ties += 1
+    assert ties <= most
+
+
 def test_64_concurrent_greedy_equal_alone(alone_engine):
     prompts, params = _prompts(64, 1), _params(64, 1)
     engine = _engine(enable_prefix_caching=False)
@@ -82,7 +101,10 @@ def test_preemption_gives_the_same_output(alone_engine, sampled):
     engine = _engine(num_pages=13, max_model_len=128)
     out = _run(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
-    assert out == _alone(alone_engine, prompts, params)
+    if sampled:
+        assert out == _alone(alone_engine, prompts, params)
+    else:   # a preempted sequence's prefix is recomputed as a prompt: float32 near-ties may go the other way
+        _equal_alone_up_to_near_ties(alone_engine, out, prompts, params)
     assert engine.pages.num_free == engine.pages.capacity
 
 
