@@ -98,7 +98,8 @@ def apply_bench_options(options: dict) -> dict:
     # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
     # attention A/B loaded its first run's executables for the second).
     patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table",
-                                         "no_hopper_gemm", "hopper_table", "rope_write_tiled", "unpacked_batch", "weights"))
+                                         "no_hopper_gemm", "hopper_table", "rope_write_tiled", "unpacked_batch",
+                                         "weights"))
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()
