@@ -24,9 +24,7 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate
 from bench.kernel_timing import best_ms_per_call, log, rel_err
-from jaxinfer.ops import reference
-from jaxinfer.pallas.blocks import silu_mul
-from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, supported
+from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, reference, supported
 from jaxinfer.random_model import SHAPES
 
 CONFIGS = [HopperConfig(64, 128, 64, 4), HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3),
@@ -78,11 +76,8 @@ def projections(shape: str) -> list[tuple[str, int, int, str]]:
 
 
 def xla_op(epilogue: str):
-    if epilogue == "residual":
-        return lambda x, w, r: reference.linear_residual(x, w, None, r)
-    if epilogue == "swiglu":
-        return lambda x, w, r: silu_mul(*jnp.split(reference.linear(x, w), 2, axis=-1))
-    return lambda x, w, r: reference.linear(x, w)
+    """XLA's GEMM and the epilogue in XLA: the kernel's reference twin."""
+    return lambda x, w, r: reference(x, w, r if epilogue == "residual" else None, epilogue)
 
 
 def over_layers(op, layers: int):

@@ -25,15 +25,6 @@ def _inputs(seed, M, N, K, cols):
     return x, w, r
 
 
-def _reference(x, w, r, epilogue):
-    """The kernel's twin: the reference ops' products and residual add; SwiGLU rounded as silu_mul rounds."""
-    if epilogue == "residual":
-        return reference.linear_residual(x, w, None, r)
-    if epilogue == "swiglu":
-        return silu_mul(*jnp.split(reference.linear(x, w), 2, axis=-1))
-    return reference.linear(x, w)
-
-
 def _close(y, ref):
     """float32 sums in another order: outputs equal after rounding to bf16, or a bf16 step or two apart (a
     product one step off, then the residual add's own rounding)."""
@@ -56,7 +47,7 @@ def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
     x, w, r = _inputs(M + N + K, M, n_w, K, N)
     y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 config=config, sms=3, interpret=True)
-    _close(y, _reference(x, w, r, epilogue))
+    _close(y, hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue))
 
 
 def test_shapes_that_do_not_tile_are_refused_and_say_why():

@@ -174,6 +174,18 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def reference(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, epilogue: str = "none") -> jax.Array:
+    """The kernel's reference twin: the reference ops' products and residual add, the SwiGLU rounded as silu_mul
+    rounds (XLA's own SwiGLU fusion keeps silu in float32 before the product)."""
+    from jaxinfer.ops import reference as ref_ops
+
+    if epilogue == "residual":
+        return ref_ops.linear_residual(x, w, None, residual)
+    if epilogue == "swiglu":
+        return silu_mul(*jnp.split(ref_ops.linear(x, w), 2, axis=-1))
+    return ref_ops.linear(x, w)
+
+
 @functools.cache
 def available() -> bool:
     """wgmma and TMA need a Hopper GPU (compute capability 9.x); the table's shapes exist on any GPU."""

@@ -9,9 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import reference
 from jaxinfer.pallas import hopper_gemm
-from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
@@ -37,12 +35,7 @@ def test_matches_reference(M, N, K, epilogue, config):
     r = jax.random.normal(ks[2], (M, cols), jnp.float32).astype(jnp.bfloat16)
     y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 config=config)
-    if epilogue == "residual":
-        ref = reference.linear_residual(x, w, None, r)
-    elif epilogue == "swiglu":
-        ref = silu_mul(*jnp.split(reference.linear(x, w), 2, axis=-1))
-    else:
-        ref = reference.linear(x, w)
+    ref = hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue)
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     np.testing.assert_allclose(y, ref, rtol=2 ** -7, atol=2 ** -7)
     assert np.mean(y == ref) > 0.99
