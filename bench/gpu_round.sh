@@ -552,6 +552,22 @@ case "${1:-1}" in
       mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
     done
     ;;
+  mgpu7)     # twenty-first session: the Mosaic GEMM's GPU tests without carry / in-flight (removed), its sweep at 1k
+             # against XLA on separate weight arrays (the old stacked array's slices suspected of a copy before
+             # cuBLAS), with 128-deep k steps and wave-friendly widths; the 1k step traced (the Mosaic kernels
+             # named by epilogue), then the table at this sweep's fastest configs against the table as committed
+    step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
+    step 200 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 --out "$OUT"
+    step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
+         --out "$OUT"
+    mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-profiled.json"
+    i=0
+    for v in hopper-fastest default; do
+      i=$((i + 1))
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

@@ -13,7 +13,6 @@ matrices in turn, so weights come from HBM as in a prefill step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -28,21 +27,20 @@ from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, reference, su
 from jaxinfer.random_model import SHAPES
 
 CONFIGS = [HopperConfig(64, 128, 64, 4), HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3),
-           HopperConfig(128, 128, 64, 3), HopperConfig(64, 64, 64, 6), HopperConfig(128, 256, 64, 2)]
+           HopperConfig(128, 128, 64, 3), HopperConfig(64, 64, 64, 6), HopperConfig(128, 256, 64, 2),
+           # twenty-first session: two swizzle atoms a k step (half the waits a FLOP), and 192-wide tiles (QKV at
+           # 1k: 256 CTA tiles, 1.94 waves of 132 SMs, against 384 tiles' 2.91)
+           HopperConfig(64, 128, 128, 2), HopperConfig(64, 192, 64, 4)]
 SWIGLU_CONFIGS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 64, 64, 5), HopperConfig(64, 64, 64, 4),
-                  HopperConfig(128, 64, 64, 3), HopperConfig(128, 128, 64, 2)]
+                  HopperConfig(128, 64, 64, 3), HopperConfig(128, 128, 64, 2),
+                  # gate/up at 1k: 32-wide tiles make 2,432 CTA tiles (18.4 waves: the last 42% full, not 21%)
+                  HopperConfig(64, 64, 128, 2), HopperConfig(64, 32, 64, 6, epi_n=32)]
 # --configs best: the winners of the first sweep (H200, 2026-12-01: 1,024 and 8,192 rows)
 BEST = [HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3), HopperConfig(128, 128, 64, 3)]
 SWIGLU_BEST = [HopperConfig(128, 64, 64, 3), HopperConfig(64, 128, 64, 3)]
-# --configs carry: those, then configs that keep the ring running across a CTA's tiles (stages dividing the k
-# steps: 40 at K = 2,560, 64 at 4,096, 152 at 9,728; shared memory within the SM's 227 KB)
-CARRY = [HopperConfig(64, 128, 64, 4, carry=True), HopperConfig(64, 128, 64, 5, carry=True),
-         HopperConfig(128, 128, 64, 2, carry=True), HopperConfig(64, 256, 64, 2, carry=True)]
-SWIGLU_CARRY = [HopperConfig(128, 64, 64, 2, carry=True), HopperConfig(64, 64, 64, 5, carry=True),
-                HopperConfig(64, 128, 64, 2, carry=True)]
-# and the best plain ones with a wgmma group left in flight (HopperConfig.in_flight)
-CARRY += [dataclasses.replace(c, in_flight=1) for c in BEST]
-SWIGLU_CARRY += [dataclasses.replace(c, in_flight=1) for c in SWIGLU_BEST]
+# A config counts only where it matches XLA: the kernel does bit for bit where it is right, and a race shows
+# as rel err ~1e-3 (H200, twenty-first session: a wgmma group left in flight, 4.9e-3 with 0.2% of elements off)
+RIGHT = 1e-4
 
 
 def patch_table(path: str) -> None:
@@ -53,7 +51,7 @@ def patch_table(path: str) -> None:
     fastest: dict = {}
     for r in json.load(open(path))["results"]:
         key = (r["N"], r["K"], r["epilogue"], r["M"])
-        if r["rel_err"] < 1e-2 and (key not in fastest or r["us"] < fastest[key]["us"]):
+        if r["rel_err"] < RIGHT and (key not in fastest or r["us"] < fastest[key]["us"]):
             fastest[key] = r
     for (N, K, epilogue), rows in list(hopper_gemm.PREFILL_TABLE.items()):
         new_rows = []
@@ -82,7 +80,9 @@ def xla_op(epilogue: str):
 
 def over_layers(op, layers: int):
     """A jit calling op once per weight matrix (each its own HBM read); it returns every output (so none
-    is dead code)."""
+    is dead code). ws is a tuple of separate arrays, as the engine's step holds its layers (until the
+    twenty-first session one stacked array, sliced here: suspected of a weight copy before each cuBLAS call
+    that the step does not make, as XLA ran ~50% slower here than in the step's trace)."""
     def f(x, ws, r):
         return tuple(op(x, ws[layer], r) for layer in range(layers))
     return jax.jit(f)
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1024])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--only", nargs="*", default=None, help="projection names to run")
-    ap.add_argument("--configs", choices=("all", "best", "carry"), default="all")
+    ap.add_argument("--configs", choices=("all", "best"), default="all")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -105,7 +105,8 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         keys = jax.random.split(jax.random.key(hash(name) % 2**31), 3)
-        ws = (jax.random.normal(keys[0], (args.layers, N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+        ws = tuple((jax.random.normal(k, (N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+                   for k in jax.random.split(keys[0], args.layers))
         for M in args.rows:
             cols = N // 2 if epilogue == "swiglu" else N
             x = jax.random.normal(keys[1], (M, K), jnp.bfloat16)
@@ -115,10 +116,8 @@ def main() -> None:
                                            target_s=0.2)
             log(f"{name} M={M}: XLA {1e3 * xla_ms:.1f} us ({flops / xla_ms / 1e9:.0f} TFLOP/s)")
             best = None
-            if args.configs in ("best", "carry"):
+            if args.configs == "best":
                 configs = SWIGLU_BEST if epilogue == "swiglu" else BEST
-                if args.configs == "carry":
-                    configs = configs + (SWIGLU_CARRY if epilogue == "swiglu" else CARRY)
             else:
                 configs = SWIGLU_CONFIGS if epilogue == "swiglu" else CONFIGS
             for cfg in configs:
@@ -136,7 +135,9 @@ def main() -> None:
                 log(f"  {cfg}: {1e3 * ms:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), rel err {err:.2e}, equal {same:.4f}")
                 results.append(dict(name=name, M=M, N=N, K=K, epilogue=epilogue, config=cfg.__dict__, us=1e3 * ms,
                                     xla_us=1e3 * xla_ms, rel_err=err, equal=same))
-                if err < 1e-2 and (best is None or ms < best[1]):
+                with open(os.path.join(args.out, "kernels_hopper_gemm.json"), "w") as f:   # kept if a step times out
+                    json.dump(dict(shape=args.shape, gemm_rate=rate, results=results), f, indent=1)
+                if err < RIGHT and (best is None or ms < best[1]):
                     best = (cfg, ms, err, same)
             rows_out.append((name, M, xla_ms, best, flops))
     print(f"\n{args.shape}, dense GEMM rate {rate / 1e12:.0f} TFLOP/s ({time.strftime('%Y-%m-%d')})")
@@ -148,12 +149,9 @@ def main() -> None:
             print(f"| {name} | {M} | {1e3 * xla_ms:.1f} | {flops / xla_ms / 1e9:.0f} | - | - | - | - | - | - |")
             continue
         cfg, ms, err, same = best
-        options = (" carry" if cfg.carry else "") + (" in-flight" if cfg.in_flight else "")
         print(f"| {name} | {M} | {1e3 * xla_ms:.1f} | {flops / xla_ms / 1e9:.0f} | {1e3 * ms:.1f} | "
               f"{flops / ms / 1e9:.0f} | {100 * flops / (ms / 1e3) / rate:.1f}% | {err:.1e} | {same:.4f} | "
-              f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.stages}{options} |")
-    with open(os.path.join(args.out, "kernels_hopper_gemm.json"), "w") as f:
-        json.dump(dict(shape=args.shape, gemm_rate=rate, results=results), f, indent=1)
+              f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.stages} |")
 
 
 if __name__ == "__main__":

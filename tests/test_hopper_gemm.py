@@ -2,8 +2,6 @@
 reference ops at several tilings with fresh random inputs; its shape checks; and the pallas ops taking it
 for prompt rows where its table has the product."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,8 +37,6 @@ def _close(y, ref):
     (128, 128, 64, SMALL),                                        # one tile, one k step
     (256, 192, 320, SMALL),                                       # several tiles and k steps, 3 CTAs
     (128, 256, 128, HopperConfig(64, 128, 64, 3, epi_n=64)),      # a wider tile, one epilogue tile a half
-    (256, 192, 256, dataclasses.replace(SMALL, carry=True)),      # the ring kept across a CTA's 2-3 tiles
-    (256, 192, 320, dataclasses.replace(SMALL, stages=3, in_flight=1)),   # a wgmma group left in flight
 ])
 def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
     n_w = 2 * N if epilogue == "swiglu" else N
@@ -61,18 +57,6 @@ def test_shapes_that_do_not_tile_are_refused_and_say_why():
         hopper_gemm.hopper_gemm(x[:128], w, epilogue="gelu", config=SMALL, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         hopper_gemm.hopper_gemm(x[:128, :32], w, config=SMALL, interpret=True)
-
-
-def test_the_carried_ring_needs_whole_rounds_of_stages_and_two_tiles_a_cta():
-    carry = dataclasses.replace(SMALL, carry=True)
-    assert hopper_gemm.supported(256, 192, 256, "none", carry)        # 4 k steps, 2 stages; 6 tiles
-    assert not hopper_gemm.supported(256, 192, 192, "none", carry)    # 3 k steps do not fill 2-stage rounds
-    assert not hopper_gemm.supported(128, 64, 256, "none", carry)     # one tile: nothing to carry to
-    assert hopper_gemm.supported(128, 64, 256, "none", SMALL)
-    assert not hopper_gemm.supported(256, 192, 256, "none", dataclasses.replace(carry, in_flight=1))   # not both
-    x, w, _ = _inputs(3, 256, 192, 256, 192)
-    for sms in (1, 2, 4, 6):     # 6 tiles: CTAs of 6, 3, 2 (grid capped at half the tiles) tiles
-        _close(hopper_gemm.hopper_gemm(x, w, config=carry, sms=sms, interpret=True), reference.linear(x, w))
 
 
 def test_table_config_covers_only_measured_rows():

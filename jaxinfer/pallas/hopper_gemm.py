@@ -43,15 +43,9 @@ class HopperConfig:
     stages: int = 4         # shared-memory ring depth
     epi_n: int = 64         # epilogue tile columns (rows: tile_m)
     snake_width: int = 8    # planar snake: tiles of this many along M before moving along N
-    # Keep the ring running across a CTA's tiles (Mosaic GPU's pipeline of pipelines): the memory warpgroup
-    # loads the next tile's first k steps while the compute warpgroups finish this one and write its epilogue,
-    # instead of the ring draining and refilling at every tile. Needs stages to divide K // tile_k, and every
-    # CTA two tiles at least (a pipeline is started once and stopped once: the grid is at most half the tiles).
-    carry: bool = False
-    # wgmma groups left in flight at each k step (0: each step waits for its own products). 1: the next step's
-    # wgmma is issued while this one's still runs, its shared-memory slot released a step later. Not with carry
-    # (Mosaic GPU's pipeline of pipelines does not take a delayed release).
-    in_flight: int = 0
+    # Tried and removed (bench/NOTES.md, twenty-first session): the ring kept across a CTA's tiles (Mosaic GPU's
+    # pipeline of pipelines) and one wgmma group left in flight; neither was faster on the H200, and both gave
+    # a few wrong elements there that interpret mode did not show.
 
 
 # Prompt-row products where the kernel measured faster than XLA's GEMM plus its epilogue in XLA
@@ -75,11 +69,7 @@ def table_config(M: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
 def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bool:
     cols = N // 2 if epilogue == "swiglu" else N
     return (M % (2 * config.tile_m) == 0 and cols % config.tile_n == 0 and K % config.tile_k == 0
-            and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0)
-            and (not config.carry or ((K // config.tile_k) % config.stages == 0
-                                      and (M // (2 * config.tile_m)) * (cols // config.tile_n) >= 2))
-            and config.in_flight in (0, 1) and not (config.carry and config.in_flight)
-            and config.stages > config.in_flight)
+            and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
 
 
 def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int):
@@ -98,15 +88,14 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                       plgpu.SwizzleTransform(out_swizzle))
     n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
 
-    def pipeline(body, compute_context, state=None):
-        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM,
-                                 delay_release=config.in_flight)
+    def pipeline(body, compute_context):
+        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=in_transforms,
-                                      memory_space=plgpu.SMEM, delay_release=config.in_flight)] + [w_spec] * n_w,
+                                      memory_space=plgpu.SMEM)] + [w_spec] * n_w,
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
-            compute_context=compute_context, pipeline_state=state)
+            compute_context=compute_context)
 
     w_args = (w_gmem, w_gmem) if n_w == 2 else (w_gmem,)
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -132,8 +121,6 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
                 def _accs(accs):
                     run(accs)
-                    if config.in_flight:
-                        plgpu.wgmma_wait(0)    # the last step's products, before the accumulators are read
                     ys = [acc[...].astype(dtype) for acc in accs]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for e in range(tn // en):
@@ -158,18 +145,12 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 x_wg = x_smem.at[pl.ds(wg * tm, tm)]
                 for acc, w_smem in zip(accs, w_smems):
                     plgpu.wgmma(acc, x_wg, w_smem.T)
-                plgpu.wgmma_wait(config.in_flight)
+                plgpu.wgmma_wait(0)
                 return accs
 
             col_slices = [pl.ds(n_idx * tn, tn)] + ([pl.ds(cols + n_idx * tn, tn)] if n_w == 2 else [])
-            state = None
-            if config.carry:   # the ring fills at a CTA's first tile and drains after its last
-                first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
-                state = jnp.where(first, int(plgpu.PipelinePipeline.START),
-                                  jnp.where(last, int(plgpu.PipelinePipeline.STOP),
-                                            int(plgpu.PipelinePipeline.STEADY)))
-            pipeline(mma, compute_context, state)(x_gmem.at[cta_rows, :], *[w_gmem.at[c, :] for c in col_slices],
-                                                  allocations=allocs)
+            pipeline(mma, compute_context)(x_gmem.at[cta_rows, :], *[w_gmem.at[c, :] for c in col_slices],
+                                           allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -226,7 +207,7 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
     call = plgpu.kernel(
         functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
         out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),
-        grid=(min(sms, tiles // 2 if config.carry else tiles),), grid_names=("sm",),
+        grid=(min(sms, tiles),), grid_names=("sm",),
         num_threads=3, thread_name="wg", kernel_name=f"hopper_gemm_{epilogue}",   # traces tell the epilogues apart
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
