@@ -44,17 +44,20 @@ class HopperConfig:
     epi_n: int = 64         # epilogue tile columns (rows: tile_m)
     snake_width: int = 8    # planar snake: tiles of this many along M before moving along N
     # Tried and removed (bench/NOTES.md, twenty-first session): the ring kept across a CTA's tiles (Mosaic GPU's
-    # pipeline of pipelines) and one wgmma group left in flight; neither was faster on the H200, and both gave
-    # a few wrong elements there that interpret mode did not show.
+    # pipeline of pipelines) and one wgmma group left in flight. Neither was faster on the H200, and the second
+    # gave wrong elements there (0.2% of them) that interpret mode, running programs one by one, cannot show.
 
 
-# Prompt-row products where the kernel measured faster than XLA's GEMM plus its epilogue in XLA
-# (bench/kernels_hopper_gemm.py, H200, 2026-12-01; Qwen3-4B's shapes; us a call, kernel against XLA):
+# Prompt-row products where the kernel made the 1k prompt step faster than XLA's GEMM (cuBLAS) with the epilogue
+# in XLA (H200, 2026-12-01, Qwen3-4B's shapes; bench/NOTES.md, twentieth and twenty-first sessions). The kernel
+# bench alone misleads here: cuBLAS ran QKV in 44 us in the step's trace and 67 us in the bench. us a call in
+# the step's trace / the kernel bench:
 # (N, K, epilogue) -> ((first rows, last rows, config), ...). Absent: XLA's GEMM.
 PREFILL_TABLE: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {
-    (6144, 2560, "none"): ((1024, 1024, HopperConfig(64, 128, 64, 5)),),      # QKV 1k: 50.2 vs 68.3 (8k: XLA)
-    (19456, 2560, "swiglu"): ((1024, 1024, HopperConfig(128, 64, 64, 3)),     # gate/up 1k: 153.4 vs 181.9
-                              (8192, 8192, HopperConfig(64, 128, 64, 3))),    # 8k: 1196 vs 1280
+    (6144, 2560, "none"): ((1024, 1024, HopperConfig(64, 192, 64, 4)),),      # QKV 1k: bench 44.5 (64x128/5: 49.3)
+    (19456, 2560, "swiglu"): ((1024, 1024, HopperConfig(64, 128, 64, 3)),     # gate/up 1k: bench 151.6 (128x64/3:
+                                                                              # 155.2, 146.7 in the step)
+                              (8192, 8192, HopperConfig(64, 128, 64, 3))),    # 8k: 1196 vs XLA 1280 (bench)
 }
 
 

@@ -32,5 +32,8 @@ def test_matches_reference(M, N, K, epilogue, config):
                                 config=config)
     ref = hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue)
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
-    np.testing.assert_allclose(y, ref, rtol=2 ** -7, atol=2 ** -7)
-    assert np.mean(y == ref) > 0.99
+    # float32 sums in another order than cuBLAS's: round(x @ w.T) may land a bf16 step away, and with a residual
+    # that step is the product's (2 of 655,360 elements at 256 x 2560 x 9728: -2.9375 against -2.96875), so the
+    # tolerance is loose; a race shows as many elements off (a wgmma group left in flight: 0.2%), hence the share.
+    np.testing.assert_allclose(y, ref, rtol=2 ** -6, atol=2 ** -6)
+    assert np.mean(y == ref) >= 0.999
