@@ -568,6 +568,19 @@ case "${1:-1}" in
       mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
     done
     ;;
+  mgpu8)     # the table at mgpu7's fastest configs (QKV 64x192/4, gate/up 64x128/3 at 1k), committed: its GPU
+             # tests, the 1k step against no Mosaic kernel alternating twice, the TTFT table at 1k and 8k, and QKV's
+             # 192-wide tile at 8k rows (~7 min)
+    step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
+    i=0
+    for v in default no-hopper default no-hopper; do
+      i=$((i + 1))
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
+    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
+    step 80 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 8192 --only qkv --out "$OUT"
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)
