@@ -581,6 +581,18 @@ case "${1:-1}" in
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     step 80 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 8192 --only qkv --out "$OUT"
     ;;
+  mgpu9)     # the GPU tests at the mended tolerance; the table's 1k configs beside neighbours (snake width,
+             # stages, epilogue width), then the 1k step at the fastest of them against the table, alternating (~6 min)
+    step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
+    step 100 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 --only qkv gate_up --configs table \
+         --out "$OUT"
+    i=0
+    for v in hopper-fastest default hopper-fastest default; do
+      i=$((i + 1))
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

@@ -35,6 +35,13 @@ SWIGLU_CONFIGS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 64, 64, 5), Hop
                   HopperConfig(128, 64, 64, 3), HopperConfig(128, 128, 64, 2),
                   # gate/up at 1k: 32-wide tiles make 2,432 CTA tiles (18.4 waves: the last 42% full, not 21%)
                   HopperConfig(64, 64, 128, 2), HopperConfig(64, 32, 64, 6, epi_n=32)]
+# --configs table: the table's 1k configs beside neighbours (snake width, stages, epilogue width; twenty-first
+# session, after 64x192/4 for QKV and 64x128/3 for gate/up were adopted)
+TABLE_NEIGHBOURS = [HopperConfig(64, 192, 64, 4), HopperConfig(64, 192, 64, 3),
+                    HopperConfig(64, 192, 64, 4, snake_width=4), HopperConfig(64, 192, 64, 4, snake_width=16)]
+SWIGLU_TABLE_NEIGHBOURS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 128, 64, 4),
+                           HopperConfig(64, 128, 64, 3, snake_width=4), HopperConfig(64, 128, 64, 3, snake_width=16),
+                           HopperConfig(64, 128, 64, 3, epi_n=128)]
 # --configs best: the winners of the first sweep (H200, 2026-12-01: 1,024 and 8,192 rows)
 BEST = [HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3), HopperConfig(128, 128, 64, 3)]
 SWIGLU_BEST = [HopperConfig(128, 64, 64, 3), HopperConfig(64, 128, 64, 3)]
@@ -94,7 +101,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1024])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--only", nargs="*", default=None, help="projection names to run")
-    ap.add_argument("--configs", choices=("all", "best"), default="all")
+    ap.add_argument("--configs", choices=("all", "best", "table"), default="all")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -118,6 +125,8 @@ def main() -> None:
             best = None
             if args.configs == "best":
                 configs = SWIGLU_BEST if epilogue == "swiglu" else BEST
+            elif args.configs == "table":
+                configs = SWIGLU_TABLE_NEIGHBOURS if epilogue == "swiglu" else TABLE_NEIGHBOURS
             else:
                 configs = SWIGLU_CONFIGS if epilogue == "swiglu" else CONFIGS
             for cfg in configs:
