@@ -593,6 +593,16 @@ case "${1:-1}" in
       mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
     done
     ;;
+  cmdbuf2)   # the 1k prompt step with XLA's command buffers off against on, alternating (the TTFT's ~0.5 ms between
+             # the call and the device's start is cuGraphLaunch of a ~340-kernel graph; kernels launched one by one
+             # start at once; twenty-first session, ~4 min)
+    i=0
+    for v in default no-cmdbuf default no-cmdbuf; do
+      i=$((i + 1))
+      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
+      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+    done
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)
