@@ -603,6 +603,12 @@ case "${1:-1}" in
       mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
     done
     ;;
+  skinny1)   # twenty-first session, GPU-unrun: the Mosaic GEMM with its warpgroups split along N (HopperConfig.split_n)
+             # on decode rows padded to 64: its GPU tests, then kernels_hopper_skinny.py against the engine's
+             # skinny GEMM / XLA at 8-64 rows (~4 min; prediction in NOTES)
+    step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
+    step 300 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
+    ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
              # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)

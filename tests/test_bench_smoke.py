@@ -36,6 +36,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels_l2_prefetch.py", ["--interpret"], "l2_prefetch.json"),
     ("kernels_fused_gemv.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--repeats", "1", "--rows", "1", "2"],
      "fused_gemv.json"),
+    ("kernels_hopper_skinny.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--rows", "8"],
+     "kernels_hopper_skinny.json"),
     ("step_memory.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-num-seqs", "2",
                         "--max-model-len", "64"], "step_memory.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),

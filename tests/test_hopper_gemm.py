@@ -37,6 +37,8 @@ def _close(y, ref):
     (128, 128, 64, SMALL),                                        # one tile, one k step
     (256, 192, 320, SMALL),                                       # several tiles and k steps, 3 CTAs
     (128, 256, 128, HopperConfig(64, 128, 64, 3, epi_n=64)),      # a wider tile, one epilogue tile a half
+    (64, 192, 128, HopperConfig(64, 16, 64, 3, epi_n=16, split_n=True)),   # decode rows: warpgroups split N
+    (128, 128, 192, HopperConfig(64, 32, 64, 2, epi_n=16, split_n=True)),  # 2 row tiles, 2 epilogue tiles a WG
 ])
 def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
     n_w = 2 * N if epilogue == "swiglu" else N
@@ -57,6 +59,15 @@ def test_shapes_that_do_not_tile_are_refused_and_say_why():
         hopper_gemm.hopper_gemm(x[:128], w, epilogue="gelu", config=SMALL, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         hopper_gemm.hopper_gemm(x[:128, :32], w, config=SMALL, interpret=True)
+
+
+def test_split_n_tiles_the_ctas_columns_not_its_rows():
+    cfg = HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True)
+    assert hopper_gemm.cta_tile(cfg) == (64, 64) and hopper_gemm.cta_tile(SMALL) == (128, 64)
+    assert hopper_gemm.supported(64, 192, 128, "none", cfg)           # 64 rows: one warpgroup tile
+    assert not hopper_gemm.supported(64, 192, 128, "none", SMALL)     # 2 x 64 rows needed
+    assert not hopper_gemm.supported(64, 160, 128, "none", cfg)       # 160 columns: not whole 64-column CTA tiles
+    assert hopper_gemm.supported(64, 256, 128, "swiglu", cfg)         # 128 gate columns
 
 
 def test_table_config_covers_only_measured_rows():

@@ -14,7 +14,7 @@ and two compute warpgroups (each tile_m of the CTA's 2 x tile_m rows) issuing wg
 compute warpgroups read the same weight tile: weights cross the bus once per CTA tile. The
 weight tile is loaded as stored ([tile_n, tile_k], K-major) and handed to wgmma transposed.
 
-Shapes must tile exactly (M by 2 x tile_m, N by tile_n, K by tile_k); `supported` says whether they
+Shapes must tile exactly (M and N by the CTA tile, `cta_tile`; K by tile_k); `supported` says whether they
 do. `interpret=True` runs Mosaic GPU's interpret mode (CPU tests).
 """
 
@@ -43,6 +43,10 @@ class HopperConfig:
     stages: int = 4         # shared-memory ring depth
     epi_n: int = 64         # epilogue tile columns (rows: tile_m)
     snake_width: int = 8    # planar snake: tiles of this many along M before moving along N
+    # The two compute warpgroups take the same tile_m rows and each its tile_n of the CTA's 2 x tile_n columns
+    # (False: each its tile_m of 2 x tile_m rows, one tile_n of columns). For few rows (decode batches padded to
+    # tile_m = 64 by the caller) the CTA then loads one x tile, and the grid spreads over the columns.
+    split_n: bool = False
     # Tried and removed (bench/NOTES.md, twenty-first session): the ring kept across a CTA's tiles (Mosaic GPU's
     # pipeline of pipelines) and one wgmma group left in flight. Neither was faster on the H200, and the second
     # gave wrong elements there (0.2% of them) that interpret mode, running programs one by one, cannot show.
@@ -69,9 +73,17 @@ def table_config(M: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
     return None
 
 
+def cta_tile(config: HopperConfig) -> tuple[int, int]:
+    """(rows, columns) of a CTA's output tile: two warpgroups side by side along M, or along N (split_n)."""
+    if config.split_n:
+        return config.tile_m, 2 * config.tile_n
+    return 2 * config.tile_m, config.tile_n
+
+
 def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bool:
     cols = N // 2 if epilogue == "swiglu" else N
-    return (M % (2 * config.tile_m) == 0 and cols % config.tile_n == 0 and K % config.tile_k == 0
+    cta_m, cta_n = cta_tile(config)
+    return (M % cta_m == 0 and cols % cta_n == 0 and K % config.tile_k == 0
             and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
 
 
@@ -81,8 +93,8 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     M, K = x_gmem.shape
     dtype = out_gmem.dtype
     tm, tn, tk, en = config.tile_m, config.tile_n, config.tile_k, config.epi_n
-    cta_m = 2 * tm
-    m_iters, n_iters, k_iters = M // cta_m, cols // tn, K // tk
+    cta_m, cta_n = cta_tile(config)
+    m_iters, n_iters, k_iters = M // cta_m, cols // cta_n, K // tk
     swizzle = plgpu.find_swizzle(tk * jnp.dtype(x_gmem.dtype).itemsize * 8)
     in_transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_gmem.dtype).itemsize)),
                      plgpu.SwizzleTransform(swizzle))
@@ -92,7 +104,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
 
     def pipeline(body, compute_context):
-        w_spec = plgpu.BlockSpec((tn, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
+        w_spec = plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=in_transforms,
@@ -118,7 +130,8 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
             (lin,) = info.index
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 0, config.snake_width)
             cta_rows = pl.ds(m_idx * cta_m, cta_m)
-            wg_rows = pl.ds(m_idx * cta_m + wg * tm, tm)
+            wg_rows = cta_rows if config.split_n else pl.ds(m_idx * cta_m + wg * tm, tm)
+            wg_col0 = n_idx * cta_n + (wg * tn if config.split_n else 0)     # the warpgroup's first output column
 
             def compute_context(run):
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
@@ -128,7 +141,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for e in range(tn // en):
                         cols_e = slice(e * en, (e + 1) * en)
-                        out_cols = pl.ds(n_idx * tn + e * en, en)
+                        out_cols = pl.ds(wg_col0 + e * en, en)
                         slot = out_smem.at[wg, e % 2]
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                         if epilogue == "swiglu":
@@ -145,13 +158,14 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
 
             def mma(_, x_smem, *w_and_accs):
                 w_smems, accs = w_and_accs[:n_w], w_and_accs[n_w]
-                x_wg = x_smem.at[pl.ds(wg * tm, tm)]
+                x_wg = x_smem if config.split_n else x_smem.at[pl.ds(wg * tm, tm)]
                 for acc, w_smem in zip(accs, w_smems):
-                    plgpu.wgmma(acc, x_wg, w_smem.T)
+                    w_wg = w_smem.at[pl.ds(wg * tn, tn)] if config.split_n else w_smem
+                    plgpu.wgmma(acc, x_wg, w_wg.T)
                 plgpu.wgmma_wait(0)
                 return accs
 
-            col_slices = [pl.ds(n_idx * tn, tn)] + ([pl.ds(cols + n_idx * tn, tn)] if n_w == 2 else [])
+            col_slices = [pl.ds(n_idx * cta_n, cta_n)] + ([pl.ds(cols + n_idx * cta_n, cta_n)] if n_w == 2 else [])
             pipeline(mma, compute_context)(x_gmem.at[cta_rows, :], *[w_gmem.at[c, :] for c in col_slices],
                                            allocations=allocs)
 
@@ -206,7 +220,8 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
     if residual is not None and residual.shape != (M, cols):
         raise ValueError(f"hopper_gemm: residual {residual.shape} is not {(M, cols)}")
     sms = sms or num_sms()
-    tiles = (M // (2 * config.tile_m)) * (cols // config.tile_n)
+    cta_m, cta_n = cta_tile(config)
+    tiles = (M // cta_m) * (cols // cta_n)
     call = plgpu.kernel(
         functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
         out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),

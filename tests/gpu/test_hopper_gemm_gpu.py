@@ -18,7 +18,12 @@ CASES = [(M, N, K, ep, cfg) for (N, K, ep), rows in hopper_gemm.PREFILL_TABLE.it
 CASES += [(1024, 2560, 9728, "residual", HopperConfig(128, 128, 64, 3)),      # down, o_proj: not in the table
           (2048, 2560, 4096, "residual", HopperConfig(64, 256, 64, 3)),
           (256, 2560, 9728, "residual", HopperConfig(64, 128, 64, 4)),
-          (1024, 6144, 2560, "none", HopperConfig(64, 256, 64, 3))]
+          (1024, 6144, 2560, "none", HopperConfig(64, 256, 64, 3)),
+          # decode rows padded to one warpgroup tile, the warpgroups side by side along N (kernels_hopper_skinny.py)
+          (64, 6144, 2560, "none", HopperConfig(64, 16, 64, 8, epi_n=16, split_n=True)),
+          (64, 19456, 2560, "swiglu", HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True)),
+          (64, 2560, 4096, "residual", HopperConfig(64, 16, 64, 6, epi_n=16, split_n=True)),
+          (64, 2560, 9728, "residual", HopperConfig(64, 64, 64, 4, split_n=True))]
 
 
 @pytest.mark.parametrize("M, N, K, epilogue, config", CASES)
