@@ -607,7 +607,23 @@ case "${1:-1}" in
              # on decode rows padded to 64: its GPU tests, then kernels_hopper_skinny.py against the engine's
              # skinny GEMM / XLA at 8-64 rows (~4 min; prediction in NOTES)
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 300 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
+    step 200 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
+    # batch 8 decode with every product on the kernel at this sweep's fastest configs, against the engine as it is
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile \
+         --hopper-decode-table "$OUT/kernels_hopper_skinny.json" --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-hopper.json"
+    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile --out "$OUT"
+    mv "$OUT/throughput.json" "$OUT/throughput-b8-now.json"
+    ;;
+  skinny2)   # skinny1's A/B at batch 32, and batch 8 again in the other order (HOPPER_SKINNY_JSON: skinny1's
+             # kernels_hopper_skinny.json, committed)
+    for b in 32 8; do
+      step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b$b-now.json"
+      step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile \
+           --hopper-decode-table "$HOPPER_SKINNY_JSON" --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b$b-hopper.json"
+    done
     ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch

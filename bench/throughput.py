@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode step table (no offline, no prefix)")
     ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
                     help="every decode attention call with this split config, not the table's (A/B runs)")
+    ap.add_argument("--hopper-decode-table", default=None, metavar="JSON",
+                    help="kernels_hopper_skinny.py's JSON: decode rows of each product it timed on the Mosaic GEMM")
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
@@ -198,6 +200,10 @@ def main() -> None:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:
         patch_skinny_table(args.skinny_table)
+    if args.hopper_decode_table:
+        from bench.kernels_hopper_skinny import patch_decode_table
+
+        _FORCED.extend(patch_decode_table(args.hopper_decode_table))
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)

@@ -188,6 +188,30 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED
 
 
+def test_the_hopper_decode_table_option_takes_each_products_fastest_right_config(monkeypatch, tmp_path):
+    """throughput.py --hopper-decode-table: each product kernels_hopper_skinny.py timed goes into
+    hopper_gemm.DECODE_TABLE at its fastest config among those that matched XLA (a wrong faster one is passed
+    over), and the engine compiles afresh (_FORCED)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import json
+
+    from bench.kernels_hopper_skinny import patch_decode_table
+    from jaxinfer.pallas import hopper_gemm
+    from jaxinfer.pallas.hopper_gemm import HopperConfig
+
+    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {})
+    right = HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True)
+    wrong = HopperConfig(64, 16, 64, 8, epi_n=16, split_n=True)
+    slow = HopperConfig(64, 64, 64, 4, split_n=True)
+    results = [dict(N=6144, K=2560, epilogue="none", M=64, kernel="mosaic", config=c.__dict__, us=us, rel_err=err)
+               for c, us, err in ((right, 9.0, 0.0), (wrong, 7.0, 4e-3), (slow, 12.0, 0.0))]
+    results.append(dict(N=6144, K=2560, epilogue="none", M=8, kernel="engine-skinny", us=10.0, share=0.6))
+    (tmp_path / "k.json").write_text(json.dumps(dict(results=results)))
+    assert hopper_gemm.decode_config(6144, 2560, "none") is None
+    patched = patch_decode_table(str(tmp_path / "k.json"))
+    assert hopper_gemm.decode_config(6144, 2560, "none") == right and len(patched) == 1
+
+
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
                                       "attention", "attention-rope", "skinny", "skinny-gate-up", "skinny-down"])
 def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):

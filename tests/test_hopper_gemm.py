@@ -110,6 +110,40 @@ def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch)
     assert calls == ["swiglu", "residual", "none", "none"]
 
 
+def test_pallas_ops_take_the_kernel_for_a_decode_batch_where_the_decode_table_has_the_product(monkeypatch):
+    """A decode batch's rows (2..64) of a product in hopper_gemm.DECODE_TABLE run the kernel on rows padded to 64
+    (the padding's outputs sliced off) and give the reference ops' outputs; one row stays on the GEMV, and a
+    product outside the table on the skinny GEMM."""
+    D, I = 64, 128
+    cfg = HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True)
+    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {(2 * I, D, "swiglu"): cfg, (D, I, "residual"): cfg,
+                                                      (D, D, "none"): cfg})
+    calls = []
+    real = hopper_gemm.hopper_gemm
+    monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda x, *a, **k: calls.append((x.shape[0], k.get("epilogue")))
+                        or real(x, *a, **{**k, "sms": 3}))
+    ops = get_ops("pallas-interpret")
+    ks = jax.random.split(jax.random.PRNGKey(8), 5)
+    for M in (8, 37):
+        x = jax.random.normal(ks[0], (M, D), jnp.float32).astype(jnp.bfloat16)
+        scale = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(jnp.bfloat16)
+        w_gu = (jax.random.normal(ks[2], (2 * I, D)) / np.sqrt(D)).astype(jnp.bfloat16)
+        w_down = (jax.random.normal(ks[3], (D, I)) / np.sqrt(I)).astype(jnp.bfloat16)
+        w_q = LayerWeight((jax.random.normal(ks[4], (D, D)) / np.sqrt(D)).astype(jnp.bfloat16)[None], jnp.int32(0))
+        calls.clear()
+        h = ops.rms_norm_swiglu(x, scale, 1e-6, w_gu)
+        _close(h, silu_mul(*jnp.split(reference.rms_norm_linear(x, scale, 1e-6, w_gu), 2, axis=-1)))
+        y = ops.linear_residual(h, w_down, None, x)
+        assert y.shape == (M, D)
+        _close(y, reference.linear_residual(h, w_down, None, x))
+        _close(ops.rms_norm_linear(x, scale, 1e-6, w_q), reference.rms_norm_linear(x, scale, 1e-6, w_q))
+        assert calls == [(64, "swiglu"), (64, "residual"), (64, None)]
+    calls.clear()
+    ops.rms_norm_linear(x[:1], scale, 1e-6, w_q)                              # one row: the GEMV
+    ops.rms_norm_linear(x, scale, 1e-6, (jax.random.normal(ks[4], (2 * D, D))).astype(jnp.bfloat16))   # not in it
+    assert calls == []
+
+
 def test_the_kernel_needs_a_hopper_gpu():
     """Off a Hopper GPU (here: the CPU) the pallas ops keep prompt rows on XLA's GEMM even at a table's shape
     (wgmma and TMA are sm_90 instructions); only interpret mode takes the kernel there."""

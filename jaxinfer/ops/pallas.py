@@ -89,16 +89,27 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         return w if w.ndim == 2 else None
 
     def hopper_config(x, w, epilogue="none"):
-        """The Mosaic GPU GEMM's config for these prompt rows of one matrix where its measured table beat
-        XLA's GEMM plus the epilogue in XLA (on a Hopper GPU, or in interpret mode); else None."""
+        """The Mosaic GPU GEMM's config for these rows of one matrix where its measured tables say it is the
+        faster (on a Hopper GPU, or in interpret mode): prompt rows (hopper_gemm.PREFILL_TABLE) or a decode
+        batch's (hopper_gemm.DECODE_TABLE); else None."""
         if not (interpret or hopper_gemm.available()):
             return None
-        if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T) or one_matrix(w) is None:
+        if not (x.ndim == 2 and x.shape[0] > MAX_T) or one_matrix(w) is None:
             return None
+        if x.shape[0] <= skinny_gemm.MAX_T:
+            return hopper_gemm.decode_config(*w.shape, epilogue) if x.shape[0] <= hopper_gemm.DECODE_ROWS else None
         return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
 
-    def _hopper(x, w, config, **kw):
-        return hopper_gemm.hopper_gemm(x, one_matrix(w), config=config, interpret=interpret, **kw)
+    def _hopper(x, w, config, residual=None, **kw):
+        """A decode batch's rows padded to the kernel's row tile (their outputs sliced off after: rows are
+        independent), prompt rows as they are."""
+        M = x.shape[0]
+        pad = -M % hopper_gemm.cta_tile(config)[0] if M <= skinny_gemm.MAX_T else 0
+        if pad:
+            x = jnp.pad(x, ((0, pad), (0, 0)))
+            residual = None if residual is None else jnp.pad(residual, ((0, pad), (0, 0)))
+        y = hopper_gemm.hopper_gemm(x, one_matrix(w), residual=residual, config=config, interpret=interpret, **kw)
+        return y[:M] if pad else y
 
     def linear(x, w, b=None):
         if small(x):

@@ -65,12 +65,25 @@ PREFILL_TABLE: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], .
 }
 
 
+# Batched-decode rows (2..DECODE_ROWS), padded to DECODE_ROWS by the ops, on split_n configs:
+# (N, K, epilogue) -> config. Empty: bench/kernels_hopper_skinny.py has not yet timed it on the GPU against the
+# engine's skinny GEMM (twenty-first session); `throughput.py --hopper-decode-table` fills it for an A/B.
+DECODE_ROWS = 64
+DECODE_TABLE: dict[tuple[int, int, str], HopperConfig] = {}
+
+
 def table_config(M: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
     """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster."""
     for first, last, config in PREFILL_TABLE.get((N, K, epilogue), ()):
         if first <= M <= last and supported(M, N, K, epilogue, config):
             return config
     return None
+
+
+def decode_config(N: int, K: int, epilogue: str) -> HopperConfig | None:
+    """The measured config for a decode batch's rows of this product (run on DECODE_ROWS padded rows), or None."""
+    config = DECODE_TABLE.get((N, K, epilogue))
+    return config if config is not None and supported(DECODE_ROWS, N, K, epilogue, config) else None
 
 
 def cta_tile(config: HopperConfig) -> tuple[int, int]:
