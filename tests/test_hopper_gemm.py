@@ -1,6 +1,9 @@
-"""The Mosaic GPU prompt GEMM (pallas/hopper_gemm.py) in Mosaic GPU's interpret mode on the CPU, against the
-reference ops at several tilings with fresh random inputs; its shape checks; and the pallas ops taking it
-for prompt rows where its table has the product."""
+"""The Mosaic GPU GEMM (pallas/hopper_gemm.py) in Mosaic GPU's interpret mode on the CPU, against the reference
+ops at several tilings with fresh random inputs; its shape checks; its configs through the lowering for CUDA
+(no GPU needed); and the pallas ops taking it for prompt rows and decode batches where its tables have the
+product."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -142,6 +145,36 @@ def test_pallas_ops_take_the_kernel_for_a_decode_batch_where_the_decode_table_ha
     ops.rms_norm_linear(x[:1], scale, 1e-6, w_q)                              # one row: the GEMV
     ops.rms_norm_linear(x, scale, 1e-6, (jax.random.normal(ks[4], (2 * D, D))).astype(jnp.bfloat16))   # not in it
     assert calls == []
+
+
+def _lowering_cases():
+    from bench.kernels_hopper_gemm import projections
+    from bench.kernels_hopper_skinny import CONFIGS, ROWS
+
+    cases = [(M, N, K, ep, cfg) for (N, K, ep), rows in hopper_gemm.PREFILL_TABLE.items() for M, _, cfg in rows]
+    cases += [(ROWS, N, K, ep, cfg) for _, N, K, ep in projections("qwen3-4b") for cfg in CONFIGS
+              if hopper_gemm.supported(ROWS, N, K, ep, cfg)]
+    return cases
+
+
+@pytest.mark.parametrize("M, N, K, epilogue, config", _lowering_cases())
+def test_configs_lower_for_the_gpu(M, N, K, epilogue, config):
+    """Every config of the tables and of the decode-row bench goes through Mosaic GPU's lowering for CUDA (here,
+    without a GPU): its layouts, and its shared memory within the H200's 227 KB, are checked before device time
+    is spent (a config over the limit fails here with "exceeds available shared memory")."""
+    cols = N // 2 if epilogue == "swiglu" else N
+    x, w = jax.ShapeDtypeStruct((M, K), jnp.bfloat16), jax.ShapeDtypeStruct((N, K), jnp.bfloat16)
+    r = jax.ShapeDtypeStruct((M, cols), jnp.bfloat16) if epilogue == "residual" else None
+    f = functools.partial(hopper_gemm.hopper_gemm, epilogue=epilogue, config=config, sms=132)
+    text = jax.jit(f).trace(x, w, residual=r).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_a_config_over_the_shared_memory_fails_to_lower():
+    x, w = jax.ShapeDtypeStruct((1024, 2560), jnp.bfloat16), jax.ShapeDtypeStruct((19456, 2560), jnp.bfloat16)
+    f = functools.partial(hopper_gemm.hopper_gemm, epilogue="swiglu", config=HopperConfig(64, 256, 64, 8), sms=132)
+    with pytest.raises(ValueError, match="exceeds available shared memory"):
+        jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",))
 
 
 def test_the_kernel_needs_a_hopper_gpu():
