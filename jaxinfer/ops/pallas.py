@@ -81,12 +81,14 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         table = skinny_gemm.table_config if x.shape[0] <= skinny_gemm.MAX_T else skinny_gemm.prefill_table_config
         return table(x.shape[0], n, k, epilogue)
 
+    def is_one_matrix(w) -> bool:
+        """A plain matrix, or a one-layer stack (the split layers' matrices reach the ops so); not a layer of a
+        deeper stack (a traced index)."""
+        return w.stacked.shape[0] == 1 if isinstance(w, LayerWeight) else w.ndim == 2
+
     def one_matrix(w):
-        """w as one [N, K] array where it is one (a plain matrix, or a one-layer stack: the split layers'
-        matrices reach the ops so), else None (a layer of a deeper stack: a traced index)."""
-        if isinstance(w, LayerWeight):
-            return w.stacked[0] if w.stacked.shape[0] == 1 else None
-        return w if w.ndim == 2 else None
+        """w as one [N, K] array (is_one_matrix(w))."""
+        return w.stacked[0] if isinstance(w, LayerWeight) else w
 
     def hopper_config(x, w, epilogue="none"):
         """The Mosaic GPU GEMM's config for these rows of one matrix where its measured tables say it is the
@@ -94,7 +96,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         batch's (hopper_gemm.DECODE_TABLE); else None."""
         if not (interpret or hopper_gemm.available()):
             return None
-        if not (x.ndim == 2 and x.shape[0] > MAX_T) or one_matrix(w) is None:
+        if not (x.ndim == 2 and x.shape[0] > MAX_T and is_one_matrix(w)):
             return None
         if x.shape[0] <= skinny_gemm.MAX_T:
             return hopper_gemm.decode_config(*w.shape, epilogue) if x.shape[0] <= hopper_gemm.DECODE_ROWS else None
