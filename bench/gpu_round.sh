@@ -12,6 +12,16 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -iE 'warning:|warnings\.warn|^W[0-9]{4} ' | tee -a "$OUT/round.log"; }
+# The 1k prompt step of each variant in its own process, in the order given: prefill_ab LIMIT VARIANT...
+# writes $OUT/prefill_dispatch-N-VARIANT.json (N: its place in the order)
+prefill_ab() {
+  local limit=$1 i=0; shift
+  for v in "$@"; do
+    i=$((i + 1))
+    step "$limit" python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants "$v" --out "$OUT"
+    mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
+  done
+}
 # For the server: random Qwen3-4B weights with the real tokenizer, and the server's wheels (.whl)
 serve_setup() {
   python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
@@ -503,12 +513,7 @@ case "${1:-1}" in
              # issue 4's TTFT table (twentieth session; predictions in NOTES)
     step 200 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 128 256 512 2048 4096 --configs best --out "$OUT"
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    i=0
-    for v in no-hopper default no-hopper default; do
-      i=$((i + 1))
-      step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 90 no-hopper default no-hopper default
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference --out "$OUT"
     ;;
   mgpu3)     # after mgpu2 (the 1k step only -0.1-0.2 ms faster with the Mosaic GEMM, against -1.7 ms in isolation): the
@@ -535,22 +540,12 @@ case "${1:-1}" in
              # rest, with HOPPER_JSON=bench/results/<this call's kernels_hopper_gemm.json> once committed)
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 150 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --configs carry --out "$OUT"
-    i=0
-    for v in default hopper-fastest no-hopper; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 default hopper-fastest no-hopper
     step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-hopper-fastest \
          --out "$OUT"
     ;;
   mgpu6)     # mgpu5's step A/B again in another order (HOPPER_JSON: mgpu5's kernels_hopper_gemm.json, committed)
-    i=0
-    for v in no-hopper hopper-fastest default no-hopper hopper-fastest default; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 no-hopper hopper-fastest default no-hopper hopper-fastest default
     ;;
   mgpu7)     # twenty-first session: the Mosaic GEMM's GPU tests without carry / in-flight (removed), its sweep at 1k
              # against XLA on separate weight arrays (the old stacked array's slices suspected of a copy before
@@ -561,23 +556,13 @@ case "${1:-1}" in
     step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
          --out "$OUT"
     mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-profiled.json"
-    i=0
-    for v in hopper-fastest default; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 hopper-fastest default
     ;;
   mgpu8)     # the table at mgpu7's fastest configs (QKV 64x192/4, gate/up 64x128/3 at 1k), committed: its GPU
              # tests, the 1k step against no Mosaic kernel alternating twice, the TTFT table at 1k and 8k, and QKV's
              # 192-wide tile at 8k rows (~7 min)
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    i=0
-    for v in default no-hopper default no-hopper; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 default no-hopper default no-hopper
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     step 80 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 8192 --only qkv --out "$OUT"
     ;;
@@ -586,22 +571,12 @@ case "${1:-1}" in
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 100 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 --only qkv gate_up --configs table \
          --out "$OUT"
-    i=0
-    for v in hopper-fastest default hopper-fastest default; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 hopper-fastest default hopper-fastest default
     ;;
   cmdbuf2)   # the 1k prompt step with XLA's command buffers off against on, alternating (the TTFT's ~0.5 ms between
              # the call and the device's start is cuGraphLaunch of a ~340-kernel graph; kernels launched one by one
              # start at once; twenty-first session, ~4 min)
-    i=0
-    for v in default no-cmdbuf default no-cmdbuf; do
-      i=$((i + 1))
-      step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants $v --out "$OUT"
-      mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-$i-$v.json"
-    done
+    prefill_ab 80 default no-cmdbuf default no-cmdbuf
     ;;
   skinny1)   # twenty-first session, GPU-unrun: the Mosaic GEMM with its warpgroups split along N (HopperConfig.split_n)
              # on decode rows padded to 64: its GPU tests, then kernels_hopper_skinny.py against the engine's

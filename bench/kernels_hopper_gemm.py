@@ -2,6 +2,7 @@
 epilogue in XLA, at a model's prefill projections, on the H200.
 
     PYTHONPATH=. python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192
+    (CPU dry run: --interpret --shape tiny --rows 128 --layers 2 --configs best)
 
 For each projection (QKV plain, o_proj and down with the residual add, gate/up with SwiGLU) and row count:
 the XLA composite's time, then each config of the kernel (errors against the XLA composite: relative
@@ -95,6 +96,19 @@ def over_layers(op, layers: int):
     return jax.jit(f)
 
 
+def time_config(cfg: HopperConfig, epilogue: str, args: tuple, layers: int, label: str = "", **kw):
+    """(outputs, ms a call) of the kernel at cfg over `layers` weight matrices (args: x, ws, r), or None where
+    it failed to build or run (a config the SM cannot hold: reported, and the sweep goes on)."""
+    def op(x, w, r):
+        return hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue, config=cfg, **kw)
+
+    try:
+        return best_ms_per_call(over_layers(op, layers), args, layers, target_s=0.2)
+    except Exception as e:  # noqa: BLE001
+        log(f"  {label}{cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b", choices=sorted(SHAPES))
@@ -103,9 +117,11 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="projection names to run")
     ap.add_argument("--configs", choices=("all", "best", "table"), default="all")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shape tiny --rows 128)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rate = dense_gemm_rate()
+    kw = dict(interpret=True, sms=4) if args.interpret else {}
+    rate = 1e12 if args.interpret else dense_gemm_rate()
     log(f"# dense GEMM rate {rate / 1e12:.0f} TFLOP/s; {jax.devices()[0].device_kind}")
     rows_out, results = [], []
     for name, N, K, epilogue in projections(args.shape):
@@ -132,13 +148,9 @@ def main() -> None:
             for cfg in configs:
                 if not supported(M, N, K, epilogue, cfg):
                     continue
-                op = lambda x, w, r, cfg=cfg: hopper_gemm(x, w, residual=r if epilogue == "residual" else None,  # noqa: E731
-                                                          epilogue=epilogue, config=cfg)
-                try:
-                    (y, *_), ms = best_ms_per_call(over_layers(op, args.layers), (x, ws, r), args.layers, target_s=0.2)
-                except Exception as e:  # noqa: BLE001  (a config the SM cannot hold: report and go on)
-                    log(f"  {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+                if (timed := time_config(cfg, epilogue, (x, ws, r), args.layers, **kw)) is None:
                     continue
+                (y, *_), ms = timed
                 err = rel_err(y, ref)
                 same = float(np.mean(np.asarray(y) == np.asarray(ref)))
                 log(f"  {cfg}: {1e3 * ms:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), rel err {err:.2e}, equal {same:.4f}")

@@ -28,9 +28,9 @@ import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import best_ms_per_call, log, rel_err
-from bench.kernels_hopper_gemm import RIGHT, over_layers, projections, xla_op
+from bench.kernels_hopper_gemm import RIGHT, over_layers, projections, time_config, xla_op
 from jaxinfer.pallas import skinny_gemm
-from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, supported
+from jaxinfer.pallas.hopper_gemm import HopperConfig, supported
 
 ROWS = 64   # the padded batch: one warpgroup tile
 CONFIGS = [HopperConfig(64, tn, 64, stages, epi_n=min(tn, 64), split_n=True)
@@ -96,14 +96,11 @@ def main() -> None:
         for cfg in configs:
             if not supported(ROWS, N, K, epilogue, cfg):
                 continue
-            op = lambda x, w, r, cfg=cfg: hopper_gemm(x, w, residual=r if epilogue == "residual" else None,  # noqa: E731
-                                                      epilogue=epilogue, config=cfg, interpret=ip,
-                                                      sms=4 if ip else None)
-            try:
-                (y, *_), ms = best_ms_per_call(over_layers(op, args.layers), (x64, ws, r64), args.layers, target_s=0.2)
-            except Exception as e:  # noqa: BLE001  (a config the SM cannot hold: report and go on)
-                log(f"  {name} {cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            timed = time_config(cfg, epilogue, (x64, ws, r64), args.layers, f"{name} ", interpret=ip,
+                                sms=4 if ip else None)
+            if timed is None:
                 continue
+            (y, *_), ms = timed
             err = rel_err(y, ref)
             log(f"  {name} Mosaic {cfg.tile_n}x2/{cfg.stages}: {1e3 * ms:.2f} us ({100 * share(ms):.1f}% of the read "
                 f"ceiling), rel err {err:.2e}")

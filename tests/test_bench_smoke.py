@@ -38,6 +38,8 @@ def _run(tmp_path, script, *args, timeout=300):
      "fused_gemv.json"),
     ("kernels_hopper_skinny.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--rows", "8"],
      "kernels_hopper_skinny.json"),
+    ("kernels_hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
+     "kernels_hopper_gemm.json"),
     ("step_memory.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-num-seqs", "2",
                         "--max-model-len", "64"], "step_memory.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
