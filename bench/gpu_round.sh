@@ -583,9 +583,10 @@ case "${1:-1}" in
              # skinny GEMM / XLA at 8-64 rows (~4 min; prediction in NOTES)
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 200 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
-    # batch 8 decode with every product on the kernel at this sweep's fastest configs, against the engine as it is
+    # batch 8 decode with the products where the kernel beat the engine's at 8 rows in this sweep, against the
+    # engine as it is
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile \
-         --hopper-decode-table "$OUT/kernels_hopper_skinny.json" --out "$OUT"
+         --hopper-decode-table "$OUT/kernels_hopper_skinny.json" --hopper-decode-rows 8 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-hopper.json"
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-now.json"
@@ -596,7 +597,7 @@ case "${1:-1}" in
       step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile --out "$OUT"
       mv "$OUT/throughput.json" "$OUT/throughput-b$b-now.json"
       step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile \
-           --hopper-decode-table "$HOPPER_SKINNY_JSON" --out "$OUT"
+           --hopper-decode-table "$HOPPER_SKINNY_JSON" --hopper-decode-rows $b --out "$OUT"
       mv "$OUT/throughput.json" "$OUT/throughput-b$b-hopper.json"
     done
     ;;

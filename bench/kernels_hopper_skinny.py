@@ -37,18 +37,24 @@ CONFIGS = [HopperConfig(64, tn, 64, stages, epi_n=min(tn, 64), split_n=True)
            for tn, stages in ((16, 6), (16, 8), (32, 6), (32, 8), (64, 4))]
 
 
-def patch_decode_table(path: str) -> list[str]:
+def patch_decode_table(path: str, rows: int | None = None) -> list[str]:
     """For the step's A/B: each product this bench timed (its JSON) into hopper_gemm.DECODE_TABLE at the config
-    that ran fastest and right, whether or not it beat the engine's kernel here. Returns what it patched."""
+    that ran fastest and right; with `rows`, only the products where that beat the engine's kernel at those rows
+    in the same run. Returns what it patched."""
     from jaxinfer.pallas import hopper_gemm
 
     fastest: dict = {}
+    engine: dict = {}
     for r in json.load(open(path))["results"]:
         key = (r["N"], r["K"], r["epilogue"])
         if r["kernel"] == "mosaic" and r["rel_err"] < RIGHT and (key not in fastest or r["us"] < fastest[key]["us"]):
             fastest[key] = r
+        if r["kernel"].startswith("engine") and r["M"] == rows:
+            engine[key] = r["us"]
     patched = []
     for key, r in fastest.items():
+        if rows is not None and not r["us"] < engine.get(key, 0.0):
+            continue
         hopper_gemm.DECODE_TABLE[key] = HopperConfig(**r["config"])
         patched.append(f"hopper decode {key[0]} x {key[1]} {key[2]}")
         print(f"# hopper decode table: {key}: {hopper_gemm.DECODE_TABLE[key]} ({r['us']:.2f} us)", flush=True)

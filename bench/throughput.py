@@ -189,6 +189,9 @@ def main() -> None:
                     help="every decode attention call with this split config, not the table's (A/B runs)")
     ap.add_argument("--hopper-decode-table", default=None, metavar="JSON",
                     help="kernels_hopper_skinny.py's JSON: decode rows of each product it timed on the Mosaic GEMM")
+    ap.add_argument("--hopper-decode-rows", type=int, default=None,
+                    help="with --hopper-decode-table: only the products where the Mosaic GEMM beat the engine's "
+                         "kernel at these rows")
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
@@ -203,7 +206,7 @@ def main() -> None:
     if args.hopper_decode_table:
         from bench.kernels_hopper_skinny import patch_decode_table
 
-        _FORCED.extend(patch_decode_table(args.hopper_decode_table))
+        _FORCED.extend(patch_decode_table(args.hopper_decode_table, args.hopper_decode_rows))
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)

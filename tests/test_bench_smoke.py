@@ -212,6 +212,11 @@ def test_the_hopper_decode_table_option_takes_each_products_fastest_right_config
     assert hopper_gemm.decode_config(6144, 2560, "none") is None
     patched = patch_decode_table(str(tmp_path / "k.json"))
     assert hopper_gemm.decode_config(6144, 2560, "none") == right and len(patched) == 1
+    # with rows: only where it beat the engine's kernel at those rows (9.0 against 10.0 at 8 rows; none at 16)
+    hopper_gemm.DECODE_TABLE.clear()
+    assert len(patch_decode_table(str(tmp_path / "k.json"), 8)) == 1
+    hopper_gemm.DECODE_TABLE.clear()
+    assert patch_decode_table(str(tmp_path / "k.json"), 16) == [] and hopper_gemm.DECODE_TABLE == {}
 
 
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
