@@ -42,10 +42,16 @@ def _close(y, ref):
     (128, 256, 128, HopperConfig(64, 128, 64, 3, epi_n=64)),      # a wider tile, one epilogue tile a half
     (64, 192, 128, HopperConfig(64, 16, 64, 3, epi_n=16, split_n=True)),   # decode rows: warpgroups split N
     (128, 128, 192, HopperConfig(64, 32, 64, 2, epi_n=16, split_n=True)),  # 2 row tiles, 2 epilogue tiles a WG
+    (128, 64, 256, HopperConfig(64, 64, 64, 2, split_k=2)),                # K in 2 ranges: float32 partials
+    (64, 128, 384, HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True, split_k=3)),
 ])
 def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
     n_w = 2 * N if epilogue == "swiglu" else N
     x, w, r = _inputs(M + N + K, M, n_w, K, N)
+    if epilogue == "swiglu" and config.split_k > 1:     # the SiLU needs the whole sum: refused
+        with pytest.raises(ValueError, match="does not tile"):
+            hopper_gemm.hopper_gemm(x, w, epilogue=epilogue, config=config, sms=3, interpret=True)
+        return
     y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 config=config, sms=3, interpret=True)
     _close(y, hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue))
@@ -62,6 +68,13 @@ def test_shapes_that_do_not_tile_are_refused_and_say_why():
         hopper_gemm.hopper_gemm(x[:128], w, epilogue="gelu", config=SMALL, interpret=True)
     with pytest.raises(ValueError, match="do not match"):
         hopper_gemm.hopper_gemm(x[:128, :32], w, config=SMALL, interpret=True)
+
+
+def test_split_k_needs_whole_k_ranges_and_no_swiglu():
+    cfg = HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True, split_k=2)
+    assert hopper_gemm.supported(64, 128, 256, "residual", cfg)        # 4 k steps: 2 ranges of 2
+    assert not hopper_gemm.supported(64, 128, 192, "residual", cfg)    # 3 k steps do not split in 2
+    assert not hopper_gemm.supported(64, 256, 256, "swiglu", cfg)      # SiLU needs the whole sum
 
 
 def test_split_n_tiles_the_ctas_columns_not_its_rows():
@@ -119,7 +132,8 @@ def test_pallas_ops_take_the_kernel_for_a_decode_batch_where_the_decode_table_ha
     product outside the table on the skinny GEMM."""
     D, I = 64, 128
     cfg = HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True)
-    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {(2 * I, D, "swiglu"): cfg, (D, I, "residual"): cfg,
+    split_k = HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True, split_k=2)     # down: K in 2 ranges
+    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {(2 * I, D, "swiglu"): cfg, (D, I, "residual"): split_k,
                                                       (D, D, "none"): cfg})
     calls = []
     real = hopper_gemm.hopper_gemm

@@ -47,6 +47,11 @@ class HopperConfig:
     # (False: each its tile_m of 2 x tile_m rows, one tile_n of columns). For few rows (decode batches padded to
     # tile_m = 64 by the caller) the CTA then loads one x tile, and the grid spreads over the columns.
     split_n: bool = False
+    # K split into this many ranges, each its own work unit of the persistent grid, writing float32 partial
+    # products that XLA sums (then rounds, then adds the residual) in one fusion after the kernel. For products
+    # with few column tiles (o_proj and down at decode rows: 2,560 columns), so that every SM streams weights.
+    # Not with swiglu (its epilogue needs the whole sum).
+    split_k: int = 1
     # Tried and removed (bench/NOTES.md, twenty-first session): the ring kept across a CTA's tiles (Mosaic GPU's
     # pipeline of pipelines) and one wgmma group left in flight. Neither was faster on the H200, and the second
     # gave wrong elements there (0.2% of them) that interpret mode, running programs one by one, cannot show.
@@ -96,18 +101,21 @@ def cta_tile(config: HopperConfig) -> tuple[int, int]:
 def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bool:
     cols = N // 2 if epilogue == "swiglu" else N
     cta_m, cta_n = cta_tile(config)
-    return (M % cta_m == 0 and cols % cta_n == 0 and K % config.tile_k == 0
-            and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
+    return (M % cta_m == 0 and cols % cta_n == 0 and K % (config.tile_k * config.split_k) == 0
+            and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0)
+            and config.split_k >= 1 and (config.split_k == 1 or epilogue != "swiglu"))
 
 
 def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int):
+    """epilogue "none" with config.split_k > 1: out_gmem is [split_k, M, cols] float32 partial products."""
     res_gmem = refs[0] if epilogue == "residual" else None
     out_gmem = refs[-1]
     M, K = x_gmem.shape
     dtype = out_gmem.dtype
     tm, tn, tk, en = config.tile_m, config.tile_n, config.tile_k, config.epi_n
     cta_m, cta_n = cta_tile(config)
-    m_iters, n_iters, k_iters = M // cta_m, cols // cta_n, K // tk
+    S = config.split_k
+    m_iters, n_iters, k_iters = M // cta_m, cols // cta_n, K // tk // S
     swizzle = plgpu.find_swizzle(tk * jnp.dtype(x_gmem.dtype).itemsize * 8)
     in_transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(x_gmem.dtype).itemsize)),
                      plgpu.SwizzleTransform(swizzle))
@@ -138,10 +146,13 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     def _scope(allocs, out_smem, res_barrier):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        @plgpu.nd_loop((m_iters * n_iters * S,), collective_axes="sm")
         def _tile(info: plgpu.NDLoopInfo):
-            (lin,) = info.index
+            (unit,) = info.index
+            lin, s = unit // S, unit % S         # an output tile, and which of its K ranges
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 0, config.snake_width)
+            k_range = pl.ds(s * (k_iters * tk), k_iters * tk)
+            out = out_gmem.at[s] if S > 1 else out_gmem
             cta_rows = pl.ds(m_idx * cta_m, cta_m)
             wg_rows = cta_rows if config.split_n else pl.ds(m_idx * cta_m + wg * tm, tm)
             wg_col0 = n_idx * cta_n + (wg * tn if config.split_n else 0)     # the warpgroup's first output column
@@ -167,7 +178,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                         else:
                             slot[...] = ys[0][:, cols_e]
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(slot, out_gmem.at[wg_rows, out_cols])
+                        plgpu.copy_smem_to_gmem(slot, out.at[wg_rows, out_cols])
 
             def mma(_, x_smem, *w_and_accs):
                 w_smems, accs = w_and_accs[:n_w], w_and_accs[n_w]
@@ -179,7 +190,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 return accs
 
             col_slices = [pl.ds(n_idx * cta_n, cta_n)] + ([pl.ds(cols + n_idx * cta_n, cta_n)] if n_w == 2 else [])
-            pipeline(mma, compute_context)(x_gmem.at[cta_rows, :], *[w_gmem.at[c, :] for c in col_slices],
+            pipeline(mma, compute_context)(x_gmem.at[cta_rows, k_range], *[w_gmem.at[c, k_range] for c in col_slices],
                                            allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -234,16 +245,27 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
         raise ValueError(f"hopper_gemm: residual {residual.shape} is not {(M, cols)}")
     sms = sms or num_sms()
     cta_m, cta_n = cta_tile(config)
-    tiles = (M // cta_m) * (cols // cta_n)
+    S = config.split_k
+    units = (M // cta_m) * (cols // cta_n) * S
+    kernel_epilogue = "none" if S > 1 else epilogue     # split K: the residual is added after the sum
     call = plgpu.kernel(
-        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
-        out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),
-        grid=(min(sms, tiles),), grid_names=("sm",),
-        num_threads=3, thread_name="wg", kernel_name=f"hopper_gemm_{epilogue}",   # traces tell the epilogues apart
+        functools.partial(_kernel, config=config, epilogue=kernel_epilogue, cols=cols),
+        out_type=jax.ShapeDtypeStruct((S, M, cols), jnp.float32) if S > 1 else jax.ShapeDtypeStruct((M, cols), x.dtype),
+        grid=(min(sms, units),), grid_names=("sm",),
+        num_threads=3, thread_name="wg",
+        kernel_name=f"hopper_gemm_{epilogue}" + (f"_split{S}" if S > 1 else ""),   # traces tell them apart
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    args = (x, w) + ((residual,) if residual is not None else ())
+    args = (x, w) + ((residual,) if kernel_epilogue == "residual" else ())
     if interpret:
         with plgpu.force_gpu_interpret_mode():
-            return call(*args)
-    return call(*args)
+            y = call(*args)
+    else:
+        y = call(*args)
+    if S == 1:
+        return y
+    # The products rounded to x.dtype before the residual add, as the other paths round them: reduce_precision,
+    # because XLA may drop a cast's rounding inside a fusion (its excess precision) and add in float32.
+    info = jnp.finfo(x.dtype)
+    y = lax.reduce_precision(y.sum(0), exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(x.dtype)
+    return y + residual if residual is not None else y

@@ -23,7 +23,10 @@ CASES += [(1024, 2560, 9728, "residual", HopperConfig(128, 128, 64, 3)),      # 
           (64, 6144, 2560, "none", HopperConfig(64, 16, 64, 8, epi_n=16, split_n=True)),
           (64, 19456, 2560, "swiglu", HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True)),
           (64, 2560, 4096, "residual", HopperConfig(64, 16, 64, 6, epi_n=16, split_n=True)),
-          (64, 2560, 9728, "residual", HopperConfig(64, 64, 64, 4, split_n=True))]
+          (64, 2560, 9728, "residual", HopperConfig(64, 64, 64, 4, split_n=True)),
+          # K split, float32 partials summed after the kernel
+          (64, 2560, 9728, "residual", HopperConfig(64, 16, 64, 6, epi_n=16, split_n=True, split_k=4)),
+          (64, 2560, 4096, "residual", HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True, split_k=2))]
 
 
 @pytest.mark.parametrize("M, N, K, epilogue, config", CASES)
