@@ -579,26 +579,20 @@ case "${1:-1}" in
     prefill_ab 80 default no-cmdbuf default no-cmdbuf
     ;;
   skinny1)   # twenty-first session, GPU-unrun: the Mosaic GEMM with its warpgroups split along N (HopperConfig.split_n)
-             # on decode rows padded to 64: its GPU tests, then kernels_hopper_skinny.py against the engine's
-             # skinny GEMM / XLA at 8-64 rows (~4 min; prediction in NOTES)
+             # and K split in ranges (split_k) on decode rows padded to 64: its GPU tests, then
+             # kernels_hopper_skinny.py against the engine's skinny GEMM / XLA at 8-64 rows (~6 min; NOTES)
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 200 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
-    # batch 8 decode with the products where the kernel beat the engine's at 8 rows in this sweep, against the
-    # engine as it is
-    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile \
-         --hopper-decode-table "$OUT/kernels_hopper_skinny.json" --hopper-decode-rows 8 --out "$OUT"
-    mv "$OUT/throughput.json" "$OUT/throughput-b8-hopper.json"
-    step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --lazy-compile --out "$OUT"
-    mv "$OUT/throughput.json" "$OUT/throughput-b8-now.json"
+    step 300 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
     ;;
-  skinny2)   # skinny1's A/B at batch 32, and batch 8 again in the other order (HOPPER_SKINNY_JSON: skinny1's
-             # kernels_hopper_skinny.json, committed)
-    for b in 32 8; do
-      step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile --out "$OUT"
-      mv "$OUT/throughput.json" "$OUT/throughput-b$b-now.json"
-      step 150 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile \
+  skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
+             # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
+             # lazily compiled engines, each its own process (~8 min)
+    for b in 8 32; do
+      step 130 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile \
            --hopper-decode-table "$HOPPER_SKINNY_JSON" --hopper-decode-rows $b --out "$OUT"
       mv "$OUT/throughput.json" "$OUT/throughput-b$b-hopper.json"
+      step 130 python3 bench/throughput.py --shape qwen3-4b --batches $b --decode-only --lazy-compile --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-b$b-now.json"
     done
     ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
