@@ -49,6 +49,8 @@ SWIGLU_BEST = [HopperConfig(128, 64, 64, 3), HopperConfig(64, 128, 64, 3)]
 # A config counts only where it matches XLA: the kernel does bit for bit where it is right, and a race shows
 # as rel err ~1e-3 (H200, twenty-first session: a wgmma group left in flight, 4.9e-3 with 0.2% of elements off)
 RIGHT = 1e-4
+# best_ms_per_call's options: ~0.2 s loops of each call on the GPU; one run of each in a CPU dry run (--interpret)
+TIMING: dict = dict(target_s=0.2)
 
 
 def patch_table(path: str) -> None:
@@ -103,7 +105,7 @@ def time_config(cfg: HopperConfig, epilogue: str, args: tuple, layers: int, labe
         return hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue, config=cfg, **kw)
 
     try:
-        return best_ms_per_call(over_layers(op, layers), args, layers, target_s=0.2)
+        return best_ms_per_call(over_layers(op, layers), args, layers, **TIMING)
     except Exception as e:  # noqa: BLE001
         log(f"  {label}{cfg}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return None
@@ -121,6 +123,9 @@ def main() -> None:
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     kw = dict(interpret=True, sms=4) if args.interpret else {}
+    if args.interpret:
+        TIMING.clear()
+        TIMING.update(repeats=1)
     rate = 1e12 if args.interpret else dense_gemm_rate()
     log(f"# dense GEMM rate {rate / 1e12:.0f} TFLOP/s; {jax.devices()[0].device_kind}")
     rows_out, results = [], []
@@ -136,7 +141,7 @@ def main() -> None:
             r = jax.random.normal(keys[2], (M, cols), jnp.bfloat16)
             flops = 2 * M * N * K
             (ref, *_), xla_ms = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x, ws, r), args.layers,
-                                           target_s=0.2)
+                                                 **TIMING)
             log(f"{name} M={M}: XLA {1e3 * xla_ms:.1f} us ({flops / xla_ms / 1e9:.0f} TFLOP/s)")
             best = None
             if args.configs == "best":

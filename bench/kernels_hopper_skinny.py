@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import best_ms_per_call, log, rel_err
-from bench.kernels_hopper_gemm import RIGHT, over_layers, projections, time_config, xla_op
+from bench.kernels_hopper_gemm import RIGHT, TIMING, over_layers, projections, time_config, xla_op
 from jaxinfer.pallas import skinny_gemm
 from jaxinfer.pallas.hopper_gemm import HopperConfig, supported
 
@@ -86,6 +86,9 @@ def main() -> None:
     ip = args.interpret
     configs = [HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True)] if ip else CONFIGS
     bw = 1e11 if ip else hbm_read_ceiling()
+    if ip:
+        TIMING.clear()
+        TIMING.update(repeats=1)
     log(f"# HBM read ceiling {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}")
     results, table = [], []
     for name, N, K, epilogue in projections(args.shape):
@@ -100,7 +103,8 @@ def main() -> None:
         def share(ms):
             return bytes_ / (ms / 1e3) / bw
 
-        (ref, *_), _ = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x64, ws, r64), args.layers)
+        (ref, *_), _ = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x64, ws, r64), args.layers,
+                                        repeats=1)
         best = None
         for cfg in configs:
             if not supported(ROWS, N, K, epilogue, cfg):
@@ -111,8 +115,8 @@ def main() -> None:
                 continue
             (y, *_), ms = timed
             err = rel_err(y, ref)
-            log(f"  {name} Mosaic {cfg.tile_n}x2/{cfg.stages}/k{cfg.split_k}: {1e3 * ms:.2f} us ({100 * share(ms):.1f}% of the read "
-                f"ceiling), rel err {err:.2e}")
+            log(f"  {name} Mosaic {cfg.tile_n}x2/{cfg.stages}/k{cfg.split_k}: {1e3 * ms:.2f} us "
+                f"({100 * share(ms):.1f}% of the read ceiling), rel err {err:.2e}")
             results.append(dict(name=name, N=N, K=K, epilogue=epilogue, M=ROWS, kernel="mosaic", config=cfg.__dict__,
                                 us=1e3 * ms, share=share(ms), rel_err=err))
             if err < RIGHT and (best is None or ms < best[1]):
@@ -122,9 +126,8 @@ def main() -> None:
         for M in args.rows:
             x, r = x64[:M], r64[:M]
             kind, op = engine_op(M, N, K, epilogue, ip)
-            _, xla_ms = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x, ws, r), args.layers,
-                                         target_s=0.2)
-            _, eng_ms = best_ms_per_call(over_layers(op, args.layers), (x, ws, r), args.layers, target_s=0.2)
+            _, xla_ms = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x, ws, r), args.layers, **TIMING)
+            _, eng_ms = best_ms_per_call(over_layers(op, args.layers), (x, ws, r), args.layers, **TIMING)
             log(f"{name} M={M}: XLA {1e3 * xla_ms:.2f} us, engine ({kind}) {1e3 * eng_ms:.2f} us")
             results.append(dict(name=name, N=N, K=K, epilogue=epilogue, M=M, kernel="xla", us=1e3 * xla_ms,
                                 share=share(xla_ms)))
