@@ -98,6 +98,12 @@ def over_layers(op, layers: int):
     return jax.jit(f)
 
 
+def dry_run_timing() -> None:
+    """A CPU dry run (--interpret) times each call once: interpret mode takes seconds a call."""
+    TIMING.clear()
+    TIMING.update(repeats=1)
+
+
 def time_config(cfg: HopperConfig, epilogue: str, args: tuple, layers: int, label: str = "", **kw):
     """(outputs, ms a call) of the kernel at cfg over `layers` weight matrices (args: x, ws, r), or None where
     it failed to build or run (a config the SM cannot hold: reported, and the sweep goes on)."""
@@ -124,8 +130,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     kw = dict(interpret=True, sms=4) if args.interpret else {}
     if args.interpret:
-        TIMING.clear()
-        TIMING.update(repeats=1)
+        dry_run_timing()
     rate = 1e12 if args.interpret else dense_gemm_rate()
     log(f"# dense GEMM rate {rate / 1e12:.0f} TFLOP/s; {jax.devices()[0].device_kind}")
     rows_out, results = [], []

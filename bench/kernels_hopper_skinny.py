@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import best_ms_per_call, log, rel_err
-from bench.kernels_hopper_gemm import RIGHT, TIMING, over_layers, projections, time_config, xla_op
+from bench.kernels_hopper_gemm import RIGHT, TIMING, dry_run_timing, over_layers, projections, time_config, xla_op
 from jaxinfer.pallas import skinny_gemm
 from jaxinfer.pallas.hopper_gemm import HopperConfig, supported
 
@@ -87,10 +87,14 @@ def main() -> None:
     configs = [HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True)] if ip else CONFIGS
     bw = 1e11 if ip else hbm_read_ceiling()
     if ip:
-        TIMING.clear()
-        TIMING.update(repeats=1)
+        dry_run_timing()
     log(f"# HBM read ceiling {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}")
     results, table = [], []
+
+    def save() -> None:   # after each projection's sweep and rows: kept if a step times out
+        with open(os.path.join(args.out, "kernels_hopper_skinny.json"), "w") as f:
+            json.dump(dict(shape=args.shape, hbm_read=bw, results=results), f, indent=1)
+
     for name, N, K, epilogue in projections(args.shape):
         cols = N // 2 if epilogue == "swiglu" else N
         keys = jax.random.split(jax.random.key(hash(name) % 2**31), 3)
@@ -121,8 +125,7 @@ def main() -> None:
                                 us=1e3 * ms, share=share(ms), rel_err=err))
             if err < RIGHT and (best is None or ms < best[1]):
                 best = (cfg, ms)
-        with open(os.path.join(args.out, "kernels_hopper_skinny.json"), "w") as f:   # kept if a step times out
-            json.dump(dict(shape=args.shape, hbm_read=bw, results=results), f, indent=1)
+        save()
         for M in args.rows:
             x, r = x64[:M], r64[:M]
             kind, op = engine_op(M, N, K, epilogue, ip)
@@ -134,8 +137,7 @@ def main() -> None:
             results.append(dict(name=name, N=N, K=K, epilogue=epilogue, M=M, kernel=f"engine-{kind}",
                                 us=1e3 * eng_ms, share=share(eng_ms)))
             table.append((name, M, xla_ms, kind, eng_ms, best, share))
-        with open(os.path.join(args.out, "kernels_hopper_skinny.json"), "w") as f:
-            json.dump(dict(shape=args.shape, hbm_read=bw, results=results), f, indent=1)
+        save()
     print(f"\n{args.shape}, HBM read ceiling {bw / 1e12:.2f} TB/s ({time.strftime('%Y-%m-%d')}); us a call, share of "
           "the read ceiling (weight bytes)")
     print("| projection | rows | XLA | engine | engine's kernel | Mosaic (64 rows) | config |")
