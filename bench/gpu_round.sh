@@ -584,6 +584,13 @@ case "${1:-1}" in
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 300 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
     ;;
+  flash1)    # twenty-second session: the Mosaic GPU flash attention for a fresh prompt (pallas/hopper_attention.py): its
+             # GPU tests beside cuDNN's error, the kernel against cuDNN / XLA at 1k-8k tokens, then the 1k step with
+             # it in place of cuDNN against the default, alternating (~8 min)
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
+    step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    prefill_ab 80 hopper-flash default hopper-flash
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)

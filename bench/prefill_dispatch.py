@@ -95,6 +95,11 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # the GPU default since the ninth session), and without it (the paged kernel)
     "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
     "paged-attention": ("", False, {"fresh_prompt_attention": False}),
+    # the Mosaic GPU flash attention (pallas/hopper_attention.py) for the fresh prompt in place of cuDNN's (31.5 us a
+    # layer at 1k and ~6 us of idle before it for its memset; twenty-first session), its ring 2 or 1 deep
+    "hopper-flash": ("", False, {"flash_table": [[1024, 32768, 64, 2]]}),
+    "hopper-flash-s1": ("", False, {"flash_table": [[1024, 32768, 64, 1]]}),
+    "profiled-hopper-flash": (PROFILED, True, {"flash_table": [[1024, 32768, 64, 2]]}),
     # programmatic dependent launch (variant_runs.PDL): the step's ~450 kernels each wait for the one before
     "pdl": (PDL, False, {}),
     "pdl-launch": (PDL_LAUNCH, False, {}),

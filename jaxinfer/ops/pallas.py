@@ -39,8 +39,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     2.695 ms a step; off gives rope_kv_write then decode attention, for A/B runs).
     (Gate/up rows interleaved for the SwiGLU GEMV measured no faster on the H200 and were removed: bench/NOTES.md,
     sixteenth session.)"""
-    from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_gemm, prefill_attention, rope_kv_write,
-                                 skinny_gemm)
+    from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
+                                 prefill_attention, rope_kv_write, skinny_gemm)
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
     def _stacked(w, *others):
@@ -188,8 +188,12 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         ops["paged_attention"] = functools.partial(prefill_attention.paged_attention, interpret=interpret)
 
     def fresh_prompt_attention(q, k, v, scale):
-        """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): cuDNN's flash attention
-        on GPUs (16-bit only; XLA's attention otherwise)."""
+        """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): the Mosaic GPU flash attention
+        at the lengths of its measured table (on a Hopper GPU, or in interpret mode), else cuDNN's flash
+        attention on GPUs (16-bit only; XLA's attention otherwise)."""
+        config = hopper_attention.table_config(q, k) if interpret or hopper_gemm.available() else None
+        if config is not None:
+            return hopper_attention.fresh_prompt_flash(q, k, v, scale, config=config, interpret=interpret)
         return reference.fresh_prompt_attention(q, k, v, scale, implementation=one_sequence_implementation(q))
 
     def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale):

@@ -1,0 +1,210 @@
+"""Causal flash attention of one fresh prompt on Hopper tensor cores through Mosaic GPU (wgmma + TMA).
+
+`fresh_prompt_flash(q [T, H, hd], k, v [T, KVH, hd], scale) -> [T, H, hd]`: the op
+`fresh_prompt_attention` (reference.fresh_prompt_attention: a prompt at positions 0..T-1 attending to
+itself, GQA) for bf16/f16 prompts whose length tiles by the CTA's rows. It exists for the 1k prompt step,
+where cuDNN's flash attention took 31.5 us a layer plus ~6 us of idle before it for its 4-byte memset
+(bench/NOTES.md, twenty-first session), against ~11 us of tensor-core work.
+
+A CTA owns 2 x block_q consecutive rows of one query head: two compute warpgroups of block_q rows each,
+and a memory warpgroup streaming the KV head's K and V blocks (block_kv = 2 x block_q keys, so both
+warpgroups see the same number of blocks: the CTA's diagonal block is the last, and only it is masked)
+through a `stages`-deep shared-memory ring by TMA. A step: S = Q K^T by wgmma into a float32 accumulator,
+scaled (log2 e folded in), the online softmax in registers (base 2), P rounded to the input dtype and
+acc += P V by wgmma with P from registers. The output is acc / l rounded to the input dtype, through
+the Q buffer in shared memory, stored by TMA. CTAs are launched heaviest first (the last query tiles see
+the most keys), so the light ones fill the tail.
+
+Interpret mode (`interpret=True`, Mosaic GPU's) runs it on the CPU for tests; it runs warpgroups and
+programs one after another, so it cannot show races: tests/gpu has the kernel on the H200.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+f32 = jnp.float32
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    block_q: int = 64     # rows a compute warpgroup (wgmma's M: a multiple of 64); K/V blocks are 2 x block_q keys
+    stages: int = 2       # K/V blocks in flight in the shared-memory ring
+
+    @property
+    def block_kv(self) -> int:
+        return 2 * self.block_q
+
+
+# Prompt lengths (first, last tokens) where the kernel ran the fresh prompt's step faster than cuDNN's flash
+# attention, and its config; absent: cuDNN. Empty until measured on the H200 (bench/NOTES.md, twenty-second
+# session; `prefill_dispatch.py --flash-table` fills it for an A/B).
+TABLE: list[tuple[int, int, FlashConfig]] = []
+
+
+def table_config(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array) -> FlashConfig | None:
+    """The measured config for this prompt's length, or None where cuDNN's flash attention is the faster."""
+    T = q.shape[0]
+    for first, last, config in TABLE:
+        if first <= T <= last and supported(q, k, config):
+            return config
+    return None
+
+
+def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array,
+              config: FlashConfig = FlashConfig()) -> bool:
+    """Shapes and dtypes the kernel takes: 16-bit, the head dim a multiple of 64 (128-byte swizzled rows),
+    the prompt a multiple of the CTA's rows, whole GQA groups."""
+    T, H, hd = q.shape
+    Tk, KVH, hdk = k.shape
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and T == Tk and hd == hdk
+            and hd % 64 == 0 and hd <= 256 and H % KVH == 0 and config.block_q % 64 == 0
+            and T % config.block_kv == 0 and config.stages >= 1)
+
+
+def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, *,
+            config: FlashConfig, scale: float, group: int):
+    bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    hd = q_ref.shape[-1]
+    dtype = q_ref.dtype
+    n_tiles = q_ref.shape[0] // bkv
+    head = lax.axis_index("heads")
+    tile = n_tiles - 1 - lax.axis_index("q_seq")     # heaviest first
+    steps = tile + 1                                 # K/V blocks 0..tile; block `tile` is the diagonal
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg < 2)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        q_smem, p_smem = qo_smem.at[wg], pr_smem.at[wg]
+        row0 = tile * bkv + wg * bq
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_smem, q_bar.at[wg])
+        plgpu.barrier_wait(q_bar.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((bq,), 0, f32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((bq, hd), 0, f32), plgpu.Layout.WGMMA)
+        c = scale * LOG2E
+
+        def step(j, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                plgpu.wgmma_wait(0)
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), f32)) * c
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:   # the diagonal block: key j * bkv + col visible to row row0 + r when col <= row
+                rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + row0
+                cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
+                s = jnp.where(cols <= rows, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))     # finite: every row sees key 0 in block 0
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            p_smem[...] = p.astype(dtype)     # wgmma's A from shared memory (Mosaic GPU's interpreter takes no other)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv(pv_ref):
+                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
+                plgpu.wgmma_wait(0)
+                return pv_ref[...]
+
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, hd), f32))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l_i
+
+        carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), (acc, m_i, l_i))
+        acc, m_i, l_i = step(steps - 1, carry, masked=True)
+        acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+        q_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(row0, bq), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.array(group, head.dtype))
+
+        def load(j, slot):
+            rows = pl.ds(j * bkv, bkv)
+            plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
+        for i in range(stages):
+            pl.when(i < steps)(functools.partial(load, i, i))
+
+        @pl.loop(stages, jnp.maximum(steps, stages))
+        def _ring(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])     # both compute warpgroups are done with block j - stages
+            plgpu.barrier_wait(v_free.at[slot])
+            load(j, slot)
+
+        @pl.loop(jnp.maximum(steps - stages, 0), steps)
+        def _drain(j):     # the last blocks' releases: every barrier phase observed before the CTA exits
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
+    """The kernel's reference twin: the op's reference (XLA's attention)."""
+    from jaxinfer.ops import reference as ref_ops
+
+    return ref_ops.fresh_prompt_attention(q, k, v, scale)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *,
+                       config: FlashConfig = FlashConfig(), interpret: bool = False) -> jax.Array:
+    """Causal attention of one prompt at positions 0..T-1 over itself: q [T, H, hd], k, v [T, KVH, hd]."""
+    if not supported(q, k, config) or v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"fresh_prompt_flash: q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} "
+                         f"{v.dtype} do not tile by {config}")
+    T, H, hd = q.shape
+    group = H // k.shape[1]
+    config = dataclasses.replace(config, stages=min(config.stages, T // config.block_kv))   # no deeper than the blocks
+    bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    scratch = dict(
+        qo_smem=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
+        pr_smem=plgpu.SMEM((2, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
+        k_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
+        v_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
+        q_bar=plgpu.Barrier(num_barriers=2),
+        k_bar=plgpu.Barrier(num_barriers=stages),
+        v_bar=plgpu.Barrier(num_barriers=stages),
+        k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+    )
+
+    def entry(q_ref, k_ref, v_ref, out_ref):
+        pl.run_scoped(functools.partial(_kernel, q_ref, k_ref, v_ref, out_ref, config=config, scale=scale,
+                                        group=group), **scratch, collective_axes="wg")
+
+    call = plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        grid=(H, T // bkv), grid_names=("heads", "q_seq"), num_threads=3, thread_name="wg",
+        kernel_name="fresh_prompt_flash",
+        compiler_params=plgpu.CompilerParams(approx_math=True))
+    if interpret:
+        with plgpu.force_gpu_interpret_mode():
+            return call(q, k, v)
+    return call(q, k, v)
