@@ -591,6 +591,12 @@ case "${1:-1}" in
     step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash
     ;;
+  flash2)    # flash1's kernel with its compute warpgroups in ping-pong (and without, as a config): GPU tests, the kernel
+             # against cuDNN at 1k-8k, the 1k step against the default alternating twice (~7 min)
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
+    step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    prefill_ab 80 hopper-flash default hopper-flash default
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)

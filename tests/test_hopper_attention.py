@@ -38,7 +38,11 @@ def _close(out, q, k, v, scale):
     (128, 2, 1, 64, jnp.bfloat16, FlashConfig()),            # one CTA tile: the diagonal block only
     (384, 4, 2, 64, jnp.bfloat16, FlashConfig()),            # 3 tiles, GQA 2, more blocks than the ring holds
     (256, 3, 3, 128, jnp.float16, FlashConfig(stages=1)),    # no GQA, two swizzle atoms a row, a one-deep ring
+                                                             # (ping-pong deadlocked it while the memory warpgroup
+                                                             # waited for V's release before loading K)
     (256, 6, 2, 64, jnp.bfloat16, FlashConfig(stages=3)),    # GQA 3 (not a power of two)
+    (384, 2, 2, 64, jnp.bfloat16, FlashConfig(pingpong=False)),   # the warpgroups not taking turns
+    (256, 2, 1, 64, jnp.bfloat16, FlashConfig(stages=1, pingpong=False)),
 ])
 def test_matches_reference_in_interpret_mode(T, H, KVH, hd, dtype, config):
     q, k, v = _inputs(T + H + hd, T, H, KVH, hd, dtype)
@@ -106,6 +110,7 @@ def test_the_kernel_needs_a_hopper_gpu(monkeypatch):
 
 @pytest.mark.parametrize("T, H, KVH, config", [(1024, 32, 8, FlashConfig()), (8192, 32, 8, FlashConfig()),
                                                (1024, 32, 8, FlashConfig(stages=1)),
+                                               (1024, 32, 8, FlashConfig(pingpong=False)),
                                                (2048, 16, 8, FlashConfig())])
 def test_configs_lower_for_the_gpu(T, H, KVH, config):
     """Qwen3-4B's / Llama-3-8B's (32/8) and Qwen3-0.6B's (16/8) heads at 128 go through Mosaic GPU's lowering for

@@ -9,7 +9,7 @@ where cuDNN's flash attention took 31.5 us a layer plus ~6 us of idle before it 
 A CTA owns 2 x block_q consecutive rows of one query head: two compute warpgroups of block_q rows each,
 and a memory warpgroup streaming the KV head's K and V blocks (block_kv = 2 x block_q keys, so both
 warpgroups see the same number of blocks: the CTA's diagonal block is the last, and only it is masked)
-through a `stages`-deep shared-memory ring by TMA. A step: S = Q K^T by wgmma into a float32 accumulator,
+through a `stages`-deep shared-memory ring by TMA. A step: S = Q K^T by wgmma into a float32 accumulator (the two warpgroups taking turns on the tensor cores),
 scaled (log2 e folded in), the online softmax in registers (base 2), P rounded to the input dtype and
 acc += P V by wgmma with P from registers. The output is acc / l rounded to the input dtype, through
 the Q buffer in shared memory, stored by TMA. CTAs are launched heaviest first (the last query tiles see
@@ -39,6 +39,9 @@ LOG2E = math.log2(math.e)
 class FlashConfig:
     block_q: int = 64     # rows a compute warpgroup (wgmma's M: a multiple of 64); K/V blocks are 2 x block_q keys
     stages: int = 2       # K/V blocks in flight in the shared-memory ring
+    # The two compute warpgroups take turns on the tensor cores (FA3's ping-pong): one's softmax runs while the
+    # other's two products do, ordered by a barrier both arrive at twice a step, warpgroup 1 one phase behind.
+    pingpong: bool = True
 
     @property
     def block_kv(self) -> int:
@@ -71,8 +74,8 @@ def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax
             and T % config.block_kv == 0 and config.stages >= 1)
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free, *,
-            config: FlashConfig, scale: float, group: int):
+def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
+            turn, *, config: FlashConfig, scale: float, group: int):
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
     hd = q_ref.shape[-1]
     dtype = q_ref.dtype
@@ -81,6 +84,11 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
     tile = n_tiles - 1 - lax.axis_index("q_seq")     # heaviest first
     steps = tile + 1                                 # K/V blocks 0..tile; block `tile` is the diagonal
     wg = lax.axis_index("wg")
+
+    def take_turn():     # ping-pong: wait until the other compute warpgroup has reached its matching point
+        if config.pingpong:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
     @pl.when(wg < 2)
     def _compute():
@@ -101,6 +109,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                take_turn()     # the other warpgroup's softmax ends; its products go next
                 plgpu.wgmma_wait(0)
                 return acc_ref[...]
 
@@ -117,7 +126,11 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             p_smem[...] = p.astype(dtype)     # wgmma's A from shared memory (Mosaic GPU's interpreter takes no other)
             plgpu.commit_smem()
+            if config.pingpong:
+                plgpu.barrier_arrive(turn)     # softmax done
             plgpu.barrier_wait(v_bar.at[slot])
+            if config.pingpong:
+                plgpu.barrier_wait(turn)       # the other's QK^T is issued: the tensor cores are ours
 
             def pv(pv_ref):
                 plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
@@ -128,8 +141,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
+        pl.when(wg == 1)(take_turn)     # warpgroup 1 starts one turn behind warpgroup 0 ...
         carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = step(steps - 1, carry, masked=True)
+        pl.when(wg == 0)(take_turn)     # ... and warpgroup 0 ends one turn after it: as many arrivals each
         acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
         q_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
@@ -141,20 +156,24 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
         plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, jnp.array(group, head.dtype))
 
-        def load(j, slot):
-            rows = pl.ds(j * bkv, bkv)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+        def load(ref, smem, bar, j, slot):
+            plgpu.copy_gmem_to_smem(ref.at[pl.ds(j * bkv, bkv), kv_head], smem.at[slot], bar.at[slot])
 
         for i in range(stages):
-            pl.when(i < steps)(functools.partial(load, i, i))
+            @pl.when(i < steps)
+            def _first(i=i):
+                load(k_ref, k_smem, k_bar, i, i)
+                load(v_ref, v_smem, v_bar, i, i)
 
         @pl.loop(stages, jnp.maximum(steps, stages))
         def _ring(j):
+            # K and V each as soon as both compute warpgroups are done with block j - stages: V's release comes
+            # after the next block's QK^T in ping-pong, so waiting for both before K would deadlock a 1-deep ring
             slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_free.at[slot])     # both compute warpgroups are done with block j - stages
+            plgpu.barrier_wait(k_free.at[slot])
+            load(k_ref, k_smem, k_bar, j, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            load(j, slot)
+            load(v_ref, v_smem, v_bar, j, slot)
 
         @pl.loop(jnp.maximum(steps - stages, 0), steps)
         def _drain(j):     # the last blocks' releases: every barrier phase observed before the CTA exits
@@ -193,6 +212,7 @@ def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *
         v_bar=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         v_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        turn=plgpu.Barrier(num_arrivals=2),
     )
 
     def entry(q_ref, k_ref, v_ref, out_ref):
