@@ -597,6 +597,18 @@ case "${1:-1}" in
     step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash default
     ;;
+  flash3)    # the flash kernel persistent (one CTA an SM walking items, its ring streaming the next item's loads under
+             # the last one's end) against one CTA an item: GPU tests, ptxas's registers and spills, the kernel against
+             # cuDNN at 1k-8k, the 1k step against the default alternating twice (~7 min)
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
+    MOSAIC_GPU_DUMP_PTXAS=1 step 60 python3 -c "
+import jax, jax.numpy as jnp
+from jaxinfer.pallas import hopper_attention as ha
+q = jnp.ones((1024, 32, 128), jnp.bfloat16); k = jnp.ones((1024, 8, 128), jnp.bfloat16)
+ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spill|registers|smem|stack" | head -20
+    step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    prefill_ab 80 hopper-flash default hopper-flash default
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)

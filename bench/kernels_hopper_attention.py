@@ -28,7 +28,7 @@ from jaxinfer.ops import reference
 from jaxinfer.pallas import hopper_attention
 from jaxinfer.pallas.hopper_attention import FlashConfig
 
-CONFIGS = [FlashConfig(64, 2), FlashConfig(64, 1), FlashConfig(64, 2, pingpong=False)]
+CONFIGS = [FlashConfig(64, 2), FlashConfig(64, 1), FlashConfig(64, 2, persistent=False)]
 RIGHT = 1e-2     # bf16 output and P rounded to bf16: ~3e-3 for a right kernel; a masking error is ~1
 
 
@@ -71,7 +71,7 @@ def main() -> None:
                                                                          implementation="xla" if ip else "cudnn"),
                "xla": lambda q, k, v: reference.fresh_prompt_attention(q, k, v, scale)}
         for cfg in CONFIGS:
-            ops[f"mosaic {cfg.block_q}/{cfg.stages}{'' if cfg.pingpong else '/no-pp'}"] = (
+            ops[f"mosaic {cfg.block_q}/{cfg.stages}{'' if cfg.persistent else '/grid'}"] = (
                 lambda q, k, v, cfg=cfg: hopper_attention.fresh_prompt_flash(q, k, v, scale, config=cfg,
                                                                              interpret=ip))
         row = {}

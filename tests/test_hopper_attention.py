@@ -35,8 +35,9 @@ def _close(out, q, k, v, scale):
 
 
 @pytest.mark.parametrize("T, H, KVH, hd, dtype, config", [
-    (128, 2, 1, 64, jnp.bfloat16, FlashConfig()),            # one CTA tile: the diagonal block only
-    (384, 4, 2, 64, jnp.bfloat16, FlashConfig()),            # 3 tiles, GQA 2, more blocks than the ring holds
+    (128, 2, 1, 64, jnp.bfloat16, FlashConfig()),            # one row tile: the diagonal block only
+    (384, 4, 2, 64, jnp.bfloat16, FlashConfig()),            # 3 tiles, GQA 2: 12 items on 3 CTAs, 4 rounds
+    (384, 2, 1, 64, jnp.bfloat16, FlashConfig(persistent=False)),   # one CTA an item
     (256, 3, 3, 128, jnp.float16, FlashConfig(stages=1)),    # no GQA, two swizzle atoms a row, a one-deep ring
                                                              # (ping-pong deadlocked it while the memory warpgroup
                                                              # waited for V's release before loading K)
@@ -47,7 +48,7 @@ def _close(out, q, k, v, scale):
 def test_matches_reference_in_interpret_mode(T, H, KVH, hd, dtype, config):
     q, k, v = _inputs(T + H + hd, T, H, KVH, hd, dtype)
     scale = hd ** -0.5
-    out = hopper_attention.fresh_prompt_flash(q, k, v, scale, config=config, interpret=True)
+    out = hopper_attention.fresh_prompt_flash(q, k, v, scale, config=config, ctas=3, interpret=True)
     assert out.dtype == dtype
     _close(out, q, k, v, scale)
 
@@ -111,17 +112,18 @@ def test_the_kernel_needs_a_hopper_gpu(monkeypatch):
 @pytest.mark.parametrize("T, H, KVH, config", [(1024, 32, 8, FlashConfig()), (8192, 32, 8, FlashConfig()),
                                                (1024, 32, 8, FlashConfig(stages=1)),
                                                (1024, 32, 8, FlashConfig(pingpong=False)),
+                                               (1024, 32, 8, FlashConfig(persistent=False)),
                                                (2048, 16, 8, FlashConfig())])
 def test_configs_lower_for_the_gpu(T, H, KVH, config):
     """Qwen3-4B's / Llama-3-8B's (32/8) and Qwen3-0.6B's (16/8) heads at 128 go through Mosaic GPU's lowering for
     CUDA here, without a GPU: layouts and the 227 KB of shared memory checked before device time is spent."""
     q, k = jax.ShapeDtypeStruct((T, H, 128), jnp.bfloat16), jax.ShapeDtypeStruct((T, KVH, 128), jnp.bfloat16)
-    f = functools.partial(hopper_attention.fresh_prompt_flash, scale=128 ** -0.5, config=config)
+    f = functools.partial(hopper_attention.fresh_prompt_flash, scale=128 ** -0.5, config=config, ctas=132)
     assert "mosaic_gpu" in jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_a_ring_over_the_shared_memory_fails_to_lower():
     q, k = jax.ShapeDtypeStruct((1024, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 8, 128), jnp.bfloat16)
-    f = functools.partial(hopper_attention.fresh_prompt_flash, scale=0.1, config=FlashConfig(stages=3))
+    f = functools.partial(hopper_attention.fresh_prompt_flash, scale=0.1, config=FlashConfig(stages=3), ctas=132)
     with pytest.raises(ValueError, match="exceeds available shared memory"):
         jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",))

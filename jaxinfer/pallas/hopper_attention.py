@@ -6,17 +6,19 @@ itself, GQA) for bf16/f16 prompts whose length tiles by the CTA's rows. It exist
 where cuDNN's flash attention took 31.5 us a layer plus ~6 us of idle before it for its 4-byte memset
 (bench/NOTES.md, twenty-first session), against ~11 us of tensor-core work.
 
-A CTA owns 2 x block_q consecutive rows of one query head: two compute warpgroups of block_q rows each,
-and a memory warpgroup streaming the KV head's K and V blocks (block_kv = 2 x block_q keys, so both
-warpgroups see the same number of blocks: the CTA's diagonal block is the last, and only it is masked)
-through a `stages`-deep shared-memory ring by TMA. A step: S = Q K^T by wgmma into a float32 accumulator (the two warpgroups taking turns on the tensor cores),
-scaled (log2 e folded in), the online softmax in registers (base 2), P rounded to the input dtype and
-acc += P V by wgmma with P from registers. The output is acc / l rounded to the input dtype, through
-the Q buffer in shared memory, stored by TMA. CTAs are launched heaviest first (the last query tiles see
-the most keys), so the light ones fill the tail.
+A work item is 2 x block_q consecutive rows of one query head: two compute warpgroups of block_q rows each.
+The grid is persistent (one CTA an SM; FlashConfig.persistent) and deals the items, heaviest first (the last
+query tiles see the most keys), to the CTAs back and forth. A CTA's memory warpgroup streams each item's Q and
+its KV head's K and V blocks (block_kv = 2 x block_q keys, so both warpgroups see the same number of blocks:
+the diagonal block is an item's last, and only it is masked) through a `stages`-deep shared-memory ring by
+TMA, one stream across the CTA's items, so the next item's loads overlap the last one's end. A step: S = Q K^T
+by wgmma into a float32 accumulator (the two warpgroups taking turns on the tensor cores), scaled (log2 e
+folded in), the online softmax in registers (base 2), P rounded to the input dtype and through shared memory
+into acc += P V by wgmma. The output is acc / l rounded to the input dtype, stored by TMA from shared memory.
 
-Interpret mode (`interpret=True`, Mosaic GPU's) runs it on the CPU for tests; it runs warpgroups and
-programs one after another, so it cannot show races: tests/gpu has the kernel on the H200.
+Interpret mode (`interpret=True`, Mosaic GPU's) runs it on the CPU for tests, warpgroups as threads with
+barriers checked phase by phase (it found a deadlock); it cannot show every race: tests/gpu has the kernel
+on the H200.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class FlashConfig:
     # The two compute warpgroups take turns on the tensor cores (FA3's ping-pong): one's softmax runs while the
     # other's two products do, ordered by a barrier both arrive at twice a step, warpgroup 1 one phase behind.
     pingpong: bool = True
+    # One CTA an SM walking work items (a query head's 2 x block_q rows) in a loop, its ring streaming the next
+    # item's Q and K/V while the last item's softmax, products and output finish (False: one CTA an item, each
+    # paying its start and end alone; at 1k tokens ~40 us where ~1.4 us a block of tensor-core time predicts ~15).
+    persistent: bool = True
 
     @property
     def block_kv(self) -> int:
@@ -63,6 +69,12 @@ def table_config(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | 
     return None
 
 
+def num_sms() -> int:
+    from jaxinfer.pallas.hopper_gemm import num_sms as sms
+
+    return sms()
+
+
 def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array,
               config: FlashConfig = FlashConfig()) -> bool:
     """Shapes and dtypes the kernel takes: 16-bit, the head dim a multiple of 64 (128-byte swizzled rows),
@@ -74,16 +86,24 @@ def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax
             and T % config.block_kv == 0 and config.stages >= 1)
 
 
-def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_bar, k_bar, v_bar, k_free, v_free,
-            turn, *, config: FlashConfig, scale: float, group: int):
+def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
+            k_free, v_free, turn, *, config: FlashConfig, scale: float, group: int, ctas: int):
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
-    hd = q_ref.shape[-1]
+    T, H, hd = q_ref.shape
     dtype = q_ref.dtype
-    n_tiles = q_ref.shape[0] // bkv
-    head = lax.axis_index("heads")
-    tile = n_tiles - 1 - lax.axis_index("q_seq")     # heaviest first
-    steps = tile + 1                                 # K/V blocks 0..tile; block `tile` is the diagonal
+    n_tiles = T // bkv
+    n_items = H * n_tiles
+    rounds = -(-n_items // ctas)
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
+
+    def item_of(r):
+        """The CTA's r-th work item (a query head's 2 x block_q rows): items by decreasing work, dealt to the CTAs
+        back and forth (round r even: CTA c takes the c-th of the round, odd: the c-th from its end), so a CTA
+        with a heavy item in one round gets a light one in the next. -> (valid, head, tile, K/V blocks)."""
+        idx = r * ctas + jnp.where(r % 2 == 0, cta, ctas - 1 - cta)
+        tile = n_tiles - 1 - idx // H
+        return idx < n_items, idx % H, tile, tile + 1      # blocks 0..tile: block `tile` is the diagonal
 
     def take_turn():     # ping-pong: wait until the other compute warpgroup has reached its matching point
         if config.pingpong:
@@ -93,18 +113,13 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        q_smem, p_smem = qo_smem.at[wg], pr_smem.at[wg]
-        row0 = tile * bkv + wg * bq
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, bq), head], q_smem, q_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
-        m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((bq,), 0, f32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((bq, hd), 0, f32), plgpu.Layout.WGMMA)
+        q_smem, o_smem, p_smem = q_smem2.at[wg], o_smem2.at[wg], p_smem2.at[wg]
         c = scale * LOG2E
 
-        def step(j, carry, masked: bool):
+        def step(g0, row0, last, j, carry, masked: bool):
+            """K/V block j of the item (g0 + j of the CTA's stream): S, the online softmax, acc += P V."""
             acc, m_i, l_i = carry
-            slot = lax.rem(j, stages)
+            slot = lax.rem(g0 + j, stages)
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -115,6 +130,8 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
 
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), f32)) * c
             plgpu.barrier_arrive(k_free.at[slot])
+            if last:
+                plgpu.barrier_arrive(q_free.at[wg])     # the next item's Q may come in
             if masked:   # the diagonal block: key j * bkv + col visible to row row0 + r when col <= row
                 rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + row0
                 cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
@@ -141,45 +158,75 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, qo_smem, pr_smem, k_smem, v_smem, q_ba
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        pl.when(wg == 1)(take_turn)     # warpgroup 1 starts one turn behind warpgroup 0 ...
-        carry = lax.fori_loop(0, steps - 1, functools.partial(step, masked=False), (acc, m_i, l_i))
-        acc, m_i, l_i = step(steps - 1, carry, masked=True)
-        pl.when(wg == 0)(take_turn)     # ... and warpgroup 0 ends one turn after it: as many arrivals each
-        acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
-        q_smem[...] = acc.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, out_ref.at[pl.ds(row0, bq), head])
+        def item(r, g0):
+            valid, head, tile, blocks = item_of(r)
+
+            @pl.when(valid)
+            def _():
+                row0 = tile * bkv + wg * bq
+                plgpu.barrier_wait(q_bar.at[wg])
+                m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
+                l_i = plgpu.layout_cast(jnp.full((bq,), 0, f32), plgpu.Layout.WGMMA.reduce(1))
+                acc = plgpu.layout_cast(jnp.full((bq, hd), 0, f32), plgpu.Layout.WGMMA)
+                pl.when(wg == 1)(take_turn)     # warpgroup 1 starts one turn behind warpgroup 0 ...
+                carry = lax.fori_loop(0, blocks - 1, functools.partial(step, g0, row0, False, masked=False),
+                                      (acc, m_i, l_i))
+                acc, m_i, l_i = step(g0, row0, True, blocks - 1, carry, masked=True)
+                pl.when(wg == 0)(take_turn)     # ... and warpgroup 0 ends one turn after it: as many arrivals each
+                acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous item's output is out of o_smem
+                o_smem[...] = acc.astype(dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(row0, bq), head])
+
+            return g0 + jnp.where(valid, blocks, 0)
+
+        lax.fori_loop(0, rounds, item, 0)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.array(group, head.dtype))
 
-        def load(ref, smem, bar, j, slot):
-            plgpu.copy_gmem_to_smem(ref.at[pl.ds(j * bkv, bkv), kv_head], smem.at[slot], bar.at[slot])
+        def item(r, g0):
+            valid, head, tile, blocks = item_of(r)
+            kv_head = lax.div(head, jnp.array(group, head.dtype))
 
-        for i in range(stages):
-            @pl.when(i < steps)
-            def _first(i=i):
-                load(k_ref, k_smem, k_bar, i, i)
-                load(v_ref, v_smem, v_bar, i, i)
+            @pl.when(valid)
+            def _():
+                @pl.when(r > 0)     # a previous item's last QK^T has read the Q buffers
+                def _():
+                    plgpu.barrier_wait(q_free.at[0])
+                    plgpu.barrier_wait(q_free.at[1])
 
-        @pl.loop(stages, jnp.maximum(steps, stages))
-        def _ring(j):
-            # K and V each as soon as both compute warpgroups are done with block j - stages: V's release comes
-            # after the next block's QK^T in ping-pong, so waiting for both before K would deadlock a 1-deep ring
-            slot = lax.rem(j, stages)
+                for w in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile * bkv + w * bq, bq), head], q_smem2.at[w], q_bar.at[w])
+
+                @pl.loop(0, blocks)
+                def _block(j):
+                    # K and V each as soon as both compute warpgroups are done with the block `stages` before it
+                    # in the stream: V's release comes after the next block's QK^T in ping-pong, so waiting for
+                    # both before K would deadlock a 1-deep ring
+                    g = g0 + j
+                    slot = lax.rem(g, stages)
+                    rows = pl.ds(j * bkv, bkv)
+                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+                    plgpu.copy_gmem_to_smem(k_ref.at[rows, kv_head], k_smem.at[slot], k_bar.at[slot])
+                    pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+                    plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
+
+            return g0 + jnp.where(valid, blocks, 0)
+
+        total = lax.fori_loop(0, rounds, item, 0)
+
+        @pl.loop(jnp.maximum(total - stages, 0), total)
+        def _drain(g):     # the last blocks' releases and Q's: every barrier phase observed before the CTA exits
+            slot = lax.rem(g, stages)
             plgpu.barrier_wait(k_free.at[slot])
-            load(k_ref, k_smem, k_bar, j, slot)
             plgpu.barrier_wait(v_free.at[slot])
-            load(v_ref, v_smem, v_bar, j, slot)
 
-        @pl.loop(jnp.maximum(steps - stages, 0), steps)
-        def _drain(j):     # the last blocks' releases: every barrier phase observed before the CTA exits
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
+        plgpu.barrier_wait(q_free.at[0])
+        plgpu.barrier_wait(q_free.at[1])
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
@@ -189,25 +236,30 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Arr
     return ref_ops.fresh_prompt_attention(q, k, v, scale)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "config", "ctas", "interpret"))
 def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *,
-                       config: FlashConfig = FlashConfig(), interpret: bool = False) -> jax.Array:
-    """Causal attention of one prompt at positions 0..T-1 over itself: q [T, H, hd], k, v [T, KVH, hd]."""
+                       config: FlashConfig = FlashConfig(), ctas: int | None = None,
+                       interpret: bool = False) -> jax.Array:
+    """Causal attention of one prompt at positions 0..T-1 over itself: q [T, H, hd], k, v [T, KVH, hd].
+    ctas: the persistent grid's size (default: the GPU's SM count; config.persistent False: one CTA an item)."""
     if not supported(q, k, config) or v.shape != k.shape or v.dtype != k.dtype:
         raise ValueError(f"fresh_prompt_flash: q {q.shape} {q.dtype}, k {k.shape} {k.dtype}, v {v.shape} "
                          f"{v.dtype} do not tile by {config}")
     T, H, hd = q.shape
     group = H // k.shape[1]
-    config = dataclasses.replace(config, stages=min(config.stages, T // config.block_kv))   # no deeper than the blocks
     bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    n_items = H * (T // bkv)
+    ctas = min(ctas or num_sms(), n_items) if config.persistent else n_items
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     scratch = dict(
-        qo_smem=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
-        pr_smem=plgpu.SMEM((2, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
+        q_smem2=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
+        o_smem2=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
+        p_smem2=plgpu.SMEM((2, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
         v_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
         q_bar=plgpu.Barrier(num_barriers=2),
+        q_free=plgpu.Barrier(num_barriers=2),
         k_bar=plgpu.Barrier(num_barriers=stages),
         v_bar=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -217,11 +269,11 @@ def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *
 
     def entry(q_ref, k_ref, v_ref, out_ref):
         pl.run_scoped(functools.partial(_kernel, q_ref, k_ref, v_ref, out_ref, config=config, scale=scale,
-                                        group=group), **scratch, collective_axes="wg")
+                                        group=group, ctas=ctas), **scratch, collective_axes="wg")
 
     call = plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        grid=(H, T // bkv), grid_names=("heads", "q_seq"), num_threads=3, thread_name="wg",
+        grid=(ctas,), grid_names=("cta",), num_threads=3, thread_name="wg",
         kernel_name="fresh_prompt_flash",
         compiler_params=plgpu.CompilerParams(approx_math=True))
     if interpret:

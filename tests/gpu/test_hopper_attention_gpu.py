@@ -20,6 +20,7 @@ pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="need
     (1024, 32, 8, 128, jnp.bfloat16, FlashConfig()),       # Qwen3-4B / Llama-3-8B
     (1024, 32, 8, 128, jnp.bfloat16, FlashConfig(stages=1)),
     (1024, 32, 8, 128, jnp.bfloat16, FlashConfig(pingpong=False)),
+    (1024, 32, 8, 128, jnp.bfloat16, FlashConfig(persistent=False)),
     (8192, 32, 8, 128, jnp.bfloat16, FlashConfig()),
     (2048, 16, 8, 128, jnp.bfloat16, FlashConfig()),       # Qwen3-0.6B
     (512, 8, 8, 64, jnp.float16, FlashConfig()),           # no GQA, hd 64
