@@ -601,7 +601,7 @@ case "${1:-1}" in
              # the last one's end) against one CTA an item: GPU tests, ptxas's registers and spills, the kernel against
              # cuDNN at 1k-8k, the 1k step against the default alternating twice (~7 min)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
-    MOSAIC_GPU_DUMP_PTXAS=1 step 60 python3 -c "
+    step 60 env MOSAIC_GPU_DUMP_PTXAS=1 python3 -c "
 import jax, jax.numpy as jnp
 from jaxinfer.pallas import hopper_attention as ha
 q = jnp.ones((1024, 32, 128), jnp.bfloat16); k = jnp.ones((1024, 8, 128), jnp.bfloat16)
