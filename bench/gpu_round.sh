@@ -609,6 +609,11 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash default
     ;;
+  flash4)    # the flash kernel in hopper_attention.TABLE (1k-2k): the bf16 engine-level test of a fresh 1k prompt through
+             # it and cuDNN against float32, then issue 4's TTFT table at 1k and 8k (~5 min)
+    step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
+    step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)
