@@ -614,6 +614,10 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     ;;
+  flash5)    # flash4's engine-level test again: there the flash path loaded the cuDNN path's executable from the
+             # executable cache (its key does not see hopper_attention.TABLE); the test now compiles afresh (~2 min)
+    step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)
