@@ -4,7 +4,7 @@ JAX's persistent compilation cache is keyed by the lowered module: every start m
 lower each step before it can look the executable up. On the H200 that was 16 s of a 34 s warm
 server start (26 steps; the Pallas kernels' Triton lowering is most of it). This cache is keyed by
 what the module is made from instead: the engine's own source, the versions of jax and jaxlib, the
-device and its runtime, the XLA flags, the step's name and settings, and the tree, shapes and dtypes
+device and its runtime, the XLA flags, the kernels' measured tables, the step's name and settings, and the tree, shapes and dtypes
 of its arguments. It holds the executable serialized by `jax.experimental.serialize_executable`.
 
 A file that fails to load (truncated, written by another build) is a miss: it is removed and the
@@ -42,6 +42,20 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
+def _kernel_choices() -> str:
+    """The kernels' measured tables, which a step reads when it is traced: a bench option or a test that changes one
+    at run time (flash4, twenty-second session: a step traced with hopper_attention.TABLE emptied was loaded for
+    one with it set) makes new keys, as a code change does."""
+    from jaxinfer.pallas import (decode_attention, fused_gemv, gemv, hopper_attention, hopper_gemm, prefill_attention,
+                                 rope_kv_write, skinny_gemm)
+
+    return repr((decode_attention._TABLE, decode_attention._TABLE_FP8, sorted(fused_gemv.ROWS.items()),
+                 fused_gemv.DEFAULT_ROWS, sorted(gemv._TABLE.items()), hopper_attention.TABLE,
+                 sorted(hopper_gemm.PREFILL_TABLE.items()), sorted(hopper_gemm.DECODE_TABLE.items()),
+                 prefill_attention._TABLE, rope_kv_write.TILED, sorted(skinny_gemm._TABLE.items()),
+                 sorted(skinny_gemm._PREFILL_TABLE.items())))
+
+
 def _environment() -> str:
     import jaxlib
 
@@ -71,7 +85,7 @@ class ExecutableCache:
 
     def key(self, name: str, settings: str, args: Any) -> str:
         h = hashlib.sha256()
-        for part in (_source_digest(), _environment(), name, settings, _signature(args)):
+        for part in (_source_digest(), _environment(), _kernel_choices(), name, settings, _signature(args)):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:40]

@@ -91,6 +91,19 @@ def test_a_code_change_is_a_new_key(tmp_path, monkeypatch):
     assert cache.key("decode", "s", ()) != k
 
 
+def test_a_kernel_table_changed_at_run_time_is_a_new_key(tmp_path, monkeypatch):
+    """A step reads the kernels' tables when it is traced: one traced with another table must not be loaded."""
+    from jaxinfer.pallas import hopper_attention, hopper_gemm
+
+    cache = ExecutableCache(tmp_path)
+    k = cache.key("mixed", "s", ())
+    monkeypatch.setattr(hopper_attention, "TABLE", [])
+    k2 = cache.key("mixed", "s", ())
+    assert k2 != k
+    monkeypatch.setitem(hopper_gemm.DECODE_TABLE, (1, 2, "none"), hopper_gemm.HopperConfig())
+    assert cache.key("mixed", "s", ()) not in (k, k2)
+
+
 def test_on_by_default_on_gpus_only():
     from jaxinfer.engine import EngineConfig
 

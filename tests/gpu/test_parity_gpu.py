@@ -111,7 +111,7 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
         jax.clear_caches()     # the table is read when a step is traced: no step traced before may be reused
         llm = LLM(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
                   max_num_batched_tokens=1024, token_buckets=[1024], progress=False, compile_at_start=False,
-                  skip_tokenizer_init=True, executable_cache="",   # its key does not see hopper_attention.TABLE
+                  skip_tokenizer_init=True, executable_cache="",   # each path compiled here, not loaded
                   fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
         ran = record_steps(llm.engine.runner)
         out[name] = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20))[0]
