@@ -9,7 +9,8 @@ residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured
 rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Prompt rows of the
 products in pallas/hopper_gemm.py's measured table (Qwen3-4B's QKV and gate/up + SwiGLU) go to the Mosaic GPU
 wgmma GEMM with the epilogue fused, ahead of both. Decode attention is
-the split-sequence kernel of pallas/decode_attention.py.
+the split-sequence kernel of pallas/decode_attention.py. A step that is one fresh prompt runs its attention on
+the Mosaic GPU flash kernel (pallas/hopper_attention.py) at the lengths of its measured table, else cuDNN's.
 `get_ops("pallas-interpret")` runs the same kernels in Pallas interpret mode, for CPU tests.
 """
 
