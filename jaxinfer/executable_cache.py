@@ -46,8 +46,16 @@ def _kernel_choices() -> str:
     """The kernels' measured tables, which a step reads when it is traced: a bench option or a test that changes one
     at run time (flash4, twenty-second session: a step traced with hopper_attention.TABLE emptied was loaded for
     one with it set) makes new keys, as a code change does."""
-    from jaxinfer.pallas import (decode_attention, fused_gemv, gemv, hopper_attention, hopper_gemm, prefill_attention,
-                                 rope_kv_write, skinny_gemm)
+    from jaxinfer.pallas import (
+        decode_attention,
+        fused_gemv,
+        gemv,
+        hopper_attention,
+        hopper_gemm,
+        prefill_attention,
+        rope_kv_write,
+        skinny_gemm,
+    )
 
     return repr((decode_attention._TABLE, decode_attention._TABLE_FP8, sorted(fused_gemv.ROWS.items()),
                  fused_gemv.DEFAULT_ROWS, sorted(gemv._TABLE.items()), hopper_attention.TABLE,

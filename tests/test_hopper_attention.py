@@ -63,12 +63,13 @@ def test_rows_do_not_see_later_keys():
 
 
 def test_shapes_it_does_not_take_are_refused_and_say_why():
-    q, k, v = _inputs(0, 256, 4, 2, 64)
+    q, k, _ = _inputs(0, 256, 4, 2, 64)
     assert hopper_attention.supported(q, k)
     for qq, kk in [(q[:200], k[:200]),                                   # not whole 128-row tiles
                    (q[..., :48], k[..., :48]),                           # head dim not a multiple of 64
                    (q[:, :3], k),                                        # 3 query heads over 2 KV heads
-                   (q.astype(jnp.float32), k.astype(jnp.float32))]:      # 16-bit only
+                   (q.astype(jnp.float32), k.astype(jnp.float32)),       # 16-bit only
+                   (jnp.zeros((256, 4, 256), q.dtype), jnp.zeros((256, 2, 256), q.dtype))]:   # hd 256: too big
         assert not hopper_attention.supported(qq, kk)
         with pytest.raises(ValueError, match="do not tile"):
             hopper_attention.fresh_prompt_flash(qq, kk, kk, 0.125, interpret=True)
@@ -122,8 +123,18 @@ def test_configs_lower_for_the_gpu(T, H, KVH, config):
     assert "mosaic_gpu" in jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_a_ring_over_the_shared_memory_fails_to_lower():
+def test_shared_memory_estimate_matches_the_lowering():
+    """smem_bytes: the 2-deep ring at hd 128 fits (224 KB, lowered above), the 3-deep does not (its lowering failed
+    with "exceeds available shared memory" before supported() checked the estimate)."""
+    assert hopper_attention.smem_bytes(128, FlashConfig()) <= hopper_attention.SMEM_BYTES
+    assert hopper_attention.smem_bytes(128, FlashConfig(stages=3)) > hopper_attention.SMEM_BYTES
+
+
+def test_a_ring_over_the_shared_memory_is_refused_before_lowering():
+    """A 3-deep ring at hd 128 would exceed the 227 KB (Mosaic GPU's lowering says "exceeds available shared
+    memory"): supported() refuses it first, so the op keeps cuDNN rather than failing to compile."""
     q, k = jax.ShapeDtypeStruct((1024, 32, 128), jnp.bfloat16), jax.ShapeDtypeStruct((1024, 8, 128), jnp.bfloat16)
+    assert not hopper_attention.supported(q, k, FlashConfig(stages=3))
     f = functools.partial(hopper_attention.fresh_prompt_flash, scale=0.1, config=FlashConfig(stages=3), ctas=132)
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        jax.jit(f).trace(q, k, k).lower(lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="do not tile"):
+        jax.jit(f).trace(q, k, k)
