@@ -28,8 +28,15 @@ from jaxinfer.ops import reference
 from jaxinfer.pallas import hopper_attention
 from jaxinfer.pallas.hopper_attention import FlashConfig
 
-CONFIGS = [FlashConfig(64, 2), FlashConfig(64, 1), FlashConfig(64, 2, persistent=False)]
+CONFIGS = [FlashConfig(64, 2), FlashConfig(64, 1), FlashConfig(64, 1, q_buffers=2), FlashConfig(64, 1, pingpong=False),
+           FlashConfig(64, 2, persistent=False)]
 RIGHT = 1e-2     # bf16 output and P rounded to bf16: ~3e-3 for a right kernel; a masking error is ~1
+
+
+def label(cfg: FlashConfig) -> str:
+    """"mosaic block_q/stages", then /grid (one CTA an item), /2q (two Q buffers), /no-pp (no ping-pong)."""
+    return (f"mosaic {cfg.block_q}/{cfg.stages}" + ("" if cfg.persistent else "/grid")
+            + ("/2q" if cfg.q_buffers == 2 else "") + ("" if cfg.pingpong else "/no-pp"))
 
 
 def chained(op, calls: int):
@@ -71,7 +78,7 @@ def main() -> None:
                                                                          implementation="xla" if ip else "cudnn"),
                "xla": lambda q, k, v: reference.fresh_prompt_attention(q, k, v, scale)}
         for cfg in CONFIGS:
-            ops[f"mosaic {cfg.block_q}/{cfg.stages}{'' if cfg.persistent else '/grid'}"] = (
+            ops[label(cfg)] = (
                 lambda q, k, v, cfg=cfg: hopper_attention.fresh_prompt_flash(q, k, v, scale, config=cfg,
                                                                              interpret=ip))
         row = {}

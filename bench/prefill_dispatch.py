@@ -95,11 +95,13 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # the GPU default since the ninth session), and without it (the paged kernel)
     "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
     "paged-attention": ("", False, {"fresh_prompt_attention": False}),
-    # the Mosaic GPU flash attention (pallas/hopper_attention.py) for the fresh prompt in place of cuDNN's (31.5 us a
-    # layer at 1k and ~6 us of idle before it for its memset; twenty-first session), its ring 2 or 1 deep
-    "hopper-flash": ("", False, {"flash_table": [[1024, 32768, 64, 2]]}),
-    "hopper-flash-s1": ("", False, {"flash_table": [[1024, 32768, 64, 1]]}),
-    "profiled-hopper-flash": (PROFILED, True, {"flash_table": [[1024, 32768, 64, 2]]}),
+    # the fresh prompt's attention: the Mosaic GPU flash kernel (pallas/hopper_attention.py; the default at 1k-2k
+    # since the twenty-second session) at other configs, or cuDNN's flash attention (31.5 us a layer at 1k and ~6 us
+    # of idle before it for its memset; twenty-first session)
+    "cudnn-attention": ("", False, {"flash_table": []}),
+    "hopper-flash": ("", False, {"flash_table": [[1024, 32768, {"stages": 2}]]}),
+    "hopper-flash-2q": ("", False, {"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}),
+    "profiled-hopper-flash": (PROFILED, True, {"flash_table": [[1024, 32768, {"stages": 2}]]}),
     # programmatic dependent launch (variant_runs.PDL): the step's ~450 kernels each wait for the one before
     "pdl": (PDL, False, {}),
     "pdl-launch": (PDL_LAUNCH, False, {}),

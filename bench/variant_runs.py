@@ -82,8 +82,8 @@ def apply_bench_options(options: dict) -> dict:
     skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
     "no_hopper_gemm" (prompt rows on XLA's GEMM where hopper_gemm's table would take them: its table emptied),
     "hopper_table" (a kernels_hopper_gemm.py JSON: each of hopper_gemm's table rows at the config that ran fastest),
-    "flash_table" (hopper_attention.TABLE's rows: [[first, last, block_q, stages], ...], the Mosaic GPU flash
-    attention for a fresh prompt of those lengths in place of cuDNN's),
+    "flash_table" (hopper_attention.TABLE's rows: [[first, last, FlashConfig's fields], ...], the Mosaic GPU flash
+    attention for a fresh prompt of those lengths; [] gives every length to cuDNN's),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
     rope_kv_write.TILED),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
@@ -135,8 +135,8 @@ def apply_bench_options(options: dict) -> dict:
     if "flash_table" in options:
         from jaxinfer.pallas import hopper_attention
 
-        hopper_attention.TABLE[:] = [(first, last, hopper_attention.FlashConfig(block_q, stages))
-                                     for first, last, block_q, stages in options.pop("flash_table")]
+        hopper_attention.TABLE[:] = [(first, last, hopper_attention.FlashConfig(**fields))
+                                     for first, last, fields in options.pop("flash_table")]
     if "rope_write_tiled" in options:
         from jaxinfer.pallas import rope_kv_write
 

@@ -148,6 +148,21 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     assert rope_kv_write.TILED == 32
 
 
+def test_the_flash_table_option_sets_the_fresh_prompt_kernels_lengths(monkeypatch):
+    """prefill_dispatch's cudnn-attention / hopper-flash variants: the bench option replaces hopper_attention.TABLE."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.variant_runs import apply_bench_options
+    from jaxinfer.pallas import hopper_attention
+    from jaxinfer.pallas.hopper_attention import FlashConfig
+
+    monkeypatch.setattr(hopper_attention, "TABLE", [(1024, 2048, FlashConfig())])
+    assert apply_bench_options({"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}) == {
+        "executable_cache": ""}
+    assert hopper_attention.TABLE == [(1024, 2048, FlashConfig(stages=1, q_buffers=2))]
+    apply_bench_options({"flash_table": []})
+    assert hopper_attention.TABLE == []
+
+
 def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
     """decode_dispatch's oproj-in* variants: the bench option sets block_in for those shapes only (the engine's
     GEMVs read it through fused_gemv.block_in_for), keeps the entry's other fields, and compiles afresh."""

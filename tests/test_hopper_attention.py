@@ -38,6 +38,7 @@ def _close(out, q, k, v, scale):
     (128, 2, 1, 64, jnp.bfloat16, FlashConfig()),            # one row tile: the diagonal block only
     (384, 4, 2, 64, jnp.bfloat16, FlashConfig()),            # 3 tiles, GQA 2: 12 items on 3 CTAs, 4 rounds
     (384, 2, 1, 64, jnp.bfloat16, FlashConfig(persistent=False)),   # one CTA an item
+    (384, 4, 2, 128, jnp.bfloat16, FlashConfig(stages=1, q_buffers=2)),   # the next item's Q loaded early
     (256, 3, 3, 128, jnp.float16, FlashConfig(stages=1)),    # no GQA, two swizzle atoms a row, a one-deep ring
                                                              # (ping-pong deadlocked it while the memory warpgroup
                                                              # waited for V's release before loading K)
@@ -114,6 +115,7 @@ def test_the_kernel_needs_a_hopper_gpu(monkeypatch):
                                                (1024, 32, 8, FlashConfig(stages=1)),
                                                (1024, 32, 8, FlashConfig(pingpong=False)),
                                                (1024, 32, 8, FlashConfig(persistent=False)),
+                                               (1024, 32, 8, FlashConfig(stages=1, q_buffers=2)),
                                                (2048, 16, 8, FlashConfig())])
 def test_configs_lower_for_the_gpu(T, H, KVH, config):
     """Qwen3-4B's / Llama-3-8B's (32/8) and Qwen3-0.6B's (16/8) heads at 128 go through Mosaic GPU's lowering for
@@ -128,6 +130,8 @@ def test_shared_memory_estimate_matches_the_lowering():
     with "exceeds available shared memory" before supported() checked the estimate)."""
     assert hopper_attention.smem_bytes(128, FlashConfig()) <= hopper_attention.SMEM_BYTES
     assert hopper_attention.smem_bytes(128, FlashConfig(stages=3)) > hopper_attention.SMEM_BYTES
+    assert hopper_attention.smem_bytes(128, FlashConfig(stages=1, q_buffers=2)) <= hopper_attention.SMEM_BYTES
+    assert hopper_attention.smem_bytes(128, FlashConfig(stages=2, q_buffers=2)) > hopper_attention.SMEM_BYTES
 
 
 def test_a_ring_over_the_shared_memory_is_refused_before_lowering():

@@ -48,6 +48,9 @@ class FlashConfig:
     # item's Q and K/V while the last item's softmax, products and output finish (False: one CTA an item, each
     # paying its start and end alone: H200, 1k tokens, 30.5 us against 27.8).
     persistent: bool = True
+    # Q buffers a warpgroup (persistent): with 2 the next item's Q is loaded while this one runs, not after its last
+    # QK^T (then only a 1-deep K/V ring fits the shared memory at hd 128).
+    q_buffers: int = 1
 
     @property
     def block_kv(self) -> int:
@@ -83,7 +86,7 @@ def smem_bytes(hd: int, config: FlashConfig, itemsize: int = 2) -> int:
     """Shared memory of the kernel's buffers: Q and the output (a block_q x hd tile a warpgroup each), P (block_q x
     block_kv a warpgroup) and the K/V ring."""
     bq, bkv = config.block_q, config.block_kv
-    return itemsize * (2 * 2 * bq * hd + 2 * bq * bkv + 2 * config.stages * bkv * hd)
+    return itemsize * (2 * (config.q_buffers + 1) * bq * hd + 2 * bq * bkv + 2 * config.stages * bkv * hd)
 
 
 def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array,
@@ -94,12 +97,12 @@ def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax
     Tk, KVH, hdk = k.shape
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and T == Tk and hd == hdk
             and hd % 64 == 0 and H % KVH == 0 and config.block_q % 64 == 0 and T % config.block_kv == 0
-            and config.stages >= 1 and smem_bytes(hd, config) <= SMEM_BYTES)
+            and config.stages >= 1 and config.q_buffers in (1, 2) and smem_bytes(hd, config) <= SMEM_BYTES)
 
 
 def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_smem, q_bar, q_free, k_bar, v_bar,
             k_free, v_free, turn, *, config: FlashConfig, scale: float, group: int, ctas: int):
-    bq, bkv, stages = config.block_q, config.block_kv, config.stages
+    bq, bkv, stages, nq = config.block_q, config.block_kv, config.stages, config.q_buffers
     T, H, hd = q_ref.shape
     dtype = q_ref.dtype
     n_tiles = T // bkv
@@ -124,10 +127,10 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
     @pl.when(wg < 2)
     def _compute():
         plgpu.set_max_registers(232, action="increase")
-        q_smem, o_smem, p_smem = q_smem2.at[wg], o_smem2.at[wg], p_smem2.at[wg]
+        o_smem, p_smem = o_smem2.at[wg], p_smem2.at[wg]
         c = scale * LOG2E
 
-        def step(g0, row0, last, j, carry, masked: bool):
+        def step(g0, row0, q_smem, q_buf, last, j, carry, masked: bool):
             """K/V block j of the item (g0 + j of the CTA's stream): S, the online softmax, acc += P V."""
             acc, m_i, l_i = carry
             slot = lax.rem(g0 + j, stages)
@@ -142,7 +145,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), f32)) * c
             plgpu.barrier_arrive(k_free.at[slot])
             if last:
-                plgpu.barrier_arrive(q_free.at[wg])     # the next item's Q may come in
+                plgpu.barrier_arrive(q_free.at[q_buf])     # the Q buffer may take a later item's Q
             if masked:   # the diagonal block: key j * bkv + col visible to row row0 + r when col <= row
                 rows = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=plgpu.Layout.WGMMA) + row0
                 cols = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=plgpu.Layout.WGMMA) + j * bkv
@@ -175,14 +178,17 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             @pl.when(valid)
             def _():
                 row0 = tile * bkv + wg * bq
-                plgpu.barrier_wait(q_bar.at[wg])
+                q_buf = lax.rem(r, nq)
+                q_smem = q_smem2.at[q_buf, wg]
+                plgpu.barrier_wait(q_bar.at[q_buf * 2 + wg])
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((bq,), 0, f32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((bq, hd), 0, f32), plgpu.Layout.WGMMA)
                 pl.when(wg == 1)(take_turn)     # warpgroup 1 starts one turn behind warpgroup 0 ...
-                carry = lax.fori_loop(0, blocks - 1, functools.partial(step, g0, row0, False, masked=False),
+                carry = lax.fori_loop(0, blocks - 1,
+                                      functools.partial(step, g0, row0, q_smem, q_buf, False, masked=False),
                                       (acc, m_i, l_i))
-                acc, m_i, l_i = step(g0, row0, True, blocks - 1, carry, masked=True)
+                acc, m_i, l_i = step(g0, row0, q_smem, q_buf, True, blocks - 1, carry, masked=True)
                 pl.when(wg == 0)(take_turn)     # ... and warpgroup 0 ends one turn after it: as many arrivals each
                 acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)     # the previous item's output is out of o_smem
@@ -199,19 +205,22 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
 
-        def item(r, g0):
+        def item(r, carry):
+            g0, n = carry
             valid, head, tile, blocks = item_of(r)
             kv_head = lax.div(head, jnp.array(group, head.dtype))
 
             @pl.when(valid)
             def _():
-                @pl.when(r > 0)     # a previous item's last QK^T has read the Q buffers
+                q_buf = lax.rem(r, nq)
+
+                @pl.when(r >= nq)     # the last item in this buffer has done its last QK^T
                 def _():
-                    plgpu.barrier_wait(q_free.at[0])
-                    plgpu.barrier_wait(q_free.at[1])
+                    plgpu.barrier_wait(q_free.at[q_buf])
 
                 for w in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile * bkv + w * bq, bq), head], q_smem2.at[w], q_bar.at[w])
+                    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile * bkv + w * bq, bq), head], q_smem2.at[q_buf, w],
+                                            q_bar.at[q_buf * 2 + w])
 
                 @pl.loop(0, blocks)
                 def _block(j):
@@ -226,9 +235,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
                     pl.when(g >= stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
                     plgpu.copy_gmem_to_smem(v_ref.at[rows, kv_head], v_smem.at[slot], v_bar.at[slot])
 
-            return g0 + jnp.where(valid, blocks, 0)
+            return g0 + jnp.where(valid, blocks, 0), n + valid.astype(jnp.int32)
 
-        total = lax.fori_loop(0, rounds, item, 0)
+        total, n_items_cta = lax.fori_loop(0, rounds, item, (0, 0))
 
         @pl.loop(jnp.maximum(total - stages, 0), total)
         def _drain(g):     # the last blocks' releases and Q's: every barrier phase observed before the CTA exits
@@ -236,8 +245,9 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             plgpu.barrier_wait(k_free.at[slot])
             plgpu.barrier_wait(v_free.at[slot])
 
-        plgpu.barrier_wait(q_free.at[0])
-        plgpu.barrier_wait(q_free.at[1])
+        @pl.loop(jnp.maximum(n_items_cta - nq, 0), n_items_cta)
+        def _drain_q(r):
+            plgpu.barrier_wait(q_free.at[lax.rem(r, nq)])
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
@@ -264,13 +274,13 @@ def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     scratch = dict(
-        q_smem2=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
+        q_smem2=plgpu.SMEM((config.q_buffers, 2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
         o_smem2=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
         p_smem2=plgpu.SMEM((2, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
         v_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
-        q_bar=plgpu.Barrier(num_barriers=2),
-        q_free=plgpu.Barrier(num_barriers=2),
+        q_bar=plgpu.Barrier(num_barriers=2 * config.q_buffers),
+        q_free=plgpu.Barrier(num_arrivals=2, num_barriers=config.q_buffers),
         k_bar=plgpu.Barrier(num_barriers=stages),
         v_bar=plgpu.Barrier(num_barriers=stages),
         k_free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
