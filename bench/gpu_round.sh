@@ -618,12 +618,12 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # executable cache (its key does not see hopper_attention.TABLE); the test now compiles afresh (~2 min)
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
     ;;
-  flash6)    # next session: the flash kernel's GPU tests (two Q buffers, ping-pong off in the persistent grid), its
-             # configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers
-             # and against cuDNN, alternating (~7 min)
+  flash6)    # next session: the flash kernel's GPU tests (two Q buffers, ping-pong off, FA3's intra-warpgroup overlap),
+             # its configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers,
+             # the overlap and cuDNN (~8 min; adopt a config only where both the kernel bench and the step show it)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
     step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
-    prefill_ab 80 default hopper-flash-2q cudnn-attention default hopper-flash-2q
+    prefill_ab 80 default hopper-flash-2q hopper-flash-overlap cudnn-attention default
     ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
