@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
 from bench.kernel_timing import best_ms_per_call, log, rel_err
+from bench.kernels_hopper_gemm import TIMING, dry_run_timing
 from jaxinfer.ops import reference
 from jaxinfer.pallas import hopper_attention
 from jaxinfer.pallas.hopper_attention import FlashConfig
@@ -56,7 +57,8 @@ def main() -> None:
     args = ap.parse_args()
     ip = args.interpret
     H, KVH, hd = (4, 2, 64) if ip else (32, 8, 128)
-    timing = dict(repeats=1) if ip else dict(target_s=0.2)
+    if ip:
+        dry_run_timing()
     calls = 1 if ip else args.calls
     rate = 1e12 if ip else dense_gemm_rate()
     log(f"# dense bf16 GEMM rate {rate / 1e12:.0f} TFLOP/s; {jax.devices()[0].device_kind}")
@@ -87,7 +89,7 @@ def main() -> None:
         for name, op in ops.items():
             try:
                 err = rel_err(jax.jit(op)(q, k, v), ref)
-                _, ms = best_ms_per_call(chained(op, calls), (q, k, v), calls, **timing)
+                _, ms = best_ms_per_call(chained(op, calls), (q, k, v), calls, **TIMING)
             except Exception as e:  # noqa: BLE001
                 log(f"  T={T} {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
                 continue

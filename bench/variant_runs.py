@@ -96,9 +96,10 @@ def apply_bench_options(options: dict) -> dict:
     import jaxinfer.engine
     from jaxinfer.pallas import fused_gemv
 
-    # Each of these patches a kernel choice or the step's code, which the executable cache's key (the source,
-    # the flags, the arguments) does not see: such a child compiles afresh (the fourteenth session's batch-8
-    # attention A/B loaded its first run's executables for the second).
+    # Each of these patches a kernel choice or the step's code. The executable cache's key sees the source, the
+    # flags, the arguments and the kernels' tables, not a patched function (attention_config, weights, the batch's
+    # transfer): such a child compiles afresh (the fourteenth session's batch-8 attention A/B loaded its first
+    # run's executables for the second), and so, to be safe, does one with a patched table.
     patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table",
                                          "no_hopper_gemm", "hopper_table", "rope_write_tiled", "unpacked_batch",
                                          "weights", "flash_table"))

@@ -140,7 +140,7 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     from jaxinfer.pallas import rope_kv_write
 
     monkeypatch.setattr(rope_kv_write, "TILED", 8)
-    # a patched kernel choice compiles afresh (the executable cache's key cannot see it)
+    # a patched kernel choice compiles afresh (the cache's key sees the kernel tables, not every bench patch)
     assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True,
                                                                                     "executable_cache": ""}
     assert rope_kv_write.TILED == 16

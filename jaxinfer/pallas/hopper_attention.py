@@ -35,6 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxinfer.pallas.hopper_gemm import num_sms
+
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
 
@@ -77,12 +79,6 @@ def table_config(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | 
         if first <= T <= last and supported(q, k, config):
             return config
     return None
-
-
-def num_sms() -> int:
-    from jaxinfer.pallas.hopper_gemm import num_sms as sms
-
-    return sms()
 
 
 SMEM_BYTES = 227 * 1024 - 1024     # an H200 CTA's shared memory, less room for the barriers
