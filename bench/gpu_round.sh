@@ -625,6 +625,28 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 default hopper-flash-2q hopper-flash-overlap cudnn-attention default
     ;;
+  trace1)    # twenty-third session: the 1k step's kernels traced as the step is now (flash attention for the prompt),
+             # the graph cut at custom calls against the default (TTFT: does the device start earlier?), then
+             # bench/prefill.py's 1k twice, each its own process (~5 min)
+    prefill_ab 80 profiled-with-cmdbuf default cmdbuf-no-custom default cmdbuf-no-custom
+    for i in 1 2; do
+      step 100 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
+      mv "$OUT/prefill.json" "$OUT/prefill-1k-$i.json"
+    done
+    ;;
+  rawgaps)   # twenty-third session: does a prompt step's call return before the step before it has run (the
+             # raw loop's 13.2 ms a step against a traced device span of 12.16)? Two processes (~2 min)
+    prefill_ab 80 default default
+    ;;
+  hostout)   # the mixed step's outputs in pinned host memory against the default, alternating (~4 min)
+    prefill_ab 80 default host-outputs default host-outputs
+    ;;
+  timeline)  # one 1k request traced on the host and the device on one clock: when does the device start?
+    prefill_ab 80 ${VARIANTS:-host-trace}
+    ;;
+  tracedwall) # the same raw steps timed with and without the profiler on (traced span 12.16 ms a step, raw 13.2)
+    prefill_ab 80 profiled-with-cmdbuf profiled-with-cmdbuf
+    ;;
   skinny2)   # batch 8 and 32 decode with the products where the kernel beat the engine's at those rows in skinny1's
              # sweep (HOPPER_SKINNY_JSON: its kernels_hopper_skinny.json, committed), against the engine as it is,
              # lazily compiled engines, each its own process (~8 min)

@@ -40,6 +40,15 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "hopper-fastest": ("", False, {"hopper_table": HOPPER_JSON}),
     "profiled-hopper-fastest": (PROFILED, True, {"hopper_table": HOPPER_JSON}),
     "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
+    # the step puts its outputs in pinned host memory itself (EngineConfig.mixed_outputs_on_host): reading the
+    # first token back then needs no copy dispatched after the step ends (traced: the device-to-host copies
+    # started ~0.5-0.9 ms after the step's last kernel; twenty-third session)
+    "host-outputs": ("", False, {"mixed_outputs_on_host": True}),
+    "host-trace-host-outputs": (PROFILED, "host", {"mixed_outputs_on_host": True}),
+    # the step's CUDA graph cut at every FFI custom call (the Mosaic GPU GEMMs and flash attention run outside
+    # it): ~110 small graphs and ~110 kernel launches instead of one graph of ~340 kernels, so the device could
+    # start after the first small graph while the host launches the rest (twenty-third session)
+    "cmdbuf-no-custom": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN", False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
     "profiled-no-hopper": (PROFILED, True, {"no_hopper_gemm": True}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
@@ -172,8 +181,26 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
     t0 = time.perf_counter()
     raw(n)
     res["raw_ms"] = 1e3 * (time.perf_counter() - t0) / n
+
+    def call_returns(n, keep):
+        """ms between the returns of n back-to-back calls, and the wait for the last: if the host ran ahead of
+        the device, the calls return within a launch's time of each other and the wait holds the rest;
+        keep: every call's outputs stay alive (no output buffer is reused)"""
+        kept, out, t = [], None, [time.perf_counter()]
+        for _ in range(n):
+            r.kv, r.state, *out = r._call(name, batch)
+            t.append(time.perf_counter())
+            if keep:
+                kept.append(out)
+        jax.block_until_ready(out)
+        t.append(time.perf_counter())
+        return [round(1e3 * (b - a), 3) for a, b in zip(t, t[1:])]
+
+    res["raw_call_returns_ms"] = call_returns(6, keep=False)
+    res["raw_call_returns_kept_ms"] = call_returns(6, keep=True)
     if profile == "host":
-        from bench.trace_kernels import kernel_trace, print_host_summary, summarize_host
+        from bench.trace_kernels import (kernel_trace, print_host_summary, print_request_timeline, request_timeline,
+                                         summarize_host)
 
         with kernel_trace("/tmp/trace-prefill-host"):
             rid = engine.add_request(prompt, params)
@@ -182,11 +209,18 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
             engine.take_finished(rid)
         res["host_trace"] = summarize_host("/tmp/trace-prefill-host")
         print_host_summary(res["host_trace"])
+        res["timeline"] = request_timeline("/tmp/trace-prefill-host")
+        print_request_timeline(res["timeline"])
     elif profile:
         from bench.trace_kernels import kernel_trace, print_summary, summarize
 
+        t0 = time.perf_counter()
+        raw(3)
+        res["raw3_wall_ms"] = 1e3 * (time.perf_counter() - t0) / 3
         with kernel_trace("/tmp/trace-prefill-dispatch"):
+            t0 = time.perf_counter()
             raw(3)
+            res["traced_raw3_wall_ms"] = 1e3 * (time.perf_counter() - t0) / 3   # against the trace's span a step
         s = summarize("/tmp/trace-prefill-dispatch", steps=3)
         print_summary(s)
         res.update({k: s.get(k) for k in ("kernels_per_step", "kernel_us_per_step", "busy_us_per_step",

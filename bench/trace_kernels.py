@@ -68,6 +68,37 @@ def summarize_host(log_dir: str, top: int = 40) -> list[dict]:
     return [dict(name=n, count=c, total_us=t, max_us=m) for n, (c, t, m) in ranked]
 
 
+def request_timeline(log_dir: str, min_us: float = 40.0) -> dict:
+    """One traced request on one clock: the host's scopes of at least `min_us` in start order and the device's
+    first and last activity, each in us from the trace's first host event. Says whether the device starts
+    before the step's launch returns (CUPTI inflates every driver call: the order means more than the sizes)."""
+    host = [e for e in _events(log_dir, device=False)
+            if not any(f in e["name"] for f in ("profiler.py", "trace_kernels.py", "contextlib.py"))]
+    device = sorted(_events(log_dir, device=True), key=lambda e: e["ts"])
+    t0 = min(e["ts"] for e in host)
+    rows = [dict(name=_short(e["name"]), start_us=e["ts"] - t0, dur_us=e["dur"])
+            for e in sorted(host, key=lambda e: e["ts"]) if e["dur"] >= min_us]
+    kernels = [e for e in device if "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
+    if not device:   # the CPU backend's trace has no device activity
+        return dict(host=rows[:90], device_first=None, first_kernel_us=None, last_kernel_end_us=None, copies=[])
+    return dict(host=rows[:90], device_first=dict(name=_short(device[0]["name"]), start_us=device[0]["ts"] - t0),
+                first_kernel_us=kernels[0]["ts"] - t0 if kernels else None,
+                last_kernel_end_us=max(e["ts"] + e["dur"] for e in kernels) - t0 if kernels else None,
+                copies=[dict(name=_short(e["name"]), start_us=e["ts"] - t0, dur_us=e["dur"])
+                        for e in device if "memcpy" in e["name"].lower()][:8])
+
+
+def print_request_timeline(t: dict) -> None:
+    print("| host scope | start us | us |")
+    print("|---|---|---|")
+    for r in t["host"]:
+        print(f"| {r['name']} | {r['start_us']:.0f} | {r['dur_us']:.0f} |")
+    if t["device_first"]:
+        print(f"# profile device: first activity {t['device_first']['name']} at {t['device_first']['start_us']:.0f}"
+              f" us, first kernel at {t['first_kernel_us']:.0f}, last kernel ends at {t['last_kernel_end_us']:.0f};"
+              f" copies {t['copies']}")
+
+
 def print_host_summary(rows: list[dict]) -> None:
     print("| host activity | count | total us | largest us |")
     print("|---|---|---|---|")

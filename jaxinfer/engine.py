@@ -94,6 +94,10 @@ class EngineConfig:
     # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
     # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
     greedy_mixed_step: bool | None = None
+    # The mixed steps write their sampled tokens (and logprobs) to pinned host memory as their last work, so
+    # reading a prompt's first token back needs no device-to-host copy dispatched after the step ends
+    # (bench variant host-outputs; twenty-third session).
+    mixed_outputs_on_host: bool = False
     # The sampling steps (a row sampled, or top logprobs wanted) in four variants the host picks between
     # (sampling.sampler_for), none with a device-side conditional: three without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
@@ -248,7 +252,8 @@ class Engine:
                                   if config.fresh_prompt_attention else 0,
                                   prefixed_chunks=bool(config.fresh_prompt_attention and
                                                        config.prefixed_chunk_attention),
-                                  plain_sampling=config.plain_sampling_step)
+                                  plain_sampling=config.plain_sampling_step,
+                                  mixed_outputs_on_host=config.mixed_outputs_on_host)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0

@@ -198,6 +198,16 @@ def _decode_name(greedy: bool, n_steps: int, sampler: str | None = None) -> str:
     return f"decode{_sampler_suffix(greedy, sampler)}-{n_steps}"
 
 
+def _outputs_on_host(step):
+    """The step with its outputs after (kv, state) moved to pinned host memory inside the executable."""
+    @functools.wraps(step)
+    def on_host(*args):
+        kv, state, *outs = step(*args)
+        return (kv, state, *jax.device_put(outs, jax.memory.Space.Host))
+    on_host.__name__ = "mixed_step"   # the executable's name in traces, as without the move
+    return on_host
+
+
 def _mixed_name(greedy: bool, sampler: str | None, attention: str) -> str:
     return f"mixed{_sampler_suffix(greedy, sampler)}" + ("" if attention == "paged" else f"-{attention}")
 
@@ -222,7 +232,8 @@ class ModelRunner:
                  token_buckets: list[int] | None = None, unroll_layers: bool = False, max_logprobs: int = 20,
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
-                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False):
+                 fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False,
+                 mixed_outputs_on_host: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
@@ -233,7 +244,8 @@ class ModelRunner:
         plain_sampling: the sampling (not greedy-only) steps come in four variants the host picks between
         (sampling.sampler_for), none with a device-side conditional: "-plain", "-filter" and "-filter-p" (no
         sort over the vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
-        conditional when every row is greedy."""
+        conditional when every row is greedy. mixed_outputs_on_host: the mixed steps' outputs after the KV
+        cache and sampler state (tokens, logprobs, ...) are placed in pinned host memory by the step itself."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -274,16 +286,17 @@ class ModelRunner:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
                 if sampler in ("filter", "filter-p") and not filter_pays(self.sampled_rows(attention), sampler):
                     continue
+                step = functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
+                                         attention=attention, method=method)
                 self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
-                    functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
-                                      attention=attention, method=method), donate_argnums=(1, 2))
+                    _outputs_on_host(step) if mixed_outputs_on_host else step, donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
-                               max_logprobs, plain_sampling))
+                               max_logprobs, plain_sampling, mixed_outputs_on_host))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
 

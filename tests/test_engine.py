@@ -471,3 +471,25 @@ def test_the_penalty_row_is_reset_only_for_requests_with_penalties(stories):
         assert got[1] == stories.generate([PROMPTS[3]], params)[0].token_ids
         assert got[1] != stories.generate([PROMPTS[3]], plain)[0].token_ids   # the penalty shows
         assert got[2] == stories.generate([PROMPTS[4]], plain)[0].token_ids
+
+
+def test_mixed_outputs_on_host_give_the_same_outputs(stories):
+    """With mixed_outputs_on_host the mixed steps place their sampled tokens and logprobs in pinned host memory
+    themselves; greedy, seeded and logprob outputs equal the engine's without it."""
+    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, mixed_outputs_on_host=True, progress=False)
+    runner = llm.engine.runner
+    launch, kinds = runner.launch_mixed, []
+
+    def recording(*args, **kw):
+        outs = launch(*args, **kw)
+        kinds.extend(o.sharding.memory_kind for o in outs)
+        return outs
+
+    runner.launch_mixed = recording
+    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)]
+    got, want = llm.generate(PROMPTS[:2], params), stories.generate(PROMPTS[:2], params)
+    assert kinds and set(kinds) == {"pinned_host"}
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+                               rtol=1e-5, atol=1e-5)
