@@ -638,6 +638,15 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # raw loop's 13.2 ms a step against a traced device span of 12.16)? Two processes (~2 min)
     prefill_ab 80 default default
     ;;
+  split1)    # the 1k prompt step as two executables (its first 3, 6 or 12 layers apart) against one, and the
+             # read-back that polls readiness, alternating, each its own process (~7 min)
+    prefill_ab 80 default split-6 spin-read-back split-6-spin default split-6 split-3 split-12
+    ;;
+  split2)    # bench/prefill.py 1k and 8k with and without the split (one process), then one request of split-6
+             # traced on one clock (~5 min)
+    step 240 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-split6 --out "$OUT"
+    VARIANTS=host-trace-split-6 bash "$0" timeline
+    ;;
   hostout)   # the mixed step's outputs in pinned host memory against the default, alternating (~4 min)
     prefill_ab 80 default host-outputs default host-outputs
     ;;

@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=os.environ.get("OUT"))
     ap.add_argument("--interpret", action="store_true")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="time the first N of CONFIGS only")
     args = ap.parse_args()
     ip = args.interpret
     H, KVH, hd = (4, 2, 64) if ip else (32, 8, 128)
@@ -81,7 +82,7 @@ def main() -> None:
         ops = {"cudnn": lambda q, k, v: reference.fresh_prompt_attention(q, k, v, scale,
                                                                          implementation="xla" if ip else "cudnn"),
                "xla": lambda q, k, v: reference.fresh_prompt_attention(q, k, v, scale)}
-        for cfg in CONFIGS:
+        for cfg in CONFIGS[:args.configs]:
             ops[label(cfg)] = (
                 lambda q, k, v, cfg=cfg: hopper_attention.fresh_prompt_flash(q, k, v, scale, config=cfg,
                                                                              interpret=ip))

@@ -39,7 +39,9 @@ def prefill_flops(cfg, T: int) -> float:
 # Paths besides ops names: engine settings to compare side by side
 PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  # the paged kernel for a fresh prompt
                 # a long prompt's later chunks on cuDNN too (EngineConfig.prefixed_chunk_attention)
-                "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True})}
+                "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True}),
+                # the prompt step as two executables, its first 6 layers apart (EngineConfig.prompt_step_head_layers)
+                "pallas-split6": ("pallas", {"prompt_step_head_layers": 6})}
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,

@@ -98,6 +98,13 @@ class EngineConfig:
     # reading a prompt's first token back needs no device-to-host copy dispatched after the step ends
     # (bench variant host-outputs; twenty-third session).
     mixed_outputs_on_host: bool = False
+    # A one-sequence prompt step (fresh_prompt_attention's) as two executables, the first this many layers,
+    # the rest and the sampling (runner.SplitStep): the device can start on the first's small CUDA graph while
+    # the host launches the second's. 0: one executable.
+    prompt_step_head_layers: int = 0
+    # Read steps back by polling their outputs' readiness first (Runner.fetch): traced, the host dispatched a
+    # 1k prompt's read-back ~0.5 ms after the device had finished (twenty-third session). Costs a busy thread.
+    spin_read_back: bool = False
     # The sampling steps (a row sampled, or top logprobs wanted) in four variants the host picks between
     # (sampling.sampler_for), none with a device-side conditional: three without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
@@ -253,7 +260,9 @@ class Engine:
                                   prefixed_chunks=bool(config.fresh_prompt_attention and
                                                        config.prefixed_chunk_attention),
                                   plain_sampling=config.plain_sampling_step,
-                                  mixed_outputs_on_host=config.mixed_outputs_on_host)
+                                  mixed_outputs_on_host=config.mixed_outputs_on_host,
+                                  prompt_head_layers=config.prompt_step_head_layers)
+        self.runner.spin_read_back = config.spin_read_back
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0

@@ -120,9 +120,30 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     position 0 (then padding), ops.fresh_prompt_attention; "prefixed": they are one sequence's chunk after
     its cached prefix (page table row 0), ops.prefixed_chunk_attention.
     """
+    x = embed(cfg, params, tokens, positions)
+    kv, x = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0, cfg.num_layers,
+                       decode, unroll, attention)
+    return kv, final_norm(cfg, ops, params, x)
+
+
+def embed(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
+    """The residual stream [T, D] before the first layer."""
     x = params["embed"][tokens]
     if cfg.position_kind == "learned":
         x = x + params["pos_embed"][positions]
+    return x
+
+
+def final_norm(cfg: ModelConfig, ops: ModuleType, params: dict, x: jax.Array) -> jax.Array:
+    return _norm(ops, cfg, x, params["final_norm"])
+
+
+def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: jax.Array, positions: jax.Array,
+               slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array, first: int, last: int,
+               decode: bool = False, unroll: bool = False, attention: str = "paged") -> tuple[KVCache, jax.Array]:
+    """Layers first..last-1 on the residual stream x [T, D] (arguments as hidden_states'): (kv, x). With split
+    layers, params["layers"][i] is layer i's (entries outside the range may be None: a step that runs part of
+    the model takes only its part's matrices as arguments)."""
     cos_sin = None
     if cfg.position_kind == "rope":
         cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
@@ -133,15 +154,15 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
 
     carry = (x, kv.k, kv.v)
     if isinstance(params["layers"], (list, tuple)):  # per-layer arrays (split_layers): straight-line code
-        for i, matrices in enumerate(params["layers"]):
-            carry = _split_layer(cfg, ops, kv.page_size, decode, carry, matrices, params["layer_vectors"],
+        for i in range(first, last):
+            carry = _split_layer(cfg, ops, kv.page_size, decode, carry, params["layers"][i], params["layer_vectors"],
                                  jnp.int32(i), cos_sin, token_arrays, attention)
     else:
-        indices = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        indices = jnp.arange(first, last, dtype=jnp.int32)
         carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
                                 indices, unroll=unroll)
     x, k, v = carry
-    return kv.replace(k=k, v=v), _norm(ops, cfg, x, params["final_norm"])
+    return kv.replace(k=k, v=v), x
 
 
 def split_layers(params: dict) -> dict:

@@ -106,9 +106,88 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     rows = batch if attention == "paged" else _first_row(batch)
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, rows.sample_index, attention=attention)
+    return _sampled(kv, state, batch, rows, logits, n_top, greedy, method)
+
+
+def _sampled(kv, state, batch, rows, logits, n_top, greedy, method):
+    """A mixed step's outputs from its rows' logits: (kv, state, tokens, logprobs, top values, top ids), each
+    output padded to the batch's B rows."""
     state, *outs = _sample_rows(logits, n_top, state, rows, greedy, method)
     B = batch.sample_index.shape[0]
     return (kv, state, *(jnp.pad(o, [(0, B - o.shape[0])] + [(0, 0)] * (o.ndim - 1)) for o in outs))
+
+
+def mixed_head(cfg: ModelConfig, ops: ModuleType, head_layers: int, attention: str, params: dict, kv: KVCache,
+               state: SamplerState, batch: StepBatch):
+    """The first part of a split mixed step (SplitStep): the embedding and layers 0..head_layers-1.
+    Returns (kv, the residual stream [T, D])."""
+    batch = unpacked(batch)
+    x = model.embed(cfg, params, _step_tokens(state, batch), batch.positions)
+    return model.run_layers(cfg, ops, params, kv, x, batch.positions, batch.slot_mapping, batch.token_seq,
+                            batch.page_table, 0, head_layers, attention=attention)
+
+
+def mixed_tail(cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, params: dict, kv: KVCache,
+               state: SamplerState, batch: StepBatch, x: jax.Array, greedy: bool = False, attention: str = "paged",
+               method: str = "branch"):
+    """The rest of a split mixed step: layers head_layers.. on mixed_head's x, the LM head and the sampling.
+    Returns what mixed_step returns."""
+    batch = unpacked(batch)
+    rows = batch if attention == "paged" else _first_row(batch)
+    kv, x = model.run_layers(cfg, ops, params, kv, x, batch.positions, batch.slot_mapping, batch.token_seq,
+                             batch.page_table, head_layers, cfg.num_layers, attention=attention)
+    h = model.final_norm(cfg, ops, params, x)
+    return _sampled(kv, state, batch, rows, model.lm_head(cfg, ops, params, h[rows.sample_index]), n_top, greedy,
+                    method)
+
+
+class SplitStep:
+    """A mixed step as two executables called back to back: mixed_head (the embedding and the first
+    `head_layers` layers) and mixed_tail (the other layers and the sampling), each taking only its own
+    layers' matrices. Called as a step is, (params, kv, state, batch). On the H200 the device started a 1k
+    prompt's step only near the end of its one graph's launch (~1-1.7 ms after the call: 338 kernels); split,
+    it can start on the head's small graph while the host launches the tail's (twenty-third session)."""
+
+    PARTS = ("/head", "/tail")
+
+    def __init__(self, cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, greedy: bool,
+                 attention: str, method: str, wrap=None):
+        self.cfg, self.head_layers = cfg, head_layers
+        self.head = jax.jit(functools.partial(mixed_head, cfg, ops, head_layers, attention), donate_argnums=(1,))
+        tail = functools.partial(mixed_tail, cfg, ops, n_top, head_layers, greedy=greedy, attention=attention,
+                                 method=method)
+        self.tail = jax.jit(wrap(tail) if wrap else tail, donate_argnums=(1, 2))
+        self._split = (None, None, None)
+
+    def split_params(self, params: dict) -> tuple[dict, dict]:
+        """(the head's parameters, the tail's): each without the other's layer matrices (None in their
+        place) or arrays it does not read (computed once per parameter tree)."""
+        if self._split[0] is not params:
+            k, layers = self.head_layers, params["layers"]
+            head, tail = dict(params), dict(params)
+            if isinstance(layers, (list, tuple)):   # split layers: each part its own matrices
+                head["layers"] = [lp if i < k else None for i, lp in enumerate(layers)]
+                tail["layers"] = [None if i < k else lp for i, lp in enumerate(layers)]
+            for name in ("final_norm", "lm_head"):
+                head.pop(name, None)
+            if not self.cfg.tie_embeddings:
+                tail.pop("embed", None)
+            tail.pop("pos_embed", None)
+            self._split = (params, head, tail)
+        return self._split[1], self._split[2]
+
+    def parts(self, params: dict, kv: KVCache, state: SamplerState, batch) -> list[tuple[str, Any, tuple]]:
+        """(name suffix, jitted function, its arguments) of each part, for compiling them apart."""
+        head, tail = self.split_params(params)
+        x = jax.eval_shape(self.head, head, kv, state, batch)[1]
+        return [(self.PARTS[0], self.head, (head, kv, state, batch)),
+                (self.PARTS[1], self.tail, (tail, kv, state, batch, x))]
+
+    def __call__(self, params: dict, kv: KVCache, state: SamplerState, batch, head=None, tail=None):
+        """head, tail: the parts' compiled executables (default: the jitted functions)."""
+        head_params, tail_params = self.split_params(params)
+        kv, x = (head or self.head)(head_params, kv, state, batch)
+        return (tail or self.tail)(tail_params, kv, state, batch, x)
 
 
 def _first_row(batch: StepBatch) -> StepBatch:
@@ -208,6 +287,10 @@ def _outputs_on_host(step):
     return on_host
 
 
+def _all_ready(arrays) -> bool:
+    return all(a.is_ready() for a in arrays)
+
+
 def _mixed_name(greedy: bool, sampler: str | None, attention: str) -> str:
     return f"mixed{_sampler_suffix(greedy, sampler)}" + ("" if attention == "paged" else f"-{attention}")
 
@@ -233,7 +316,7 @@ class ModelRunner:
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
                  fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False,
-                 mixed_outputs_on_host: bool = False):
+                 mixed_outputs_on_host: bool = False, prompt_head_layers: int = 0):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
@@ -245,7 +328,9 @@ class ModelRunner:
         (sampling.sampler_for), none with a device-side conditional: "-plain", "-filter" and "-filter-p" (no
         sort over the vocabulary) and the sorting one. Without it, one sampling variant skips the sort behind a
         conditional when every row is greedy. mixed_outputs_on_host: the mixed steps' outputs after the KV
-        cache and sampler state (tokens, logprobs, ...) are placed in pinned host memory by the step itself."""
+        cache and sampler state (tokens, logprobs, ...) are placed in pinned host memory by the step itself.
+        prompt_head_layers > 0: the one-sequence prompt steps ("-fresh", "-prefixed") run as SplitStep, their
+        first prompt_head_layers layers in an executable of their own."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -260,6 +345,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
+        self.spin_read_back = False      # fetch polls readiness first (EngineConfig.spin_read_back)
         self.warmup_breakdown: dict[str, float] = {}
         self.short_decode = short_decode
         self.fresh_prompt_min_tokens = fresh_prompt_min_tokens
@@ -286,17 +372,23 @@ class ModelRunner:
             for greedy, sampler, method in samplers + [(True, None, "branch")] * greedy_mixed:
                 if sampler in ("filter", "filter-p") and not filter_pays(self.sampled_rows(attention), sampler):
                     continue
-                step = functools.partial(mixed_step, cfg, ops, 0 if greedy else max_logprobs, greedy=greedy,
-                                         attention=attention, method=method)
-                self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(
-                    _outputs_on_host(step) if mixed_outputs_on_host else step, donate_argnums=(1, 2))
+                n_top = 0 if greedy else max_logprobs
+                wrap = _outputs_on_host if mixed_outputs_on_host else None
+                if attention != "paged" and 0 < prompt_head_layers < cfg.num_layers:
+                    self.steps[_mixed_name(greedy, sampler, attention)] = SplitStep(
+                        cfg, ops, n_top, prompt_head_layers, greedy, attention, method, wrap)
+                    continue
+                step = functools.partial(mixed_step, cfg, ops, n_top, greedy=greedy, attention=attention,
+                                         method=method)
+                self.steps[_mixed_name(greedy, sampler, attention)] = jax.jit(wrap(step) if wrap else step,
+                                                                              donate_argnums=(1, 2))
         if prompt_logprobs:
             self.steps["mixed-prompt-logprobs"] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, max_logprobs), donate_argnums=(1, 2))
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll_layers,
-                               max_logprobs, plain_sampling, mixed_outputs_on_host))
+                               max_logprobs, plain_sampling, mixed_outputs_on_host, prompt_head_layers))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[str, int], Any] = {}   # (step name, bucket) -> compiled at warm-up
 
@@ -349,8 +441,13 @@ class ModelRunner:
         return tuple(out)
 
     def fetch(self, arrays) -> tuple[np.ndarray, ...]:
-        """Read device arrays back, counting the time spent waiting in `device_wait_seconds`."""
+        """Read device arrays back, counting the time spent waiting in `device_wait_seconds`. With
+        `spin_read_back`, first poll the arrays' readiness (each poll asks the runtime whether the step's
+        event has passed), yielding the GIL between polls, instead of blocking in the runtime's own wait."""
         t0 = time.perf_counter()
+        if self.spin_read_back:
+            while not _all_ready(arrays):
+                time.sleep(0)
         out = tuple(jax.device_get(list(arrays)))   # the copies start together, not one after another
         self.device_wait_seconds += time.perf_counter() - t0
         return out
@@ -373,6 +470,10 @@ class ModelRunner:
     def _call(self, name: str, batch: StepBatch | DecodeBatch):
         """Run a step on (params, kv, state, batch): its executable from warm-up for the batch's bucket,
         else the jitted step (which compiles an unseen shape)."""
+        step = self.steps[name]
+        if isinstance(step, SplitStep):
+            return step(self.params, self.kv, self.state, batch,
+                        *(self._executables.get(_bucket_key(name + part, batch)) for part in SplitStep.PARTS))
         args = (self.params, self.kv, self.state, batch)
         exe = self._executables.get(_bucket_key(name, batch))
         if exe is not None:
@@ -385,6 +486,8 @@ class ModelRunner:
 
     def compiled(self, name: str, batch: StepBatch | DecodeBatch):
         """The step's executable for the batch's bucket: warm-up's, else compiled now (benches)."""
+        if isinstance(self.steps[name], SplitStep):
+            raise TypeError(f"step {name} runs as two executables (SplitStep.parts)")
         exe = self._executables.get(_bucket_key(name, batch))
         return exe or self.steps[name].lower(self.params, self.kv, self.state, batch).compile()
 
@@ -463,22 +566,29 @@ class ModelRunner:
         if not compile:
             return time.perf_counter() - t0
         calls = self.bucket_calls()
+        units = []   # what compiles apart: (executable's name, batch, jitted function, arguments)
+        for name, batch in calls:
+            step = self.steps[name]
+            if isinstance(step, SplitStep):
+                units += [(name + part, batch, fn, args)
+                          for part, fn, args in step.parts(self.params, self.kv, self.state, batch)]
+            else:
+                units.append((name, batch, step, (self.params, self.kv, self.state, batch)))
         cache = self.executable_cache
-        keys = [cache.key(name, self._settings, (self.params, self.kv, self.state, batch)) if cache else None
-                for name, batch in calls]
+        keys = [cache.key(name, self._settings, args) if cache else None for name, _, _, args in units]
         spent = dict(load=0.0, lower=0.0, compile=0.0, compile_wall=0.0, first_runs=0.0)
-        bar = tqdm(total=len(calls), desc="compiling steps", unit="step", disable=not progress, leave=False)
+        bar = tqdm(total=len(units), desc="compiling steps", unit="step", disable=not progress, leave=False)
 
         def load(i):
             exe = cache.load(keys[i])
             if exe is not None:
-                self._executables[_bucket_key(*calls[i])] = exe
+                self._executables[_bucket_key(*units[i][:2])] = exe
             return exe is not None
 
         def compile_and_save(i, lowered):
             t = time.perf_counter()
             exe = lowered.compile()
-            self._executables[_bucket_key(*calls[i])] = exe
+            self._executables[_bucket_key(*units[i][:2])] = exe
             seconds = time.perf_counter() - t
             if cache:
                 cache.save(keys[i], exe)
@@ -486,15 +596,15 @@ class ModelRunner:
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
             t1 = time.perf_counter()
-            loaded = list(pool.map(load, range(len(calls)))) if cache else [False] * len(calls)
+            loaded = list(pool.map(load, range(len(units)))) if cache else [False] * len(units)
             spent["load"] = time.perf_counter() - t1
             bar.update(sum(loaded))
             t1 = time.perf_counter()
             futures = []
-            for i, (name, batch) in enumerate(calls):
+            for i, (_, _, fn, args) in enumerate(units):
                 if not loaded[i]:
                     t = time.perf_counter()
-                    lowered = self.steps[name].lower(self.params, self.kv, self.state, batch)
+                    lowered = fn.lower(*args)
                     spent["lower"] += time.perf_counter() - t
                     futures.append(pool.submit(compile_and_save, i, lowered))
             for f in as_completed(futures):

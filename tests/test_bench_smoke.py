@@ -40,7 +40,7 @@ def _run(tmp_path, script, *args, timeout=300):
      "kernels_hopper_skinny.json"),
     ("kernels_hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
      "kernels_hopper_gemm.json"),
-    ("kernels_hopper_attention.py", ["--interpret", "--tokens", "128"], "kernels_hopper_attention.json"),
+    ("kernels_hopper_attention.py", ["--interpret", "--tokens", "128", "--configs", "2"], "kernels_hopper_attention.json"),
     ("step_memory.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-num-seqs", "2",
                         "--max-model-len", "64"], "step_memory.json"),
     ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),

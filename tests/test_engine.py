@@ -8,8 +8,9 @@ import pytest
 
 from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
+from jaxinfer import runner as runner_module
 from jaxinfer.engine import stream
-from jaxinfer.runner import bucket_of
+from jaxinfer.runner import SplitStep, bucket_of
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -493,3 +494,55 @@ def test_mixed_outputs_on_host_give_the_same_outputs(stories):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unroll_layers", [False, True])
+def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
+    """prompt_step_head_layers: the one-sequence prompt steps run as two executables (the first 2 of the 5
+    layers, then the rest and the sampling; runner.SplitStep), over stacked or per-layer weights. Fresh and
+    prefixed steps, greedy and seeded sampled, give the tokens and logprobs of the engine without it; both parts
+    compile at start-up (nothing after), each taking only its own layers' matrices, each saved to the executable
+    cache under its own key."""
+    system = "once upon a time there was a little girl named lily. she liked to play in the park. " * 2
+    prompts = [system + "one day she", "the dog ran to the park and", "one day"]
+    opts = dict(max_num_seqs=4, max_num_batched_tokens=32, greedy_mixed_step=True, progress=False,
+                fresh_prompt_attention=True, fresh_prompt_min_tokens=16, prefixed_chunk_attention=True,
+                unroll_layers=unroll_layers)
+    llm = LLM(STORIES, prompt_step_head_layers=2, executable_cache=str(tmp_path), **opts)
+    want = LLM(STORIES, **opts)
+    runner = llm.engine.runner
+    split = runner.steps["mixed-greedy-fresh"]
+    assert isinstance(split, SplitStep) and isinstance(runner.steps["mixed-prefixed"], SplitStep)
+    assert not isinstance(runner.steps["mixed-greedy"], SplitStep)
+    head, tail = split.split_params(runner.params)
+    if unroll_layers:   # each part takes its own layers' matrices only
+        assert [lp is None for lp in head["layers"]] == [False, False, True, True, True]
+        assert [lp is None for lp in tail["layers"]] == [True, True, False, False, False]
+        assert "final_norm" not in head and "final_norm" in tail
+    ran = record_steps(runner)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2)
+    with no_compiles():
+        got = [llm.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
+    assert {"mixed-greedy-prefixed", "mixed-prefixed", "mixed-greedy-fresh", "mixed-fresh"} <= set(ran)
+    expected = [want.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+                               rtol=1e-5, atol=1e-5)
+    # each part compiled and saved apart (loading is test_executable_cache's, in processes of their own)
+    parts = [name for name, _ in runner._executables if name.startswith("mixed-greedy-fresh")]
+    assert sorted(set(parts)) == ["mixed-greedy-fresh/head", "mixed-greedy-fresh/tail"]
+    assert len(list(tmp_path.glob("*.exe"))) == len(runner._executables) == runner.executable_cache.misses
+
+
+def test_spin_read_back_polls_before_reading(stories, monkeypatch):
+    """spin_read_back: the engine's read-backs poll the outputs' readiness before reading them (prompt steps
+    and decode dispatches), and generate what the engine without it does."""
+    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, spin_read_back=True, progress=False)
+    polls = []
+    real = runner_module._all_ready
+    monkeypatch.setattr(runner_module, "_all_ready", lambda arrays: polls.append(len(arrays)) or real(arrays))
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    got = llm.generate(PROMPTS[:2], params)
+    assert len(polls) >= 2 and min(polls) >= 3   # a prompt step and decode dispatches, each several outputs
+    assert [o.token_ids for o in got] == [o.token_ids for o in stories.generate(PROMPTS[:2], params)]
