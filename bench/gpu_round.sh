@@ -618,12 +618,12 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # executable cache (its key does not see hopper_attention.TABLE); the test now compiles afresh (~2 min)
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
     ;;
-  flash6)    # next session: the flash kernel's GPU tests (two Q buffers, ping-pong off, FA3's intra-warpgroup overlap),
-             # its configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers,
-             # the overlap and cuDNN (~8 min; adopt a config only where both the kernel bench and the step show it)
+  flash6)    # the flash kernel's GPU tests (two Q buffers, ping-pong off; the overlap, run in the twenty-third session, is gone),
+             # its configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers
+             # and cuDNN (~7 min; adopt a config only where both the kernel bench and the step show it)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
     step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
-    prefill_ab 80 default hopper-flash-2q hopper-flash-overlap cudnn-attention default
+    prefill_ab 80 default hopper-flash-2q cudnn-attention default
     ;;
   trace1)    # twenty-third session: the 1k step's kernels traced as the step is now (flash attention for the prompt),
              # the graph cut at custom calls against the default (TTFT: does the device start earlier?), then

@@ -119,8 +119,6 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "cudnn-attention": ("", False, {"flash_table": []}),
     "hopper-flash": ("", False, {"flash_table": [[1024, 32768, {"stages": 2}]]}),
     "hopper-flash-2q": ("", False, {"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}),
-    "hopper-flash-overlap": ("", False, {"flash_table": [[1024, 2048, {"stages": 1, "pingpong": False,
-                                                                      "overlap": True}]]}),
     "profiled-hopper-flash": (PROFILED, True, {"flash_table": [[1024, 32768, {"stages": 2}]]}),
     # programmatic dependent launch (variant_runs.PDL): the step's ~450 kernels each wait for the one before
     "pdl": (PDL, False, {}),

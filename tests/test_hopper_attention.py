@@ -39,8 +39,6 @@ def _close(out, q, k, v, scale):
     (384, 4, 2, 64, jnp.bfloat16, FlashConfig()),            # 3 tiles, GQA 2: 12 items on 3 CTAs, 4 rounds
     (384, 2, 1, 64, jnp.bfloat16, FlashConfig(persistent=False)),   # one CTA an item
     (384, 4, 2, 128, jnp.bfloat16, FlashConfig(stages=1, q_buffers=2)),   # the next item's Q loaded early
-    (384, 4, 2, 64, jnp.bfloat16, FlashConfig(stages=1, pingpong=False, overlap=True)),   # QK^T j beside PV j-1
-    (512, 2, 1, 64, jnp.float16, FlashConfig(stages=2, pingpong=False, overlap=True, q_buffers=2)),
     (256, 3, 3, 128, jnp.float16, FlashConfig(stages=1)),    # no GQA, two swizzle atoms a row, a one-deep ring
                                                              # (ping-pong deadlocked it while the memory warpgroup
                                                              # waited for V's release before loading K)
@@ -76,14 +74,6 @@ def test_shapes_it_does_not_take_are_refused_and_say_why():
         assert not hopper_attention.supported(qq, kk)
         with pytest.raises(ValueError, match="do not tile"):
             hopper_attention.fresh_prompt_flash(qq, kk, kk, 0.125, interpret=True)
-
-
-def test_overlap_replaces_ping_pong():
-    """FA3's intra-warpgroup overlap and the ping-pong barrier are not combined (the barrier's turns assume one
-    product at a time): such a config is refused."""
-    q, k, _ = _inputs(0, 256, 4, 2, 64)
-    assert hopper_attention.supported(q, k, FlashConfig(pingpong=False, overlap=True))
-    assert not hopper_attention.supported(q, k, FlashConfig(overlap=True))
 
 
 def test_table_config_covers_only_measured_lengths(monkeypatch):
@@ -126,7 +116,6 @@ def test_the_kernel_needs_a_hopper_gpu(monkeypatch):
                                                (1024, 32, 8, FlashConfig(pingpong=False)),
                                                (1024, 32, 8, FlashConfig(persistent=False)),
                                                (1024, 32, 8, FlashConfig(stages=1, q_buffers=2)),
-                                               (1024, 32, 8, FlashConfig(stages=1, pingpong=False, overlap=True)),
                                                (2048, 16, 8, FlashConfig())])
 def test_configs_lower_for_the_gpu(T, H, KVH, config):
     """Qwen3-4B's / Llama-3-8B's (32/8) and Qwen3-0.6B's (16/8) heads at 128 go through Mosaic GPU's lowering for

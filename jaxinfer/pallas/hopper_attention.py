@@ -16,7 +16,8 @@ by wgmma into a float32 accumulator (the two warpgroups taking turns on the tens
 folded in), the online softmax in registers (base 2), P rounded to the input dtype and through shared memory
 into acc += P V by wgmma. The output is acc / l rounded to the input dtype, stored by TMA from shared memory.
 Options measured against each other in bench/kernels_hopper_attention.py (FlashConfig): ping-pong, the
-persistent grid, two Q buffers, and FA3's intra-warpgroup overlap in place of ping-pong.
+persistent grid, two Q buffers. (FA3's intra-warpgroup overlap in place of ping-pong, built and measured in the
+twenty-second and twenty-third sessions, ran 50% slower at 1k-8k and was taken out: bench/NOTES.md.)
 
 Interpret mode (`interpret=True`, Mosaic GPU's) runs it on the CPU for tests, warpgroups as threads with
 barriers checked phase by phase (it found a deadlock); it cannot show every race: tests/gpu has the kernel
@@ -55,11 +56,6 @@ class FlashConfig:
     # Q buffers a warpgroup (persistent): with 2 the next item's Q is loaded while this one runs, not after its last
     # QK^T (then only a 1-deep K/V ring fits the shared memory at hd 128).
     q_buffers: int = 1
-    # FA3's intra-warpgroup overlap, in place of ping-pong: a warpgroup issues block j's QK^T and block j-1's PV
-    # together and runs j's softmax while PV is on the tensor cores (P double-buffered in shared memory; with a
-    # 1-deep K/V ring at hd 128).
-    overlap: bool = False
-
     @property
     def block_kv(self) -> int:
         return 2 * self.block_q
@@ -88,8 +84,7 @@ def smem_bytes(hd: int, config: FlashConfig, itemsize: int = 2) -> int:
     """Shared memory of the kernel's buffers: Q and the output (a block_q x hd tile a warpgroup each), P (block_q x
     block_kv a warpgroup) and the K/V ring."""
     bq, bkv = config.block_q, config.block_kv
-    p_buffers = 2 if config.overlap else 1
-    return itemsize * (2 * (config.q_buffers + 1) * bq * hd + 2 * p_buffers * bq * bkv + 2 * config.stages * bkv * hd)
+    return itemsize * (2 * (config.q_buffers + 1) * bq * hd + 2 * bq * bkv + 2 * config.stages * bkv * hd)
 
 
 def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array,
@@ -100,7 +95,7 @@ def supported(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax
     Tk, KVH, hdk = k.shape
     return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and T == Tk and hd == hdk
             and hd % 64 == 0 and H % KVH == 0 and config.block_q % 64 == 0 and T % config.block_kv == 0
-            and config.stages >= 1 and config.q_buffers in (1, 2) and not (config.overlap and config.pingpong)
+            and config.stages >= 1 and config.q_buffers in (1, 2)
             and smem_bytes(hd, config) <= SMEM_BYTES)
 
 
@@ -150,7 +145,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             """K/V block j of the item (g0 + j of the CTA's stream): S, the online softmax, acc += P V."""
             acc, m_i, l_i = carry
             slot = lax.rem(g0 + j, stages)
-            p_buf = p_smem.at[0]
+            p_buf = p_smem
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -182,61 +177,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             plgpu.barrier_arrive(v_free.at[slot])
             return acc, m_new, l_i
 
-        def overlapped_step(g0, row0, q_smem, q_buf, last, j, carry, masked: bool):
-            """Block j's QK^T and block j-1's PV issued together (P_{j-1} waiting in p_smem[(j-1) % 2]); block j's
-            softmax while PV runs; then acc (relative to block j-1's max) takes PV and block j's rescaling."""
-            acc, m_i, l_i = carry
-            slot, prev = lax.rem(g0 + j, stages), lax.rem(g0 + j - 1, stages)
-            plgpu.barrier_wait(k_bar.at[slot])
-
-            def products(s_ref, pv_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-                plgpu.barrier_wait(v_bar.at[prev])
-                plgpu.wgmma(pv_ref, p_smem.at[lax.rem(j - 1, 2)], v_smem.at[prev])
-                s = plgpu.wgmma_accumulator_load(s_ref, wait_n=1) * c     # QK^T done, PV may still run
-                plgpu.barrier_arrive(k_free.at[slot])
-                if last:
-                    plgpu.barrier_arrive(q_free.at[q_buf])
-                p, m_new, alpha, l_new = softmax(s, m_i, l_i, row0, j, masked)
-                p_smem.at[lax.rem(j, 2)][...] = p.astype(dtype)
-                plgpu.commit_smem()
-                pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-                plgpu.barrier_arrive(v_free.at[prev])
-                return (acc + pv) * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l_new
-
-            return pl.run_scoped(products, plgpu.ACC((bq, bkv), f32), plgpu.ACC((bq, hd), f32))
-
-        def overlapped_blocks(g0, row0, q_smem, q_buf, blocks, carry):
-            """An item of 2 or more blocks with FlashConfig.overlap: block 0's QK^T and softmax alone, blocks 1 ..
-            blocks - 1 overlapped (the last masked), then the last block's PV alone."""
-            acc, m_i, l_i = carry
-            slot0 = lax.rem(g0, stages)
-            plgpu.barrier_wait(k_bar.at[slot0])
-
-            def qk(s_ref):
-                plgpu.wgmma(s_ref, q_smem, k_smem.at[slot0].T)
-                return plgpu.wgmma_accumulator_load(s_ref, wait_n=0)
-
-            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), f32)) * c
-            plgpu.barrier_arrive(k_free.at[slot0])
-            p, m_i, _, l_i = softmax(s, m_i, l_i, row0, 0, masked=False)
-            p_smem.at[0][...] = p.astype(dtype)
-            plgpu.commit_smem()
-            carry = lax.fori_loop(1, blocks - 1,
-                                  functools.partial(overlapped_step, g0, row0, q_smem, q_buf, False, masked=False),
-                                  (acc, m_i, l_i))
-            acc, m_i, l_i = overlapped_step(g0, row0, q_smem, q_buf, True, blocks - 1, carry, masked=True)
-            last = lax.rem(g0 + blocks - 1, stages)
-            plgpu.barrier_wait(v_bar.at[last])
-
-            def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_smem.at[lax.rem(blocks - 1, 2)], v_smem.at[last])
-                return plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, hd), f32))
-            plgpu.barrier_arrive(v_free.at[last])
-            return acc, m_i, l_i
-
         def finish(row0, head, acc, l_i):
             """The item's output rows: acc / l, rounded, stored by TMA through o_smem."""
             acc = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
@@ -257,17 +197,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
                 m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), plgpu.Layout.WGMMA.reduce(1))
                 l_i = plgpu.layout_cast(jnp.full((bq,), 0, f32), plgpu.Layout.WGMMA.reduce(1))
                 acc = plgpu.layout_cast(jnp.full((bq, hd), 0, f32), plgpu.Layout.WGMMA)
-                if config.overlap:
-                    @pl.when(blocks == 1)     # the diagonal block alone: nothing to overlap
-                    def _():
-                        acc1, _, l1 = step(g0, row0, q_smem, q_buf, True, 0, (acc, m_i, l_i), masked=True)
-                        finish(row0, head, acc1, l1)
-
-                    @pl.when(blocks > 1)
-                    def _():
-                        acc1, _, l1 = overlapped_blocks(g0, row0, q_smem, q_buf, blocks, (acc, m_i, l_i))
-                        finish(row0, head, acc1, l1)
-                    return
                 pl.when(wg == 1)(take_turn)     # warpgroup 1 starts one turn behind warpgroup 0 ...
                 carry = lax.fori_loop(0, blocks - 1,
                                       functools.partial(step, g0, row0, q_smem, q_buf, False, masked=False),
@@ -356,7 +285,7 @@ def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *
     scratch = dict(
         q_smem2=plgpu.SMEM((config.q_buffers, 2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
         o_smem2=plgpu.SMEM((2, bq, hd), q.dtype, transforms=(tiling, swizzle)),
-        p_smem2=plgpu.SMEM((2, 2 if config.overlap else 1, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
+        p_smem2=plgpu.SMEM((2, bq, bkv), q.dtype, transforms=(tiling, swizzle)),
         k_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
         v_smem=plgpu.SMEM((stages, bkv, hd), q.dtype, transforms=(tiling, swizzle)),
         q_bar=plgpu.Barrier(num_barriers=2 * config.q_buffers),
