@@ -76,6 +76,23 @@ def test_engine_steps_lower(small_model, ops, kv, unroll):
         assert not LAYER_PAIR.search(text), (name, LAYER_PAIR.search(text).group(0))
 
 
+def test_split_prompt_step_parts_lower(small_model):
+    """A one-sequence prompt step as two executables (runner.SplitStep): both parts lower for CUDA with the
+    Pallas ops over per-layer weights, the head taking the first layer's matrices only."""
+    cfg = load_config(small_model, "bfloat16")
+    params = split_layers(load_params(small_model, cfg, progress=False))
+    runner = ModelRunner(cfg, params, get_ops("pallas"), num_pages=33, page_size=16, max_num_seqs=4,
+                         max_model_len=256, max_num_batched_tokens=64, unroll_layers=True, greedy_mixed=True,
+                         fresh_prompt_min_tokens=32, prompt_head_layers=1)
+    name, batch = next((n, b) for n, b in runner.bucket_calls() if n == "mixed-greedy-fresh")
+    parts = runner.steps[name].parts(runner.params, runner.kv, runner.state, batch)
+    assert [suffix for suffix, _, _ in parts] == ["/head", "/tail"]
+    for _, fn, args in parts:
+        assert TRITON_CALL in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    head_args = parts[0][2][0]
+    assert head_args["layers"][1] is None and "lm_head" not in head_args
+
+
 @pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
 @pytest.mark.parametrize("batch,context", [(1, 1024), (1, 8192), (8, 1024), (64, 1024), (256, 2048)])
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
