@@ -79,11 +79,11 @@ def request_timeline(log_dir: str, min_us: float = 40.0) -> dict:
     rows = [dict(name=_short(e["name"]), start_us=e["ts"] - t0, dur_us=e["dur"])
             for e in sorted(host, key=lambda e: e["ts"]) if e["dur"] >= min_us]
     kernels = [e for e in device if "memcpy" not in e["name"].lower() and "memset" not in e["name"].lower()]
-    if not device:   # the CPU backend's trace has no device activity
+    if not kernels:   # the CPU backend's trace has no device activity
         return dict(host=rows[:90], device_first=None, first_kernel_us=None, last_kernel_end_us=None, copies=[])
     return dict(host=rows[:90], device_first=dict(name=_short(device[0]["name"]), start_us=device[0]["ts"] - t0),
-                first_kernel_us=kernels[0]["ts"] - t0 if kernels else None,
-                last_kernel_end_us=max(e["ts"] + e["dur"] for e in kernels) - t0 if kernels else None,
+                first_kernel_us=kernels[0]["ts"] - t0,
+                last_kernel_end_us=max(e["ts"] + e["dur"] for e in kernels) - t0,
                 copies=[dict(name=_short(e["name"]), start_us=e["ts"] - t0, dur_us=e["dur"])
                         for e in device if "memcpy" in e["name"].lower()][:8])
 

@@ -8,7 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.trace_kernels import summarize
+from bench.trace_kernels import request_timeline, summarize
 
 
 def _trace(tmp_path, kernels, args=None):
@@ -56,3 +56,15 @@ def test_a_gap_is_charged_to_the_kernel_that_ended_last(tmp_path):
 
 def test_no_device_kernels(tmp_path):
     assert "error" in summarize(_trace(tmp_path, []), steps=1)
+
+
+def test_request_timeline_on_one_clock(tmp_path):
+    """request_timeline: host scopes of at least min_us in start order and the device's first copy, first kernel
+    and last kernel end, in us from the first host event (the hand-made trace's host work starts at 0)."""
+    t = request_timeline(_trace(tmp_path, [("MemcpyH2D", 100, 4), ("gemm", 3000, 500), ("fusion.1", 3600, 50),
+                                           ("MemcpyD2H", 4000, 2)]), min_us=40)
+    assert [r["name"] for r in t["host"]] == ["host work"]
+    assert t["device_first"] == dict(name="MemcpyH2D", start_us=100)
+    assert (t["first_kernel_us"], t["last_kernel_end_us"]) == (3000, 3650)
+    assert [c["name"] for c in t["copies"]] == ["MemcpyH2D", "MemcpyD2H"]
+    assert request_timeline(_trace(tmp_path / "cpu", []))["device_first"] is None   # no device activity

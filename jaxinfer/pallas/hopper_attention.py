@@ -56,6 +56,7 @@ class FlashConfig:
     # Q buffers a warpgroup (persistent): with 2 the next item's Q is loaded while this one runs, not after its last
     # QK^T (then only a 1-deep K/V ring fits the shared memory at hd 128).
     q_buffers: int = 1
+
     @property
     def block_kv(self) -> int:
         return 2 * self.block_q
