@@ -649,6 +649,15 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 240 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-split6 --out "$OUT"
     VARIANTS=host-trace-split-6 bash "$0" timeline
     ;;
+  issue4a)   # issue 4's table for Qwen3-4B in one run: 128-32,768 tokens, the Pallas path (as the engine now runs
+             # it), the XLA reference path and transformers on the same GPU (~9 min; JSON written row by row)
+    step 560 python3 bench/prefill.py --shapes qwen3-4b --prompts 128 1024 8192 32768 --paths pallas reference hf \
+         --out "$OUT"
+    ;;
+  issue4b)   # the same for Llama-3-8B (~9 min)
+    step 560 python3 bench/prefill.py --shapes llama3-8b --prompts 128 1024 8192 32768 --paths pallas reference hf \
+         --out "$OUT"
+    ;;
   hostout)   # the mixed step's outputs in pinned host memory against the default, alternating (~4 min)
     prefill_ab 80 default host-outputs default host-outputs
     ;;

@@ -129,6 +129,8 @@ def main() -> None:
                 rows.append(row)
                 print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
                       f"{100 * row['share']:.1f}% |", flush=True)
+                # after every row: a run cut off by its time limit keeps what it measured
+                Path(args.out, "prefill.json").write_text(json.dumps(dict(gemm=gemm, rows=rows), indent=1))
     Path(args.out, "prefill.json").write_text(json.dumps(dict(gemm=gemm, rows=rows), indent=1))
 
 
