@@ -484,12 +484,14 @@ class ModelRunner:
                 del self._executables[_bucket_key(name, batch)]
         return self.steps[name](*args)
 
-    def compiled(self, name: str, batch: StepBatch | DecodeBatch):
-        """The step's executable for the batch's bucket: warm-up's, else compiled now (benches)."""
-        if isinstance(self.steps[name], SplitStep):
-            raise TypeError(f"step {name} runs as two executables (SplitStep.parts)")
-        exe = self._executables.get(_bucket_key(name, batch))
-        return exe or self.steps[name].lower(self.params, self.kv, self.state, batch).compile()
+    def compiled(self, name: str, batch: StepBatch | DecodeBatch) -> list[tuple[str, Any]]:
+        """The step's executables for the batch's bucket, warm-up's, else compiled now (benches): [(name, compiled)],
+        two for a SplitStep (name + "/head", name + "/tail"), one otherwise."""
+        step = self.steps[name]
+        parts = step.parts(self.params, self.kv, self.state, batch) if isinstance(step, SplitStep) \
+            else [("", step, (self.params, self.kv, self.state, batch))]
+        return [(name + suffix, self._executables.get(_bucket_key(name + suffix, batch)) or fn.lower(*args).compile())
+                for suffix, fn, args in parts]
 
     def run_decode(self, batch: DecodeBatch, greedy: bool = False,
                    sampler: str | None = None) -> tuple[np.ndarray, ...]:

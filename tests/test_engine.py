@@ -530,9 +530,13 @@ def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
     np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
                                rtol=1e-5, atol=1e-5)
     # each part compiled and saved apart (loading is test_executable_cache's, in processes of their own)
-    parts = [name for name, _ in runner._executables if name.startswith("mixed-greedy-fresh")]
-    assert sorted(set(parts)) == ["mixed-greedy-fresh/head", "mixed-greedy-fresh/tail"]
+    parts = sorted({name for name, _ in runner._executables if name.startswith("mixed-greedy-fresh")})
+    assert parts == ["mixed-greedy-fresh/head", "mixed-greedy-fresh/tail"]
     assert len(list(tmp_path.glob("*.exe"))) == len(runner._executables) == runner.executable_cache.misses
+    # the benches' view of a step's executables (bench/step_memory.py): the two parts, warm-up's
+    batch = next(b for n, b in runner.bucket_calls() if n == "mixed-greedy-fresh")
+    compiled = runner.compiled("mixed-greedy-fresh", batch)
+    assert [n for n, _ in compiled] == parts and all(exe.memory_analysis() is not None for _, exe in compiled)
 
 
 def test_spin_read_back_polls_before_reading(stories, monkeypatch):
