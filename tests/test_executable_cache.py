@@ -23,22 +23,28 @@ import json, sys
 from jaxinfer.engine import LLM
 from jaxinfer.sampling import SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
-          progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True)
+          progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True,
+          **json.loads(sys.argv[4]))
 params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
-out = [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
 r = llm.engine.runner
+ran, call = [], r._call
+r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+out = [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
+if json.loads(sys.argv[4]):   # and a 25-token prompt alone: a one-sequence prompt step
+    out += [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378] * 5], params[:1])]
 c = r.executable_cache
-print(json.dumps(dict(tokens=out, hits=c and c.hits, misses=c and c.misses,
+print(json.dumps(dict(tokens=out, ran=sorted(set(ran)), hits=c and c.hits, misses=c and c.misses,
                       steps=len(r.bucket_calls()), lower=r.warmup_breakdown["lower"])))
 """
 
 
-def start_engine(model_dir, cache_dir, dtype: str = "float32") -> tuple[dict, str]:
+def start_engine(model_dir, cache_dir, dtype: str = "float32", **options) -> tuple[dict, str]:
     """Start an engine in a new process with the executable cache at `cache_dir` ("" for none), generate
-    two requests (greedy and seeded): (its tokens, cache hits and misses, step count, lowering seconds;
-    its stderr)."""
-    p = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(cache_dir), dtype], capture_output=True,
+    two requests (greedy and seeded; with engine options, then a greedy one of 25 tokens alone): (its tokens, cache
+    hits and misses, step count, lowering seconds; its stderr)."""
+    p = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(cache_dir), dtype, json.dumps(options)],
+                       capture_output=True,
                        text=True,
                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -56,6 +62,19 @@ def test_second_start_loads_every_step_and_generates_the_same(stories_dir, tmp_p
     assert second["tokens"] == first["tokens"]
     uncached, _ = start_engine(stories_dir, "")
     assert uncached["tokens"] == first["tokens"]
+
+
+def test_a_split_prompt_step_loads_both_parts(stories_dir, tmp_path):
+    """A one-sequence prompt step as two executables (prompt_step_head_layers): a second start loads both parts
+    (the cache holds one more entry than there are steps for each split step) and generates the same."""
+    options = dict(greedy_mixed_step=True, fresh_prompt_attention=True, fresh_prompt_min_tokens=16,
+                   prompt_step_head_layers=2, unroll_layers=True)
+    first, _ = start_engine(stories_dir, tmp_path, **options)
+    entries = len(list(tmp_path.glob("*.exe")))
+    assert first["hits"] == 0 and first["misses"] == entries > first["steps"]
+    second, _ = start_engine(stories_dir, tmp_path, **options)
+    assert (second["hits"], second["misses"], second["lower"]) == (entries, 0, 0.0)
+    assert second["tokens"] == first["tokens"] and "mixed-greedy-fresh" in second["ran"]
 
 
 def test_a_corrupt_entry_is_a_miss(stories_dir, tmp_path):
