@@ -645,8 +645,8 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     prefill_ab 80 default split-6 spin-read-back split-6-spin default split-6 split-3 split-12
     ;;
   split2)    # bench/prefill.py 1k and 8k with and without the split (one process), then one request of split-6
-             # traced on one clock (~5 min)
-    step 240 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-split6 --out "$OUT"
+             # traced on one clock (~7 min)
+    step 330 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-split6 --out "$OUT"
     VARIANTS=host-trace-split-6 bash "$0" timeline
     ;;
   issue4a)   # issue 4's table for Qwen3-4B in one run: 128-32,768 tokens, the Pallas path (as the engine now runs
