@@ -261,8 +261,8 @@ class Engine:
                                                        config.prefixed_chunk_attention),
                                   plain_sampling=config.plain_sampling_step,
                                   mixed_outputs_on_host=config.mixed_outputs_on_host,
-                                  prompt_head_layers=config.prompt_step_head_layers)
-        self.runner.spin_read_back = config.spin_read_back
+                                  prompt_head_layers=config.prompt_step_head_layers,
+                                  spin_read_back=config.spin_read_back)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0

@@ -279,7 +279,6 @@ def _decode_name(greedy: bool, n_steps: int, sampler: str | None = None) -> str:
 
 def _outputs_on_host(step):
     """The step with its outputs after (kv, state) moved to pinned host memory inside the executable."""
-    @functools.wraps(step)
     def on_host(*args):
         kv, state, *outs = step(*args)
         return (kv, state, *jax.device_put(outs, jax.memory.Space.Host))
@@ -316,7 +315,7 @@ class ModelRunner:
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
                  fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False,
-                 mixed_outputs_on_host: bool = False, prompt_head_layers: int = 0):
+                 mixed_outputs_on_host: bool = False, prompt_head_layers: int = 0, spin_read_back: bool = False):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
@@ -330,7 +329,8 @@ class ModelRunner:
         conditional when every row is greedy. mixed_outputs_on_host: the mixed steps' outputs after the KV
         cache and sampler state (tokens, logprobs, ...) are placed in pinned host memory by the step itself.
         prompt_head_layers > 0: the one-sequence prompt steps ("-fresh", "-prefixed") run as SplitStep, their
-        first prompt_head_layers layers in an executable of their own."""
+        first prompt_head_layers layers in an executable of their own. spin_read_back: fetch polls the outputs'
+        readiness before reading them."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -345,7 +345,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
-        self.spin_read_back = False      # fetch polls readiness first (EngineConfig.spin_read_back)
+        self.spin_read_back = spin_read_back
         self.warmup_breakdown: dict[str, float] = {}
         self.short_decode = short_decode
         self.fresh_prompt_min_tokens = fresh_prompt_min_tokens

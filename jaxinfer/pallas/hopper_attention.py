@@ -146,7 +146,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
             """K/V block j of the item (g0 + j of the CTA's stream): S, the online softmax, acc += P V."""
             acc, m_i, l_i = carry
             slot = lax.rem(g0 + j, stages)
-            p_buf = p_smem
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
@@ -161,7 +160,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
                 plgpu.barrier_arrive(q_free.at[q_buf])     # the Q buffer may take a later item's Q
             p, m_new, alpha, l_i = softmax(s, m_i, l_i, row0, j, masked)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p_buf[...] = p.astype(dtype)     # wgmma's A from shared memory (Mosaic GPU's interpreter takes no other)
+            p_smem[...] = p.astype(dtype)     # wgmma's A from shared memory (Mosaic GPU's interpreter takes no other)
             plgpu.commit_smem()
             if config.pingpong:
                 plgpu.barrier_arrive(turn)     # softmax done
@@ -170,7 +169,7 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
                 plgpu.barrier_wait(turn)       # the other's QK^T is issued: the tensor cores are ours
 
             def pv(pv_ref):
-                plgpu.wgmma(pv_ref, p_buf, v_smem.at[slot])
+                plgpu.wgmma(pv_ref, p_smem, v_smem.at[slot])
                 plgpu.wgmma_wait(0)
                 return pv_ref[...]
 
