@@ -100,8 +100,10 @@ class EngineConfig:
     mixed_outputs_on_host: bool = False
     # A one-sequence prompt step (fresh_prompt_attention's) as two executables, the first this many layers,
     # the rest and the sampling (runner.SplitStep): the device can start on the first's small CUDA graph while
-    # the host launches the second's. 0: one executable.
-    prompt_step_head_layers: int = 0
+    # the host launches the second's. 0: one executable. None: 6 on GPUs (H200, Qwen3-4B, 1k prompt, one
+    # process each: TTFT 14.04 / 14.26 -> 13.70 / 14.01 ms, bench/prefill.py 70.3 -> 71.1% of the GEMM rate;
+    # bench/NOTES.md, twenty-fourth session).
+    prompt_step_head_layers: int | None = None
     # Read steps back by polling their outputs' readiness first (Runner.fetch): traced, the host dispatched a
     # 1k prompt's read-back ~0.5 ms after the device had finished (twenty-third session). Costs a busy thread.
     spin_read_back: bool = False
@@ -159,6 +161,7 @@ class EngineConfig:
         defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512, greedy_mixed_step=gpu,
                         overlap_mixed=gpu, prefill_behind_decode=gpu, fresh_prompt_attention=gpu,
                         prefixed_chunk_attention=gpu, plain_sampling_step=gpu,
+                        prompt_step_head_layers=6 if gpu else 0,
                         compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
                         executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
