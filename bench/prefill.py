@@ -41,7 +41,9 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
                 # a long prompt's later chunks on cuDNN too (EngineConfig.prefixed_chunk_attention)
                 "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True}),
                 # the prompt step as two executables, its first 6 layers apart (EngineConfig.prompt_step_head_layers)
-                "pallas-split6": ("pallas", {"prompt_step_head_layers": 6})}
+                "pallas-split6": ("pallas", {"prompt_step_head_layers": 6}),
+                # the prompt step as one executable (the GPU default before the twenty-fourth session)
+                "pallas-one-step": ("pallas", {"prompt_step_head_layers": 0})}
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,

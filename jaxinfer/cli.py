@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefixed-chunk-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="with the fresh-prompt attention: a prompt chunk of at least 1,024 tokens after a cached prefix "
                         "runs on cuDNN too (two attentions merged by log-sum-exp; default: on GPUs)")
+    s.add_argument("--prompt-step-head-layers", type=int, default=None,
+                   help="run a one-prompt step as two executables, this many layers in the first, so the device "
+                        "starts while the host launches the rest (0: one executable; default: 6 on GPUs)")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults for the fields a request leaves out: auto (the model's "
                         "generation_config.json, as vLLM), none (temperature 1, no filters), or a folder holding one")
@@ -213,7 +216,7 @@ def cmd_serve(args) -> None:
           kv_cache_dtype=args.kv_cache_dtype, overlap_mixed=args.overlap_mixed,
           fresh_prompt_attention=args.fresh_prompt_attention, prefill_behind_decode=args.prefill_behind_decode,
           prefixed_chunk_attention=args.prefixed_chunk_attention, plain_sampling_step=args.plain_sampling_step,
-          generation_config=args.generation_config)
+          prompt_step_head_layers=args.prompt_step_head_layers, generation_config=args.generation_config)
 
 
 def cmd_bench(args) -> None:

@@ -172,6 +172,8 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.prompt_step_head_layers is not None and self.prompt_step_head_layers < 0:
+            raise ValueError(f"prompt_step_head_layers must be >= 0, got {self.prompt_step_head_layers}")
         if self.chain_early_ms < 0:
             raise ValueError(f"chain_early_ms must be >= 0, got {self.chain_early_ms}")
         if self.short_decode_max_batch < 0:

@@ -160,6 +160,7 @@ def test_cli_generate_streams_and_reports_speed():
     (dict(short_decode_max_batch=2, short_decode_steps=9), "short_decode_steps"),
     (dict(short_decode_max_batch=-1), "short_decode_max_batch"),
     (dict(chain_early_ms=-1.0), "chain_early_ms"),
+    (dict(prompt_step_head_layers=-2), "prompt_step_head_layers must be >= 0"),
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
 ])
 def test_invalid_engine_options(options, message):

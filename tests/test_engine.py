@@ -128,6 +128,9 @@ def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
     assert all(getattr(cpu, n) is False for n in names)
     assert EngineConfig(overlap_mixed=False).for_backend("gpu").overlap_mixed is False
     assert EngineConfig(prefixed_chunk_attention=False).for_backend("gpu").prefixed_chunk_attention is False
+    # the one-prompt step split after 6 layers on GPUs, one executable on CPUs; an explicit 0 stays
+    assert (gpu.prompt_step_head_layers, cpu.prompt_step_head_layers) == (6, 0)
+    assert EngineConfig(prompt_step_head_layers=0).for_backend("gpu").prompt_step_head_layers == 0
 
 
 def test_greedy_mixed_steps_give_the_same_tokens(stories):

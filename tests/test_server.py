@@ -644,6 +644,9 @@ def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
     assert build_parser().parse_args(["serve"]).generation_config == "auto"
     assert build_parser().parse_args(["serve", "--generation-config", "none"]).generation_config == "none"
     assert build_parser().parse_args(["serve", "--no-prefill-behind-decode"]).prefill_behind_decode is False
+    assert build_parser().parse_args(["serve"]).prompt_step_head_layers is None
+    assert build_parser().parse_args(["serve", "--prompt-step-head-layers", "0"]).prompt_step_head_layers == 0
+    assert server.engine_options(prompt_step_head_layers=3)["prompt_step_head_layers"] == 3
 
 
 def test_schemathesis_finds_no_server_errors():
