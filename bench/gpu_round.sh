@@ -8,7 +8,7 @@
 # Usage on the device: bash bench/gpu_round.sh 1|2   (carry .carry: stories260k/ for the parity test,
 # qwen3/ = ../shared/tokenizers/qwen3 for the server; and .whl for round 2)
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
+export PYTHONUNBUFFERED=1 PYTHONPATH=. PYTHONFAULTHANDLER=1   # a crash prints its Python stack (a segfault once, s24 call 4)
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 step() { local limit=$1; shift; echo "## $*" | tee -a "$OUT/round.log"; timeout "$limit" "$@" 2>&1 | grep -v -iE 'warning:|warnings\.warn|^W[0-9]{4} ' | tee -a "$OUT/round.log"; }

@@ -99,3 +99,23 @@ def test_prefixed_chunk_attention_equals_the_paged_op(prefix, n, T, H, kvh, hd, 
                                      jnp.zeros(T, jnp.int32), jnp.asarray(positions), ps, hd ** -0.5)
     tol = 2e-2 if dtype == "bfloat16" else 2e-5
     np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(want[:n], np.float32), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_rows", [8, 16])
+def test_prefixed_chunk_attention_by_row_blocks_equals_all_rows(monkeypatch, block_rows):
+    """Above LSE_BLOCK_ROWS query rows the XLA attention runs a block of rows at a time (its float32 scores
+    bounded; a 32k prompt's chunks took 32 GB a layer at once): the same outputs as all rows at once, with
+    the causal chunk part's mask offset per block and a last block that is partly padding (T = 24 at 16)."""
+    rng = np.random.default_rng(block_rows)
+    T, H, kvh, hd, ps, prefix = 24, 4, 2, 8, 4, 10
+    k_cache = jnp.asarray(rng.standard_normal((1, kvh, 64 * ps, hd)), jnp.float32)
+    v_cache = jnp.asarray(rng.standard_normal(k_cache.shape), jnp.float32)
+    page_row = jnp.asarray(rng.permutation(np.arange(1, 64))[:16], jnp.int32)
+    pos = np.arange(prefix, prefix + T)
+    slots = jnp.asarray(np.asarray(page_row)[pos // ps] * ps + pos % ps, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((T, H, hd)), jnp.float32)
+    args = (q, k_cache, v_cache, jnp.int32(0), page_row, jnp.int32(prefix), slots, ps, hd ** -0.5)
+    whole = reference.prefixed_chunk_attention(*args)
+    monkeypatch.setattr(reference, "LSE_BLOCK_ROWS", block_rows)
+    blocked = reference.prefixed_chunk_attention(*args)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-6, atol=1e-6)

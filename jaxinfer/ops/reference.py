@@ -156,16 +156,35 @@ def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     return out.astype(q.dtype)
 
 
+# _attention_with_lse's query rows a block: its float32 scores are rows x H x S (a 8,192-token chunk of
+# Qwen3-4B over a 32k page row took 32 GB a layer, and XLA's autotuner ran out of memory on it on the H200)
+LSE_BLOCK_ROWS = 1024
+
+
 def _attention_with_lse(q, k, v, scale, causal, kv_len=None):
     """q [T, H, hd] over k, v [S, KVH, hd] (grouped heads): (out [T, H, hd], log-sum-exp [T, H] float32;
-    -inf where a row sees no key). causal: row t sees keys 0..t; kv_len: only keys < kv_len."""
+    -inf where a row sees no key). causal: row t sees keys 0..t; kv_len: only keys < kv_len. More than
+    LSE_BLOCK_ROWS rows run a block of rows at a time (each row's arithmetic is its own: the same values)."""
+    T, H, hd = q.shape
+    rows = LSE_BLOCK_ROWS
+    if T <= rows:
+        return _attention_rows_with_lse(q, k, v, scale, causal, kv_len, 0)
+    n = -(-T // rows)
+    qb = jnp.pad(q, ((0, n * rows - T), (0, 0), (0, 0))).reshape(n, rows, H, hd)
+    out, lse = jax.lax.map(lambda a: _attention_rows_with_lse(a[0], k, v, scale, causal, kv_len, a[1]),
+                           (qb, jnp.arange(n, dtype=jnp.int32) * rows))
+    return out.reshape(n * rows, H, hd)[:T], lse.reshape(n * rows, H)[:T]
+
+
+def _attention_rows_with_lse(q, k, v, scale, causal, kv_len, row0):
+    """_attention_with_lse for query rows row0.. (row0 matters only to the causal mask)."""
     T, H, hd = q.shape
     S, kvh, _ = k.shape
     qg = q.astype(f32).reshape(T, kvh, H // kvh, hd)
     s = jnp.einsum("tkgd,skd->tkgs", qg, k.astype(f32), precision=HIGHEST) * scale
     visible = jnp.ones((T, S), bool)
     if causal:
-        visible = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+        visible = jnp.arange(S)[None, :] <= row0 + jnp.arange(T)[:, None]
     if kv_len is not None:
         visible = visible & (jnp.arange(S) < kv_len)[None, :]
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
