@@ -152,3 +152,34 @@ def test_the_folder_is_kept_under_its_size_least_recently_used_first(tmp_path):
     cache.max_bytes = 2 * (tmp_path / f"{keys[0]}.exe").stat().st_size
     cache.save(keys[3], compiled)
     assert sorted(p.stem for p in tmp_path.glob("*.exe")) == sorted([keys[0], keys[3]])   # the unused two went
+
+
+def test_every_kernel_table_is_in_the_key(monkeypatch):
+    """_kernel_choices lists the kernels' tables by hand; a table a kernel module gains (a module-level name
+    with TABLE in it, or fused_gemv's rows, or rope_kv_write's tiling) and the list misses would let a step
+    traced with the table changed at run time load one traced without it. Each such name, changed, changes
+    the key's part."""
+    import importlib
+    import pkgutil
+
+    import jaxinfer.pallas
+    from jaxinfer.executable_cache import _kernel_choices
+
+    def changed(value):
+        if isinstance(value, dict):
+            return {} if value else {(1, 1, "none"): "probe"}
+        if isinstance(value, list):
+            return [] if value else ["probe"]
+        return value + 1    # ints: rows, tiling
+
+    before, seen = _kernel_choices(), []
+    for info in pkgutil.iter_modules(jaxinfer.pallas.__path__):
+        module = importlib.import_module(f"jaxinfer.pallas.{info.name}")
+        for name, value in vars(module).items():
+            if "TABLE" in name or (info.name, name) in {("fused_gemv", "ROWS"), ("fused_gemv", "DEFAULT_ROWS"),
+                                                        ("rope_kv_write", "TILED")}:
+                with monkeypatch.context() as m:
+                    m.setattr(module, name, changed(value))
+                    assert _kernel_choices() != before, f"{info.name}.{name} is not in the executable cache's key"
+                seen.append(f"{info.name}.{name}")
+    assert len(seen) >= 12, seen
