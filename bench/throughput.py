@@ -39,11 +39,11 @@ from jaxinfer.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
-_FORCED: list[str] = []   # kernel choices this process patched (force_attention_config)
+_FORCED: list[str] = []   # kernel-choosing functions this process patched (force_attention_config)
 
 
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
-    if _FORCED:   # the executable cache's key does not see a patched kernel choice: compile afresh
+    if _FORCED:   # the executable cache's key sees the kernel tables, not a patched function: compile afresh
         kw = {**kw, "executable_cache": ""}
     return Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, max_logprobs=0, **kw)
@@ -156,7 +156,6 @@ def patch_skinny_table(path: str) -> None:
 
     for w in json.loads(Path(path).read_text()).get("winners", []):
         SG._TABLE[(*w["shape"], w["epilogue"], w["M"])] = SG.SkinnyConfig(**w["cfg"])
-        _FORCED.append(f"skinny {w['shape']} {w['epilogue']} M={w['M']}")
         print(f"# skinny table + {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
 
 
@@ -206,7 +205,7 @@ def main() -> None:
     if args.hopper_decode_table:
         from bench.kernels_hopper_skinny import patch_decode_table
 
-        _FORCED.extend(patch_decode_table(args.hopper_decode_table, args.hopper_decode_rows))
+        patch_decode_table(args.hopper_decode_table, args.hopper_decode_rows)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)

@@ -96,13 +96,12 @@ def apply_bench_options(options: dict) -> dict:
     import jaxinfer.engine
     from jaxinfer.pallas import fused_gemv
 
-    # Each of these patches a kernel choice or the step's code. The executable cache's key sees the source, the
-    # flags, the arguments and the kernels' tables, not a patched function (attention_config, weights, the batch's
-    # transfer): such a child compiles afresh (the fourteenth session's batch-8 attention A/B loaded its first
-    # run's executables for the second), and so, to be safe, does one with a patched table.
-    patched = any(k in options for k in ("gemv_rows", "gemv_block_in", "attention_config", "prefill_table",
-                                         "no_hopper_gemm", "hopper_table", "rope_write_tiled", "unpacked_batch",
-                                         "weights", "flash_table"))
+    # These patch the step's code, not a table. The executable cache's key sees the source, the flags, the
+    # arguments and the kernels' tables (every one: tests/test_executable_cache.py), not a patched function
+    # (attention_config, weights, the batch's transfer): such a child compiles afresh (the fourteenth session's
+    # batch-8 attention A/B loaded its first run's executables for the second). The table patches keep the cache.
+    patched = ("attention_config" in options or bool(options.get("unpacked_batch"))
+               or options.get("weights") is not None)
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
         fused_gemv.ROWS.clear()

@@ -116,7 +116,8 @@ def test_throughput_forces_the_attention_config(monkeypatch):
 
 def test_the_prefill_table_option_fills_the_table_from_a_sweep(monkeypatch, tmp_path):
     """prefill_dispatch's prefill-table variants: each product the prefill sweep timed goes into skinny_gemm's
-    prefill table at its best config (whether or not it beat XLA in isolation), and the child compiles afresh."""
+    prefill table at its best config (whether or not it beat XLA in isolation); the executable cache stays on (its
+    key sees the tables)."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.variant_runs import apply_bench_options
     from jaxinfer.pallas import skinny_gemm as SG
@@ -127,7 +128,7 @@ def test_the_prefill_table_option_fills_the_table_from_a_sweep(monkeypatch, tmp_
              dict(shape=[6144, 2560], epilogue="none", M=1024, top=[], failed=3)]
     path = tmp_path / "prefill_gemm.json"
     path.write_text(json.dumps({"sweep": sweep}))
-    assert apply_bench_options({"prefill_table": str(path)}) == {"executable_cache": ""}
+    assert apply_bench_options({"prefill_table": str(path)}) == {}
     assert SG._PREFILL_TABLE == {(19456, 2560, "swiglu"): SG.SkinnyConfig(**best)}
     assert SG.prefill_table_config(1024, 19456, 2560, "swiglu") == SG.SkinnyConfig(**best)
     assert SG.prefill_table_config(1024, 6144, 2560) is None
@@ -140,9 +141,12 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     from jaxinfer.pallas import rope_kv_write
 
     monkeypatch.setattr(rope_kv_write, "TILED", 8)
-    # a patched kernel choice compiles afresh (the cache's key sees the kernel tables, not every bench patch)
-    assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True,
-                                                                                    "executable_cache": ""}
+    # a patched table keeps the executable cache (its key sees the tables); a patched function turns it off
+    assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True}
+    import jaxinfer.engine
+
+    monkeypatch.setattr(jaxinfer.engine, "to_device_packed", jaxinfer.engine.to_device_packed)   # restored after
+    assert apply_bench_options({"unpacked_batch": True}) == {"executable_cache": ""}
     assert rope_kv_write.TILED == 16
     apply_bench_options({"rope_write_tiled": 32})
     assert rope_kv_write.TILED == 32
@@ -156,8 +160,7 @@ def test_the_flash_table_option_sets_the_fresh_prompt_kernels_lengths(monkeypatc
     from jaxinfer.pallas.hopper_attention import FlashConfig
 
     monkeypatch.setattr(hopper_attention, "TABLE", [(1024, 2048, FlashConfig())])
-    assert apply_bench_options({"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}) == {
-        "executable_cache": ""}
+    assert apply_bench_options({"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}) == {}
     assert hopper_attention.TABLE == [(1024, 2048, FlashConfig(stages=1, q_buffers=2))]
     apply_bench_options({"flash_table": []})
     assert hopper_attention.TABLE == []
@@ -165,7 +168,7 @@ def test_the_flash_table_option_sets_the_fresh_prompt_kernels_lengths(monkeypatc
 
 def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
     """decode_dispatch's oproj-in* variants: the bench option sets block_in for those shapes only (the engine's
-    GEMVs read it through fused_gemv.block_in_for), keeps the entry's other fields, and compiles afresh."""
+    GEMVs read it through fused_gemv.block_in_for) and keeps the entry's other fields."""
     monkeypatch.syspath_prepend(str(REPO))
     import jax.numpy as jnp
 
@@ -175,7 +178,7 @@ def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
 
     monkeypatch.setattr(gemv, "_TABLE", dict(gemv._TABLE))
     before = gemv._TABLE[(2560, 4096)]
-    assert apply_bench_options({"gemv_block_in": {(2560, 4096): 512, (7, 64): 32}}) == {"executable_cache": ""}
+    assert apply_bench_options({"gemv_block_in": {(2560, 4096): 512, (7, 64): 32}}) == {}
     assert block_in_for(2560, 4096, jnp.bfloat16) == 512 and block_in_for(7, 64, jnp.bfloat16) == 32
     assert gemv._TABLE[(2560, 4096)].block_out == before.block_out
     assert block_in_for(6144, 2560, jnp.bfloat16) == gemv._TABLE[(6144, 2560)].block_in   # others as they were
@@ -183,7 +186,8 @@ def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
 
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
-    throughput.py --skinny-table adds those rows to skinny_gemm's table (and compiles afresh)."""
+    throughput.py --skinny-table adds those rows to skinny_gemm's table (the executable cache stays on: its key
+    sees the table)."""
     monkeypatch.syspath_prepend(str(REPO))
     import json
 
@@ -203,13 +207,14 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     monkeypatch.setattr(T, "_FORCED", [])
     assert SG.table_config(32, 19456, 2560, "swiglu") is None
     T.patch_skinny_table(str(tmp_path / "s.json"))
-    assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg) and T._FORCED
+    assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg)
+    assert not T._FORCED   # a table the executable cache's key sees: the cache stays on
 
 
 def test_the_hopper_decode_table_option_takes_each_products_fastest_right_config(monkeypatch, tmp_path):
     """throughput.py --hopper-decode-table: each product kernels_hopper_skinny.py timed goes into
     hopper_gemm.DECODE_TABLE at its fastest config among those that matched XLA (a wrong faster one is passed
-    over), and the engine compiles afresh (_FORCED)."""
+    over)."""
     monkeypatch.syspath_prepend(str(REPO))
     import json
 
@@ -319,8 +324,7 @@ def test_kernel_registers_finds_each_kernels_triton_module():
 
 def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
     """prefill_dispatch's hopper-fastest variant: each of hopper_gemm's table rows (a measured row count) takes the
-    config that ran fastest and right in kernels_hopper_gemm.py's JSON; rows it did not time keep theirs; the
-    child compiles afresh."""
+    config that ran fastest and right in kernels_hopper_gemm.py's JSON; rows it did not time keep theirs."""
     monkeypatch.syspath_prepend(str(REPO))
     import json
 
@@ -337,6 +341,6 @@ def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp
     path = tmp_path / "kernels_hopper_gemm.json"
     path.write_text(json.dumps(dict(results=results)))
     gate_up_before = hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")]
-    assert apply_bench_options({"hopper_table": str(path)}) == {"executable_cache": ""}
+    assert apply_bench_options({"hopper_table": str(path)}) == {}
     assert hopper_gemm.table_config(1024, 6144, 2560, "none") == fastest       # the wrong 30 us one is passed over
     assert hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")] == gate_up_before
