@@ -8,6 +8,7 @@ with jax.random on the default device, so real shapes (billions of parameters) a
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,11 @@ def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: st
                 if rule.transpose and len(shape) == 2:
                     value = value.T
                 tensors[prefix + src.format(i=i)] = np.asarray(value.astype(dtype)).astype(np_dtype)
-    save_file(tensors, out / "model.safetensors")
+    # written under another name, then renamed: a process killed mid-write (a bench's time limit) leaves no
+    # truncated model.safetensors for bench_model to take as written
+    partial = out / "model.safetensors.partial"
+    save_file(tensors, partial)
+    os.replace(partial, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps({**hf_config, "torch_dtype": dtype}, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": hf_config.get("eos_token_id")}))
     if tokenizer_dir is not None:

@@ -54,3 +54,19 @@ def test_layers_filled_side_by_side_equal_one_by_one():
         parallel = _assemble(rule, cfg, read, np.float32, pool.map)
     np.testing.assert_array_equal(parallel, _assemble(rule, cfg, read, np.float32))
     np.testing.assert_array_equal(parallel, np.asarray(params["layers"]["w_gate_up"]))
+
+
+def test_bench_model_writes_the_weights_whole_or_not_at_all(tmp_path):
+    """bench_model writes a shape's folder once; the weights go to a partial file renamed when complete, so a run
+    killed mid-write (a bench's time limit) leaves nothing a later run would take as written, and the later run
+    writes them afresh. The folder loads through our loader."""
+    from jaxinfer.config import load_config
+    from jaxinfer.random_model import bench_model
+
+    d = bench_model(tmp_path, "tiny")
+    assert (d / "model.safetensors").is_file() and not (d / "model.safetensors.partial").exists()
+    assert load_config(d, "bfloat16").num_layers == 2
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.partial").write_bytes(b"truncated")   # what a killed writer leaves
+    bench_model(tmp_path, "tiny")
+    assert (d / "model.safetensors").stat().st_size > 1000 and not (d / "model.safetensors.partial").exists()
