@@ -13,9 +13,11 @@ GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -110,6 +112,9 @@ def main() -> None:
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
     print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate |")
     print("|---|---|---|---|---|---|---|", flush=True)
+    # what the figures were measured on and with (written with every row)
+    run = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(),
+               argv=sys.argv[1:], gemm=gemm)
     rows = []
     for shape in args.shapes:
         model_dir = bench_model(args.models, shape)
@@ -132,8 +137,8 @@ def main() -> None:
                 print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
                       f"{100 * row['share']:.1f}% |", flush=True)
                 # after every row: a run cut off by its time limit keeps what it measured
-                Path(args.out, "prefill.json").write_text(json.dumps(dict(gemm=gemm, rows=rows), indent=1))
-    Path(args.out, "prefill.json").write_text(json.dumps(dict(gemm=gemm, rows=rows), indent=1))
+                Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
+    Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
 
 
 if __name__ == "__main__":

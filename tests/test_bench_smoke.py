@@ -70,6 +70,9 @@ def test_bench_runs(tmp_path, script, args, out):
     data = json.loads((tmp_path / out).read_text())
     assert data
     assert "failed" not in stdout and "error" not in json.dumps(data), stdout[-2000:]
+    if script == "prefill.py":   # the machine, versions, date and command with the figures
+        assert {"device", "jax", "date", "argv", "gemm"} <= set(data)
+        assert data["argv"][:2] == ["--models", str(tmp_path / "models")]
 
 
 @pytest.mark.parametrize("client", ["httpx", "aiohttp"])
