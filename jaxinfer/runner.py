@@ -103,7 +103,7 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     batch (Runner.sampled_rows), whose page table is one row. batch: a StepBatch, or one packed
     into a single buffer (transfer.to_device_packed: split here, one argument instead of ~20)."""
     batch = unpacked(batch)
-    rows = batch if attention == "paged" else _first_row(batch)
+    rows = _sampled_batch(batch, attention)
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, rows.sample_index, attention=attention)
     return _sampled(kv, state, batch, rows, logits, n_top, greedy, method)
@@ -133,7 +133,7 @@ def mixed_tail(cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, 
     """The rest of a split mixed step: layers head_layers.. on mixed_head's x, the LM head and the sampling.
     Returns what mixed_step returns."""
     batch = unpacked(batch)
-    rows = batch if attention == "paged" else _first_row(batch)
+    rows = _sampled_batch(batch, attention)
     kv, x = model.run_layers(cfg, ops, params, kv, x, batch.positions, batch.slot_mapping, batch.token_seq,
                              batch.page_table, head_layers, cfg.num_layers, attention=attention)
     h = model.final_norm(cfg, ops, params, x)
@@ -188,6 +188,11 @@ class SplitStep:
         head_params, tail_params = self.split_params(params)
         kv, x = (head or self.head)(head_params, kv, state, batch)
         return (tail or self.tail)(tail_params, kv, state, batch, x)
+
+
+def _sampled_batch(batch: StepBatch, attention: str) -> StepBatch:
+    """The rows a mixed step samples: all of a paged step's, a one-sequence ("fresh", "prefixed") step's first."""
+    return batch if attention == "paged" else _first_row(batch)
 
 
 def _first_row(batch: StepBatch) -> StepBatch:
@@ -487,11 +492,16 @@ class ModelRunner:
     def compiled(self, name: str, batch: StepBatch | DecodeBatch) -> list[tuple[str, Any]]:
         """The step's executables for the batch's bucket, warm-up's, else compiled now (benches): [(name, compiled)],
         two for a SplitStep (name + "/head", name + "/tail"), one otherwise."""
-        step = self.steps[name]
-        parts = step.parts(self.params, self.kv, self.state, batch) if isinstance(step, SplitStep) \
-            else [("", step, (self.params, self.kv, self.state, batch))]
         return [(name + suffix, self._executables.get(_bucket_key(name + suffix, batch)) or fn.lower(*args).compile())
-                for suffix, fn, args in parts]
+                for suffix, fn, args in self._parts(name, batch)]
+
+    def _parts(self, name: str, batch: StepBatch | DecodeBatch) -> list[tuple[str, Any, tuple]]:
+        """What compiles apart for a step at the batch's bucket: [(name suffix, jitted function, arguments)], a
+        SplitStep's two parts, else the step itself (suffix "")."""
+        step = self.steps[name]
+        if isinstance(step, SplitStep):
+            return step.parts(self.params, self.kv, self.state, batch)
+        return [("", step, (self.params, self.kv, self.state, batch))]
 
     def run_decode(self, batch: DecodeBatch, greedy: bool = False,
                    sampler: str | None = None) -> tuple[np.ndarray, ...]:
@@ -568,14 +578,9 @@ class ModelRunner:
         if not compile:
             return time.perf_counter() - t0
         calls = self.bucket_calls()
-        units = []   # what compiles apart: (executable's name, batch, jitted function, arguments)
-        for name, batch in calls:
-            step = self.steps[name]
-            if isinstance(step, SplitStep):
-                units += [(name + part, batch, fn, args)
-                          for part, fn, args in step.parts(self.params, self.kv, self.state, batch)]
-            else:
-                units.append((name, batch, step, (self.params, self.kv, self.state, batch)))
+        # what compiles apart: (executable's name, batch, jitted function, arguments)
+        units = [(name + suffix, batch, fn, args) for name, batch in calls
+                 for suffix, fn, args in self._parts(name, batch)]
         cache = self.executable_cache
         keys = [cache.key(name, self._settings, args) if cache else None for name, _, _, args in units]
         spent = dict(load=0.0, lower=0.0, compile=0.0, compile_wall=0.0, first_runs=0.0)
