@@ -662,6 +662,11 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
   issue4c)   # issue4a's rows that its time limit cut off: Qwen3-4B at 32k by transformers and the XLA reference
     step 560 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas hf reference --out "$OUT"
     ;;
+  warmsplit) # the server's cold and warm start with the split prompt step as the GPU default (94 executables at
+             # start against 78 before it; warm was 11.7 s in the sixth session, target 30)
+    serve_setup
+    step 300 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
+    ;;
   hostout)   # the mixed step's outputs in pinned host memory against the default, alternating (~4 min)
     prefill_ab 80 default host-outputs default host-outputs
     ;;
