@@ -662,6 +662,18 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
   issue4c)   # issue4a's rows that its time limit cut off: Qwen3-4B at 32k by transformers and the XLA reference
     step 560 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas hf reference --out "$OUT"
     ;;
+  finnorm)   # batched decode's o_proj split-K finish and the MLP RMSNorm as one kernel (pallas/residual_norm.py):
+             # its GPU tests, then batch 8 and 32 decode, the package before (.carry/before-finnorm = `git archive
+             # REV jaxinfer` of the commit before it) against now, alternating, each its own lazily compiled engine
+    step 120 python3 -m pytest -q -o addopts= tests/gpu/test_residual_norm_gpu.py tests/gpu/test_skinny_gemm_gpu.py
+    i=0
+    for pkg in ${PKGS:-before-finnorm now before-finnorm now}; do
+      i=$((i + 1)); path=.; [ $pkg != now ] && path=.carry/$pkg:.
+      step 150 env PYTHONPATH=$path python3 bench/throughput.py --shape qwen3-4b --batches 8 32 --decode-only \
+           --lazy-compile --out "$OUT"
+      mv "$OUT/throughput.json" "$OUT/throughput-$i-$pkg.json"
+    done
+    ;;
   warmsplit) # the server's cold and warm start with the split prompt step as the GPU default (94 executables at
              # start against 78 before it; warm was 11.7 s in the sixth session, target 30)
     serve_setup

@@ -57,8 +57,7 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
         else:
             attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
                                        page_size, cfg.head_dim ** -0.5)
-    x = ops.linear_residual(attn.reshape(T, cfg.q_size), lp["wo"], lp.get("bo"), x)
-    return x, kv_k, kv_v
+    return attn.reshape(T, cfg.q_size), kv_k, kv_v
 
 
 def _norm_linear(ops, cfg, x, norm_p, w, b):
@@ -67,10 +66,18 @@ def _norm_linear(ops, cfg, x, norm_p, w, b):
     return ops.linear(_norm(ops, cfg, x, norm_p), w, b)
 
 
-def _mlp_block(cfg, ops, lp, x):
+def _attention_out_mlp(cfg, ops, lp, attn, x):
+    """The attention's output projection into the residual stream x, then the MLP block."""
     if cfg.mlp_kind == "swiglu" and cfg.norm_kind == "rms":
-        h = ops.rms_norm_swiglu(x, lp["mlp_norm"]["scale"], cfg.norm_eps, lp["w_gate_up"])
-    elif cfg.mlp_kind == "swiglu":
+        # one op, so that a batched step can fuse the projection's finish with the norm (ops.pallas)
+        x, h = ops.linear_residual_norm_swiglu(attn, lp["wo"], lp.get("bo"), x, lp["mlp_norm"]["scale"],
+                                               cfg.norm_eps, lp["w_gate_up"])
+        return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
+    return _mlp_block(cfg, ops, lp, ops.linear_residual(attn, lp["wo"], lp.get("bo"), x))
+
+
+def _mlp_block(cfg, ops, lp, x):
+    if cfg.mlp_kind == "swiglu":
         h = ops.swiglu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_gate_up"], None))
     else:
         h = ops.gelu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_up"], lp.get("b_up")),
@@ -80,9 +87,9 @@ def _mlp_block(cfg, ops, lp, x):
 
 def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention="paged"):
     x, kv_k, kv_v = carry
-    x, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size, decode,
-                                     attention)
-    return _mlp_block(cfg, ops, lp, x), kv_k, kv_v
+    attn, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size,
+                                        decode, attention)
+    return _attention_out_mlp(cfg, ops, lp, attn, x), kv_k, kv_v
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 10))

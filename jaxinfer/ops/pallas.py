@@ -4,7 +4,8 @@ Ops not overridden here are the reference ops. The projections of a batch-1 deco
 tokens) run as fused GEMVs (pallas/fused_gemv.py): RMSNorm folded into the projection that follows
 it, the residual add and SwiGLU in the epilogue, weights read in place from the stacked layer
 arrays. Batched decode rows (up to skinny_gemm.MAX_T) run on tensor cores (pallas/skinny_gemm.py,
-residual and SwiGLU epilogues, the norm in XLA) at the shapes where its measured table beat XLA
+residual and SwiGLU epilogues, the norm in XLA; a split-K output projection's finish fused with the MLP's
+norm, pallas/residual_norm.py) at the shapes where its measured table beat XLA
 (in interpret mode: always, so the CPU tests cover it); prompt rows go to the same kernel tiled over
 rows where its prefill table has the shape (empty until measured), else to XLA's GEMM. Prompt rows of the
 products in pallas/hopper_gemm.py's measured table (Qwen3-4B's QKV and gate/up + SwiGLU) go to the Mosaic GPU
@@ -41,7 +42,7 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     (Gate/up rows interleaved for the SwiGLU GEMV measured no faster on the H200 and were removed: bench/NOTES.md,
     sixteenth session.)"""
     from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
-                                 prefill_attention, rope_kv_write, skinny_gemm)
+                                 prefill_attention, residual_norm, rope_kv_write, skinny_gemm)
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
     def _stacked(w, *others):
@@ -133,11 +134,31 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     def rms_norm_swiglu(x, scale, eps, w_gate_up):
         if small(x):
             return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu")
-        if (cfg := hopper_config(x, w_gate_up, "swiglu")) is not None:
-            return _hopper(reference.rms_norm(x, scale, eps), w_gate_up, cfg, epilogue="swiglu")
-        if (cfg := skinny_config(x, w_gate_up, "swiglu")) is not None:
-            return _skinny(reference.rms_norm(x, scale, eps), w_gate_up, epilogue="swiglu", config=cfg)
-        return reference.rms_norm_swiglu(x, scale, eps, w_gate_up)
+        return _swiglu_of_normed(reference.rms_norm(x, scale, eps), w_gate_up)
+
+    def _swiglu_of_normed(h, w_gate_up):
+        """silu(gate) * up of rows already normed (more than MAX_T of them)."""
+        if (cfg := hopper_config(h, w_gate_up, "swiglu")) is not None:
+            return _hopper(h, w_gate_up, cfg, epilogue="swiglu")
+        if (cfg := skinny_config(h, w_gate_up, "swiglu")) is not None:
+            return _skinny(h, w_gate_up, epilogue="swiglu", config=cfg)
+        return reference.swiglu(reference.linear(h, w_gate_up))
+
+    def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up):
+        """A batched decode step's split-K output projection: its finish (sum, round, residual) and the MLP's
+        RMSNorm in one kernel (pallas/residual_norm.py) instead of two XLA kernels; elsewhere the two ops."""
+        cfg = None
+        if b is None and not small(x) and x.shape[0] <= skinny_gemm.MAX_T and hopper_config(x, w, "residual") is None:
+            cfg = skinny_config(x, w, "residual")
+        if cfg is None or skinny_gemm.splits(cfg, x.shape[1]) == 1:
+            r = linear_residual(x, w, b, residual)
+            return r, rms_norm_swiglu(r, scale, eps, w_gate_up)
+        stacked, layer, vector_layer, (scale_stack,) = _stacked(w, scale)
+        partials = skinny_gemm.skinny_gemm(x, stacked, layer, config=cfg, finish=False, interpret=interpret)
+        r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale_stack, eps,
+                                                       layer if vector_layer is None else vector_layer,
+                                                       interpret=interpret)
+        return r, _swiglu_of_normed(h, w_gate_up)
 
     def logits(x, w):
         """The lm_head: at batch 1 the GEMV with float32 outputs (H200, Qwen3-4B's 778 MB matrix: 175 us a
@@ -182,7 +203,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
 
     ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
     ops.update(linear=linear, rms_norm_linear=rms_norm_linear, rms_norm_swiglu=rms_norm_swiglu,
-               linear_residual=linear_residual, logits=logits, qkv_rope_write=qkv_rope_write, decode_qkv_attention=decode_qkv_attention,
+               linear_residual=linear_residual, linear_residual_norm_swiglu=linear_residual_norm_swiglu, logits=logits,
+               qkv_rope_write=qkv_rope_write, decode_qkv_attention=decode_qkv_attention,
                paged_decode_attention=functools.partial(decode_attention.paged_decode_attention,
                                                         interpret=interpret))
     if flash_prefill:

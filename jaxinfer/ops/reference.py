@@ -60,6 +60,14 @@ def linear_residual(x: jax.Array, w: jax.Array, b: jax.Array | None, residual: j
     return residual + linear(x, w, b)
 
 
+def linear_residual_norm_swiglu(x: jax.Array, w: jax.Array, b: jax.Array | None, residual: jax.Array,
+                                scale: jax.Array, eps: float, w_gate_up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The attention's output projection into the residual stream, then the MLP's norm and gate/up:
+    (r, silu(gate) * up of rms_norm(r)) with r = linear_residual(x, w, b, residual)."""
+    r = linear_residual(x, w, b, residual)
+    return r, rms_norm_swiglu(r, scale, eps, w_gate_up)
+
+
 def logits(x: jax.Array, w: jax.Array) -> jax.Array:
     """The lm_head product, kept in float32 for sampling."""
     return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)

@@ -110,6 +110,12 @@ def prefill_table_config(M: int, N: int, K: int, epilogue: str = "none") -> Skin
     return _PREFILL_TABLE.get((N, K, epilogue))
 
 
+def splits(cfg: SkinnyConfig, K: int) -> int:
+    """How many K ranges the config runs (never more than there are k tiles); above 1 the kernel writes
+    float32 partial sums."""
+    return min(cfg.split_k, -(-K // cfg.block_k))
+
+
 def block_rows(cfg: SkinnyConfig, M: int) -> int:
     """Rows per tile: block_m, or all M rows padded to a power of two >= 16."""
     return cfg.block_m or pow2_at_least(M, 16)
@@ -206,14 +212,17 @@ def _finish(partial, b, residual, epilogue, dtype):
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "finish", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
-                vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
+                vector_layer: jax.Array | int | None = None, finish: bool = True,
+                interpret: bool = False) -> jax.Array:
     """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [Lb, N] read at
     `vector_layer` (default `layer`);
     epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
-    returns [M, I]. config: None picks `choose_config`."""
+    returns [M, I]. config: None picks `choose_config`. finish=False (epilogue "none", no bias): a
+    split-K config's float32 partial sums [S, M, N] as they are, for a fused finish elsewhere
+    (residual_norm.py); the rounded product where the config does not split."""
     if w.ndim == 2:
         w = w[None]
     if b is not None and b.ndim == 1:
@@ -226,6 +235,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError(f"skinny_gemm: unknown epilogue {epilogue!r}")
     if (epilogue == "residual") != (residual is not None):
         raise ValueError("skinny_gemm: a residual goes with epilogue='residual'")
+    if not finish and (epilogue != "none" or b is not None):
+        raise ValueError("skinny_gemm: finish=False returns the bare partial sums (epilogue 'none', no bias)")
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
     cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
@@ -236,7 +247,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     cols = half if epilogue == "swiglu" else N
     BM = block_rows(cfg, M)
     k_tiles = -(-K // cfg.block_k)
-    S = min(cfg.split_k, k_tiles)
+    S = splits(cfg, K)
     cfg = dataclasses.replace(cfg, split_k=S)
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
@@ -255,6 +266,6 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         name=f"skinny_gemm_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
-    if partial:
+    if partial and finish:
         return _finish(y, None if b is None else b[layers[1][0]], residual, epilogue, x.dtype)
     return y
