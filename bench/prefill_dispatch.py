@@ -51,9 +51,6 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "split-6": ("", False, {"prompt_step_head_layers": 6}),
     "split-12": ("", False, {"prompt_step_head_layers": 12}),
     "host-trace-split-6": (PROFILED, "host", {"prompt_step_head_layers": 6}),
-    # the read-back polls readiness before it reads (EngineConfig.spin_read_back)
-    "spin-read-back": ("", False, {"spin_read_back": True}),
-    "split-6-spin": ("", False, {"prompt_step_head_layers": 6, "spin_read_back": True}),
     # the step's CUDA graph cut at every FFI custom call (the Mosaic GPU GEMMs and flash attention run outside
     # it): ~110 small graphs and ~110 kernel launches instead of one graph of ~340 kernels, so the device could
     # start after the first small graph while the host launches the rest (twenty-third session)

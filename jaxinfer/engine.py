@@ -104,9 +104,6 @@ class EngineConfig:
     # process each: TTFT 14.04 / 14.26 -> 13.70 / 14.01 ms, bench/prefill.py 70.3 -> 71.1% of the GEMM rate;
     # bench/NOTES.md, twenty-fourth session).
     prompt_step_head_layers: int | None = None
-    # Read steps back by polling their outputs' readiness first (Runner.fetch): traced, the host dispatched a
-    # 1k prompt's read-back ~0.5 ms after the device had finished (twenty-third session). Costs a busy thread.
-    spin_read_back: bool = False
     # The sampling steps (a row sampled, or top logprobs wanted) in four variants the host picks between
     # (sampling.sampler_for), none with a device-side conditional: three without the sort over the
     # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
@@ -266,8 +263,7 @@ class Engine:
                                                        config.prefixed_chunk_attention),
                                   plain_sampling=config.plain_sampling_step,
                                   mixed_outputs_on_host=config.mixed_outputs_on_host,
-                                  prompt_head_layers=config.prompt_step_head_layers,
-                                  spin_read_back=config.spin_read_back)
+                                  prompt_head_layers=config.prompt_step_head_layers)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0

@@ -291,10 +291,6 @@ def _outputs_on_host(step):
     return on_host
 
 
-def _all_ready(arrays) -> bool:
-    return all(a.is_ready() for a in arrays)
-
-
 def _mixed_name(greedy: bool, sampler: str | None, attention: str) -> str:
     return f"mixed{_sampler_suffix(greedy, sampler)}" + ("" if attention == "paged" else f"-{attention}")
 
@@ -320,7 +316,7 @@ class ModelRunner:
                  prompt_logprobs: bool = False, executable_cache: ExecutableCache | None = None,
                  short_decode: tuple[int, int] = (0, 1), kv_dtype=None, greedy_mixed: bool = False,
                  fresh_prompt_min_tokens: int = 0, prefixed_chunks: bool = False, plain_sampling: bool = False,
-                 mixed_outputs_on_host: bool = False, prompt_head_layers: int = 0, spin_read_back: bool = False):
+                 mixed_outputs_on_host: bool = False, prompt_head_layers: int = 0):
         """short_decode: (max batch, steps): batch buckets up to max batch run dispatches of that many
         decode steps, the others `steps_per_decode`. kv_dtype: the KV cache's (default the model's).
         greedy_mixed: also compile a greedy-only mixed step per token bucket ("mixed-greedy").
@@ -334,8 +330,7 @@ class ModelRunner:
         conditional when every row is greedy. mixed_outputs_on_host: the mixed steps' outputs after the KV
         cache and sampler state (tokens, logprobs, ...) are placed in pinned host memory by the step itself.
         prompt_head_layers > 0: the one-sequence prompt steps ("-fresh", "-prefixed") run as SplitStep, their
-        first prompt_head_layers layers in an executable of their own. spin_read_back: fetch polls the outputs'
-        readiness before reading them."""
+        first prompt_head_layers layers in an executable of their own."""
         self.cfg, self.params, self.ops = cfg, params, ops
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -350,7 +345,6 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
-        self.spin_read_back = spin_read_back
         self.warmup_breakdown: dict[str, float] = {}
         self.short_decode = short_decode
         self.fresh_prompt_min_tokens = fresh_prompt_min_tokens
@@ -446,13 +440,9 @@ class ModelRunner:
         return tuple(out)
 
     def fetch(self, arrays) -> tuple[np.ndarray, ...]:
-        """Read device arrays back, counting the time spent waiting in `device_wait_seconds`. With
-        `spin_read_back`, first poll the arrays' readiness (each poll asks the runtime whether the step's
-        event has passed), yielding the GIL between polls, instead of blocking in the runtime's own wait."""
+        """Read device arrays back, counting the time spent waiting in `device_wait_seconds`. (Polling the
+        arrays' readiness first measured nothing on the H200: bench/NOTES.md, twenty-fourth session.)"""
         t0 = time.perf_counter()
-        if self.spin_read_back:
-            while not _all_ready(arrays):
-                time.sleep(0)
         out = tuple(jax.device_get(list(arrays)))   # the copies start together, not one after another
         self.device_wait_seconds += time.perf_counter() - t0
         return out

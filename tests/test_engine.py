@@ -8,7 +8,6 @@ import pytest
 
 from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
-from jaxinfer import runner as runner_module
 from jaxinfer.engine import stream
 from jaxinfer.runner import SplitStep, bucket_of
 
@@ -540,16 +539,3 @@ def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
     batch = next(b for n, b in runner.bucket_calls() if n == "mixed-greedy-fresh")
     compiled = runner.compiled("mixed-greedy-fresh", batch)
     assert [n for n, _ in compiled] == parts and all(exe.memory_analysis() is not None for _, exe in compiled)
-
-
-def test_spin_read_back_polls_before_reading(stories, monkeypatch):
-    """spin_read_back: the engine's read-backs poll the outputs' readiness before reading them (prompt steps
-    and decode dispatches), and generate what the engine without it does."""
-    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, spin_read_back=True, progress=False)
-    polls = []
-    real = runner_module._all_ready
-    monkeypatch.setattr(runner_module, "_all_ready", lambda arrays: polls.append(len(arrays)) or real(arrays))
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    got = llm.generate(PROMPTS[:2], params)
-    assert len(polls) >= 2 and min(polls) >= 3   # a prompt step and decode dispatches, each several outputs
-    assert [o.token_ids for o in got] == [o.token_ids for o in stories.generate(PROMPTS[:2], params)]
