@@ -640,9 +640,9 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     ;;
   split1)    # the 1k prompt step as two executables (its first 3, 6 or 12 layers apart) against one, and the
              # read-back that polls readiness, alternating, each its own process; first the flash kernel's GPU
-             # tests (~8 min). Its spin-read-back variants were removed with the option after this round (a record)
+             # tests (~8 min). It also ran spin-read-back and split-6-spin, removed with the option after it
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py   # P's buffer changed (d20d98a)
-    prefill_ab 80 default split-6 spin-read-back split-6-spin default split-6 split-3 split-12
+    prefill_ab 80 default split-6 default split-6 split-3 split-12
     ;;
   split2)    # bench/prefill.py 1k and 8k with and without the split (one process), then one request of split-6
              # traced on one clock (~7 min)
