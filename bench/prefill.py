@@ -116,6 +116,7 @@ def main() -> None:
     run = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(),
                argv=sys.argv[1:], gemm=gemm)
     rows = []
+    save = lambda: Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
     for shape in args.shapes:
         model_dir = bench_model(args.models, shape)
         cfg = load_config(model_dir, "bfloat16")
@@ -137,8 +138,8 @@ def main() -> None:
                 print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
                       f"{100 * row['share']:.1f}% |", flush=True)
                 # after every row: a run cut off by its time limit keeps what it measured
-                Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
-    Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
+                save()
+    save()   # also a run with no rows
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ round, add the residual: 1.7 us on the H200 at batch 8) and the MLP's RMSNorm of
 each mostly launch and latency (the rows are 5 KB). Here one program per row reads its S partial rows
 and its residual row once, and writes the new residual row and its normed row.
 
-Rounding follows the ops it replaces: the partials summed in order in float32 (skinny_gemm._finish),
+Rounding follows the ops it replaces: the partials summed in order in float32 (skinny_gemm.finish_partials),
 rounded to the residual's dtype, added to the residual (rounded again), then reference.rms_norm (the
 mean of squares in float32, the normed row rounded, then times the scale).
 """
@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.ops.reference import rms_norm
 from jaxinfer.pallas.blocks import layer_operands, pow2_at_least
+from jaxinfer.pallas.skinny_gemm import finish_partials
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -29,24 +31,18 @@ i32 = jnp.int32
 def _kernel(vlayer_ref, p_ref, res_ref, scale_ref, r_ref, h_ref, *, S: int, N: int, BN: int, eps: float):
     row = pl.program_id(0)
     vlayer = plgpu.load(vlayer_ref.at[i32(0)])
-    cols = jnp.arange(BN, dtype=i32)
-    ok = cols < N if BN != N else None
-    at = (lambda ref, *lead: ref.at[(*lead, pl.ds(0, BN))]) if ok is None else \
-        (lambda ref, *lead: ref.at[(*lead, cols)])
-    load = (lambda ref: plgpu.load(ref)) if ok is None else (lambda ref: plgpu.load(ref, mask=ok, other=0))
-    y = load(at(p_ref, i32(0), row))
+    cols = jnp.arange(BN, dtype=i32)    # BN: N padded to a power of two, the columns past N masked
+    ok = cols < N
+    load = lambda ref, *lead: plgpu.load(ref.at[(*lead, cols)], mask=ok, other=0)
+    y = load(p_ref, i32(0), row)
     for s in range(1, S):
-        y = y + load(at(p_ref, i32(s), row))
-    r = load(at(res_ref, row)) + y.astype(r_ref.dtype)
+        y = y + load(p_ref, i32(s), row)
+    r = load(res_ref, row) + y.astype(r_ref.dtype)
     h = r.astype(f32)
     h = h * jax.lax.rsqrt(jnp.sum(h * h) / N + eps)     # masked columns are 0: the sum is the row's
-    h = load(at(scale_ref, vlayer)) * h.astype(r_ref.dtype)
-    if ok is None:
-        plgpu.store(at(r_ref, row), r)
-        plgpu.store(at(h_ref, row), h.astype(h_ref.dtype))
-    else:
-        plgpu.store(at(r_ref, row), r, mask=ok)
-        plgpu.store(at(h_ref, row), h.astype(h_ref.dtype), mask=ok)
+    h = load(scale_ref, vlayer) * h.astype(r_ref.dtype)
+    plgpu.store(r_ref.at[row, cols], r, mask=ok)
+    plgpu.store(h_ref.at[row, cols], h.astype(h_ref.dtype), mask=ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
@@ -74,9 +70,7 @@ def split_k_residual_rms_norm(partials: jax.Array, residual: jax.Array, scale: j
 
 def reference(partials: jax.Array, residual: jax.Array, scale: jax.Array, eps: float,
               vector_layer: int = 0) -> tuple[jax.Array, jax.Array]:
-    """The kernel's twin: the XLA ops it replaces."""
-    from jaxinfer.ops.reference import rms_norm
-
+    """The kernel's twin: the XLA ops it replaces (skinny_gemm's split-K finish, then the reference norm)."""
     scale = scale if scale.ndim == 1 else scale[vector_layer]
-    r = residual + jnp.sum(partials, axis=0).astype(residual.dtype)
+    r = finish_partials(partials, None, residual, "residual", residual.dtype)
     return r, rms_norm(r, scale, eps)

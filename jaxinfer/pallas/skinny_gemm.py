@@ -199,7 +199,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
     plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(dtype), mask=mask)
 
 
-def _finish(partial, b, residual, epilogue, dtype):
+def finish_partials(partial, b, residual, epilogue, dtype):
     """The split-K epilogue in XLA: sum the partials, then as the reference ops round."""
     y = jnp.sum(partial, axis=0)
     if b is not None:
@@ -267,5 +267,5 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial and finish:
-        return _finish(y, None if b is None else b[layers[1][0]], residual, epilogue, x.dtype)
+        return finish_partials(y, None if b is None else b[layers[1][0]], residual, epilogue, x.dtype)
     return y
