@@ -428,6 +428,14 @@ case "${1:-1}" in
     mv "$OUT/decode_dispatch.json" "$OUT/decode_dispatch-pdl.json"
     step 100 python3 bench/decode_dispatch.py --shape qwen3-4b --variants profiled-pdl-launch+greedy --out "$OUT"
     ;;
+  pdl1)      # the decode GEMVs' weight tiles loaded before griddepcontrol.wait (fused_gemv's `prefetch`; twenty-sixth
+             # session): the chain test under default and PDL flags, then batch-1 decode, each variant its own process
+    step 150 python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k grid_dependency
+    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" \
+         python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k grid_dependency
+    step 420 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy pdl-launch+prefetch4 \
+         pdl-launch+greedy pdl+prefetch4 pdl-launch+prefetch8 default+prefetch4 --out "$OUT"
+    ;;
   norm8)     # batch 8's QKV and gate/up GEMMs with the RMSNorm as their prologue, folded and exactly rounded (run 4 of
              # the seventeenth session, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh
              # session). Kept as the record of that run; needs 495a3e6's package in .carry/norm8 to mean anything

@@ -150,3 +150,43 @@ def test_the_layer_indices_are_one_entry_operands_never_a_joined_pair():
     got = f(jnp.int32(1), jnp.int32(2))
     np.testing.assert_allclose(got, reference.rms_norm_linear(x, s[2], 1e-6, w[1]), rtol=2e-5, atol=2e-5)
     assert not np.allclose(got, reference.rms_norm_linear(x, s[1], 1e-6, w[1]), rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["norm_bias", "residual", "swiglu"])
+@pytest.mark.parametrize("prefetch", [1, 3, 8])
+def test_weight_tiles_loaded_before_the_wait_give_the_same_outputs_bit_for_bit(kind, prefetch):
+    """`prefetch` moves the first weight tiles' loads ahead of the grid-dependency wait (in interpret mode nothing
+    waits); the sums are the same in the same order. 8 tiles is more than the row has (4 of 64 and a masked one)."""
+    n_out, n_in = 32, 200
+    keys = jax.random.split(jax.random.PRNGKey(prefetch), 5)
+    x = jax.random.normal(keys[0], (1, n_in), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (2, n_out, n_in), jnp.float32) / 8).astype(jnp.bfloat16)
+    kw = dict(norm_bias=dict(scale=jax.random.normal(keys[2], (2, n_in)).astype(jnp.bfloat16),
+                             b=jax.random.normal(keys[3], (2, n_out)).astype(jnp.bfloat16)),
+              residual=dict(residual=jax.random.normal(keys[4], (1, n_out)).astype(jnp.bfloat16), epilogue="residual"),
+              swiglu=dict(scale=jnp.ones((2, n_in), jnp.bfloat16), epilogue="swiglu"))[kind]
+    one = fused_gemv(x, w, 1, block_in=64, interpret=True, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(fused_gemv(x, w, 1, block_in=64, rows=2, prefetch=prefetch, interpret=True, **kw)), np.asarray(one))
+
+
+def test_the_ops_prefetch_only_at_constant_layer_indices(monkeypatch):
+    """ops.pallas passes fused_gemv.PREFETCH only where the layer indices are Python ints (unrolled layers): a
+    scan's traced index is written by a kernel of the step, which the loads before the wait must not read."""
+    from jaxinfer.ops import pallas
+    from jaxinfer.pallas import fused_gemv as module
+
+    seen, real = [], module.fused_gemv
+
+    def spy(*a, prefetch=0, **k):
+        seen.append(prefetch)
+        return real(*a, prefetch=prefetch, **k)
+
+    monkeypatch.setattr(module, "PREFETCH", 4)
+    monkeypatch.setattr(module, "fused_gemv", spy)
+    ops = pallas.make(interpret=True)   # imports the spy (get_ops's are cached)
+    x = jnp.ones((1, 16), jnp.float32)
+    w = jnp.ones((3, 8, 16), jnp.float32)
+    ops.linear(x, LayerWeight(w, 1))
+    jax.jit(lambda i: ops.linear(x, LayerWeight(w, i)))(jnp.int32(1))
+    assert seen == [4, 0]
