@@ -57,6 +57,9 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "pdl-launch+prefetch8": (PDL_LAUNCH, True, False, dict(gemv_prefetch=8)),
     "pdl+prefetch4": (PDL, True, False, dict(gemv_prefetch=4)),
     "default+prefetch4": ("", True, False, dict(gemv_prefetch=4)),
+    "no-cmdbuf+prefetch4": (NO_COMMAND_BUFFERS, True, False, dict(gemv_prefetch=4)),
+    "pdl-launch+no-cmdbuf+prefetch4": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, dict(gemv_prefetch=4)),
+    "pdl-launch+no-cmdbuf+prefetch8": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, dict(gemv_prefetch=8)),
     "profiled-pdl-launch+prefetch4": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True,
                                       dict(gemv_prefetch=4)),
     # the decode GEMVs with 2 / 4 output rows a program (x and the norm's scale loaded once for them)
