@@ -50,18 +50,6 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "pdl+greedy": (PDL, True, False, {}),
     "pdl-launch+greedy": (PDL_LAUNCH, True, False, {}),
     "pdl-launch+no-cmdbuf": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, {}),
-    # the GEMVs load their first N weight tiles, let the next kernel launch and only then wait for the kernel before
-    # (griddepcontrol in the kernel: fused_gemv's `prefetch`), launched programmatically or not
-    "pdl-launch+prefetch2": (PDL_LAUNCH, True, False, dict(gemv_prefetch=2)),
-    "pdl-launch+prefetch4": (PDL_LAUNCH, True, False, dict(gemv_prefetch=4)),
-    "pdl-launch+prefetch8": (PDL_LAUNCH, True, False, dict(gemv_prefetch=8)),
-    "pdl+prefetch4": (PDL, True, False, dict(gemv_prefetch=4)),
-    "default+prefetch4": ("", True, False, dict(gemv_prefetch=4)),
-    "no-cmdbuf+prefetch4": (NO_COMMAND_BUFFERS, True, False, dict(gemv_prefetch=4)),
-    "pdl-launch+no-cmdbuf+prefetch4": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, dict(gemv_prefetch=4)),
-    "pdl-launch+no-cmdbuf+prefetch8": (f"{PDL_LAUNCH} {NO_COMMAND_BUFFERS}", True, False, dict(gemv_prefetch=8)),
-    "profiled-pdl-launch+prefetch4": (f"{PDL_LAUNCH} --xla_enable_command_buffers_during_profiling=true", True, True,
-                                      dict(gemv_prefetch=4)),
     # the decode GEMVs with 2 / 4 output rows a program (x and the norm's scale loaded once for them)
     "rows2+greedy": ("", True, False, dict(gemv_rows=2)),
     "rows4+greedy": ("", True, False, dict(gemv_rows=4)),

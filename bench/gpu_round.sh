@@ -429,7 +429,9 @@ case "${1:-1}" in
     step 100 python3 bench/decode_dispatch.py --shape qwen3-4b --variants profiled-pdl-launch+greedy --out "$OUT"
     ;;
   pdl1)      # the decode GEMVs' weight tiles loaded before griddepcontrol.wait (fused_gemv's `prefetch`; twenty-sixth
-             # session): the chain test under default and PDL flags, then batch-1 decode, each variant its own process
+             # session): the chain test under default and PDL flags, then batch-1 decode, each variant its own process.
+             # Measured nothing (bench/NOTES.md) and removed after; kept as the record of calls 1-5: needs f5b6e27's
+             # package (0a74942 for the no-cmdbuf variants) to mean anything
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k grid_dependency
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" \
          python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k grid_dependency

@@ -77,7 +77,6 @@ def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
     "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
     "gemv_block_in" ({(out, in): block_in} for the decode GEMVs of those shapes: gemv._TABLE entries),
-    "gemv_prefetch" (fused_gemv.PREFETCH: weight tiles loaded before the GEMVs' grid-dependency wait),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
     "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
     skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
@@ -101,7 +100,7 @@ def apply_bench_options(options: dict) -> dict:
     # arguments and the kernels' tables (every one: tests/test_executable_cache.py), not a patched function
     # (attention_config, weights, the batch's transfer): such a child compiles afresh (the fourteenth session's
     # batch-8 attention A/B loaded its first run's executables for the second). The table patches keep the cache.
-    patched = ("attention_config" in options or bool(options.get("unpacked_batch")) or "gemv_prefetch" in options
+    patched = ("attention_config" in options or bool(options.get("unpacked_batch"))
                or options.get("weights") is not None)
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
@@ -110,8 +109,6 @@ def apply_bench_options(options: dict) -> dict:
             fused_gemv.ROWS.update(rows)
         else:
             fused_gemv.DEFAULT_ROWS = rows
-    if "gemv_prefetch" in options:   # weight tiles the decode GEMVs load before their grid-dependency wait
-        fused_gemv.PREFETCH = options.pop("gemv_prefetch")
     if "gemv_block_in" in options:   # {(out, in): block_in}; block_in_for reads gemv's table
         import dataclasses
 

@@ -58,7 +58,7 @@ def _kernel_choices() -> str:
     )
 
     return repr((decode_attention._TABLE, decode_attention._TABLE_FP8, sorted(fused_gemv.ROWS.items()),
-                 fused_gemv.DEFAULT_ROWS, fused_gemv.PREFETCH, sorted(gemv._TABLE.items()), hopper_attention.TABLE,
+                 fused_gemv.DEFAULT_ROWS, sorted(gemv._TABLE.items()), hopper_attention.TABLE,
                  sorted(hopper_gemm.PREFILL_TABLE.items()), sorted(hopper_gemm.DECODE_TABLE.items()),
                  prefill_attention._TABLE, rope_kv_write.TILED, sorted(skinny_gemm._TABLE.items()),
                  sorted(skinny_gemm._PREFILL_TABLE.items())))

@@ -177,7 +177,6 @@ def test_every_kernel_table_is_in_the_key(monkeypatch):
         module = importlib.import_module(f"jaxinfer.pallas.{info.name}")
         for name, value in vars(module).items():
             if "TABLE" in name or (info.name, name) in {("fused_gemv", "ROWS"), ("fused_gemv", "DEFAULT_ROWS"),
-                                                        ("fused_gemv", "PREFETCH"),
                                                         ("rope_kv_write", "TILED")}:
                 with monkeypatch.context() as m:
                     m.setattr(module, name, changed(value))

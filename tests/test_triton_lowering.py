@@ -163,22 +163,6 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
         assert TRITON_CALL in _lower(gemv, sd((1, k), bf), sd((2, n, k), bf), extra)
 
 
-def test_fused_gemv_with_its_grid_dependency_wait_lowers_at_real_shapes():
-    """fused_gemv's `prefetch`: the kernel carries griddepcontrol (the wait and the early launch) in its Triton
-    module; without it, none."""
-    from jaxinfer.pallas.fused_gemv import fused_gemv
-
-    D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
-    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    for prefetch in (0, 4):
-        def gemv(x, w, r, prefetch=prefetch):
-            return fused_gemv(x, w, 1, residual=r, epilogue="residual", block_in=128, prefetch=prefetch)
-
-        text = _lower(gemv, sd((1, I), bf), sd((2, D, I), bf), sd((1, D), bf))
-        assert TRITON_CALL in text
-        assert ("griddepcontrol.wait" in text) == (prefetch > 0)
-
-
 @pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
 @pytest.mark.parametrize("T", [1, 1000, 2048])
 @pytest.mark.parametrize("tiles", [8, 32])

@@ -43,7 +43,6 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
     sixteenth session.)"""
     from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                                  prefill_attention, residual_norm, rope_kv_write, skinny_gemm)
-    from jaxinfer.pallas import fused_gemv as fused_gemv_module
     from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
 
     def _stacked(w, *others):
@@ -62,12 +61,8 @@ def make(interpret: bool = False, flash_prefill: bool = True, fused_decode_rope:
         n_out, n_in = stacked.shape[-2:]
         if kw.get("epilogue") == "swiglu":
             n_out //= 2
-        # weight tiles loaded before the wait for the kernel before (fused_gemv.PREFETCH) only at constant layer
-        # indices: a scan's traced index is written by a kernel of the step
-        constant = isinstance(layer, int) and (vector_layer is None or isinstance(vector_layer, int))
         return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
-                          rows=rows_for(n_out, n_in), vector_layer=vector_layer,
-                          prefetch=fused_gemv_module.PREFETCH if constant else 0, interpret=interpret, **kw)
+                          rows=rows_for(n_out, n_in), vector_layer=vector_layer, interpret=interpret, **kw)
 
     def _skinny(x, w, b=None, **kw):
         stacked, layer, vector_layer, (b,) = _stacked(w, b)

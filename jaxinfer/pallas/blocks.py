@@ -129,17 +129,3 @@ def layer_operands(layer, vector_layer=None) -> tuple[jax.Array, jax.Array]:
     Qwen3-4B step on the H200 (sixteenth session, its optimized HLO), ~0.8 us each."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return layer, layer if vector_layer is None else jnp.asarray(vector_layer, jnp.int32).reshape(1)
-
-
-def grid_dependency_wait(operand):
-    """Programmatic dependent launch (Hopper): let the grid launched after this one start
-    (`griddepcontrol.launch_dependents`), then wait until the grid before it has finished and its writes are
-    visible (`griddepcontrol.wait`; at once when the kernel was not launched so). Returns int32 0 for the reads
-    of earlier kernels' outputs to add into an index: they depend on it and cannot be issued before the wait.
-    `operand` (any int32 scalar the kernel has) only gives the assembly an input; what comes before the call in
-    program order (a weight's loads) may run while the grid before still runs."""
-    [zero] = plgpu.elementwise_inline_asm(
-        "griddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n\tmov.b32 $0, 0;",
-        args=[jnp.asarray(operand, jnp.int32).reshape(1)], constraints="=r,r", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-    return jnp.sum(zero)   # a scalar (the assembly's result is a one-entry tensor)

@@ -26,14 +26,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import grid_dependency_wait, layer_operands, row_tiles, silu_mul
+from jaxinfer.pallas.blocks import layer_operands, row_tiles, silu_mul
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows, prefetch, wait):
+            rows):
     refs = list(refs)
     o_ref = refs.pop()
     scale_ref = refs.pop(0) if has_scale else None
@@ -48,24 +48,16 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     w_rows = out_rows + [r + half for r in out_rows] if epilogue == "swiglu" else out_rows
     accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
-    tiles = list(row_tiles(n_in, block_in))
+    for idx, cmask in row_tiles(n_in, block_in):
+        def load(ref_win, cmask=cmask):
+            if cmask is not None:
+                return plgpu.load(ref_win, mask=cmask, other=0)
+            return plgpu.load(ref_win)
 
-    def load(ref_win, cmask):
-        if cmask is not None:
-            return plgpu.load(ref_win, mask=cmask, other=0)
-        return plgpu.load(ref_win)
-
-    # prefetch > 0 (programmatic dependent launch): the first `prefetch` weight tiles are loaded before waiting
-    # for the kernel before this one, then every read of what earlier kernels wrote (x, the residual) goes
-    # through `after`, the wait's 0, so none can be issued before it
-    pre = [[load(w_ref.at[layer, r, idx], cmask) for r in w_rows] for idx, cmask in tiles[:prefetch]]
-    after = grid_dependency_wait(layer) if wait else 0
-    for i, (idx, cmask) in enumerate(tiles):
-        load_ = functools.partial(load, cmask=cmask)
-        ws = [(pre[i][j] if i < prefetch else load_(w_ref.at[layer, r, idx])).astype(f32) for j, r in enumerate(w_rows)]
-        scale = load_(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
+        ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in w_rows]
+        scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
-            xt = load_(x_ref.at[jnp.int32(t) + after, idx]).astype(f32)
+            xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
             if has_scale:
                 sumsq[t] = sumsq[t] + xt * xt
                 xt = xt * scale
@@ -81,7 +73,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
         ys = [y.astype(dtype) for y in ys]  # the projection rounds here, as in the reference
         for j, row in enumerate(out_rows):
             if epilogue == "residual":
-                out = ys[j] + res_ref[jnp.int32(t) + after, row]
+                out = ys[j] + res_ref[jnp.int32(t), row]
             elif epilogue == "swiglu":
                 out = silu_mul(ys[j], ys[rows + j])   # gate, up
             else:
@@ -89,24 +81,18 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
             o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "prefetch",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
-               vector_layer: jax.Array | int | None = None, prefetch: int = 0, interpret: bool = False) -> jax.Array:
+               vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
     T <= a few tokens; block_in a power of two; `rows` output rows per program (a power of two that divides
     the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
-    float32 keeps the float32 sums unrounded (the lm_head's logits).
-    prefetch > 0: programmatic dependent launch (Hopper; XLA launches the kernel so with
-    --xla_gpu_enable_pdl): each program loads its first `prefetch` weight tiles, lets the next kernel launch and
-    waits for the one before (`blocks.grid_dependency_wait`) before it reads x or the residual. Only for weights
-    no kernel of the step writes, at a layer index that is a constant (not a loop's counter). The same sums in
-    the same order: the outputs do not depend on it. In interpret mode the loads move and nothing waits."""
+    float32 keeps the float32 sums unrounded (the lm_head's logits)."""
     if w.ndim == 2:
         w = w[None]
     vectors = [a for a in (scale, b) if a is not None]
@@ -130,8 +116,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         raise ValueError(f"fused_gemv: rows per program ({rows}) must be a power of two dividing {grid_rows}")
     args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
-                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
-                               prefetch=prefetch, wait=prefetch > 0 and not interpret)
+                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
@@ -153,9 +138,6 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
 ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2,    # Qwen3-4B's QKV
                                     (6144, 4096): 2}    # Llama-3-8B's QKV
 DEFAULT_ROWS = 1
-# Weight tiles a program loads before waiting for the kernel before it (fused_gemv's `prefetch`; 0: no wait).
-# Pays only when XLA launches the kernels programmatically (--xla_gpu_enable_pdl); unmeasured, so off.
-PREFETCH = 0
 
 
 def rows_for(n_out: int, n_in: int) -> int:

@@ -101,32 +101,3 @@ def test_lm_head_float32_logits(vocab, hidden):
     err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
     assert err < 1e-5, f"relative error {err:.3e}"
     assert int(jnp.argmax(y)) == int(jnp.argmax(ref))
-
-
-@pytest.mark.parametrize("prefetch", [2, 4, 8])
-def test_grid_dependency_wait_keeps_a_chain_of_gemvs_bit_for_bit(prefetch):
-    """fused_gemv's `prefetch` (weight tiles loaded before griddepcontrol.wait) in a chain of 8 dependent Qwen3-4B
-    MLP blocks (gate/up + SwiGLU with the norm, down + residual) in one jit: the same outputs as without it,
-    bit for bit. Under XLA_FLAGS=--xla_gpu_enable_pdl=true the kernels overlap, so a read of x issued before the
-    wait would show here as a difference (run it so too: gpu_round.sh `pdl1`)."""
-    from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
-
-    D, I, L = 2560, 9728, 8
-    k = jax.random.split(jax.random.PRNGKey(prefetch), 4)
-    wgu = (jax.random.normal(k[0], (L, 2 * I, D), jnp.float32) / np.sqrt(D)).astype(jnp.bfloat16)
-    wd = (jax.random.normal(k[1], (L, D, I), jnp.float32) / np.sqrt(I)).astype(jnp.bfloat16)
-    scale = (1 + 0.1 * jax.random.normal(k[2], (L, D), jnp.float32)).astype(jnp.bfloat16)
-    x = jax.random.normal(k[3], (1, D), jnp.float32).astype(jnp.bfloat16)
-
-    @functools.partial(jax.jit, static_argnames="pf")
-    def chain(x, pf):
-        for i in range(L):
-            h = fused_gemv(x, wgu, i, scale=scale, epilogue="swiglu", block_in=block_in_for(I, D, x.dtype),
-                           prefetch=pf)
-            x = fused_gemv(h, wd, i, residual=x, epilogue="residual", block_in=block_in_for(D, I, x.dtype),
-                           prefetch=pf)
-        return x
-
-    want = np.asarray(chain(x, 0))
-    for _ in range(3):
-        np.testing.assert_array_equal(np.asarray(chain(x, prefetch)), want)
