@@ -19,7 +19,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 SHAPE = (128, 128)
