@@ -438,10 +438,12 @@ case "${1:-1}" in
     step 420 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy pdl-launch+prefetch4 \
          pdl-launch+greedy pdl+prefetch4 pdl-launch+prefetch8 default+prefetch4 --out "$OUT"
     ;;
-  pdlmosaic) # does XLA launch a Mosaic GPU kernel that uses griddepcontrol (its module marked uses_pdl) programmatically?
-             # a chain of 200 tiny dependent kernels with / without the calls, without and with --xla_gpu_enable_pdl
-    step 100 python3 bench/pdl_mosaic_probe.py
-    step 100 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/pdl_mosaic_probe.py
+  pdlmosaic) # does XLA launch a Mosaic GPU kernel that uses griddepcontrol (its module marked uses_pdl) programmatically,
+             # and what would a Mosaic GEMV overlap? chains of tiny kernels and of weight-streaming kernels at Qwen3-4B's
+             # batch-1 layer sizes, with / without the calls, without and with --xla_gpu_enable_pdl (twenty-sixth session)
+    step 150 python3 bench/pdl_mosaic_probe.py
+    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/pdl_mosaic_probe.py
+    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" python3 bench/pdl_mosaic_probe.py
     ;;
   norm8)     # batch 8's QKV and gate/up GEMMs with the RMSNorm as their prologue, folded and exactly rounded (run 4 of
              # the seventeenth session, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh

@@ -1,6 +1,6 @@
-"""bench/pdl_mosaic_probe.py on the CPU: its chain of Mosaic GPU kernels adds 1 per kernel (interpret mode, without
-the griddepcontrol calls, which interpret mode lacks), and lowered for CUDA only the variant with the calls has its
-module marked `uses_pdl` (what the GPU run asks XLA to honour)."""
+"""bench/pdl_mosaic_probe.py on the CPU: its chains of Mosaic GPU kernels add 1 per kernel (interpret mode, without
+the griddepcontrol calls, which interpret mode lacks), and lowered for CUDA only the variants with the calls have
+their modules marked `uses_pdl` (what the GPU run asks XLA to honour)."""
 
 import functools
 
@@ -8,17 +8,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.pdl_mosaic_probe import SHAPE, chain
+from bench.pdl_mosaic_probe import SHAPE, TK, chain, make_weights, stream_chain
+
+SMALL = {"a": (8, 2 * TK), "b": (16, 3 * TK)}
 
 
-def test_the_chain_adds_one_a_kernel():
-    y = chain(jnp.zeros(SHAPE, jnp.float32), n=2, pdl=False, interpret=True)
-    np.testing.assert_array_equal(np.asarray(y), 2)
+def test_the_chains_add_one_a_kernel():
+    x = jnp.zeros(SHAPE, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(chain(x, n=2, pdl=False, interpret=True)), 2)
+    weights = make_weights(1, ctas=2, layer_shapes=SMALL)
+    np.testing.assert_array_equal(np.asarray(stream_chain(x, weights, pdl=False, prefetch=0, interpret=True)), 2)
 
 
-def test_only_the_griddepcontrol_variant_is_marked_uses_pdl():
+def test_only_the_griddepcontrol_variants_are_marked_uses_pdl():
     x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+    weights = [[jax.ShapeDtypeStruct((132, r, k), jnp.bfloat16) for r, k in SMALL.values()]]
     for pdl in (False, True):
-        text = jax.jit(functools.partial(chain, n=1, pdl=pdl)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu_v2" in text
-        assert ("uses_pdl" in text) == pdl
+        for f, args in ((functools.partial(chain, n=1, pdl=pdl), (x,)),
+                        (lambda x, w, pdl=pdl: stream_chain(x, w, pdl=pdl, prefetch=1), (x, weights))):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu_v2" in text
+            assert ("uses_pdl" in text) == pdl
+
+
+def test_the_stream_chain_lowers_at_the_layer_shapes():
+    """The GPU run's shapes (one CTA an SM, Qwen3-4B's projections' rows and widths): shared memory and TMA boxes fit."""
+    from bench.pdl_mosaic_probe import CTAS, LAYER
+
+    weights = [[jax.ShapeDtypeStruct((CTAS, r, k), jnp.bfloat16) for r, k in LAYER.values()]]
+    x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+    text = jax.jit(lambda x, w: stream_chain(x, w, pdl=True, prefetch=8)).trace(x, weights).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("mosaic_gpu_v2") == len(LAYER)
