@@ -2,7 +2,7 @@
 (Mosaic GPU marks such a module `mosaic_gpu.uses_pdl`, which the CUDA plugin reads), and what would it buy the
 decode GEMVs? Two chains of dependent kernels in one jit each, with and without the griddepcontrol calls:
 
-- "tiny": one CTA a kernel, y = x + 1 on a [128, 128] float32 tile through shared memory (the launch alone);
+- "tiny": one CTA a kernel, y = x + 1 on a [16, 128] float32 tile through shared memory (the launch alone);
 - "stream": kernels that stream weight matrices of the batch-1 Qwen3-4B layer's sizes (QKV, o_proj, gate/up, down:
   one CTA an SM, each its rows by TMA through a shared-memory ring, as a GEMV would read them) and pass the
   dependent value on as "tiny" does. With griddepcontrol the kernel's first `--prefetch` weight tiles are in
@@ -29,11 +29,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-SHAPE = (128, 128)
+SHAPE = (16, 128)     # the dependent value: 8 KB of float32
 TK = 64             # weight tile columns: 64 bf16 = one 128-byte swizzled row
 # Qwen3-4B's batch-1 layer as one CTA an SM (132) streaming (rows, K) each: ~the projections' bytes
 LAYER = {"qkv": (48, 2560), "o_proj": (24, 4096), "gate_up": (144, 2560), "down": (24, 9728)}
 CTAS = 132
+SMEM_RING = 192 * 1024   # bytes of shared memory the ring may take (227 KB a CTA on the H200)
 
 
 def _params():
@@ -74,6 +75,7 @@ def stream_step(x: jax.Array, w: jax.Array, pdl: bool, prefetch: int, stages: in
     next tiles in flight by then) and CTA 0's read of x after it."""
     ctas, rows, K = w.shape
     steps = K // TK
+    stages = max(1, min(stages, SMEM_RING // (rows * TK * w.dtype.itemsize)))   # the ring within shared memory
     at = min(prefetch, steps - 1)
     swizzle = 128
     transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
@@ -111,11 +113,11 @@ def chain(x, n: int, pdl: bool, interpret: bool = False):
     return x
 
 
-def stream_chain(x, weights, pdl: bool, prefetch: int, interpret: bool = False):
+def stream_chain(x, weights, pdl: bool, prefetch: int, stages: int = 8, interpret: bool = False):
     """Each layer's matrices in turn (weights: [(qkv, o_proj, gate_up, down)] per layer)."""
     for layer in weights:
         for w in layer:
-            x = stream_step(x, w, pdl, prefetch, interpret=interpret)
+            x = stream_step(x, w, pdl, prefetch, stages, interpret=interpret)
     return x
 
 
@@ -146,6 +148,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=200, help="tiny kernels a chain")
     ap.add_argument("--layers", type=int, default=8, help="stream: layers of 4 matrices (distinct weights)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16],
+                    help="ring depths of the plain stream (the griddepcontrol ones run at 8)")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (no griddepcontrol: interpret mode lacks it)")
     args = ap.parse_args()
     x = jnp.zeros(SHAPE, jnp.float32)
@@ -173,15 +177,16 @@ def main() -> None:
             print(f"# HBM read ceiling {ceiling / 1e12:.2f} TB/s; a layer {layer_bytes / 1e6:.1f} MB "
                   f"({1e6 * layer_bytes / ceiling:.1f} us at the ceiling)", flush=True)
         kernels = layers * len(shapes)
-        for pdl in pdls:
-            for prefetch in (args.prefetch if pdl else [0]):
-                f = jax.jit(functools.partial(stream_chain, weights=weights, pdl=pdl, prefetch=prefetch,
-                                              interpret=args.interpret))
-                ok = bool(np.all(np.asarray(f(x)) == kernels))
-                t = _time(f, x, 1 if args.interpret else 10) / layers
-                share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
-                print(f"| stream | griddepcontrol {pdl}, prefetch {prefetch} | {1e6 * t:.2f} us a layer | {share} "
-                      f"of the ceiling | output right: {ok} |", flush=True)
+        runs = [(False, 0, st) for st in ([8] if args.interpret else args.stages)]
+        runs += [(True, p, 8) for p in args.prefetch] if True in pdls else []
+        for pdl, prefetch, stages in runs:
+            f = jax.jit(functools.partial(stream_chain, weights=weights, pdl=pdl, prefetch=prefetch, stages=stages,
+                                          interpret=args.interpret))
+            ok = bool(np.all(np.asarray(f(x)) == kernels))
+            t = _time(f, x, 1 if args.interpret else 10) / layers
+            share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
+            print(f"| stream | griddepcontrol {pdl}, prefetch {prefetch}, stages {stages} | {1e6 * t:.2f} us a layer | "
+                  f"{share} of the ceiling | output right: {ok} |", flush=True)
 
 
 if __name__ == "__main__":

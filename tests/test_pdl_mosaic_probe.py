@@ -37,6 +37,7 @@ def test_the_stream_chain_lowers_at_the_layer_shapes():
 
     weights = [[jax.ShapeDtypeStruct((CTAS, r, k), jnp.bfloat16) for r, k in LAYER.values()]]
     x = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
-    text = jax.jit(lambda x, w: stream_chain(x, w, pdl=True, prefetch=8)).trace(x, weights).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu_v2") == len(LAYER)
+    for stages in (4, 16):   # 16: capped where a ring of them would not fit
+        text = jax.jit(lambda x, w: stream_chain(x, w, pdl=True, prefetch=8, stages=stages)).trace(x, weights).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("mosaic_gpu_v2") == len(LAYER)
