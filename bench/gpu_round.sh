@@ -445,6 +445,14 @@ case "${1:-1}" in
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/pdl_mosaic_probe.py
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" python3 bench/pdl_mosaic_probe.py
     ;;
+  mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
+             # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
+             # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
+    step 200 python3 -m pytest -q -o addopts= tests/gpu/test_mosaic_gemv_gpu.py
+    step 150 python3 bench/kernels_mosaic_gemv.py --out "$OUT"
+    mv "$OUT/kernels_mosaic_gemv.json" "$OUT/kernels_mosaic_gemv-noflag.json"
+    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/kernels_mosaic_gemv.py --out "$OUT"
+    ;;
   norm8)     # batch 8's QKV and gate/up GEMMs with the RMSNorm as their prologue, folded and exactly rounded (run 4 of
              # the seventeenth session, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh
              # session). Kept as the record of that run; needs 495a3e6's package in .carry/norm8 to mean anything
