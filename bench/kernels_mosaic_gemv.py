@@ -18,12 +18,12 @@ import argparse
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.kernel_timing import best_ms_per_call
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
 from jaxinfer.pallas.mosaic_gemv import mosaic_gemv
 
@@ -55,18 +55,6 @@ def mosaic_chain(x, weights, *, shapes, pdl: bool, stages: int, interpret: bool 
     return x
 
 
-def best_seconds(f, x, weights, reps: int) -> float:
-    jax.block_until_ready(f(x, weights))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            y = f(x, weights)
-        jax.block_until_ready(y)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=36)
@@ -87,7 +75,7 @@ def main() -> None:
           + (f"; HBM read ceiling {ceiling / 1e12:.2f} TB/s" if ceiling else ""), flush=True)
     x1 = jax.random.normal(jax.random.PRNGKey(1), (1, shapes[0][1]), jnp.float32).astype(jnp.bfloat16)
     x8 = jnp.zeros((8, x1.shape[1]), x1.dtype).at[0].set(x1[0])
-    reps = 1 if args.interpret else 10
+    target_s = None if args.interpret else 0.3   # timed runs long enough for the GPU's clocks (kernel_timing)
     runs = [("triton", functools.partial(triton_chain, shapes=shapes, interpret=args.interpret), x1)]
     for stages in ([4] if args.interpret else args.stages):
         for pdl in (False, True):
@@ -99,10 +87,11 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, fn, x in runs:
         f = jax.jit(fn)   # the weights are arguments (never constants of the executable)
-        y = np.asarray(f(x, weights)[:1], np.float32)
+        out, ms = best_ms_per_call(f, (x, weights), calls=layers, target_s=target_s)
+        y = np.asarray(out[:1], np.float32)
         want = y if want is None else want
         err = float(np.linalg.norm(y - want) / max(np.linalg.norm(want), 1e-30))
-        t = best_seconds(f, x, weights, reps) / layers
+        t = ms / 1e3
         share = layer_bytes / ceiling / t if ceiling else None
         rows.append(dict(chain=name, us=1e6 * t, share=share, rel_err=err))
         print(f"| {name} | {1e6 * t:.2f} | {'-' if share is None else f'{100 * share:.1f}%'} | {err:.1e} |", flush=True)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from bench.kernel_timing import best_ms_per_call
 
 SHAPE = (16, 128)     # the dependent value: 8 KB of float32
 TK = 64             # weight tile columns: 64 bf16 = one 128-byte swizzled row
@@ -131,17 +132,6 @@ def make_weights(layers: int, ctas: int = CTAS, layer_shapes=LAYER, seed: int = 
     return out
 
 
-def _time(f, x, reps: int) -> float:
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            y = f(x)
-        jax.block_until_ready(y)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", nargs="+", default=["tiny", "stream"], choices=["tiny", "stream"])
@@ -155,13 +145,14 @@ def main() -> None:
     x = jnp.zeros(SHAPE, jnp.float32)
     print(f"# XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     pdls = (False,) if args.interpret else (False, True)
+    target_s = None if args.interpret else 0.3   # timed runs long enough for the GPU's clocks (kernel_timing)
     if "tiny" in args.mode:
         n = 3 if args.interpret else args.n
         for pdl in pdls * (1 if args.interpret else 2):
             f = jax.jit(functools.partial(chain, n=n, pdl=pdl, interpret=args.interpret))
-            ok = bool(np.all(np.asarray(f(x)) == n))
-            t = _time(f, x, 1 if args.interpret else 20)
-            print(f"| tiny | griddepcontrol {pdl} | {1e6 * t / n:.2f} us a kernel | output right: {ok} |", flush=True)
+            y, ms = best_ms_per_call(f, (x,), calls=n, target_s=target_s)
+            ok = bool(np.all(np.asarray(y) == n))
+            print(f"| tiny | griddepcontrol {pdl} | {1e3 * ms:.2f} us a kernel | output right: {ok} |", flush=True)
     if "stream" in args.mode:
         if args.interpret:
             shapes, layers, ctas = {"a": (8, 2 * TK), "b": (16, 3 * TK)}, 1, 2
@@ -183,9 +174,9 @@ def main() -> None:
             # the weights are arguments (never constants of the executable)
             f = jax.jit(functools.partial(stream_chain, pdl=pdl, prefetch=prefetch, stages=stages,
                                           interpret=args.interpret))
-            g = functools.partial(f, weights=weights)
-            ok = bool(np.all(np.asarray(g(x)) == kernels))
-            t = _time(g, x, 1 if args.interpret else 10) / layers
+            y, ms = best_ms_per_call(lambda x: f(x, weights=weights), (x,), calls=layers, target_s=target_s)
+            ok = bool(np.all(np.asarray(y) == kernels))
+            t = ms / 1e3
             share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
             print(f"| stream | griddepcontrol {pdl}, prefetch {prefetch}, stages {stages} | {1e6 * t:.2f} us a layer | "
                   f"{share} of the ceiling | output right: {ok} |", flush=True)

@@ -55,6 +55,7 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels_skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
     ("kernels_decode_attention_rope.py", ["--interpret", "--points", "2:40"], "decode_attention_rope.json"),
     ("kernels_barrier.py", ["--interpret", "--calls", "2"], "barrier.json"),
+    ("kernels_mosaic_gemv.py", ["--interpret"], "kernels_mosaic_gemv.json"),
     ("kernels_decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
                                      "float16", "--points", "2:40", "--budget", "200"], "decode_attention.json"),
     ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default",
