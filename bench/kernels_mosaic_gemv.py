@@ -5,8 +5,8 @@ of dependent products shaped like Qwen3-4B's batch-1 layer, with and without pro
     (run it without and with XLA_FLAGS=--xla_gpu_enable_pdl=true: gpu_round.sh `mosaicgemv`)
 
 A layer is four products, each reading its own weights (36 layers of distinct matrices, ~212 MB a layer): x [2560]
--> QKV-sized [6144] -> an o_proj stand-in [6144 -> 2560] (31.5 MB, the real one 21) -> gate/up + SwiGLU [9728] ->
-down [2560]. The Triton chain runs fused_gemv at the engine's block_in and rows (no norm, no residual) on one row;
+-> QKV-sized [6144] -> an o_proj stand-in [6144 -> 2560] + x (31.5 MB, the real one 21) -> gate/up + SwiGLU [9728]
+-> down [2560] + the stream. The Triton chain runs fused_gemv at the engine's block_in and rows (no norm) on one row;
 the Mosaic chains keep the activations as 8 rows (row 0 real, the rest zeros: the kernel's B operand) so that no pad
 runs between them. Prints us a layer, the share of the HBM read ceiling measured in the same run, and each chain's
 output against the Triton one's (relative error: the same bf16 roundings, float32 sums in another order).
@@ -27,9 +27,10 @@ from bench.kernel_timing import best_ms_per_call
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
 from jaxinfer.pallas.mosaic_gemv import mosaic_gemv
 
-# (out rows, in, epilogue) of a layer's products, in order; out rows of the SwiGLU are gate + up
-LAYER = [(6144, 2560, "none"), (2560, 6144, "none"), (19456, 2560, "swiglu"), (2560, 9728, "none")]
-TINY = [(128, 64, "none"), (64, 128, "none"), (256, 64, "swiglu"), (64, 128, "none")]
+# (out rows, in, epilogue) of a layer's products, in order; out rows of the SwiGLU are gate + up; a residual
+# product adds the layer's input (after o_proj) or the sum so far (after down), as the model's residual stream does
+LAYER = [(6144, 2560, "none"), (2560, 6144, "residual"), (19456, 2560, "swiglu"), (2560, 9728, "residual")]
+TINY = [(128, 64, "none"), (64, 128, "residual"), (256, 64, "swiglu"), (64, 128, "residual")]
 
 
 def make_weights(layers: int, shapes, seed: int = 0):
@@ -39,20 +40,29 @@ def make_weights(layers: int, shapes, seed: int = 0):
              .astype(jnp.bfloat16) for j, (n, k, _) in enumerate(shapes)] for i in range(layers)]
 
 
-def triton_chain(x, weights, *, shapes, interpret: bool = False):
+def _layers(x, weights, shapes, product):
     for layer in weights:
+        stream = x
         for w, (n, k, ep) in zip(layer, shapes):
-            out = n // 2 if ep == "swiglu" else n
-            x = fused_gemv(x, w, 0, epilogue=ep, block_in=block_in_for(out, k, w.dtype), rows=rows_for(out, k),
-                           interpret=interpret)
+            x = product(x, w, n, k, ep, stream if ep == "residual" else None)
+            stream = x if ep == "residual" else stream
     return x
+
+
+def triton_chain(x, weights, *, shapes, interpret: bool = False):
+    def product(x, w, n, k, ep, res):
+        out = n // 2 if ep == "swiglu" else n
+        return fused_gemv(x, w, 0, residual=res, epilogue=ep, block_in=block_in_for(out, k, w.dtype),
+                          rows=rows_for(out, k), interpret=interpret)
+
+    return _layers(x, weights, shapes, product)
 
 
 def mosaic_chain(x, weights, *, shapes, pdl: bool, stages: int, interpret: bool = False):
-    for layer in weights:
-        for w, (_, _, ep) in zip(layer, shapes):
-            x = mosaic_gemv(x, w, 0, epilogue=ep, pdl=pdl, stages=stages, interpret=interpret)
-    return x
+    def product(x, w, n, k, ep, res):
+        return mosaic_gemv(x, w, 0, residual=res, epilogue=ep, pdl=pdl, stages=stages, interpret=interpret)
+
+    return _layers(x, weights, shapes, product)
 
 
 def main() -> None:
