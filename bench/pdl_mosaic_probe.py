@@ -29,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from bench.kernel_timing import best_ms_per_call
+from jaxinfer.pallas.blocks import run_mosaic
 
 SHAPE = (16, 128)     # the dependent value: 8 KB of float32
 TK = 64             # weight tile columns: 64 bf16 = one 128-byte swizzled row
@@ -63,10 +64,7 @@ def step(x: jax.Array, pdl: bool, interpret: bool = False) -> jax.Array:
     call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32), grid=(1,), grid_names=("x",),
                         scratch_types=[plgpu.SMEM(SHAPE, jnp.float32), plgpu.Barrier(num_arrivals=1)],
                         kernel_name="pdl_probe" if pdl else "plain_probe", compiler_params=_params())
-    if interpret:
-        with plgpu.force_gpu_interpret_mode():
-            return call(x)
-    return call(x)
+    return run_mosaic(call, x, interpret=interpret)
 
 
 def stream_step(x: jax.Array, w: jax.Array, pdl: bool, prefetch: int, stages: int = 8,
@@ -102,10 +100,7 @@ def stream_step(x: jax.Array, w: jax.Array, pdl: bool, prefetch: int, stages: in
     call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32), grid=(ctas,), grid_names=("x",),
                         scratch_types=[plgpu.SMEM(SHAPE, jnp.float32), plgpu.Barrier(num_arrivals=1)],
                         kernel_name="pdl_stream" if pdl else "plain_stream", compiler_params=_params())
-    if interpret:
-        with plgpu.force_gpu_interpret_mode():
-            return call(x, w)
-    return call(x, w)
+    return run_mosaic(call, x, w, interpret=interpret)
 
 
 def chain(x, n: int, pdl: bool, interpret: bool = False):

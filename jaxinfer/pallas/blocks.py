@@ -129,3 +129,14 @@ def layer_operands(layer, vector_layer=None) -> tuple[jax.Array, jax.Array]:
     Qwen3-4B step on the H200 (sixteenth session, its optimized HLO), ~0.8 us each."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return layer, layer if vector_layer is None else jnp.asarray(vector_layer, jnp.int32).reshape(1)
+
+
+def run_mosaic(call, *args, interpret: bool = False):
+    """Call a Mosaic GPU kernel (plgpu.kernel's function) on args, in Mosaic GPU's interpret mode when asked (the CPU
+    tests)."""
+    if not interpret:
+        return call(*args)
+    from jax.experimental.pallas import mosaic_gpu
+
+    with mosaic_gpu.force_gpu_interpret_mode():
+        return call(*args)

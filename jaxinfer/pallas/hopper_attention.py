@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxinfer.pallas.blocks import run_mosaic
 from jaxinfer.pallas.hopper_gemm import num_sms
 
 f32 = jnp.float32
@@ -306,7 +307,4 @@ def fresh_prompt_flash(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, *
         grid=(ctas,), grid_names=("cta",), num_threads=3, thread_name="wg",
         kernel_name="fresh_prompt_flash",
         compiler_params=plgpu.CompilerParams(approx_math=True))
-    if interpret:
-        with plgpu.force_gpu_interpret_mode():
-            return call(q, k, v)
-    return call(q, k, v)
+    return run_mosaic(call, q, k, v, interpret=interpret)

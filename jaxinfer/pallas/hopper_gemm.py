@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxinfer.pallas.blocks import silu_mul
+from jaxinfer.pallas.blocks import run_mosaic, silu_mul
 
 EPILOGUES = ("none", "residual", "swiglu")
 f32 = jnp.float32
@@ -257,11 +257,7 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
     args = (x, w) + ((residual,) if kernel_epilogue == "residual" else ())
-    if interpret:
-        with plgpu.force_gpu_interpret_mode():
-            y = call(*args)
-    else:
-        y = call(*args)
+    y = run_mosaic(call, *args, interpret=interpret)
     if S == 1:
         return y
     # The products rounded to x.dtype before the residual add, as the other paths round them: reduce_precision,

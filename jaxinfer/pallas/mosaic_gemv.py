@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxinfer.pallas.blocks import silu_mul
+from jaxinfer.pallas import hopper_gemm
+from jaxinfer.pallas.blocks import run_mosaic, silu_mul
 
 TK = 64          # K columns a tile: 64 bf16 = one 128-byte swizzled row
 ROWS = 64        # W rows a CTA (wgmma's M)
@@ -36,8 +37,15 @@ EPILOGUES = ("none", "residual", "swiglu")
 
 
 def supported(T: int, N: int, K: int, epilogue: str = "none") -> bool:
+    """Whether the product tiles (rows by ROWS, K by TK) and x fits in shared memory (above 8 rows, K <= 4,096)."""
     cols = N // 2 if epilogue == "swiglu" else N
-    return 0 < T <= MAX_T and cols % ROWS == 0 and K % TK == 0 and epilogue in EPILOGUES
+    fits = T <= 8 or K <= 4096
+    return 0 < T <= MAX_T and cols % ROWS == 0 and K % TK == 0 and epilogue in EPILOGUES and fits
+
+
+def _swizzled():
+    """[8, 64]-element tiles, 128-byte swizzle: the layout wgmma reads W and x in."""
+    return plgpu.TilingTransform((8, TK)), plgpu.SwizzleTransform(128)
 
 
 def _kernel(*refs, T, layer, cols, steps, stages, epilogue, pdl):
@@ -48,7 +56,6 @@ def _kernel(*refs, T, layer, cols, steps, stages, epilogue, pdl):
     c = lax.axis_index("cta")
     n_w = 2 if epilogue == "swiglu" else 1
     row_ranges = [pl.ds(c * ROWS + j * cols, ROWS) for j in range(n_w)]   # gate rows, then up rows
-    swizzle = (plgpu.TilingTransform((8, TK)), plgpu.SwizzleTransform(128))
     if pdl:
         plgpu.griddepcontrol_launch_dependents()
 
@@ -68,7 +75,7 @@ def _kernel(*refs, T, layer, cols, steps, stages, epilogue, pdl):
                 plgpu.wgmma(acc, w_smem, x_t.T)
             plgpu.wgmma_wait(0)
 
-        spec = plgpu.BlockSpec((ROWS, TK), lambda k: (0, k), transforms=swizzle)
+        spec = plgpu.BlockSpec((ROWS, TK), lambda k: (0, k), transforms=_swizzled())
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=[spec] * n_w, max_concurrent_steps=stages)(
             *[w_gmem.at[layer, r] for r in row_ranges])
         ys = [acc[...].astype(o_gmem.dtype) for acc in accs]   # [ROWS, TB]: the products round here
@@ -97,7 +104,7 @@ def mosaic_gemv(x: jax.Array, w: jax.Array, layer: int = 0, *, residual: jax.Arr
     _, N, K2 = w.shape
     if K2 != K or x.dtype != w.dtype:
         raise ValueError(f"mosaic_gemv: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not match")
-    if not supported(T, N, K, epilogue) or (T > 8 and K > 4096):
+    if not supported(T, N, K, epilogue):
         raise ValueError(f"mosaic_gemv: T={T}, ({N}, {K}) {epilogue!r} is not supported (T <= {MAX_T}, "
                          f"rows by {ROWS}, K by {TK}; above 8 rows K <= 4,096: x stays in shared memory)")
     cols = N // 2 if epilogue == "swiglu" else N
@@ -105,31 +112,20 @@ def mosaic_gemv(x: jax.Array, w: jax.Array, layer: int = 0, *, residual: jax.Arr
         raise ValueError(f"mosaic_gemv: a residual [{T}, {N}] goes with epilogue='residual'")
     TB = 8 if T <= 8 else 16
     xp = jnp.pad(x, ((0, TB - T), (0, 0))) if TB > T else x   # B's rows: the batch padded (the pad is not stored)
-    swizzle = (plgpu.TilingTransform((8, TK)), plgpu.SwizzleTransform(128))
     call = plgpu.kernel(
         functools.partial(_kernel, T=T, layer=layer, cols=cols, steps=K // TK, stages=stages, epilogue=epilogue,
                           pdl=pdl),
         out_type=jax.ShapeDtypeStruct((T, cols), x.dtype),
         grid=(cols // ROWS,), grid_names=("cta",),
-        scratch_types=[plgpu.SMEM((TB, K), x.dtype, transforms=swizzle), plgpu.SMEM((TB, ROWS), x.dtype)]
+        scratch_types=[plgpu.SMEM((TB, K), x.dtype, transforms=_swizzled()), plgpu.SMEM((TB, ROWS), x.dtype)]
         + ([plgpu.SMEM((TB, ROWS), x.dtype)] if residual is not None else []) + [plgpu.Barrier(num_arrivals=1)],
         kernel_name=f"mosaic_gemv_{epilogue}" + ("_pdl" if pdl else ""),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    args = (xp, w) + ((residual,) if residual is not None else ())
-    if interpret:
-        with plgpu.force_gpu_interpret_mode():
-            return call(*args)
-    return call(*args)
+    return run_mosaic(call, xp, w, *(() if residual is None else (residual,)), interpret=interpret)
 
 
 def reference(x: jax.Array, w: jax.Array, layer: int = 0, epilogue: str = "none",
               residual: jax.Array | None = None) -> jax.Array:
-    """The kernel's twin: float32 products rounded to x.dtype, then + residual, or SwiGLU as silu_mul."""
-    w = w[layer] if w.ndim == 3 else w
-    y = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T, precision=lax.Precision.HIGHEST).astype(x.dtype)
-    if epilogue == "residual":
-        return y + residual
-    if epilogue == "swiglu":
-        half = y.shape[1] // 2
-        return silu_mul(y[:, :half], y[:, half:])
-    return y
+    """The kernel's twin: hopper_gemm's (the reference ops' product, then + residual, or SwiGLU as silu_mul) at
+    the layer's matrix."""
+    return hopper_gemm.reference(x, w[layer] if w.ndim == 3 else w, residual, epilogue)
