@@ -445,6 +445,10 @@ case "${1:-1}" in
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/pdl_mosaic_probe.py
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" python3 bench/pdl_mosaic_probe.py
     ;;
+  persistent) # fewer kernel boundaries: the batch-1 layer's weights streamed by one kernel a layer / one for 8 layers,
+             # without and with a grid barrier (a global semaphore) at each phase start (twenty-seventh session)
+    step 300 python3 bench/pdl_mosaic_probe.py --mode persistent
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)

@@ -103,6 +103,76 @@ def stream_step(x: jax.Array, w: jax.Array, pdl: bool, prefetch: int, stages: in
     return run_mosaic(call, x, w, interpret=interpret)
 
 
+# The persistent stream: the layer's bytes a CTA as one flat [ROWS_P, K] matrix of [ROWS_P, TK] tiles, the phases
+# (QKV, o_proj, gate/up, down) as runs of tiles: 6,144 bf16 a tile, LAYER's products' bytes a CTA in tiles
+ROWS_P = 96
+PHASE_TILES = tuple(rows * K // (ROWS_P * TK) for rows, K in LAYER.values())   # (20, 16, 60, 38)
+
+
+def phase_starts(layers: int, phase_tiles=PHASE_TILES) -> list[int]:
+    """The tile indices at which a phase after the first begins, over `layers` layers in one kernel."""
+    starts, at = [], 0
+    for _ in range(layers):
+        for n in phase_tiles:
+            starts.append(at)
+            at += n
+    return starts[1:]
+
+
+def persistent_step(x: jax.Array, w: jax.Array, layers: int, barriers: bool, stages: int = 16,
+                    phase_tiles=PHASE_TILES, interpret: bool = False) -> jax.Array:
+    """One kernel streaming `layers` layers: CTA c reads w[c] ([ROWS_P, K]) through a `stages`-deep ring; CTA 0
+    computes y = x + 1 at its first tile. With barriers, every CTA meets the others at each phase start (a global
+    semaphore that only counts up: each adds 1 and spins until it reads ctas x the barrier's ordinal), while the
+    tiles already in the ring stay in flight."""
+    ctas, rows, K = w.shape
+    steps = K // TK
+    stages = max(1, min(stages, SMEM_RING // (rows * TK * w.dtype.itemsize)))
+    starts = phase_starts(layers, phase_tiles)
+    swizzle = 128
+    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+    def body(x_gmem, w_gmem, y_gmem, smem, bar):
+        c = jax.lax.axis_index("x")
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR) if barriers else None
+
+        def tile(idx, w_smem):
+            @pl.when(jnp.logical_and(idx[0] == 0, c == 0))
+            def _():
+                _pass_on(x_gmem, y_gmem, smem, bar)
+
+            if barriers:
+                for ordinal, start in enumerate(starts, 1):
+                    @pl.when(idx[0] == start)
+                    def _(ordinal=ordinal):
+                        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                        plgpu.semaphore_wait(sem, ctas * ordinal, decrement=False, memory_scope="gpu")
+
+        spec = plgpu.BlockSpec((rows, TK), lambda k: (0, k), transforms=transforms)
+        plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages)(w_gmem.at[c])
+
+    call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32), grid=(ctas,), grid_names=("x",),
+                        scratch_types=[plgpu.SMEM(SHAPE, jnp.float32), plgpu.Barrier(num_arrivals=1)],
+                        kernel_name="persistent_barriers" if barriers else "persistent_stream",
+                        compiler_params=_params())
+    return run_mosaic(call, x, w, interpret=interpret)
+
+
+def persistent_chain(x, weights, layers_a_kernel: int, barriers: bool, stages: int = 16,
+                     phase_tiles=PHASE_TILES, interpret: bool = False):
+    """weights: [ctas, ROWS_P, K] per kernel, each `layers_a_kernel` layers of tiles."""
+    for w in weights:
+        x = persistent_step(x, w, layers_a_kernel, barriers, stages, phase_tiles, interpret)
+    return x
+
+
+def make_flat_weights(kernels: int, layers_a_kernel: int, ctas: int = CTAS, rows: int = ROWS_P,
+                      phase_tiles=PHASE_TILES, seed: int = 1):
+    key = jax.random.PRNGKey(seed)
+    K = layers_a_kernel * sum(phase_tiles) * TK
+    return [jax.random.normal(jax.random.fold_in(key, i), (ctas, rows, K), jnp.bfloat16) for i in range(kernels)]
+
+
 def chain(x, n: int, pdl: bool, interpret: bool = False):
     for _ in range(n):
         x = step(x, pdl, interpret)
@@ -129,7 +199,7 @@ def make_weights(layers: int, ctas: int = CTAS, layer_shapes=LAYER, seed: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", nargs="+", default=["tiny", "stream"], choices=["tiny", "stream"])
+    ap.add_argument("--mode", nargs="+", default=["tiny", "stream"], choices=["tiny", "stream", "persistent"])
     ap.add_argument("--n", type=int, default=200, help="tiny kernels a chain")
     ap.add_argument("--layers", type=int, default=8, help="stream: layers of 4 matrices (distinct weights)")
     ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 8])
@@ -175,6 +245,28 @@ def main() -> None:
             share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
             print(f"| stream | griddepcontrol {pdl}, prefetch {prefetch}, stages {stages} | {1e6 * t:.2f} us a layer | "
                   f"{share} of the ceiling | output right: {ok} |", flush=True)
+    if "persistent" in args.mode:
+        # interpret mode has no global semaphores: the CPU runs the barrier-free kernels only
+        layers = 2 if args.interpret else args.layers
+        rows, ctas, tiles = (8, 2, (1, 2, 1, 1)) if args.interpret else (ROWS_P, CTAS, PHASE_TILES)
+        from bench.ceilings import hbm_read_ceiling
+
+        ceiling = None if args.interpret else hbm_read_ceiling()
+        for per_kernel in (1, layers):
+            weights = make_flat_weights(layers // per_kernel, per_kernel, ctas, rows, tiles)
+            layer_bytes = sum(w.size * w.dtype.itemsize for w in weights) / layers
+            for barriers, stages in ((False, 16), (True, 16), (True, 8)):
+                if barriers and args.interpret:
+                    continue
+                f = jax.jit(functools.partial(persistent_chain, layers_a_kernel=per_kernel, barriers=barriers,
+                                              stages=stages, phase_tiles=tiles, interpret=args.interpret))
+                y, ms = best_ms_per_call(lambda x: f(x, weights=weights), (x,), calls=layers, target_s=target_s)
+                ok = bool(np.all(np.asarray(y) == layers // per_kernel))
+                t = ms / 1e3
+                share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
+                print(f"| persistent | {per_kernel} layer(s) a kernel, barriers {barriers}, stages {stages} | "
+                      f"{1e6 * t:.2f} us a layer | {share} of the ceiling | output right: {ok} |", flush=True)
+        del weights
 
 
 if __name__ == "__main__":
