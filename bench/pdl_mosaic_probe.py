@@ -119,12 +119,12 @@ def phase_starts(layers: int, phase_tiles=PHASE_TILES) -> list[int]:
     return starts[1:]
 
 
-def persistent_step(x: jax.Array, w: jax.Array, layers: int, barriers: bool, stages: int = 16,
+def persistent_step(x: jax.Array, w: jax.Array, layers: int, barriers: bool | str, stages: int = 16,
                     phase_tiles=PHASE_TILES, interpret: bool = False) -> jax.Array:
     """One kernel streaming `layers` layers: CTA c reads w[c] ([ROWS_P, K]) through a `stages`-deep ring; CTA 0
     computes y = x + 1 at its first tile. With barriers, every CTA meets the others at each phase start (a global
     semaphore that only counts up: each adds 1 and spins until it reads ctas x the barrier's ordinal), while the
-    tiles already in the ring stay in flight."""
+    tiles already in the ring stay in flight. barriers "signal" / "wait": only that half of each (what each costs)."""
     ctas, rows, K = w.shape
     steps = K // TK
     stages = max(1, min(stages, SMEM_RING // (rows * TK * w.dtype.itemsize)))
@@ -145,20 +145,23 @@ def persistent_step(x: jax.Array, w: jax.Array, layers: int, barriers: bool, sta
                 for ordinal, start in enumerate(starts, 1):
                     @pl.when(idx[0] == start)
                     def _(ordinal=ordinal):
-                        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-                        plgpu.semaphore_wait(sem, ctas * ordinal, decrement=False, memory_scope="gpu")
+                        if barriers in (True, "signal"):
+                            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                        if barriers in (True, "wait"):   # "wait" alone: already satisfied (the spin's floor)
+                            plgpu.semaphore_wait(sem, ctas * ordinal if barriers is True else 0, decrement=False,
+                                                 memory_scope="gpu")
 
         spec = plgpu.BlockSpec((rows, TK), lambda k: (0, k), transforms=transforms)
         plgpu.emit_pipeline(tile, grid=(steps,), in_specs=[spec], max_concurrent_steps=stages)(w_gmem.at[c])
 
     call = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct(SHAPE, jnp.float32), grid=(ctas,), grid_names=("x",),
                         scratch_types=[plgpu.SMEM(SHAPE, jnp.float32), plgpu.Barrier(num_arrivals=1)],
-                        kernel_name="persistent_barriers" if barriers else "persistent_stream",
+                        kernel_name=f"persistent_barriers_{barriers}" if barriers else "persistent_stream",
                         compiler_params=_params())
     return run_mosaic(call, x, w, interpret=interpret)
 
 
-def persistent_chain(x, weights, layers_a_kernel: int, barriers: bool, stages: int = 16,
+def persistent_chain(x, weights, layers_a_kernel: int, barriers: bool | str, stages: int = 16,
                      phase_tiles=PHASE_TILES, interpret: bool = False):
     """weights: [ctas, ROWS_P, K] per kernel, each `layers_a_kernel` layers of tiles."""
     for w in weights:
@@ -255,7 +258,7 @@ def main() -> None:
         for per_kernel in (1, layers):
             weights = make_flat_weights(layers // per_kernel, per_kernel, ctas, rows, tiles)
             layer_bytes = sum(w.size * w.dtype.itemsize for w in weights) / layers
-            for barriers, stages in ((False, 16), (True, 16), (True, 8)):
+            for barriers, stages in ((False, 16), (True, 16), (True, 8), ("signal", 16), ("wait", 16)):
                 if barriers and args.interpret:
                     continue
                 f = jax.jit(functools.partial(persistent_chain, layers_a_kernel=per_kernel, barriers=barriers,
