@@ -447,7 +447,7 @@ case "${1:-1}" in
     ;;
   persistent) # fewer kernel boundaries: the batch-1 layer's weights streamed by one kernel a layer / one for 8 layers,
              # without and with a grid barrier (a global semaphore) at each phase start (twenty-seventh session)
-    step 300 python3 bench/pdl_mosaic_probe.py --mode persistent
+    step 300 python3 bench/pdl_mosaic_probe.py --mode persistent --only-barrier-count
     ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with

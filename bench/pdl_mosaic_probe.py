@@ -208,6 +208,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16],
                     help="ring depths of the plain stream (the griddepcontrol ones run at 8)")
+    ap.add_argument("--only-barrier-count", action="store_true",
+                    help="persistent: only the barrier-count runs (1, 2, 4 barriers a layer)")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (no griddepcontrol: interpret mode lacks it)")
     args = ap.parse_args()
     x = jnp.zeros(SHAPE, jnp.float32)
@@ -259,7 +261,7 @@ def main() -> None:
             weights = make_flat_weights(layers // per_kernel, per_kernel, ctas, rows, tiles)
             layer_bytes = sum(w.size * w.dtype.itemsize for w in weights) / layers
             for barriers, stages in ((False, 16), (True, 16), (True, 8), ("signal", 16), ("wait", 16)):
-                if barriers and args.interpret:
+                if (barriers and args.interpret) or args.only_barrier_count:
                     continue
                 f = jax.jit(functools.partial(persistent_chain, layers_a_kernel=per_kernel, barriers=barriers,
                                               stages=stages, phase_tiles=tiles, interpret=args.interpret))
@@ -269,6 +271,17 @@ def main() -> None:
                 share = f"{100 * layer_bytes / ceiling / t:.1f}%" if ceiling else "-"
                 print(f"| persistent | {per_kernel} layer(s) a kernel, barriers {barriers}, stages {stages} | "
                       f"{1e6 * t:.2f} us a layer | {share} of the ceiling | output right: {ok} |", flush=True)
+        if not args.interpret:
+            # the barrier's cost against how often it comes: 1, 2 or 4 a layer (the same bytes, 8 layers a kernel)
+            for tiles, barriers in (((sum(PHASE_TILES),), True), ((36, 98), True), (PHASE_TILES, True),
+                                    (PHASE_TILES, False)):
+                f = jax.jit(functools.partial(persistent_chain, layers_a_kernel=layers, barriers=barriers, stages=16,
+                                              phase_tiles=tiles))
+                y, ms = best_ms_per_call(lambda x: f(x, weights=weights), (x,), calls=layers, target_s=target_s)
+                ok = bool(np.all(np.asarray(y) == 1))
+                print(f"| persistent | {layers} layers a kernel, {len(tiles) if barriers else 0} barrier(s) a layer {tiles} | "
+                      f"{1e3 * ms:.2f} us a layer | {100 * layer_bytes / ceiling / (ms / 1e3):.1f}% of the ceiling | "
+                      f"output right: {ok} |", flush=True)
         del weights
 
 
