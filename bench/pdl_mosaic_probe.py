@@ -9,7 +9,11 @@ decode GEMVs? Two chains of dependent kernels in one jit each, with and without 
   flight before it waits for the kernel before it (and it lets the next one launch at its start): what a Mosaic
   GEMV could overlap. The time a layer against its bytes at the HBM read ceiling measured in the same run.
 
-    PYTHONPATH=. python3 bench/pdl_mosaic_probe.py [--mode tiny stream] [--n 200] [--layers 8] [--prefetch 4]
+- "persistent": the same bytes as one flat pipeline a CTA, one kernel a layer or one for all layers, without and
+  with a grid-wide meeting (a global semaphore) at each phase start: what fewer kernel boundaries would buy, and
+  what a persistent layer's barriers cost (twenty-seventh session: NOTES / RESULTS).
+
+    PYTHONPATH=. python3 bench/pdl_mosaic_probe.py [--mode tiny stream persistent] [--n 200] [--layers 8]
     (run it without and with XLA_FLAGS=--xla_gpu_enable_pdl=true: gpu_round.sh `pdlmosaic`)
 
 If the launches overlap, the griddepcontrol variants are faster under the flag (and not without it); every
