@@ -9,7 +9,8 @@ A layer is four products, each reading its own weights (36 layers of distinct ma
 -> down [2560] + the stream. The Triton chain runs fused_gemv at the engine's block_in and rows (no norm) on one row;
 the Mosaic chains keep the activations as 8 rows (row 0 real, the rest zeros: the kernel's B operand) so that no pad
 runs between them. Prints us a layer, the share of the HBM read ceiling measured in the same run, and each chain's
-output against the Triton one's (relative error: the same bf16 roundings, float32 sums in another order).
+output after two layers against the Triton one's (relative error: the same bf16 roundings, float32 sums in another
+order).
 """
 
 from __future__ import annotations
@@ -97,8 +98,10 @@ def main() -> None:
     print("|---|---|---|---|")
     for name, fn, x in runs:
         f = jax.jit(fn)   # the weights are arguments (never constants of the executable)
-        out, ms = best_ms_per_call(f, (x, weights), calls=layers, target_s=target_s)
-        y = np.asarray(out[:1], np.float32)
+        _, ms = best_ms_per_call(f, (x, weights), calls=layers, target_s=target_s)
+        # compared over the first two layers: without norms the stream (SwiGLU's product) overflows bf16 long before
+        # 36 layers (the 36-layer outputs were NaN in both chains, twenty-seventh session call 5)
+        y = np.asarray(f(x, weights[:2])[:1], np.float32)
         want = y if want is None else want
         err = float(np.linalg.norm(y - want) / max(np.linalg.norm(want), 1e-30))
         t = ms / 1e3
