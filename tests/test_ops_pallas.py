@@ -84,6 +84,15 @@ def test_bf16_pallas_differs_from_reference_less_than_bf16_differs_from_f32():
     kernel_gap, ref_error, pallas_error = max_gap(pal16, ref16), max_gap(ref16, ref32), max_gap(pal16, ref32)
     print(f"bf16: pallas vs reference {kernel_gap:.3f}; against float32: reference {ref_error:.3f}, "
           f"pallas {pallas_error:.3f}")
-    assert [o.token_ids for o in pal16] == [o.token_ids for o in ref16]
+    # the same greedy tokens, except at a near-tie: where the two bf16 paths first part, each one's token must be in
+    # the other's top-20 and the reference must rank the two within bf16's own error (as vLLM's logprob checks do;
+    # on 2026-12-02 a rebuilt CPU environment flipped one such tie, no engine code having changed)
+    for p, r in zip(pal16, ref16):
+        for step, (tp, tr) in enumerate(zip(p.token_ids, r.token_ids)):
+            if tp != tr:
+                ref_top, pal_top = dict(r.top_logprobs[step]), dict(p.top_logprobs[step])
+                assert tp in ref_top and tr in pal_top, (step, tp, tr)
+                assert ref_top[tr] - ref_top[tp] <= ref_error, (step, ref_top[tr], ref_top[tp], ref_error)
+                break
     assert kernel_gap <= ref_error          # the two bf16 paths differ by less than bf16's own error
     assert pallas_error <= 1.1 * ref_error  # and the fused kernels are no less accurate than XLA's path
