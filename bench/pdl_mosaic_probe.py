@@ -47,6 +47,12 @@ def _params():
     return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
 
 
+def _ring(rows: int, dtype, stages: int):
+    """The ring's depth within shared memory, and its tiles' 128-byte swizzle."""
+    stages = max(1, min(stages, SMEM_RING // (rows * TK * jnp.dtype(dtype).itemsize)))
+    return stages, (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
 def _pass_on(x_gmem, y_gmem, smem, bar):
     """y = x + 1 through shared memory (the kernel's dependent work)."""
     plgpu.copy_gmem_to_smem(x_gmem, smem, bar)
@@ -78,10 +84,8 @@ def stream_step(x: jax.Array, w: jax.Array, pdl: bool, prefetch: int, stages: in
     next tiles in flight by then) and CTA 0's read of x after it."""
     ctas, rows, K = w.shape
     steps = K // TK
-    stages = max(1, min(stages, SMEM_RING // (rows * TK * w.dtype.itemsize)))   # the ring within shared memory
+    stages, transforms = _ring(rows, w.dtype, stages)
     at = min(prefetch, steps - 1)
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
     def body(x_gmem, w_gmem, y_gmem, smem, bar):
         c = jax.lax.axis_index("x")
@@ -131,10 +135,8 @@ def persistent_step(x: jax.Array, w: jax.Array, layers: int, barriers: bool | st
     tiles already in the ring stay in flight. barriers "signal" / "wait": only that half of each (what each costs)."""
     ctas, rows, K = w.shape
     steps = K // TK
-    stages = max(1, min(stages, SMEM_RING // (rows * TK * w.dtype.itemsize)))
+    stages, transforms = _ring(rows, w.dtype, stages)
     starts = phase_starts(layers, phase_tiles)
-    swizzle = 128
-    transforms = (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
     def body(x_gmem, w_gmem, y_gmem, smem, bar):
         c = jax.lax.axis_index("x")
