@@ -449,6 +449,15 @@ case "${1:-1}" in
              # without and with a grid barrier (a global semaphore) at each phase start (twenty-seventh session)
     step 300 python3 bench/pdl_mosaic_probe.py --mode persistent --only-barrier-count
     ;;
+  persist1)  # the persistent GEMV chain (pallas/persistent_gemv.py, twenty-eighth session; an experiment, not in the ops):
+             # its GPU tests, then Qwen3-4B-shaped layers in one launch (grid barriers, static or ticketed tiles)
+             # against the engine's fused_gemv chain
+    step 240 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
+    step 330 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b --out "$OUT"
+    ;;
+  persist2)  # the same at Qwen3-0.6B's shapes (its layer is 7.9 us of bytes: boundaries dominate)
+    step 400 python3 bench/kernels_persistent_gemv.py --shapes qwen3-0.6b --out "$OUT"
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
