@@ -458,6 +458,10 @@ case "${1:-1}" in
   persist2)  # the same at Qwen3-0.6B's shapes (its layer is 7.9 us of bytes: boundaries dominate)
     step 400 python3 bench/kernels_persistent_gemv.py --shapes qwen3-0.6b --out "$OUT"
     ;;
+  persist1b) # after persist1 (call 1: the loop streamed at 66% without meetings): prefetch depth, CTAs an SM, a phase's
+             # first weights loaded before its barrier; both shapes in one call
+    step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)

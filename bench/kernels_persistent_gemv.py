@@ -33,27 +33,33 @@ SHAPES = {
     "qwen3-0.6b": (1024, 4096, 3072, 16),
     "tiny": (64, 128, 64, 2),
 }
-VARIANTS = {   # name -> (rows a tile per product, persistent_chain kwargs)
+Q = 1 << 16   # polls before a barrier gives up: a meeting takes ~10-100 polls; a launch whose CTAs are not all
+              # resident then fails in well under a second a barrier (its row says so) instead of stalling the run
+VARIANTS = {   # name -> (rows a tile per product, persistent_chain kwargs); riskier residency last
     "qwen3-4b": [
-        ("static P132 w8", (4, 2, 2, 1), dict(programs=132, num_warps=8)),
-        ("static P132 w8 no prefetch", (4, 2, 2, 1), dict(programs=132, num_warps=8, prefetch=False)),
-        ("static P132 w8 no barrier", (4, 2, 2, 1), dict(programs=132, num_warps=8, barriers=False)),
-        ("tickets P132 w8", (4, 2, 2, 1), dict(programs=132, num_warps=8, schedule="tickets")),
-        ("static P264 w4", (2, 1, 1, 1), dict(programs=264, num_warps=4)),
-        ("tickets P264 w4", (2, 1, 1, 1), dict(programs=264, num_warps=4, schedule="tickets")),
-        ("static P132 w16", (8, 4, 4, 2), dict(programs=132, num_warps=16)),
-        ("static P132 w8 bk256", (4, 2, 2, 1), dict(programs=132, num_warps=8, block_k=256)),
+        ("static P132 w8 d1", (4, 2, 2, 1), dict(programs=132, num_warps=8)),
+        ("static P132 w8 d2", (4, 2, 2, 1), dict(programs=132, num_warps=8, prefetch=2)),
+        ("static P132 w8 d3", (4, 2, 2, 1), dict(programs=132, num_warps=8, prefetch=3)),
+        ("static P264 w4 d1", (2, 1, 1, 1), dict(programs=264, num_warps=4)),
+        ("static P264 w4 d2", (2, 1, 1, 1), dict(programs=264, num_warps=4, prefetch=2)),
+        ("static P264 w4 d2 no barrier", (2, 1, 1, 1), dict(programs=264, num_warps=4, prefetch=2, barriers=False)),
+        ("static P264 w4 d3", (2, 1, 1, 1), dict(programs=264, num_warps=4, prefetch=3)),
+        ("static P528 w2 d1", (1, 1, 1, 1), dict(programs=528, num_warps=2)),
+        ("static P396 w4 d2", (2, 1, 1, 1), dict(programs=396, num_warps=4, prefetch=2)),
     ],
     "qwen3-0.6b": [
-        ("static P132 w8", (8, 2, 4, 2), dict(programs=132, num_warps=8)),
-        ("static P132 w8 no barrier", (8, 2, 4, 2), dict(programs=132, num_warps=8, barriers=False)),
-        ("tickets P132 w8", (8, 2, 4, 2), dict(programs=132, num_warps=8, schedule="tickets")),
-        ("static P132 w4", (4, 1, 2, 1), dict(programs=132, num_warps=4)),
+        ("static P132 w8 d1", (8, 2, 4, 2), dict(programs=132, num_warps=8)),
+        ("static P132 w8 d2", (8, 2, 4, 2), dict(programs=132, num_warps=8, prefetch=2)),
+        ("static P132 w8 d2 no barrier", (8, 2, 4, 2), dict(programs=132, num_warps=8, prefetch=2, barriers=False)),
+        ("static P132 w4 d2", (4, 1, 2, 1), dict(programs=132, num_warps=4, prefetch=2)),
+        ("static P264 w4 d2", (4, 1, 2, 1), dict(programs=264, num_warps=4, prefetch=2)),
+        ("static P264 w4 d2 no barrier", (4, 1, 2, 1), dict(programs=264, num_warps=4, prefetch=2, barriers=False)),
         ("tickets P132 w4", (4, 1, 2, 1), dict(programs=132, num_warps=4, schedule="tickets")),
-        ("static P264 w4", (4, 1, 2, 1), dict(programs=264, num_warps=4)),
+        ("static P528 w2 d2", (2, 1, 1, 1), dict(programs=528, num_warps=2, prefetch=2)),
     ],
     "tiny": [
         ("static P1", (4, 2, 2, 1), dict(programs=1, num_warps=4, block_k=32)),
+        ("static P1 d2", (4, 2, 2, 1), dict(programs=1, num_warps=4, block_k=32, prefetch=2)),
         ("tickets P1", (4, 2, 2, 1), dict(programs=1, num_warps=4, block_k=32, schedule="tickets")),
     ],
 }
@@ -113,7 +119,7 @@ def main() -> None:
         for name, rows, kw in VARIANTS[shape]:
             prods = PG.layer_products(d, q, inter, rows)
             runs.append((name, jax.jit(lambda x, w, prods=prods, kw=kw: PG.persistent_chain(
-                x, w, products=prods, interpret=args.interpret, **kw))))
+                x, w, products=prods, interpret=args.interpret, **{"max_polls": Q, **kw}))))
         for name, f in runs:
             try:
                 out, ms = best_ms_per_call(f, (x, weights), calls=layers, target_s=target_s)

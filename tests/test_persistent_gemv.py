@@ -23,10 +23,11 @@ def _problem(seed, d=64, q=128, inter=64, layers=2):
 
 
 @pytest.mark.parametrize("schedule, prefetch, rows, dims", [
-    ("static", True, (4, 2, 2, 1), (64, 128, 64)),
-    ("static", False, (2, 4, 1, 2), (64, 128, 64)),
-    ("tickets", True, (4, 2, 2, 1), (64, 128, 64)),
-    ("tickets", True, (1, 1, 4, 4), (32, 96, 128)),
+    ("static", 1, (4, 2, 2, 1), (64, 128, 64)),
+    ("static", 0, (2, 4, 1, 2), (64, 128, 64)),
+    ("static", 3, (1, 1, 4, 4), (32, 96, 128)),
+    ("tickets", 1, (4, 2, 2, 1), (64, 128, 64)),
+    ("tickets", 1, (1, 1, 4, 4), (32, 96, 128)),
 ])
 def test_one_program_matches_its_twin(schedule, prefetch, rows, dims):
     seed = int(np.random.default_rng().integers(1 << 30))

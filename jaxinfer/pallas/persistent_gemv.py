@@ -7,8 +7,9 @@
 barriers instead. It launches `programs` CTAs (one or two an SM, all resident: the barrier spins), and every product
 is a phase: its output rows are cut into tiles of `rows` rows, and the CTAs take them either as equal contiguous
 shares ("static") or one at a time from a fetch-and-add counter ("tickets": a CTA that runs ahead takes more, against
-the skew that makes a barrier wait). A CTA loads the next tile's weights into registers before it sums the current
-one (`prefetch`), so its loads stay in flight across tiles; the input vector is loaded once a phase.
+the skew that makes a barrier wait). A CTA keeps the weights of the next `prefetch` tiles loading into registers while
+it sums the current one, so its loads stay in flight across tiles, and (static schedule) issues a phase's first
+tiles' loads before the barrier that opens the phase; the input vector is loaded once a phase, after it.
 
 The grid barrier between phases: every thread's stores are ordered by a CTA barrier, one acq_rel add on a counter
 arrives, volatile loads poll it until it reaches (phases so far) x programs, an acquire add makes the other CTAs'
@@ -100,14 +101,14 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
         cta_barrier()
         return err | (seen < target).astype(i32)
 
-    def product(l, phase, j, w_ref, in_ref, in_row, out_ref, out_row, res_ref, res_row):
+    def product(l, phase, j, w_ref, in_ref, in_row, out_ref, out_row, res_ref, res_row, err):
+        """Phase `phase`: meet the CTAs that wrote this product's input (barrier `phase`), then stream its tiles. The
+        static schedule issues its first tiles' weight loads before the meeting (weights do not wait on anyone),
+        so HBM stays busy while the CTAs gather."""
         p, ep = products[j], EPILOGUES[j]
         R, chunks, half = p.rows, p.k // block_k, p.n // 2
         tiles = p.out(ep) // R
         r = jnp.arange(R, dtype=i32)
-        # the phase's input, loaded once a phase
-        xs = [plgpu.load(in_ref.at[in_row, pl.ds(c * block_k, block_k)]).astype(f32)
-              for c in range(chunks)]
 
         def load_tile(t, ok):
             rows = t * R + r
@@ -117,7 +118,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                                     eviction_policy="evict_first")
                          for rs in sets for c in range(chunks))
 
-        def finish(t, ok, tile):
+        def finish(t, ok, tile, xs):
             rows = t * R + r
             sums = []
             for s in range(len(tile) // chunks):
@@ -133,23 +134,36 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 y = sums[0]
             plgpu.store(out_ref.at[out_row, rows], y, mask=jnp.broadcast_to(ok, (R,)))
 
+        def load_input():
+            """The phase's input vector, loaded once a phase (after the meeting)."""
+            return [plgpu.load(in_ref.at[in_row, pl.ds(c * block_k, block_k)]).astype(f32) for c in range(chunks)]
+
         if schedule == "static":
             start = pid * tiles // programs
             stop = (pid + 1) * tiles // programs
             if prefetch:
-                def body(t, tile):
-                    nxt = load_tile(t + 1, t + 1 < stop)
-                    finish(t, True, tile)
-                    return nxt
+                ahead = tuple(load_tile(start + i, start + i < stop) for i in range(prefetch))
+                err = barrier(phase, err)
+                xs = load_input()
 
-                jax.lax.fori_loop(start, stop, body, load_tile(start, start < stop))
+                def body(t, ahead):
+                    nxt = load_tile(t + prefetch, t + prefetch < stop)
+                    finish(t, True, ahead[0], xs)
+                    return (*ahead[1:], nxt)
+
+                jax.lax.fori_loop(start, stop, body, ahead)
             else:
+                err = barrier(phase, err)
+                xs = load_input()
+
                 def body(t, c):
-                    finish(t, True, load_tile(t, True))
+                    finish(t, True, load_tile(t, True), xs)
                     return c
 
                 jax.lax.fori_loop(start, stop, body, jnp.int32(0))
-        else:   # tickets: counter slot 1 + phase hands out this phase's tiles
+        else:   # tickets: counter slot 1 + phase hands out this phase's tiles, one a tile ahead
+            err = barrier(phase, err)
+            xs = load_input()
             slot = (one + phase,)
 
             def ticket():
@@ -163,24 +177,22 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 ok = t_next < tiles
                 nxt = load_tile(t_next, ok)                         # in flight while the next ticket comes
                 t_after = jnp.where(ok, ticket(), tiles)
-                finish(t, True, tile)
+                finish(t, True, tile, xs)
                 return t_next, nxt, t_after
 
             t0 = ticket()
             tile0 = load_tile(t0, t0 < tiles)
             t1 = jnp.where(t0 < tiles, ticket(), tiles)
             jax.lax.while_loop(cond, body, (t0, tile0, t1))
+        return err
 
     def layer(l, err):
+        # barrier number b waits for the writers of phase b's input (b = 0: the launch's start, a formality)
         base = 4 * l
-        product(l, base, 0, w0, s_ref, l, q_ref, l, None, None)
-        err = barrier(base, err)
-        product(l, base + 1, 1, w1, q_ref, l, a_ref, l, s_ref, l)
-        err = barrier(base + 1, err)
-        product(l, base + 2, 2, w2, a_ref, l, h_ref, l, None, None)
-        err = barrier(base + 2, err)
-        product(l, base + 3, 3, w3, h_ref, l, s_ref, l + 1, a_ref, l)
-        return barrier(base + 3, err)
+        err = product(l, base, 0, w0, s_ref, l, q_ref, l, None, None, err)
+        err = product(l, base + 1, 1, w1, q_ref, l, a_ref, l, s_ref, l, err)
+        err = product(l, base + 2, 2, w2, a_ref, l, h_ref, l, None, None, err)
+        return product(l, base + 3, 3, w3, h_ref, l, s_ref, l + 1, a_ref, l, err)
 
     err = jax.lax.fori_loop(0, layers, layer, jnp.int32(0))
     plgpu.store(err_ref.at[pid], err)
@@ -190,11 +202,12 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                                              "prefetch", "max_polls", "interpret"))
 def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: tuple[Product, ...],
                      programs: int = 132, num_warps: int = 8, block_k: int = 512, schedule: str = "static",
-                     barriers: bool = True, prefetch: bool = True, max_polls: int = 1 << 20,
+                     barriers: bool = True, prefetch: int = 1, max_polls: int = 1 << 20,
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [d] bf16; weights (W0 [L, q, d], W1 [L, d, q], W2 [L, 2I, d], W3 [L, d, I]) -> (the stream after L layers
     [d], each program's timed-out flag [programs] int32: nonzero means the barriers did not hold and the output is
-    wrong). barriers=False gives wrong sums on purpose: the loop's streaming time without meetings."""
+    wrong). prefetch: tiles whose weights load ahead of the one being summed (0: none). barriers=False gives wrong
+    sums on purpose: the loop's streaming time without meetings."""
     check(products, block_k)
     if schedule not in ("static", "tickets"):
         raise ValueError(f"persistent_gemv: schedule {schedule!r}")
