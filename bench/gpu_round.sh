@@ -462,6 +462,10 @@ case "${1:-1}" in
              # first weights loaded before its barrier; both shapes in one call
     step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     ;;
+  persist1c) # after persist1b (deeper prefetch lost: registers): the input reloaded every tile (L1) so the registers go
+             # to weights in flight; more warps an SM
+    step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)

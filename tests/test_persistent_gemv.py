@@ -22,6 +22,7 @@ def _problem(seed, d=64, q=128, inter=64, layers=2):
     return x, ws
 
 
+@pytest.mark.parametrize("x_regs", [True, False])
 @pytest.mark.parametrize("schedule, prefetch, rows, dims", [
     ("static", 1, (4, 2, 2, 1), (64, 128, 64)),
     ("static", 0, (2, 4, 1, 2), (64, 128, 64)),
@@ -29,11 +30,12 @@ def _problem(seed, d=64, q=128, inter=64, layers=2):
     ("tickets", 1, (4, 2, 2, 1), (64, 128, 64)),
     ("tickets", 1, (1, 1, 4, 4), (32, 96, 128)),
 ])
-def test_one_program_matches_its_twin(schedule, prefetch, rows, dims):
+def test_one_program_matches_its_twin(schedule, prefetch, rows, dims, x_regs):
     seed = int(np.random.default_rng().integers(1 << 30))
     x, ws = _problem(seed, *dims)
     y, timed_out = PG.persistent_chain(x, ws, products=PG.layer_products(*dims, rows), programs=1, num_warps=4,
-                                       block_k=32, schedule=schedule, prefetch=prefetch, interpret=True)
+                                       block_k=32, schedule=schedule, prefetch=prefetch, x_in_registers=x_regs,
+                                       interpret=True)
     ref = PG.reference_chain(x, ws)
     assert np.asarray(timed_out).tolist() == [0]
     err = float(jnp.linalg.norm((y - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))

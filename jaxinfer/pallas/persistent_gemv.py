@@ -70,7 +70,7 @@ def check(products: tuple[Product, ...], block_k: int) -> None:
 
 
 def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, err_ref, *, products, layers,
-            programs, block_k, schedule, barriers, prefetch, max_polls, interpret):
+            programs, block_k, schedule, barriers, prefetch, x_in_registers, max_polls, interpret):
     del s_in, ctr_in   # aliased to s_ref and ctr_ref
     pid = pl.program_id(0)
     ks = jnp.arange(block_k, dtype=i32)
@@ -124,7 +124,8 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
             for s in range(len(tile) // chunks):
                 acc = jnp.zeros((R, block_k), f32)
                 for c in range(chunks):
-                    acc = acc + tile[s * chunks + c].astype(f32) * xs[c][None, :]
+                    xc = xs[c] if x_in_registers else load_chunk(c)
+                    acc = acc + tile[s * chunks + c].astype(f32) * xc[None, :]
                 sums.append(jnp.sum(acc, axis=1).astype(out_ref.dtype))
             if ep == "swiglu":
                 y = silu_mul(sums[0], sums[1])
@@ -134,9 +135,13 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 y = sums[0]
             plgpu.store(out_ref.at[out_row, rows], y, mask=jnp.broadcast_to(ok, (R,)))
 
+        def load_chunk(c):
+            return plgpu.load(in_ref.at[in_row, pl.ds(c * block_k, block_k)]).astype(f32)
+
         def load_input():
-            """The phase's input vector, loaded once a phase (after the meeting)."""
-            return [plgpu.load(in_ref.at[in_row, pl.ds(c * block_k, block_k)]).astype(f32) for c in range(chunks)]
+            """The phase's input vector, held in registers for the phase (after the meeting), or None: then every
+            tile reloads its chunks (L1 hits after the first), leaving the registers to weights in flight."""
+            return [load_chunk(c) for c in range(chunks)] if x_in_registers else None
 
         if schedule == "static":
             start = pid * tiles // programs
@@ -199,14 +204,16 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
 
 
 @functools.partial(jax.jit, static_argnames=("products", "programs", "num_warps", "block_k", "schedule", "barriers",
-                                             "prefetch", "max_polls", "interpret"))
+                                             "prefetch", "x_in_registers", "max_polls", "interpret"))
 def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: tuple[Product, ...],
                      programs: int = 132, num_warps: int = 8, block_k: int = 512, schedule: str = "static",
-                     barriers: bool = True, prefetch: int = 1, max_polls: int = 1 << 20,
+                     barriers: bool = True, prefetch: int = 1, x_in_registers: bool = True,
+                     max_polls: int = 1 << 20,
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [d] bf16; weights (W0 [L, q, d], W1 [L, d, q], W2 [L, 2I, d], W3 [L, d, I]) -> (the stream after L layers
     [d], each program's timed-out flag [programs] int32: nonzero means the barriers did not hold and the output is
-    wrong). prefetch: tiles whose weights load ahead of the one being summed (0: none). barriers=False gives wrong
+    wrong). prefetch: tiles whose weights load ahead of the one being summed (0: none); x_in_registers=False reloads
+    the input's chunks every tile. barriers=False gives wrong
     sums on purpose: the loop's streaming time without meetings."""
     check(products, block_k)
     if schedule not in ("static", "tickets"):
@@ -219,7 +226,8 @@ def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: 
     s = jnp.zeros((L + 1, d), dt).at[0].set(x)
     ctr = jnp.zeros((1 + 4 * L,), i32)
     kernel = functools.partial(_kernel, products=products, layers=L, programs=programs, block_k=block_k,
-                               schedule=schedule, barriers=barriers, prefetch=prefetch, max_polls=max_polls,
+                               schedule=schedule, barriers=barriers, prefetch=prefetch,
+                               x_in_registers=x_in_registers, max_polls=max_polls,
                                interpret=interpret)
     out_shape = (jax.ShapeDtypeStruct((L, products[0].n), dt), jax.ShapeDtypeStruct((L, d), dt),
                  jax.ShapeDtypeStruct((L, products[3].k), dt), jax.ShapeDtypeStruct((L + 1, d), dt),
