@@ -466,6 +466,13 @@ case "${1:-1}" in
              # to weights in flight; more warps an SM
     step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     ;;
+  jt1)       # official Triton through jax_triton (its wheel carried in .carry/jt): does it run on jax 0.11.2, and does a
+             # persistent GEMV with a pipelined tile loop (tl.range num_stages) stream better than Pallas Triton's; then
+             # the persistent_gemv GPU tests at the options added in calls 2-3
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/jt/*.whl
+    step 300 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
+    step 200 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a 
     (2560, 6144, 9728, (4, 2, 2, 1), dict(programs=132, num_warps=8, prefetch=0)),
     (2560, 6144, 9728, (2, 1, 1, 1), dict(programs=264, num_warps=4, prefetch=3)),
     (2560, 6144, 9728, (1, 1, 1, 1), dict(programs=528, num_warps=2, prefetch=2)),
+    (2560, 6144, 9728, (2, 1, 1, 1), dict(programs=264, num_warps=4, x_in_registers=False)),
     (2560, 6144, 9728, (2, 1, 1, 1), dict(programs=264, num_warps=4, schedule="tickets")),
     (1024, 4096, 3072, (8, 2, 4, 2), dict(programs=132, num_warps=8)),
     (1024, 4096, 3072, (4, 1, 2, 1), dict(programs=132, num_warps=4, schedule="tickets")),

@@ -1,0 +1,122 @@
+"""Can official Triton (the device's triton 3.6, called through jax_triton) stream a decode GEMV from a persistent
+kernel faster than Pallas Triton does? (twenty-eighth session; issue 3's persistent-layer question)
+
+    PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py      (jax_triton's wheel installed to /tmp/site)
+
+Pallas Triton's persistent loop (pallas/persistent_gemv.py) streams at ~64-69% of the read ceiling where the chain of
+fused_gemv kernels reaches ~80%: Pallas gives no control over Triton's software pipeliner for loads that feed no dot,
+so a persistent program's bytes in flight are what its registers hold. Official Triton exposes `tl.range(...,
+num_stages=S)` on any loop. This probe (1) checks that jax_triton runs on jax 0.11.2 (a vector add against jnp), (2)
+times one GEMV over a gate/up-shaped stack (8 x 19,456 rows x 2,560, ~797 MB) as a persistent kernel: P programs, each
+an equal contiguous share of R-row tiles, the tile loop pipelined S deep, against fused_gemv (the engine's kernel) on
+the same matrix and the HBM read ceiling of the same run. Prints a table; the JSON goes to $OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+warnings.filterwarnings("ignore")
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", ".")
+    try:
+        import jax_triton as jt
+        import triton
+        import triton.language as tl
+    except Exception as e:   # noqa: BLE001 (the probe's first question)
+        print(f"jax_triton import failed: {type(e).__name__}: {e}")
+        sys.exit(1)
+    print(f"# jax {jax.__version__}, triton {triton.__version__}, jax_triton {getattr(jt, '__version__', '?')}",
+          flush=True)
+
+    @triton.jit
+    def add_kernel(x_ptr, y_ptr, o_ptr, n: tl.constexpr, block: tl.constexpr):
+        offs = tl.program_id(0) * block + tl.arange(0, block)
+        m = offs < n
+        tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m), mask=m)
+
+    x = jnp.arange(1000, dtype=jnp.float32)
+    y = jnp.ones(1000, jnp.float32)
+    try:
+        o = jax.jit(lambda x, y: jt.triton_call(x, y, kernel=add_kernel, out_type=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                grid=(8,), n=1000, block=128))(x, y)
+        ok = bool(jnp.all(o == x + 1))
+    except Exception as e:   # noqa: BLE001
+        print(f"triton_call failed: {type(e).__name__}: {str(e)[:2000]}")
+        sys.exit(1)
+    print(f"# vector add through jax_triton: {'right' if ok else 'WRONG'}", flush=True)
+
+    @triton.jit
+    def stream_gemv(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                    P: tl.constexpr, S: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles = N // R
+        start = pid * tiles // P
+        stop = (pid + 1) * tiles // P
+        r = tl.arange(0, R)
+        ks = tl.arange(0, BK)
+        for t in tl.range(start, stop, num_stages=S):
+            rows = t * R + r
+            acc = tl.zeros([R, BK], dtype=tl.float32)
+            for c in tl.static_range(K // BK):
+                w = tl.load(w_ptr + rows[:, None] * K + c * BK + ks[None, :], eviction_policy="evict_first")
+                xc = tl.load(x_ptr + c * BK + ks)
+                acc += w.to(tl.float32) * xc.to(tl.float32)[None, :]
+            tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(tl.bfloat16))
+
+    from bench.ceilings import hbm_read_ceiling
+    from bench.kernel_timing import best_ms_per_call
+    from jaxinfer.pallas.fused_gemv import fused_gemv
+
+    ceiling = hbm_read_ceiling()
+    N, K = 8 * 19456, 2560
+    w = (jax.random.normal(jax.random.PRNGKey(0), (N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    xv = jax.random.normal(jax.random.PRNGKey(1), (K,), jnp.float32).astype(jnp.bfloat16)
+    ref = jnp.dot(w.astype(jnp.float32), xv.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    nbytes = w.size * 2
+    print(f"# HBM read ceiling {ceiling / 1e12:.2f} TB/s; matrix {nbytes / 1e6:.0f} MB "
+          f"({1e6 * nbytes / ceiling:.1f} us at the ceiling)")
+    print("| kernel | us | share of the read ceiling | rel err |")
+    print("|---|---|---|---|")
+    rows = []
+
+    def report(name, f, *args):
+        try:
+            t0 = time.perf_counter()
+            y, ms = best_ms_per_call(f, args, calls=1, target_s=0.3)
+        except Exception as e:   # noqa: BLE001 (a config that does not compile is a row)
+            print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:150]} | | |", flush=True)
+            rows.append(dict(kernel=name, error=str(e)[:400]))
+            return
+        y = jnp.ravel(y).astype(jnp.float32)
+        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        us = 1e3 * ms
+        share = nbytes / ceiling / (us * 1e-6)
+        rows.append(dict(kernel=name, us=us, share=share, rel_err=err, wall_s=time.perf_counter() - t0))
+        print(f"| {name} | {us:.1f} | {100 * share:.1f}% | {err:.1e} |", flush=True)
+
+    report("fused_gemv (Pallas, the engine's: block_in 512, one row a program)",
+           jax.jit(lambda x, w: fused_gemv(x[None], w, 0, block_in=512)), xv, w[None])
+    for P, R, BK, S, warps in [(132, 4, 512, 1, 4), (132, 4, 512, 3, 4), (132, 4, 512, 4, 4), (132, 8, 512, 3, 8),
+                               (132, 8, 512, 4, 8), (132, 16, 256, 3, 8), (264, 4, 512, 3, 4), (264, 2, 512, 4, 4),
+                               (264, 4, 256, 4, 4), (528, 2, 512, 3, 4), (132, 8, 256, 6, 8), (132, 2, 512, 8, 2)]:
+        f = jax.jit(lambda w, x, P=P, R=R, BK=BK, S=S, warps=warps: jt.triton_call(
+            w, x, kernel=stream_gemv, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16), grid=(P,), num_warps=warps,
+            num_stages=S, N=N, K=K, R=R, BK=BK, P=P, S=S))
+        report(f"official Triton persistent: P {P}, R {R}, BK {BK}, stages {S}, warps {warps}", f, w, xv)
+    with open(os.path.join(out_dir, "jax_triton_probe.json"), "w") as fh:
+        json.dump(dict(ceiling=ceiling, bytes=nbytes, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
