@@ -36,14 +36,10 @@ def main() -> None:
     except Exception as e:   # noqa: BLE001 (the probe's first question)
         print(f"jax_triton import failed: {type(e).__name__}: {e}")
         sys.exit(1)
+    from bench.official_triton_kernels import add_kernel, stream_gemv
+
     print(f"# jax {jax.__version__}, triton {triton.__version__}, jax_triton {getattr(jt, '__version__', '?')}",
           flush=True)
-
-    @triton.jit
-    def add_kernel(x_ptr, y_ptr, o_ptr, n: tl.constexpr, block: tl.constexpr):
-        offs = tl.program_id(0) * block + tl.arange(0, block)
-        m = offs < n
-        tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m), mask=m)
 
     x = jnp.arange(1000, dtype=jnp.float32)
     y = jnp.ones(1000, jnp.float32)
@@ -55,24 +51,6 @@ def main() -> None:
         print(f"triton_call failed: {type(e).__name__}: {str(e)[:2000]}")
         sys.exit(1)
     print(f"# vector add through jax_triton: {'right' if ok else 'WRONG'}", flush=True)
-
-    @triton.jit
-    def stream_gemv(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                    P: tl.constexpr, S: tl.constexpr):
-        pid = tl.program_id(0)
-        tiles = N // R
-        start = pid * tiles // P
-        stop = (pid + 1) * tiles // P
-        r = tl.arange(0, R)
-        ks = tl.arange(0, BK)
-        for t in tl.range(start, stop, num_stages=S):
-            rows = t * R + r
-            acc = tl.zeros([R, BK], dtype=tl.float32)
-            for c in tl.static_range(K // BK):
-                w = tl.load(w_ptr + rows[:, None] * K + c * BK + ks[None, :], eviction_policy="evict_first")
-                xc = tl.load(x_ptr + c * BK + ks)
-                acc += w.to(tl.float32) * xc.to(tl.float32)[None, :]
-            tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(tl.bfloat16))
 
     from bench.ceilings import hbm_read_ceiling
     from bench.kernel_timing import best_ms_per_call
@@ -114,8 +92,71 @@ def main() -> None:
             w, x, kernel=stream_gemv, out_type=jax.ShapeDtypeStruct((N,), jnp.bfloat16), grid=(P,), num_warps=warps,
             num_stages=S, N=N, K=K, R=R, BK=BK, P=P, S=S))
         report(f"official Triton persistent: P {P}, R {R}, BK {BK}, stages {S}, warps {warps}", f, w, xv)
+    chain_rows = chain_probe(jt, ceiling)
     with open(os.path.join(out_dir, "jax_triton_probe.json"), "w") as fh:
-        json.dump(dict(ceiling=ceiling, bytes=nbytes, rows=rows), fh, indent=1)
+        json.dump(dict(ceiling=ceiling, bytes=nbytes, rows=rows, chain=chain_rows), fh, indent=1)
+
+
+def chain_probe(jt, ceiling: float) -> list[dict]:
+    """Part 3: kernels_persistent_gemv's chain (a layer's four products, 8 Qwen3-4B-shaped layers) as one official
+    Triton kernel: each phase a pipelined tile loop (tl.range num_stages), a grid barrier between phases (release
+    add, volatile polls, acquire add; a poll limit so that a launch that is not all resident says so instead of
+    hanging), against the fused_gemv chain."""
+    from bench.kernel_timing import best_ms_per_call
+    from bench.kernels_persistent_gemv import fused_gemv_chain, make_weights
+    from bench.official_triton_kernels import chain_kernel
+    from jaxinfer.pallas.persistent_gemv import reference_chain
+
+    D, Q, I, L = 2560, 6144, 9728, 8
+    ws = make_weights(D, Q, I, L)
+    layer_bytes = sum(w[0].size * 2 for w in ws)
+    x = jax.random.normal(jax.random.PRNGKey(1), (D,), jnp.float32).astype(jnp.bfloat16)
+    print(f"\n## official Triton persistent chain, Qwen3-4B shape: {L} layers of {layer_bytes / 1e6:.1f} MB "
+          f"({1e6 * layer_bytes / ceiling:.2f} us a layer at the ceiling)")
+    print("| variant | us a layer | share of the read ceiling | rel err after 2 layers vs twin | timed out CTAs |")
+    print("|---|---|---|---|---|")
+    ref = np.asarray(reference_chain(x, tuple(w[:2] for w in ws)), np.float32)
+    rows = []
+
+    def rel(y):
+        y = np.asarray(y, np.float32)
+        return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if np.all(np.isfinite(y)) else float("nan")
+
+    base = jax.jit(fused_gemv_chain)
+    _, ms = best_ms_per_call(base, (x, ws), calls=L, target_s=0.3)
+    us = 1e3 * ms
+    print(f"| fused_gemv chain (Pallas, 4 kernels a layer) | {us:.2f} | {100 * layer_bytes / ceiling / (us * 1e-6):.1f}% "
+          f"| {rel(base(x, tuple(w[:2] for w in ws))):.1e} | 0 |", flush=True)
+    rows.append(dict(variant="fused_gemv chain", us=us))
+    for P, warps, R, BK, S, barriers in [(132, 4, (4, 2, 2, 1), 512, 3, False), (132, 4, (4, 2, 2, 1), 512, 3, True),
+                                         (132, 8, (8, 4, 4, 2), 512, 3, True), (132, 4, (4, 2, 2, 1), 256, 4, True),
+                                         (264, 4, (2, 1, 1, 1), 512, 3, True), (132, 4, (4, 2, 2, 1), 512, 2, True)]:
+        name = f"P {P}, warps {warps}, rows {R}, BK {BK}, stages {S}" + ("" if barriers else ", no barriers")
+        def build(Lx, P=P, warps=warps, R=R, BK=BK, S=S, barriers=barriers):
+            out_type = (jax.ShapeDtypeStruct((Lx, D), jnp.bfloat16), jax.ShapeDtypeStruct((Lx, Q), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((Lx, D), jnp.bfloat16), jax.ShapeDtypeStruct((Lx, I), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((1,), jnp.int32), jax.ShapeDtypeStruct((P,), jnp.int32))
+            return jax.jit(lambda x, ws: jt.triton_call(
+                x, *ws, kernel=chain_kernel, out_type=out_type, grid=(P,), num_warps=warps, num_stages=S,
+                zeroed_outputs=(4,), L=Lx, D=D, Q=Q, I=I, R0=R[0], R1=R[1], R2=R[2], R3=R[3], BK=BK, P=P, S=S,
+                BARRIERS=barriers, MAXP=1 << 16))
+
+        f = build(L)
+        try:
+            outs, ms = best_ms_per_call(f, (x, ws), calls=L, target_s=0.3)
+        except Exception as e:   # noqa: BLE001
+            print(f"| {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:150]} | | | |", flush=True)
+            rows.append(dict(variant=name, error=str(e)[:600]))
+            continue
+        us = 1e3 * ms
+        two = build(2)(x, tuple(w[:2] for w in ws))   # compared after two layers (no norms: the stream grows)
+        timed_out = int(np.count_nonzero(np.asarray(outs[5]))) + int(np.count_nonzero(np.asarray(two[5])))
+        err = rel(two[0][1])
+        rows.append(dict(variant=name, us=us, share=layer_bytes / ceiling / (us * 1e-6), rel_err=err,
+                         timed_out=timed_out))
+        print(f"| {name} | {us:.2f} | {100 * layer_bytes / ceiling / (us * 1e-6):.1f}% | {err:.1e} | {timed_out} |",
+              flush=True)
+    return rows
 
 
 if __name__ == "__main__":

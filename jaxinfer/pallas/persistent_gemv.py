@@ -204,16 +204,17 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
 
 
 @functools.partial(jax.jit, static_argnames=("products", "programs", "num_warps", "block_k", "schedule", "barriers",
-                                             "prefetch", "x_in_registers", "max_polls", "interpret"))
+                                             "prefetch", "x_in_registers", "num_stages", "max_polls", "interpret"))
 def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: tuple[Product, ...],
                      programs: int = 132, num_warps: int = 8, block_k: int = 512, schedule: str = "static",
-                     barriers: bool = True, prefetch: int = 1, x_in_registers: bool = True,
+                     barriers: bool = True, prefetch: int = 1, x_in_registers: bool = True, num_stages: int = 1,
                      max_polls: int = 1 << 20,
                      interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [d] bf16; weights (W0 [L, q, d], W1 [L, d, q], W2 [L, 2I, d], W3 [L, d, I]) -> (the stream after L layers
     [d], each program's timed-out flag [programs] int32: nonzero means the barriers did not hold and the output is
     wrong). prefetch: tiles whose weights load ahead of the one being summed (0: none); x_in_registers=False reloads
-    the input's chunks every tile. barriers=False gives wrong
+    the input's chunks every tile; num_stages > 1 asks Triton's software pipeliner to stage the tile loop's loads
+    through shared memory (official Triton 3.6 does so for loads that feed no dot, bench/NOTES.md; use prefetch=0). barriers=False gives wrong
     sums on purpose: the loop's streaming time without meetings."""
     check(products, block_k)
     if schedule not in ("static", "tickets"):
@@ -235,7 +236,7 @@ def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: 
     *_, s_out, _, err = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(programs,), interpret=interpret, name="persistent_gemv_chain",
         input_output_aliases={0: 3, 5: 4},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
     )(s, *weights, ctr)
     return s_out[L], err
 
