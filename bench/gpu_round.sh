@@ -468,12 +468,12 @@ case "${1:-1}" in
     ;;
   jt1)       # official Triton through jax_triton (its wheel carried in .carry/jt): does it run on jax 0.11.2, and does a
              # persistent GEMV with a pipelined tile loop (tl.range num_stages) stream better than Pallas Triton's, and
-             # the four-product chain as one such kernel; first the persistent_gemv GPU tests at calls 2-3's options;
-             # last the Pallas persistent chain with its tile loop handed to the pipeliner (num_stages 3-4)
+             # the four-product chain as one such kernel; then the Pallas persistent chain with its tile loop handed to
+             # the pipeliner (num_stages 3-4); last the persistent_gemv GPU tests at calls 2-3's options
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/jt/*.whl
-    step 100 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
-    step 280 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
+    step 260 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
     step 170 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    step 100 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
     ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
