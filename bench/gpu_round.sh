@@ -475,6 +475,10 @@ case "${1:-1}" in
     step 170 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     step 100 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
     ;;
+  jt2)       # jt1's probe again with the TMA_TF32 shim (jax_triton 0.4.1 against triton 3.6.0), alone
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/jt/*.whl
+    step 150 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)

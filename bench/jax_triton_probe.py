@@ -30,6 +30,13 @@ warnings.filterwarnings("ignore")
 def main() -> None:
     out_dir = os.environ.get("OUT", ".")
     try:
+        import triton.backends.nvidia.driver as nv_driver
+
+        # jax_triton 0.4.1 imports TMA_TF32 from triton's NVIDIA driver, which triton 3.6.0 does not have; without
+        # it jax_triton takes the NVIDIA backend for absent and every call fails ("'_Stub' object has no attribute
+        # 'backend'", call 4). It is used only for TMA descriptors of float32 rounded to tf32 (none here).
+        if not hasattr(nv_driver, "TMA_TF32"):
+            nv_driver.TMA_TF32 = -1
         import jax_triton as jt
         import triton
         import triton.language as tl
