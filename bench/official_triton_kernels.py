@@ -1,6 +1,7 @@
 """Official Triton kernels for bench/jax_triton_probe.py (imported only where triton is installed: the H200).
 
-add_kernel: a vector add (does jax_triton run at all). stream_gemv: one GEMV as a persistent kernel, P programs each
+add_kernel: a vector add (does jax_triton run at all). stream_gemv: one GEMV as a persistent kernel (phase with no
+epilogue), P programs each
 an equal contiguous share of R-row tiles, the tile loop pipelined S deep. chain_kernel: kernels_persistent_gemv's
 chain (a layer's four products, L layers) in one launch, phases separated by grid_barrier (release add, volatile
 polls, acquire add; it gives up after MAXP polls and says so).
@@ -15,25 +16,6 @@ def add_kernel(x_ptr, y_ptr, o_ptr, n: tl.constexpr, block: tl.constexpr):
     offs = tl.program_id(0) * block + tl.arange(0, block)
     m = offs < n
     tl.store(o_ptr + offs, tl.load(x_ptr + offs, mask=m) + tl.load(y_ptr + offs, mask=m), mask=m)
-
-
-@triton.jit
-def stream_gemv(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
-                P: tl.constexpr, S: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles = N // R
-    start = pid * tiles // P
-    stop = (pid + 1) * tiles // P
-    r = tl.arange(0, R)
-    ks = tl.arange(0, BK)
-    for t in tl.range(start, stop, num_stages=S):
-        rows = t * R + r
-        acc = tl.zeros([R, BK], dtype=tl.float32)
-        for c in tl.static_range(K // BK):
-            w = tl.load(w_ptr + rows[:, None] * K + c * BK + ks[None, :], eviction_policy="evict_first")
-            xc = tl.load(x_ptr + c * BK + ks)
-            acc += w.to(tl.float32) * xc.to(tl.float32)[None, :]
-        tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(tl.bfloat16))
 
 
 @triton.jit
@@ -107,3 +89,9 @@ def chain_kernel(x_ptr, w0, w1, w2, w3, s_ptr, q_ptr, a_ptr, h_ptr, ctr_ptr, err
         phase(w3 + l * D * I, h_ptr + l * I, s_ptr + l * D, a_ptr + l * D, pid, D, I, R3, BK, P, S, 1)
     tl.store(err_ptr + pid, err)
 
+
+@triton.jit
+def stream_gemv(w_ptr, x_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr, R: tl.constexpr, BK: tl.constexpr,
+                P: tl.constexpr, S: tl.constexpr):
+    """One GEMV as a persistent kernel: the chain's phase without an epilogue."""
+    phase(w_ptr, x_ptr, y_ptr, x_ptr, tl.program_id(0), N, K, R, BK, P, S, 0)
