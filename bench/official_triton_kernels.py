@@ -1,8 +1,7 @@
 """Official Triton kernels for bench/jax_triton_probe.py (imported only where triton is installed: the H200).
 
 add_kernel: a vector add (does jax_triton run at all). stream_gemv: one GEMV as a persistent kernel (phase with no
-epilogue), P programs each
-an equal contiguous share of R-row tiles, the tile loop pipelined S deep. chain_kernel: kernels_persistent_gemv's
+epilogue), P programs each an equal contiguous share of R-row tiles, the tile loop pipelined S deep. chain_kernel: kernels_persistent_gemv's
 chain (a layer's four products, L layers) in one launch, phases separated by grid_barrier (release add, volatile
 polls, acquire add; it gives up after MAXP polls and says so).
 """
