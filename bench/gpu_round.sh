@@ -455,9 +455,6 @@ case "${1:-1}" in
     step 240 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
     step 330 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b --out "$OUT"
     ;;
-  persist2)  # the same at Qwen3-0.6B's shapes (its layer is 7.9 us of bytes: boundaries dominate)
-    step 400 python3 bench/kernels_persistent_gemv.py --shapes qwen3-0.6b --out "$OUT"
-    ;;
   persist1b) # after persist1 (call 1: the loop streamed at 66% without meetings): prefetch depth, CTAs an SM, a phase's
              # first weights loaded before its barrier; both shapes in one call
     step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"

@@ -39,7 +39,6 @@ def main() -> None:
             nv_driver.TMA_TF32 = -1
         import jax_triton as jt
         import triton
-        import triton.language as tl
     except Exception as e:   # noqa: BLE001 (the probe's first question)
         print(f"jax_triton import failed: {type(e).__name__}: {e}")
         sys.exit(1)

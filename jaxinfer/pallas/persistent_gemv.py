@@ -118,7 +118,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                                     eviction_policy="evict_first")
                          for rs in sets for c in range(chunks))
 
-        def finish(t, ok, tile, xs):
+        def finish(t, tile, xs):
             rows = t * R + r
             sums = []
             for s in range(len(tile) // chunks):
@@ -133,7 +133,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 y = sums[0] + plgpu.load(res_ref.at[res_row, rows])
             else:
                 y = sums[0]
-            plgpu.store(out_ref.at[out_row, rows], y, mask=jnp.broadcast_to(ok, (R,)))
+            plgpu.store(out_ref.at[out_row, rows], y)
 
         def load_chunk(c):
             return plgpu.load(in_ref.at[in_row, pl.ds(c * block_k, block_k)]).astype(f32)
@@ -153,7 +153,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
 
                 def body(t, ahead):
                     nxt = load_tile(t + prefetch, t + prefetch < stop)
-                    finish(t, True, ahead[0], xs)
+                    finish(t, ahead[0], xs)
                     return (*ahead[1:], nxt)
 
                 jax.lax.fori_loop(start, stop, body, ahead)
@@ -162,7 +162,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 xs = load_input()
 
                 def body(t, c):
-                    finish(t, True, load_tile(t, True), xs)
+                    finish(t, load_tile(t, True), xs)
                     return c
 
                 jax.lax.fori_loop(start, stop, body, jnp.int32(0))
@@ -182,7 +182,7 @@ def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, e
                 ok = t_next < tiles
                 nxt = load_tile(t_next, ok)                         # in flight while the next ticket comes
                 t_after = jnp.where(ok, ticket(), tiles)
-                finish(t, True, tile, xs)
+                finish(t, tile, xs)
                 return t_next, nxt, t_after
 
             t0 = ticket()
@@ -214,8 +214,8 @@ def persistent_chain(x: jax.Array, weights: tuple[jax.Array, ...], *, products: 
     [d], each program's timed-out flag [programs] int32: nonzero means the barriers did not hold and the output is
     wrong). prefetch: tiles whose weights load ahead of the one being summed (0: none); x_in_registers=False reloads
     the input's chunks every tile; num_stages > 1 asks Triton's software pipeliner to stage the tile loop's loads
-    through shared memory (official Triton 3.6 does so for loads that feed no dot, bench/NOTES.md; use prefetch=0). barriers=False gives wrong
-    sums on purpose: the loop's streaming time without meetings."""
+    through shared memory (official Triton 3.6 does so for loads that feed no dot, bench/NOTES.md; use prefetch=0).
+    barriers=False gives wrong sums on purpose: the loop's streaming time without meetings."""
     check(products, block_k)
     if schedule not in ("static", "tickets"):
         raise ValueError(f"persistent_gemv: schedule {schedule!r}")
