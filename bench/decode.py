@@ -116,6 +116,50 @@ def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:
     return dict(step_ms=1e3 * dt / (new - 1), ttft_ms=1e3 * ttft, tokens=tokens, setup="eager, dynamic cache")
 
 
+def print_table(rows: list[dict]) -> None:
+    print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
+          "kernels per step (traced) | greedy tokens equal to reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | |")
+            continue
+        print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
+              f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
+              f"{r.get('kernels_per_step', '-')} | {r.get('greedy_match_vs_reference', '-')} |")
+
+
+def write_json(rows: list[dict], bw: float, out: Path) -> None:
+    (out / "decode.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind, rows=rows),
+                                                indent=1))
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    """decode.png: share of the roofline by case and path."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = [r for r in rows if "step_ms" in r]
+        labels = list(dict.fromkeys(f"{r['shape']}@{r['context']}" for r in ok))
+        paths = list(dict.fromkeys(r["path"] for r in ok))
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for i, p in enumerate(paths):
+            vals = [next((100 * r["roofline_share"] for r in ok if r["path"] == p and f"{r['shape']}@{r['context']}" == l), 0)
+                    for l in labels]
+            ax.bar(np.arange(len(labels)) + i * 0.8 / len(paths), vals, 0.8 / len(paths), label=p)
+        ax.set_xticks(np.arange(len(labels)) + 0.4 - 0.4 / len(paths), labels)
+        ax.set_ylabel("% of bandwidth roofline")
+        ax.axhline(90, color="gray", ls="--", lw=0.8)
+        ax.legend()
+        ax.set_title(f"batch-1 decode, bf16, {jax.devices()[0].device_kind}")
+        fig.tight_layout()
+        fig.savefig(out / "decode.png", dpi=120)
+    except Exception as e:
+        print(f"# no plot: {e}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-4b", "llama3-8b"])
@@ -174,42 +218,10 @@ def main() -> None:
             rows.append({**dict(shape=shape, context=ctx, path=path, roofline_ms=roof_ms, step_bytes=roof_bytes),
                          **{k: v for k, v in r.items() if k != "tokens"}})   # (an fp8 path's own roofline_ms wins)
         gc.collect()
+        write_json(rows, bw, Path(args.out))   # after every case: a case cut off by a time limit loses nothing before it
 
-    print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
-          "kernels per step (traced) | greedy tokens equal to reference |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | |")
-            continue
-        print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
-              f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
-              f"{r.get('kernels_per_step', '-')} | {r.get('greedy_match_vs_reference', '-')} |")
-    out = Path(args.out)
-    (out / "decode.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind, rows=rows), indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        ok = [r for r in rows if "step_ms" in r]
-        labels = sorted({f"{r['shape']}@{r['context']}" for r in ok}, key=lambda s: [r for r in ok].index(
-            next(r for r in ok if f"{r['shape']}@{r['context']}" == s)))
-        paths = list(dict.fromkeys(r["path"] for r in ok))
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for i, p in enumerate(paths):
-            vals = [next((100 * r["roofline_share"] for r in ok if r["path"] == p and f"{r['shape']}@{r['context']}" == l), 0)
-                    for l in labels]
-            ax.bar(np.arange(len(labels)) + i * 0.8 / len(paths), vals, 0.8 / len(paths), label=p)
-        ax.set_xticks(np.arange(len(labels)) + 0.4 - 0.4 / len(paths), labels)
-        ax.set_ylabel("% of bandwidth roofline")
-        ax.axhline(90, color="gray", ls="--", lw=0.8)
-        ax.legend()
-        ax.set_title(f"batch-1 decode, bf16, {jax.devices()[0].device_kind}")
-        fig.tight_layout()
-        fig.savefig(out / "decode.png", dpi=120)
-    except Exception as e:
-        print(f"# no plot: {e}")
+    print_table(rows)
+    plot(rows, Path(args.out))
 
 
 if __name__ == "__main__":

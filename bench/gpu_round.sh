@@ -476,6 +476,16 @@ case "${1:-1}" in
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/jt/*.whl
     step 150 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
     ;;
+  issue3a)   # issue 3's table for Qwen3-4B in one run (1,024 and 8,192 tokens of context): Pallas, the XLA reference,
+             # transformers eager and transformers with a static cache under torch.compile (bench/hf_peer.py, never run on
+             # the GPU before), the Pallas step traced (kernels per step and their times); decode.json after every case
+    step 570 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 --paths pallas reference hf hf-compile \
+         --profile pallas --out "$OUT"
+    ;;
+  issue3b)   # the same for Qwen3-0.6B and Llama-3-8B at 1,024 tokens (the 0.6B step traced)
+    step 570 python3 bench/decode.py --shapes qwen3-0.6b llama3-8b --long --paths pallas reference hf hf-compile \
+         --profile pallas --out "$OUT"
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
