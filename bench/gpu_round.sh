@@ -486,6 +486,11 @@ case "${1:-1}" in
     step 570 python3 bench/decode.py --shapes qwen3-0.6b llama3-8b --long --paths pallas reference hf hf-compile \
          --profile pallas --out "$OUT"
     ;;
+  prefix29)  # issue 5's cached-prefix gain again (last measured in the second session, 4.4x, before the prompt kernels
+             # changed): TTFT of a 2,048-token system prompt + 8 tokens, cold against cached, batch 1's step beside it
+    step 400 python3 bench/throughput.py --shape qwen3-4b --batches 1 --requests 10 --system 2048 --lazy-compile \
+         --out "$OUT"
+    ;;
   mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
