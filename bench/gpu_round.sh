@@ -482,7 +482,7 @@ case "${1:-1}" in
     step 570 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 --paths pallas reference hf hf-compile \
          --profile pallas --out "$OUT"
     ;;
-  issue3b)   # the same for Qwen3-0.6B and Llama-3-8B at 1,024 tokens (the 0.6B step traced)
+  issue3b)   # the same for Qwen3-0.6B and Llama-3-8B at 1,024 tokens (both Pallas steps traced)
     step 570 python3 bench/decode.py --shapes qwen3-0.6b llama3-8b --long --paths pallas reference hf hf-compile \
          --profile pallas --out "$OUT"
     ;;

@@ -51,4 +51,5 @@ def run_hf_compiled(model_dir: Path, prompt: list[int], new: int, device: str = 
     if device == "cuda":
         torch.cuda.empty_cache()
     return dict(step_ms=1e3 * (t[-1] - t[0]) / (len(t) - 1), ttft_ms=1e3 * (t[0] - t0),
-                tokens=out[0, len(prompt):].tolist(), setup="generate, static cache, its torch.compile (reduce-overhead)", warmup_s=warm_s)
+                tokens=out[0, len(prompt):].tolist(), warmup_s=warm_s,
+                setup="generate, static cache, its torch.compile (reduce-overhead)")
