@@ -64,9 +64,10 @@ def check(products: tuple[Product, ...], block_k: int) -> None:
     if not (p1.k == p0.n and p2.k == p1.n == p0.k and p3.k == p2.n // 2 and p3.n == p0.k):
         raise ValueError(f"persistent_gemv: the products do not chain: {products}")
     for p, ep in zip(products, EPILOGUES):
-        if p.k % block_k or p.out(ep) % p.rows or p.rows & (p.rows - 1):
-            raise ValueError(f"persistent_gemv: {p} needs k % {block_k} == 0 and rows a power of two dividing "
-                             f"its {p.out(ep)} outputs")
+        if p.k % block_k:
+            raise ValueError(f"persistent_gemv: {p} needs k a multiple of block_k {block_k}")
+        if p.out(ep) % p.rows or p.rows & (p.rows - 1):
+            raise ValueError(f"persistent_gemv: {p} needs rows a power of two dividing its {p.out(ep)} outputs")
 
 
 def _kernel(s_in, w0, w1, w2, w3, ctr_in, q_ref, a_ref, h_ref, s_ref, ctr_ref, err_ref, *, products, layers,
