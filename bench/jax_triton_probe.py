@@ -128,10 +128,13 @@ def chain_probe(jt, ceiling: float) -> list[dict]:
         y = np.asarray(y, np.float32)
         return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30)) if np.all(np.isfinite(y)) else float("nan")
 
+    def share(us):
+        return layer_bytes / ceiling / (us * 1e-6)
+
     base = jax.jit(fused_gemv_chain)
     _, ms = best_ms_per_call(base, (x, ws), calls=L, target_s=0.3)
     us = 1e3 * ms
-    print(f"| fused_gemv chain (Pallas, 4 kernels a layer) | {us:.2f} | {100 * layer_bytes / ceiling / (us * 1e-6):.1f}% "
+    print(f"| fused_gemv chain (Pallas, 4 kernels a layer) | {us:.2f} | {100 * share(us):.1f}% "
           f"| {rel(base(x, tuple(w[:2] for w in ws))):.1e} | 0 |", flush=True)
     rows.append(dict(variant="fused_gemv chain", us=us))
     for P, warps, R, BK, S, barriers in [(132, 4, (4, 2, 2, 1), 512, 3, False), (132, 4, (4, 2, 2, 1), 512, 3, True),
@@ -158,10 +161,8 @@ def chain_probe(jt, ceiling: float) -> list[dict]:
         two = build(2)(x, tuple(w[:2] for w in ws))   # compared after two layers (no norms: the stream grows)
         timed_out = int(np.count_nonzero(np.asarray(outs[5]))) + int(np.count_nonzero(np.asarray(two[5])))
         err = rel(two[0][1])
-        rows.append(dict(variant=name, us=us, share=layer_bytes / ceiling / (us * 1e-6), rel_err=err,
-                         timed_out=timed_out))
-        print(f"| {name} | {us:.2f} | {100 * layer_bytes / ceiling / (us * 1e-6):.1f}% | {err:.1e} | {timed_out} |",
-              flush=True)
+        rows.append(dict(variant=name, us=us, share=share(us), rel_err=err, timed_out=timed_out))
+        print(f"| {name} | {us:.2f} | {100 * share(us):.1f}% | {err:.1e} | {timed_out} |", flush=True)
     return rows
 
 
