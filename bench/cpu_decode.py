@@ -16,8 +16,8 @@ import platform
 
 import jax
 
-from jaxinfer.engine import Engine
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 def measure(model: str, new_tokens: int, steps: int, overlap: bool = True, repeats: int = 5) -> tuple[float, float]:

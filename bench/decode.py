@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf hf-compile]
                                          [--prompt 1024] [--new 128] [--long qwen3-4b:8192] [--out DIR]
 
-Random bf16 weights at real shapes are written as safetensors (jaxinfer.random_model) and loaded
+Random bf16 weights at real shapes are written as safetensors (bench.random_model) and loaded
 through our own loader (and by transformers for the peer: `hf` is eager with a dynamic cache,
 `hf-compile` a static cache under torch.compile, bench/hf_peer.py; its compile takes minutes). Greedy decode of `--new` tokens after a
 random prompt of `--prompt` tokens. The roofline is the bytes a step must read (every weight but
@@ -27,10 +27,10 @@ import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
 from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
-from jaxinfer.config import load_config
-from jaxinfer.engine import Engine
-from jaxinfer.random_model import bench_model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model.config import load_config
+from jaxinfer.engine.engine import Engine
+from bench.random_model import bench_model
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 def step_bytes(cfg, context: float, kv_item: int = 2) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 from bench.table import print_table
 from bench.variant_runs import (EVERY_COMMAND_TYPE, LOOPS_IN_COMMAND_BUFFERS, NO_COMMAND_BUFFERS, PDL, PDL_LAUNCH,
                                 SLICE_FUSION, add_variant_args, apply_bench_options, run_variants, tokens_fingerprint)
-from jaxinfer.dispatch_timing import POLL
+from jaxinfer.engine.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
     "default+cond": ("", False, False, {}),
@@ -75,8 +75,8 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
 def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile: bool, options: dict) -> dict:
     import numpy as np
 
-    from jaxinfer.engine import Engine
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.sampling.sampling import SamplingParams
 
     dispatches, new = 8, 128
     steps = options.get("decode_steps", steps)
@@ -145,8 +145,8 @@ def launch_ms(engine, greedy: bool, n: int = 5) -> float:
     """Host time of one decode launch on an idle device (the call, not the dispatch): best of n."""
     import jax
 
-    from jaxinfer.runner import DecodeBatch
-    from jaxinfer.sampling import SamplingArrays
+    from jaxinfer.runner.model_runner import DecodeBatch
+    from jaxinfer.sampling.sampling import SamplingArrays
 
     r = engine.runner
     a = r.empty_decode(1)
@@ -172,7 +172,7 @@ def main() -> None:
         print("RESULT " + json.dumps(child(model_dir, args.ops, args.ctx, args.steps, greedy, profile, options)),
               flush=True)
         return
-    from jaxinfer.random_model import bench_model
+    from bench.random_model import bench_model
 
     bench_model(args.models, args.shape)
     rows = run_variants(__file__, {name: VARIANTS[name][0] for name in args.variants},

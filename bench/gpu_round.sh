@@ -24,7 +24,7 @@ prefill_ab() {
 }
 # For the server: random Qwen3-4B weights with the real tokenizer, and the server's wheels (.whl)
 serve_setup() {
-  python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+  python3 -c "from bench.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
   cp .carry/qwen3/tokenizer*.json /tmp/jaxinfer-bench-models/qwen3-4b/
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
 }
@@ -568,7 +568,7 @@ case "${1:-1}" in
   ncu2)      # ncu's front-end crashed on the engine's workload (calls 2-8): the decode step on an unwritten cache
              # (no prompt step: no cuDNN, no cuBLAS) at batch 1 and 8, then the engine's requests with the prompt's
              # attention on our kernel instead of cuDNN (nineteenth session)
-    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    python3 -c "from bench.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     step 160 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --workload synthetic --skip 300 \
          --timeout 70 --out "$OUT"
     step 80 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload no-cudnn --timeout 70 --out "$OUT"
@@ -802,7 +802,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it
              # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then
              # issue 4's 1k TTFT share with the package now. Predictions in NOTES (nineteenth session)
-    python3 -c "from jaxinfer.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
+    python3 -c "from bench.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     i=0
     for pkg in ${PKGS:-before-host now before-host now}; do
       path=.; [ $pkg != now ] && path=.carry/$pkg:.; i=$((i + 1))

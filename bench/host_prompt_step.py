@@ -32,9 +32,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxinfer.engine import Engine
-from jaxinfer.random_model import QWEN3_0_6B, write_random_model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.engine import Engine
+from bench.random_model import QWEN3_0_6B, write_random_model
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 def main() -> None:
@@ -89,8 +89,8 @@ def main() -> None:
     r.launch_mixed, r.start_sequence = timed_launch, timed_start
     # the pieces: every to_device (pack, one copy; unpack's dispatch where the step does not split the batch
     # itself) and the init_row call, summed per request
-    import jaxinfer.engine as engine_mod
-    import jaxinfer.runner as runner_mod
+    import jaxinfer.engine.engine as engine_mod
+    import jaxinfer.runner.model_runner as runner_mod
 
     def summed(key, fn):
         def wrapped(*a, **k):

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from bench.ceilings import hbm_read_ceiling
 from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 
-from jaxinfer.kv_cache import KV_CACHE_DTYPES, to_cache
+from jaxinfer.model.kv_cache import KV_CACHE_DTYPES, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 

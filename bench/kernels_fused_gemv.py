@@ -27,7 +27,7 @@ from bench.kernel_timing import best_ms_per_call, log, rel_err
 from bench.table import print_table
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
 from jaxinfer.pallas.gemv import choose_config, gemv
-from jaxinfer.random_model import SHAPES
+from bench.random_model import SHAPES
 
 
 def projections(cfg: dict) -> list[tuple[str, int, int, str, bool]]:

@@ -25,7 +25,7 @@ import numpy as np
 from bench.ceilings import dense_gemm_rate
 from bench.kernel_timing import best_ms_per_call, log, rel_err
 from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, reference, supported
-from jaxinfer.random_model import SHAPES
+from bench.random_model import SHAPES
 
 CONFIGS = [HopperConfig(64, 128, 64, 4), HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3),
            HopperConfig(128, 128, 64, 3), HopperConfig(64, 64, 64, 6), HopperConfig(128, 256, 64, 2),

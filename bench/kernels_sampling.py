@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/kernels_sampling.py [--vocab 151936] [--rows 1 8 64] [--calls 16]
 
-Variants of jaxinfer.sampling.sample on [B, V] float32 logits with the penalty inputs the engine
+Variants of jaxinfer.sampling.sampling.sample on [B, V] float32 logits with the penalty inputs the engine
 passes (prompt mask, output counts):
 - argmax: greedy_only=True (what all-greedy batches run);
 - branch, greedy rows: the sampling variant on greedy rows (the conditional skips the sort; on a GPU
@@ -37,7 +37,7 @@ import numpy as np
 
 from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
-from jaxinfer.sampling import TOP_K_CANDIDATES, SamplingArrays, SamplingParams, _top_p_keep, sample, top_k_by_blocks
+from jaxinfer.sampling.sampling import TOP_K_CANDIDATES, SamplingArrays, SamplingParams, _top_p_keep, sample, top_k_by_blocks
 
 
 def main() -> None:

@@ -33,10 +33,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from jaxinfer.engine import Engine
-    from jaxinfer.random_model import bench_model
-    from jaxinfer.runner import DecodeBatch, decode_steps
-    from jaxinfer.sampling import SamplingArrays
+    from jaxinfer.engine.engine import Engine
+    from bench.random_model import bench_model
+    from jaxinfer.runner.model_runner import DecodeBatch, decode_steps
+    from jaxinfer.sampling.sampling import SamplingArrays
 
     model_dir = bench_model(args.models, args.shape)
     engine = Engine(str(model_dir), dtype=args.dtype, ops=args.ops, max_num_seqs=1, max_model_len=256,

@@ -105,9 +105,9 @@ def table(kernels: list[dict]) -> str:
 def child(args) -> None:
     """The workload ncu watches: B sequences of a 1,024-token prompt each, then --tokens greedy tokens."""
     from bench.throughput import engine_for, run_all
-    from jaxinfer.config import load_config
-    from jaxinfer.random_model import bench_model
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.model.config import load_config
+    from bench.random_model import bench_model
+    from jaxinfer.sampling.sampling import SamplingParams
 
     if args.workload in ONE_KERNEL:
         one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens, args.block_in, args.rows)
@@ -137,9 +137,9 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
     each with its own pages (the same kernels and bytes as after real prompts; no cuDNN or cuBLAS prompt kernels)."""
     import jax
 
-    from jaxinfer.runner import DecodeBatch
-    from jaxinfer.sampling import SamplingArrays
-    from jaxinfer.transfer import to_device
+    from jaxinfer.runner.model_runner import DecodeBatch
+    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.runner.transfer import to_device
 
     r = engine.runner
     bucket = r.batch_bucket(B)
@@ -178,12 +178,12 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer.config import config_from_hf
+    from jaxinfer.model.config import config_from_hf
     from jaxinfer.pallas.decode_attention import paged_decode_attention
     from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
     from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
     from jaxinfer.pallas.skinny_gemm import skinny_gemm
-    from jaxinfer.random_model import SHAPES
+    from bench.random_model import SHAPES
 
     cfg = config_from_hf(SHAPES[shape], "bfloat16")
     D, hd, H, K = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
@@ -276,7 +276,7 @@ def main() -> None:
     from bench.variant_runs import NO_COMMAND_BUFFERS
 
     if not args.model and args.workload not in ONE_KERNEL:   # weights written outside ncu, at full speed
-        subprocess.run([sys.executable, "-c", "from jaxinfer.random_model import bench_model; "
+        subprocess.run([sys.executable, "-c", "from bench.random_model import bench_model; "
                         f"bench_model({args.models!r}, {args.shape!r})"], check=True)
     # ncu's kernel replay saves and restores the device memory a kernel may write; JAX's usual pool (75% of the
     # card, one allocation) would make each replay copy ~100 GB, so the pool grows as needed here. XLA's GEMM

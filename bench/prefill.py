@@ -26,10 +26,10 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate
 from bench.trace_kernels import keep_command_buffers_when_profiling
-from jaxinfer.config import load_config
-from jaxinfer.engine import Engine
-from jaxinfer.random_model import bench_model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model.config import load_config
+from jaxinfer.engine.engine import Engine
+from bench.random_model import bench_model
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 def prefill_flops(cfg, T: int) -> float:

@@ -129,8 +129,8 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
     import jax
     import numpy as np
 
-    from jaxinfer.engine import Engine
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.sampling.sampling import SamplingParams
 
     options = apply_bench_options(options)
     t0 = time.perf_counter()
@@ -244,7 +244,7 @@ def main() -> None:
         _, profile, options = VARIANTS[args.child]
         print("RESULT " + json.dumps(child(model_dir, args.ops, args.prompt, profile, options)), flush=True)
         return
-    from jaxinfer.random_model import bench_model
+    from bench.random_model import bench_model
 
     bench_model(args.models, args.shape)
     rows = run_variants(__file__, {name: VARIANTS[name][0] for name in args.variants},

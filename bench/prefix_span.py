@@ -35,9 +35,9 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from jaxinfer.engine import Engine
-    from jaxinfer.random_model import bench_model
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.engine.engine import Engine
+    from bench.random_model import bench_model
+    from jaxinfer.sampling.sampling import SamplingParams
 
     model_dir = bench_model(args.models, args.shape)
     rng = np.random.default_rng(0)

@@ -521,8 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.range_ratio < 1:
         p.error("--range-ratio must be in [0, 1)")
 
-    from jaxinfer.config import load_config
-    from jaxinfer.tokenizer import Tokenizer
+    from jaxinfer.model.config import load_config
+    from jaxinfer.text.tokenizer import Tokenizer
 
     tok_dir = args.tokenizer or args.serve_model
     if tok_dir is None:

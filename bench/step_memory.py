@@ -32,9 +32,9 @@ def main() -> None:
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from jaxinfer.engine import Engine
-    from jaxinfer.random_model import bench_model
-    from jaxinfer.runner import bucket_of
+    from jaxinfer.engine.engine import Engine
+    from bench.random_model import bench_model
+    from jaxinfer.runner.model_runner import bucket_of
 
     model_dir = bench_model(args.models, args.shape)
     engine = Engine(model_dir, dtype=args.dtype, ops=args.ops, max_num_seqs=args.max_num_seqs,

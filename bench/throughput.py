@@ -13,7 +13,7 @@
    (a second request with the same prefix) against a cold one (prefix caching off).
 --decode-only stops after 1; --attention-config gives every decode attention call that split config instead of
 the table's (the A/B of a table row in the step, one process per config).
-Random bf16 weights at real shapes (jaxinfer.random_model), loaded through our loader. Prints
+Random bf16 weights at real shapes (bench.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
 
@@ -33,10 +33,10 @@ import numpy as np
 from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
 from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
 from bench.variant_runs import tokens_fingerprint
-from jaxinfer.config import load_config
-from jaxinfer.engine import Engine
-from jaxinfer.random_model import bench_model
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.model.config import load_config
+from jaxinfer.engine.engine import Engine
+from bench.random_model import bench_model
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 _FORCED: list[str] = []   # kernel-choosing functions this process patched (force_attention_config)
@@ -99,8 +99,8 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
     more under the profiler: returns (ms, the trace's summary)."""
     import jax
 
-    from jaxinfer.runner import DecodeBatch
-    from jaxinfer.sampling import SamplingArrays
+    from jaxinfer.runner.model_runner import DecodeBatch
+    from jaxinfer.sampling.sampling import SamplingArrays
 
     r = engine.runner
     steps = engine.config.decode_steps

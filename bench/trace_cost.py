@@ -29,14 +29,14 @@ def main() -> None:
     ap.add_argument("--models", default=None, help="folder for the random model (default: a temporary one)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
-    from jaxinfer.batch import StepBatch
-    from jaxinfer.config import load_config
-    from jaxinfer.model import split_layers
+    from jaxinfer.runner.batch import StepBatch
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.transformer import split_layers
     from jaxinfer.ops import get_ops
-    from jaxinfer.random_model import TINY, write_random_model
-    from jaxinfer.runner import DecodeBatch, ModelRunner, decode_steps, mixed_step
-    from jaxinfer.sampling import SamplingArrays
-    from jaxinfer.weights import load_params
+    from bench.random_model import TINY, write_random_model
+    from jaxinfer.runner.model_runner import DecodeBatch, ModelRunner, decode_steps, mixed_step
+    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.model.weights import load_params
 
     d = write_random_model(f"{args.models or tempfile.mkdtemp()}/tiny-{args.layers}-layers", {**TINY, "num_hidden_layers": args.layers}, dtype="float32")
     cfg = load_config(d, "float32")

@@ -93,7 +93,7 @@ def apply_bench_options(options: dict) -> dict:
     options = dict(options)
     import jax
 
-    import jaxinfer.engine
+    import jaxinfer.engine.engine
     from jaxinfer.pallas import fused_gemv
 
     # These patch the step's code, not a table. The executable cache's key sees the source, the flags, the
@@ -142,9 +142,9 @@ def apply_bench_options(options: dict) -> dict:
 
         rope_kv_write.TILED = options.pop("rope_write_tiled")
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
-        from jaxinfer.transfer import to_device
+        from jaxinfer.runner.transfer import to_device
 
-        jaxinfer.engine.to_device_packed = to_device
+        jaxinfer.engine.engine.to_device_packed = to_device
     layout = options.pop("weights", None)
     if layout is not None:
         def split_every_array(params):
@@ -153,7 +153,7 @@ def apply_bench_options(options: dict) -> dict:
             return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)],
                     "layer_vectors": None}
 
-        jaxinfer.engine.split_layers = {"stacked": lambda params: params,
+        jaxinfer.engine.engine.split_layers = {"stacked": lambda params: params,
                                         "split-every-array": split_every_array}[layout]
     if patched:
         options["executable_cache"] = ""

@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="time `jaxinfer serve` to its first served token")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="with --serve")
     args = ap.parse_args()
-    from jaxinfer.random_model import bench_model
+    from bench.random_model import bench_model
 
     model_dir = bench_model(args.models, args.shape)
     if not (model_dir / "tokenizer.json").is_file():   # `generate` takes text

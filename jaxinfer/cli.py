@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args):
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.sampling.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
@@ -126,14 +126,14 @@ def _sampling(args):
 
 
 def _engine(args):
-    from jaxinfer.engine import Engine
+    from jaxinfer.engine.engine import Engine
 
     return Engine(args.model, dtype=args.dtype, max_model_len=args.max_model_len, ops=args.ops,
                   kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=1)
 
 
 def _stream_to_stdout(engine, prompt, params) -> None:
-    from jaxinfer.engine import stream
+    from jaxinfer.engine.engine import stream
 
     for delta in stream(engine, prompt, params):
         sys.stdout.write(delta.text)
@@ -179,7 +179,7 @@ def cmd_chat(args) -> None:
         else:
             prompt = line
         reply = []
-        from jaxinfer.engine import stream
+        from jaxinfer.engine.engine import stream
 
         try:
             for delta in stream(engine, prompt, params):
@@ -223,8 +223,8 @@ def cmd_bench(args) -> None:
     """Like `vllm bench latency/throughput`: a single request first, then num_prompts at batch-size."""
     import numpy as np
 
-    from jaxinfer.engine import Engine
-    from jaxinfer.sampling import SamplingParams
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.sampling.sampling import SamplingParams
 
     if min(args.input_len, args.output_len, args.batch_size, args.num_prompts) < 1:
         raise ValueError("--input-len, --output-len, --batch-size and --num-prompts must be >= 1")

@@ -11,9 +11,9 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import STORIES
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import load_config
+from jaxinfer.model.config import load_config
 from jaxinfer.errors import ModelLoadError, PromptTooLongError
-from jaxinfer.weights import load_params
+from jaxinfer.model.weights import load_params
 
 
 def _copy(tmp_path):
@@ -164,7 +164,7 @@ def test_cli_generate_streams_and_reports_speed():
     (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
 ])
 def test_invalid_engine_options(options, message):
-    from jaxinfer.engine import Engine
+    from jaxinfer.engine.engine import Engine
 
     with pytest.raises(ValueError, match=message):
         Engine(STORIES, progress=False, **options)

@@ -147,9 +147,9 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     monkeypatch.setattr(rope_kv_write, "TILED", 8)
     # a patched table keeps the executable cache (its key sees the tables); a patched function turns it off
     assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True}
-    import jaxinfer.engine
+    import jaxinfer.engine.engine
 
-    monkeypatch.setattr(jaxinfer.engine, "to_device_packed", jaxinfer.engine.to_device_packed)   # restored after
+    monkeypatch.setattr(jaxinfer.engine.engine, "to_device_packed", jaxinfer.engine.engine.to_device_packed)   # restored after
     assert apply_bench_options({"unpacked_batch": True}) == {"executable_cache": ""}
     assert rope_kv_write.TILED == 16
     apply_bench_options({"rope_write_tiled": 32})

@@ -30,7 +30,7 @@ def test_chat_leaves_on_end_of_input():
 def test_chat_with_template_on_random_qwen3(tmp_path):
     """A tiny random Qwen3 with the real Qwen3 tokenizer: the chat loop goes through its template."""
     from conftest import TOKENIZERS
-    from jaxinfer.random_model import QWEN3_0_6B, write_random_model
+    from bench.random_model import QWEN3_0_6B, write_random_model
 
     tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 256}

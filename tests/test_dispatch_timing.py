@@ -1,4 +1,4 @@
-from jaxinfer.dispatch_timing import DispatchTiming
+from jaxinfer.engine.dispatch_timing import DispatchTiming
 
 
 def test_dispatch_timing_says_when_to_chain():

@@ -8,8 +8,8 @@ import pytest
 
 from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine import stream
-from jaxinfer.runner import SplitStep, bucket_of
+from jaxinfer.engine.engine import stream
+from jaxinfer.runner.model_runner import SplitStep, bucket_of
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -118,7 +118,7 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
 
 def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
     """On GPUs these are on by default (each measured there); on CPUs off; an explicit value stays."""
-    from jaxinfer.engine import EngineConfig
+    from jaxinfer.engine.engine import EngineConfig
 
     names = ("overlap_mixed", "greedy_mixed_step", "prefill_behind_decode", "fresh_prompt_attention",
              "prefixed_chunk_attention", "plain_sampling_step")
@@ -442,7 +442,7 @@ def test_a_dropped_engine_frees_its_buffers_without_a_garbage_collection():
 def test_kv_pool_from_device_memory_is_capped_by_what_the_sequences_can_use(monkeypatch):
     """On a device that reports its memory, the pool takes the free memory but at most twice what
     max_num_seqs full-length sequences use: a one-sequence engine must leave the steps their room."""
-    import jaxinfer.engine as E
+    import jaxinfer.engine.engine as E
 
     class Device:
         platform = "cpu"

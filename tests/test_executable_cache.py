@@ -11,7 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.executable_cache import ExecutableCache
+from jaxinfer.runner.executable_cache import ExecutableCache
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # broadcast_divide_fusion.1 not found" when loaded. The engine keeps the cache off on CPUs.)
 CHILD = """
 import json, sys
-from jaxinfer.engine import LLM
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.engine import LLM
+from jaxinfer.sampling.sampling import SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
           progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True,
           **json.loads(sys.argv[4]))
@@ -124,7 +124,7 @@ def test_a_kernel_table_changed_at_run_time_is_a_new_key(tmp_path, monkeypatch):
 
 
 def test_on_by_default_on_gpus_only():
-    from jaxinfer.engine import EngineConfig
+    from jaxinfer.engine.engine import EngineConfig
 
     assert EngineConfig().for_backend("gpu").executable_cache.endswith("executables")
     assert EngineConfig().for_backend("cpu").executable_cache == ""
@@ -163,7 +163,7 @@ def test_every_kernel_table_is_in_the_key(monkeypatch):
     import pkgutil
 
     import jaxinfer.pallas
-    from jaxinfer.executable_cache import _kernel_choices
+    from jaxinfer.runner.executable_cache import _kernel_choices
 
     def changed(value):
         if isinstance(value, dict):

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 from conftest import STORIES
 
-from jaxinfer.engine import LLM, Engine
-from jaxinfer.kv_cache import kv_cache_dtype, to_cache
+from jaxinfer.engine.engine import LLM, Engine
+from jaxinfer.model.kv_cache import kv_cache_dtype, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas import prefill_attention as PA
 from jaxinfer.pallas.blocks import page_compute_dtype, to_compute
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 from jaxinfer.pallas.rope_kv_write import qkv_rope_write
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampling import SamplingParams
 
 F8 = jnp.float8_e4m3fn
 

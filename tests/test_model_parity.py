@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 
 from conftest import DATA
-from jaxinfer.config import load_config
-from jaxinfer.model import prompt_logits
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import prompt_logits
 from jaxinfer.ops import get_ops
-from jaxinfer.weights import load_params
+from jaxinfer.model.weights import load_params
 
 FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
 
@@ -34,7 +34,7 @@ def test_prompt_logits_match_transformers(family):
 def test_per_layer_weights_give_the_same_logits(family):
     """split_layers (the GPU default: straight-line layers over per-layer arrays) against the scan
     over stacked arrays, for every family (biases, LayerNorm, learned positions, q/k norms)."""
-    from jaxinfer.model import split_layers
+    from jaxinfer.model.transformer import split_layers
 
     name, cfg, params = family
     golden = np.load(DATA / "golden" / f"{name}.npz")

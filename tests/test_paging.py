@@ -4,7 +4,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxinfer.paging import OutOfPages, PageAllocator, block_hashes
+from jaxinfer.engine.paging import OutOfPages, PageAllocator, block_hashes
 
 PAGE = 4
 

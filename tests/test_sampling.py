@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.sampling: parameter validation and the properties of on-device sampling."""
+"""Tests for jaxinfer.sampling.sampling: parameter validation and the properties of on-device sampling."""
 
 import functools
 import math
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import (
+from jaxinfer.sampling.sampling import (
     SamplingArrays,
     SamplingParamsError,
     SamplingParams,
@@ -527,7 +527,7 @@ def test_top_logprobs(jtop):
 
 @pytest.mark.parametrize("V,k", [(151_936, 20), (5_000, 1), (4_097, 5), (32_000, 20), (300, 20)])
 def test_top_k_by_blocks_equals_lax_top_k(V, k):
-    from jaxinfer.sampling import top_k_by_blocks
+    from jaxinfer.sampling.sampling import top_k_by_blocks
 
     rng = np.random.default_rng(V + k)
     smooth = rng.normal(size=(3, V)).astype(np.float32)
@@ -658,7 +658,7 @@ def test_the_top_p_keep_mask_equals_the_sorted_one(top_p):
     """_top_p_keep (radix search) keeps exactly the tokens the sorted path keeps (float64 here), on rows
     with a peak, flat rows, many ties, a uniform row and one whose mass ends right at a token; it may
     differ only at one token whose mass before it is top_p within float32 rounding."""
-    from jaxinfer.sampling import _top_p_keep
+    from jaxinfer.sampling.sampling import _top_p_keep
 
     rng = np.random.default_rng(int(top_p * 1000))
     V = 3000

@@ -6,8 +6,8 @@ import random
 import pytest
 
 from conftest import STORIES, no_compiles
-from jaxinfer.engine import Engine
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.sampling.sampling import SamplingParams
 
 WORDS = "once upon a time there was a little girl named lily she liked to play in the park with her dog".split()
 
@@ -238,7 +238,7 @@ def test_abort_while_a_mixed_step_is_in_flight(alone_engine):
 
 
 def _seq(i, n_prompt, generated=0):
-    from jaxinfer.serve.scheduler import Sequence
+    from jaxinfer.engine.scheduler import Sequence
 
     s = Sequence(request_id=i, prompt=None, prompt_ids=list(range(3, 3 + n_prompt)), params=SamplingParams(),
                  seed=0, max_new=100, stop_ids=[])
@@ -251,8 +251,8 @@ def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
     waits one step instead, so the newcomer's first token comes from this step; when the prompt does not
     finish in the step (or the excess is more than its decodes), the prompt gives back the excess and
     finishes in a small step (buckets from TRIM_FROM on)."""
-    from jaxinfer.paging import PageAllocator
-    from jaxinfer.serve.scheduler import Scheduler
+    from jaxinfer.engine.paging import PageAllocator
+    from jaxinfer.engine.scheduler import Scheduler
 
     def decoding_then(prompt_len: int, n_decoding: int):
         """A scheduler with n_decoding sequences past their prompts, then a newcomer of prompt_len."""

@@ -20,7 +20,7 @@ import openai
 import pytest
 from conftest import DATA, STORIES, TOKENIZERS
 
-from jaxinfer.engine import Engine
+from jaxinfer.engine.engine import Engine
 from jaxinfer.serve.app import create_app
 from jaxinfer.serve.gc_pauses import GCPauses, freeze_heap
 from jaxinfer.serve.server import ServerThread
@@ -42,7 +42,7 @@ def stories():
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from jaxinfer.random_model import QWEN3_0_6B, write_random_model
+    from bench.random_model import QWEN3_0_6B, write_random_model
 
     tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
             "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 256}

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer.batch import StepBatch
-from jaxinfer.sampling import SamplingArrays, SamplingParams
-from jaxinfer.transfer import pack, to_device
+from jaxinfer.runner.batch import StepBatch
+from jaxinfer.sampling.sampling import SamplingArrays, SamplingParams
+from jaxinfer.runner.transfer import pack, to_device
 
 
 def test_round_trip_every_dtype_bit_for_bit():
@@ -48,7 +48,7 @@ def test_other_dtypes_are_refused():
 def test_a_packed_batch_is_split_inside_the_jitted_step():
     """to_device_packed: one buffer with its layout as static pytree data; `unpacked` inside a jitted function
     gives the pytree bit for bit; each layout compiles once (the same layout twice: one trace)."""
-    from jaxinfer.transfer import Packed, to_device_packed, unpacked
+    from jaxinfer.runner.transfer import Packed, to_device_packed, unpacked
 
     traces = []
 

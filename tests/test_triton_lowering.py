@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import pytest
 from jax._src.pallas.triton import gpu_info
 
-from jaxinfer.config import load_config
-from jaxinfer.model import split_layers
+from jaxinfer.model.config import load_config
+from jaxinfer.model.transformer import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
-from jaxinfer.random_model import LLAMA3_8B, QWEN3_0_6B, QWEN3_4B, write_random_model
-from jaxinfer.runner import ModelRunner
-from jaxinfer.weights import load_params
+from bench.random_model import LLAMA3_8B, QWEN3_0_6B, QWEN3_4B, write_random_model
+from jaxinfer.runner.model_runner import ModelRunner
+from jaxinfer.model.weights import load_params
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from conftest import STORIES
-from jaxinfer.config import load_config
-from jaxinfer.weights import RULES, CheckpointReader, _assemble, load_params
+from jaxinfer.model.config import load_config
+from jaxinfer.model.weights import RULES, CheckpointReader, _assemble, load_params
 
 
 def test_memory_mapped_reads_equal_safetensors(tmp_path):
@@ -60,8 +60,8 @@ def test_bench_model_writes_the_weights_whole_or_not_at_all(tmp_path):
     """bench_model writes a shape's folder once; the weights go to a partial file renamed when complete, so a run
     killed mid-write (a bench's time limit) leaves nothing a later run would take as written, and the later run
     writes them afresh. The folder loads through our loader."""
-    from jaxinfer.config import load_config
-    from jaxinfer.random_model import bench_model
+    from jaxinfer.model.config import load_config
+    from bench.random_model import bench_model
 
     d = bench_model(tmp_path, "tiny")
     assert (d / "model.safetensors").is_file() and not (d / "model.safetensors.partial").exists()

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.kv_cache import to_cache
+from jaxinfer.model.kv_cache import to_cache
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
                                      page_compute_dtype, page_slots, pow2_at_least, rope_halves, split_range,
                                      to_compute)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.kv_cache import to_cache
+from jaxinfer.model.kv_cache import to_cache
 from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, pow2_at_least, rope_halves
 
 f32 = jnp.float32

@@ -34,9 +34,9 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
-from jaxinfer.dispatch_timing import POLL
+from jaxinfer.engine.dispatch_timing import POLL
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError
 
 log = logging.getLogger("jaxinfer.serve")

@@ -20,7 +20,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from jaxinfer.engine import STEP_PHASES
+from jaxinfer.engine.engine import STEP_PHASES
 from jaxinfer.serve.async_engine import THREAD_PHASES
 
 _TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,

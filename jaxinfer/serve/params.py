@@ -11,10 +11,10 @@ import dataclasses
 from typing import Any
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from jaxinfer.tokenizer import Tokenizer, TokenizerError
+from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ from jaxinfer.serve.gc_pauses import freeze_heap
 def engine_options(max_num_seqs: int | None = None, max_model_len: int | None = None,
                    gpu_memory_fraction: float | None = None, **other) -> dict:
     """Engine keyword arguments, leaving out what the engine does not know (yet)."""
-    from jaxinfer.engine import EngineConfig
+    from jaxinfer.engine.engine import EngineConfig
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     opts = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
@@ -32,7 +32,7 @@ def engine_options(max_num_seqs: int | None = None, max_model_len: int | None = 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, max_waiting: int = 256, log_level: str = "info",
           freeze_gc: bool = True, **engine_kwargs) -> None:
-    from jaxinfer.engine import Engine
+    from jaxinfer.engine.engine import Engine
 
     engine = Engine(model, **engine_options(**engine_kwargs))
     app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting)

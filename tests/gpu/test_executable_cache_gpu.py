@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.random_model import QWEN3_0_6B, write_random_model
+from bench.random_model import QWEN3_0_6B, write_random_model
 from tests.test_executable_cache import start_engine
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import record_steps
-from jaxinfer.engine import LLM, Engine
+from jaxinfer.engine.engine import LLM, Engine
 from jaxinfer.pallas import hopper_attention
-from jaxinfer.random_model import QWEN3_0_6B, write_random_model
-from jaxinfer.sampling import SamplingParams
+from bench.random_model import QWEN3_0_6B, write_random_model
+from jaxinfer.sampling.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
 

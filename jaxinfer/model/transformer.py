@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.kv_cache import KVCache
 from jaxinfer.ops import LayerWeight
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Sequence
 
-from jaxinfer.kv_cache import SCRATCH_PAGE
+from jaxinfer.model.kv_cache import SCRATCH_PAGE
 
 
 class OutOfPages(RuntimeError):

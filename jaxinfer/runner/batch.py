@@ -9,7 +9,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 
-from jaxinfer.sampling import SamplingArrays
+from jaxinfer.sampling.sampling import SamplingArrays
 
 
 @flax.struct.dataclass

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 
 SCRATCH_PAGE = 0
 

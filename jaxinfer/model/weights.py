@@ -26,7 +26,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 
 Shape = tuple[int, ...]

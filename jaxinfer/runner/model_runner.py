@@ -22,13 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import model
-from jaxinfer.batch import StepBatch
-from jaxinfer.config import ModelConfig
-from jaxinfer.executable_cache import ExecutableCache
-from jaxinfer.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.sampling import SamplingArrays, filter_pays, sample, top_logprobs
-from jaxinfer.transfer import Packed, to_device, to_device_packed, unpacked
+from jaxinfer.model import transformer as model
+from jaxinfer.runner.batch import StepBatch
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.runner.executable_cache import ExecutableCache
+from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache, slot_of
+from jaxinfer.sampling.sampling import SamplingArrays, filter_pays, sample, top_logprobs
+from jaxinfer.runner.transfer import Packed, to_device, to_device_packed, unpacked
 
 
 @flax.struct.dataclass

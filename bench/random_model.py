@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxinfer.config import config_from_hf
-from jaxinfer.weights import RULES
+from jaxinfer.model.config import config_from_hf
+from jaxinfer.model.weights import RULES
 
 # Configs of real models (shapes only), as their config.json files give them.
 QWEN3_0_6B = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024, num_hidden_layers=28,

@@ -24,22 +24,22 @@ from typing import Iterable, Sequence as Seq
 import jax
 import numpy as np
 
-from jaxinfer.batch import StepBatch
-from jaxinfer.config import ModelConfig, load_config
-from jaxinfer.dispatch_timing import DispatchTiming
-from jaxinfer.executable_cache import ExecutableCache
+from jaxinfer.runner.batch import StepBatch
+from jaxinfer.model.config import ModelConfig, load_config
+from jaxinfer.engine.dispatch_timing import DispatchTiming
+from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
-from jaxinfer.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dtype, slots_for
-from jaxinfer.model import split_layers
+from jaxinfer.model.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dtype, slots_for
+from jaxinfer.model.transformer import split_layers
 from jaxinfer.ops import get_ops
-from jaxinfer.paging import PageAllocator
-from jaxinfer.transfer import to_device, to_device_packed
-from jaxinfer.serve.scheduler import Scheduler, Sequence
-from jaxinfer.runner import DecodeBatch, ModelRunner
-from jaxinfer.generation_defaults import describe, read_generation_defaults
-from jaxinfer.sampling import SamplingArrays, SamplingParams, sampler_for
-from jaxinfer.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from jaxinfer.weights import load_params
+from jaxinfer.engine.paging import PageAllocator
+from jaxinfer.runner.transfer import to_device, to_device_packed
+from jaxinfer.engine.scheduler import Scheduler, Sequence
+from jaxinfer.runner.model_runner import DecodeBatch, ModelRunner
+from jaxinfer.engine.generation_defaults import describe, read_generation_defaults
+from jaxinfer.sampling.sampling import SamplingArrays, SamplingParams, sampler_for
+from jaxinfer.text.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from jaxinfer.model.weights import load_params
 
 MAX_STOP_IDS = 8
 # Engine.phase_seconds: schedule (the scheduler's plan), build (a mixed step's arrays and their copy to

@@ -22,8 +22,8 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from jaxinfer.paging import PageAllocator, block_hashes
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.engine.paging import PageAllocator, block_hashes
+from jaxinfer.sampling.sampling import SamplingParams
 
 
 @dataclasses.dataclass(eq=False)

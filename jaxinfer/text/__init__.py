@@ -1,0 +1,1 @@
+"""Text: the tokenizer (tokenizer.json), chat templates, incremental detokenization and stop strings."""
