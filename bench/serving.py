@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--range-ratio must be in [0, 1)")
 
     from jaxinfer.model.config import load_config
-    from jaxinfer.text.tokenizer import Tokenizer
+    from jaxinfer.text import Tokenizer
 
     tok_dir = args.tokenizer or args.serve_model
     if tok_dir is None:

@@ -11,7 +11,7 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.engine.generation_defaults import read_generation_defaults
 from jaxinfer.serve.params import ModelInfo, prepare_chat, prepare_completion
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
-from jaxinfer.text.tokenizer import Tokenizer
+from jaxinfer.text import Tokenizer
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                            "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,

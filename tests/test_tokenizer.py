@@ -1,4 +1,4 @@
-"""jaxinfer.text.tokenizer on the real tokenizers in ../shared, against goldens made by transformers
+"""jaxinfer.text on the real tokenizers in ../shared, against goldens made by transformers
 (tools/make_tokenizer_goldens.py -> tests/data/golden/tokenizers.json)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import DATA, SHARED, STORIES, TOKENIZERS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.text.tokenizer import (
+from jaxinfer.text import (
     ChatTemplate,
     ChatTemplateError,
     IncrementalDetokenizer,

@@ -6,7 +6,7 @@ Run with the reference environment, never from the jaxinfer package:
 
 It records, for the real tokenizers in ../shared, what `AutoTokenizer` gives for encode and
 decode, and what `apply_chat_template(..., tokenize=False)` renders for the Qwen3 and Llama-3
-chat templates. tests/test_tokenizer.py checks jaxinfer.text.tokenizer against this byte for byte.
+chat templates. tests/test_tokenizer.py checks jaxinfer.text against this byte for byte.
 """
 
 from __future__ import annotations

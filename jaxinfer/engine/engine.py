@@ -38,7 +38,7 @@ from jaxinfer.engine.scheduler import Scheduler, Sequence
 from jaxinfer.runner.model_runner import DecodeBatch, ModelRunner
 from jaxinfer.engine.generation_defaults import describe, read_generation_defaults
 from jaxinfer.sampling.sampling import SamplingArrays, SamplingParams, sampler_for
-from jaxinfer.text.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from jaxinfer.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from jaxinfer.model.weights import load_params
 
 MAX_STOP_IDS = 8

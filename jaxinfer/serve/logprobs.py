@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from jaxinfer.text.tokenizer import Tokenizer
+from jaxinfer.text import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 

@@ -14,7 +14,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from jaxinfer.text.tokenizer import Tokenizer, TokenizerError
+from jaxinfer.text import Tokenizer, TokenizerError
 
 
 @dataclasses.dataclass
