@@ -1,6 +1,6 @@
-"""LLM (offline API) and Engine (the schedule -> step -> update loop).
+"""Engine: the schedule -> step -> update loop.
 
-The scheduler (serve/scheduler.py) decides what the next step computes; the engine turns that
+The scheduler (scheduler.py) decides what the next step computes; the engine turns that
 plan into padded step arrays, runs the compiled step on the ModelRunner, and turns sampled tokens
 into text (incremental detokenization, stop tokens and strings, finish reasons):
 - a *mixed* step carries prompt chunks (under a token budget) together with one decode token for
@@ -29,15 +29,20 @@ from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.dispatch_timing import DispatchTiming
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
-from jaxinfer.model.kv_cache import bytes_per_page, check_kv_cache_dtype, kv_cache_dtype, slots_for
+from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model.transformer import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.engine.paging import PageAllocator
 from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.engine.scheduler import Scheduler, Sequence
-from jaxinfer.runner.model_runner import DecodeBatch, ModelRunner
+from jaxinfer.runner.batch import DecodeBatch
+from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.engine.generation_defaults import describe, read_generation_defaults
-from jaxinfer.sampling.sampling import SamplingArrays, SamplingParams, sampler_for
+from jaxinfer.engine.outputs import RequestOutput, StreamDelta, output_of
+from jaxinfer.runner.variants import StepVariant, choose_sampler
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sample import SamplingArrays
+from jaxinfer.settings import EngineConfig
 from jaxinfer.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 from jaxinfer.model.weights import load_params
 
@@ -47,137 +52,6 @@ MAX_STOP_IDS = 8
 # into text, stop checks), settle (prefix-cache blocks, releasing finished sequences), chain (building
 # and launching a decode dispatch), collect (reading a decode dispatch back and appending its tokens).
 STEP_PHASES = ("schedule", "build", "run", "append", "settle", "chain", "collect")
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    dtype: str = "float32"
-    ops: str = "reference"
-    max_model_len: int | None = None          # default: the model's max_position_embeddings
-    max_num_seqs: int = 8
-    # Token budget of a mixed step (prompt chunk size). None: 2048 on GPUs (a 1k-token prompt in one
-    # step: each step also reads every weight and pays its launch), 512 on CPUs.
-    max_num_batched_tokens: int | None = None
-    page_size: int = 16
-    kv_cache_dtype: str = "auto"              # "auto": the model's dtype; "fp8": float8 e4m3 (half the bytes)
-    num_pages: int | None = None              # default: enough for max_num_seqs full-length sequences
-    decode_steps: int = 8                     # decode steps per dispatch
-    # Batches of at most this many sequences run dispatches of `short_decode_steps` instead: a request
-    # that arrives while one runs waits for less of it (its time to first token), where the batch is
-    # small enough for the host to launch and read back more often. 0: off.
-    short_decode_max_batch: int = 0
-    short_decode_steps: int = 2
-    # A server chains the next decode dispatch this much earlier than the running one's expected end
-    # less a launch (Engine.chain_at): the device idles less between dispatches when the estimate runs
-    # late; a newcomer arriving in that window waits for the chained dispatch too. H200, Qwen3-4B shape,
-    # 2 req/s, one call: TPOT p50 3.26 -> 3.09 ms with 1 ms, TTFT p50 26.2 -> 25.5 (bench/NOTES.md).
-    chain_early_ms: float = 1.0
-    token_buckets: list[int] | None = None    # mixed-step sizes to compile (default: powers of two up to the budget)
-    # Layers as straight-line code over per-layer weight arrays (no device loop, no weight copies in
-    # XLA's GEMMs; longer compiles). None: on GPUs, where both costs were measured (bench/NOTES.md).
-    unroll_layers: bool | None = None
-    max_logprobs: int = 20                    # top logprobs computed per sampled token
-    enable_prefix_caching: bool = True
-    enable_prompt_logprobs: bool = False      # compile the mixed steps that also score every prompt token
-    overlap_decode: bool = True               # read decode dispatches back one dispatch late
-    # Read mixed (prompt) steps back one step late: the next one, planned from what is known before
-    # (prompt chunks; decodes of sequences not waiting on the step in flight), is launched first, so
-    # the host's work between steps overlaps the device's. A step waits on its sampling branch's
-    # predicate unless it runs the greedy-only variant (greedy_mixed_step). None: on GPUs (H200, Qwen3-4B
-    # shape: +10% offline and +8.5% through the server with 64 requests at once, bench/NOTES.md).
-    overlap_mixed: bool | None = None
-    # With overlap_mixed: a newcomer's prompt step is launched behind the decode dispatch in flight,
-    # before that dispatch is read back (off: after it, as without overlap_mixed). None: on GPUs (H200,
-    # Qwen3-4B shape, 2 req/s: queue 4.5 -> 0.8 ms, TTFT p50 32.5 -> 24.6 ms, bench/NOTES.md).
-    prefill_behind_decode: bool | None = None
-    # A greedy-only mixed step per token bucket, run when every row is greedy and wants no top logprobs:
-    # no sampling branch, whose predicate the GPU runtime reads back mid-step (the call blocked until
-    # the prefill was nearly done). None: on GPUs (one more executable per token bucket).
-    greedy_mixed_step: bool | None = None
-    # The mixed steps write their sampled tokens (and logprobs) to pinned host memory as their last work, so
-    # reading a prompt's first token back needs no device-to-host copy dispatched after the step ends
-    # (bench variant host-outputs; twenty-third session).
-    mixed_outputs_on_host: bool = False
-    # A one-sequence prompt step (fresh_prompt_attention's) as two executables, the first this many layers,
-    # the rest and the sampling (runner.SplitStep): the device can start on the first's small CUDA graph while
-    # the host launches the second's. 0: one executable. None: 6 on GPUs (H200, Qwen3-4B, 1k prompt, one
-    # process each: TTFT 14.04 / 14.26 -> 13.70 / 14.01 ms, bench/prefill.py 70.3 -> 71.1% of the GEMM rate;
-    # bench/NOTES.md, twenty-fourth session).
-    prompt_step_head_layers: int | None = None
-    # The sampling steps (a row sampled, or top logprobs wanted) in four variants the host picks between
-    # (sampling.sampler_for), none with a device-side conditional: three without the sort over the
-    # vocabulary, "-plain" for steps whose sampled rows use neither top-k nor top-p (temperature, min-p,
-    # penalties, greedy rows wanting logprobs), "-filter" for steps whose rows with top-k or top-p all have
-    # a top-k of at most 64 (top-p with it), "-filter-p" where others have top-p alone (a radix search for
-    # the nucleus), and one that sorts (a top-k above 64, or top-p alone in a step of at most 2 rows). Off:
-    # one sampling variant, which skips the sort behind a conditional when every row is greedy; the GPU runtime reads
-    # its predicate back mid-call, so the call blocks until the forward pass is done (no overlap). None:
-    # on GPUs (H200, Qwen3-4B, temperature 0.8 at 2 req/s: TTFT p50 36.6 -> 27.4 ms, TPOT 3.87 -> 3.17 ms;
-    # bench/NOTES.md, tenth session).
-    plain_sampling_step: bool | None = None
-    # A prompt step that is one prompt from position 0 (the light-load case; not one scoring its prompt)
-    # of at least fresh_prompt_min_tokens runs attention as jax.nn.dot_product_attention on its own rows
-    # (cuDNN's flash attention on GPUs) instead of the paged kernel: a "-fresh" variant of the sampling
-    # and the greedy-only step for each such token bucket.
-    # None: on GPUs (H200, Qwen3-4B shape: per layer 0.034 against 0.060 ms at 1,024 tokens, 0.98
-    # against 1.89 at 8,192, but 0.039 against 0.006 at 128; bench/NOTES.md).
-    fresh_prompt_attention: bool | None = None
-    fresh_prompt_min_tokens: int = 1024
-    # With fresh_prompt_attention: a step (of as many tokens) that is one sequence's chunk after its cached
-    # prefix (a long prompt's later chunks; a prefix-cache hit) runs attention as two cuDNN flash attentions
-    # (over the prefix, gathered at the page table's full span; over the chunk, causal) merged by their
-    # log-sum-exps. None: on GPUs (H200, Qwen3-4B shape, per layer: a 1,024-token chunk after 1,024 0.091
-    # against the paged kernel's 0.124 ms, 2,048 after 30,720 1.95 against 3.69; the 32k prefill 1.37 -> 0.97 s;
-    # bench/NOTES.md, tenth session).
-    prefixed_chunk_attention: bool | None = None
-    gpu_memory_fraction: float = 0.9          # of device memory for weights + KV pool (where the device reports it)
-    seed: int = 0                             # seeds requests that bring none
-    skip_tokenizer_init: bool = False         # token ids in and out only (no tokenizer.json needed)
-    # Sampling defaults for requests that bring no SamplingParams (and, through the server, for the fields
-    # a request leaves out), as vLLM applies them: "auto" (the model's generation_config.json), "none"
-    # (the library's: temperature 1, no filters), or a folder holding a generation_config.json.
-    generation_config: str | None = "auto"
-    progress: bool = True
-    compilation_cache: str | None = os.path.expanduser("~/.cache/jaxinfer/jax")   # JAX's, keyed by the lowered step
-    # Whole executables keyed by source, versions and shapes: a warm start skips tracing and lowering.
-    # None: ~/.cache/jaxinfer/executables on GPUs, off on CPUs (XLA:CPU executables loaded back can
-    # miss their kernels: "Function wrapped_iota not found", jax 0.11.2); "" turns it off.
-    executable_cache: str | None = None
-    # Steps compiled side by side at start-up; None: up to 8 on GPUs (half the host's cores), 1 on CPUs.
-    compile_threads: int | None = None
-    # Compile every step's shape buckets at start-up (a server then never compiles while serving). False:
-    # each compiles when first used, so start-up is quick and only the shapes used are compiled (tests,
-    # short scripts: a GPU engine has ~80 steps to compile, ~2 min cold for Qwen3-4B).
-    compile_at_start: bool = True
-
-    def for_backend(self, backend: str) -> "EngineConfig":
-        """This config with the backend-dependent defaults (the fields left None) filled in: on GPUs,
-        layers unrolled over per-layer weights, a 2,048-token step budget, parallel compilation and
-        the executable cache."""
-        gpu = backend == "gpu"
-        defaults = dict(unroll_layers=gpu, max_num_batched_tokens=2048 if gpu else 512, greedy_mixed_step=gpu,
-                        overlap_mixed=gpu, prefill_behind_decode=gpu, fresh_prompt_attention=gpu,
-                        prefixed_chunk_attention=gpu, plain_sampling_step=gpu,
-                        prompt_step_head_layers=6 if gpu else 0,
-                        compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1,
-                        executable_cache=os.path.expanduser("~/.cache/jaxinfer/executables") if gpu else "")
-        return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
-
-    def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "decode_steps", "compile_threads",
-                     "short_decode_steps", "fresh_prompt_min_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.prompt_step_head_layers is not None and self.prompt_step_head_layers < 0:
-            raise ValueError(f"prompt_step_head_layers must be >= 0, got {self.prompt_step_head_layers}")
-        if self.chain_early_ms < 0:
-            raise ValueError(f"chain_early_ms must be >= 0, got {self.chain_early_ms}")
-        if self.short_decode_max_batch < 0:
-            raise ValueError(f"short_decode_max_batch must be >= 0, got {self.short_decode_max_batch}")
-        if self.short_decode_max_batch and self.short_decode_steps > self.decode_steps:
-            raise ValueError(f"short_decode_steps ({self.short_decode_steps}) must be at most decode_steps "
-                             f"({self.decode_steps})")
 
 
 @dataclasses.dataclass
@@ -192,92 +66,45 @@ class MixedInFlight:
     tokens: int                # prompt and decode tokens computed
 
 
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None     # "stop" | "length" | None while running
-    finished: bool
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    prompt_logprobs: list | None = None   # per prompt token: None (the first), else (logprob, top list)
-
-
-@dataclasses.dataclass
-class StreamDelta:
-    """What one engine step added to one request."""
-
-    request_id: int
-    text: str
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] | None = None   # per new token, when params.logprobs asked
-
-
-def _output(seq: Sequence) -> RequestOutput:
-    return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, seq.text, list(seq.output_ids),
-                         list(seq.logprobs), seq.finish_reason, seq.finish_reason is not None,
-                         list(seq.top_logprobs) if seq.params.logprobs is not None else None,
-                         list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
-
-
 class Engine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **overrides):
-        config = dataclasses.replace(config or EngineConfig(), **overrides)
-        self.config = config = config.for_backend(jax.default_backend())
+    """The schedule -> step -> update loop over one model. `Engine(model_dir, **settings)`: any EngineConfig
+    or Tuning field (jaxinfer/settings.py) by name; an unknown name is an error."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **settings):
+        backend = jax.default_backend()
+        config = EngineConfig.from_options(config, **settings).resolved(backend, sys.stderr.isatty())
         config.validate()
-        if config.compilation_cache:
-            jax.config.update("jax_compilation_cache_dir", config.compilation_cache)
+        self.config = config
+        t = config.tuning
+        if config.cache_dir:
+            jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "jax"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
+        self.ops_name = config.ops if config.ops != "auto" else "pallas" if backend == "gpu" else "reference"
+        ops = get_ops(self.ops_name)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
         self.sampling_defaults = read_generation_defaults(config.generation_config, model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         params = load_params(model_dir, self.cfg, progress=config.progress)
-        if config.unroll_layers:
+        if t.unroll_layers:
             params = split_layers(params)
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         num_pages = self._num_pages()
-        self.runner = ModelRunner(self.cfg, params, get_ops(config.ops), num_pages=num_pages,
-                                  page_size=config.page_size, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  steps_per_decode=config.decode_steps, token_buckets=config.token_buckets,
-                                  short_decode=(config.short_decode_max_batch, config.short_decode_steps),
-                                  unroll_layers=config.unroll_layers, max_logprobs=config.max_logprobs,
-                                  prompt_logprobs=config.enable_prompt_logprobs,
-                                  executable_cache=ExecutableCache(config.executable_cache)
-                                  if config.executable_cache else None, kv_dtype=self.kv_dtype,
-                                  greedy_mixed=config.greedy_mixed_step,
-                                  fresh_prompt_min_tokens=config.fresh_prompt_min_tokens
-                                  if config.fresh_prompt_attention else 0,
-                                  prefixed_chunks=bool(config.fresh_prompt_attention and
-                                                       config.prefixed_chunk_attention),
-                                  plain_sampling=config.plain_sampling_step,
-                                  mixed_outputs_on_host=config.mixed_outputs_on_host,
-                                  prompt_head_layers=config.prompt_step_head_layers)
+        # XLA:CPU executables loaded back can miss their kernels ("Function wrapped_iota not found", jax
+        # 0.11.2): the executable cache is for GPUs.
+        exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \
+            if config.cache_dir and backend == "gpu" else None
+        self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,
+                                  kv_dtype=self.kv_dtype, executable_cache=exe_cache)
         self.pages = PageAllocator(num_pages)
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
-        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=config.compile_threads,
-                                                  compile=config.compile_at_start)
-        if config.progress:
-            print(f"[KV cache: {num_pages - 1} pages of {config.page_size} tokens = "
-                  f"{(num_pages - 1) * config.page_size:,} tokens ({self.kv_bytes / 2**20:,.1f} MiB, "
-                  f"{jax.numpy.dtype(self.kv_dtype).name}); "
-                  f"loaded in {self.load_seconds:.1f} s, compiled in {self.compile_seconds:.1f} s "
-                  f"({', '.join(f'{k} {v:.1f} s' for k, v in self.runner.warmup_breakdown.items())})]", file=sys.stderr)
-            if self.sampling_defaults:
-                print(f"[sampling defaults from generation_config.json: {describe(self.sampling_defaults)} "
-                      "(--generation-config none for the library's)]", file=sys.stderr)
+        self.compile_seconds = self.runner.warmup(progress=config.progress, threads=t.compile_threads,
+                                                  compile=config.compile_all_at_start)
+        self.summary = self._summary(config.dtype, config.ops, backend, num_pages)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,
@@ -307,7 +134,7 @@ class Engine:
         get its 42.5 GiB of temporaries); else enough for max_num_seqs full-length sequences."""
         c = self.config
         pages_per_seq = -(-self.max_model_len // c.page_size)
-        num_pages = c.num_pages
+        num_pages = c.tuning.num_pages
         stats = jax.devices()[0].memory_stats() if num_pages is None else None
         if num_pages is None and stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
@@ -326,6 +153,19 @@ class Engine:
             raise ValueError(f"the KV pool ({num_pages} pages) cannot hold one sequence of "
                              f"max_model_len={self.max_model_len}")
         return num_pages
+
+    def _summary(self, dtype: str, ops: str, backend: str, num_pages: int) -> str:
+        """The one-line start-up summary: what was picked, how long loading and compiling took."""
+        c = self.config
+        picked = lambda value, asked, why: f"{value} ({why})" if asked == "auto" else value
+        compiled = (f"compiled {len(self.runner._executables)} steps in {self.compile_seconds:.1f} s"
+                    if c.compile_all_at_start else "steps compile on first use")
+        defaults = f"; sampling defaults {describe(self.sampling_defaults)}" if self.sampling_defaults else ""
+        return (f"[jaxinfer: {self.model_dir.name}, {self.cfg.family}, "
+                f"{picked(self.cfg.dtype, dtype, 'the checkpoint' + chr(39) + 's')}, "
+                f"ops {picked(self.ops_name, ops, backend)}; KV cache {(num_pages - 1) * c.page_size:,} tokens "
+                f"({self.kv_bytes / 2**20:,.1f} MiB {jax.numpy.dtype(self.kv_dtype).name}); "
+                f"loaded in {self.load_seconds:.1f} s; {compiled}{defaults}]")
 
     def _on_start(self, seq: Sequence) -> None:
         # The sampler row's prompt mask and output counts matter only to a request with a penalty: without
@@ -370,8 +210,12 @@ class Engine:
         if params.prompt_logprobs is not None and not self.config.enable_prompt_logprobs:
             raise ValueError("prompt_logprobs: this engine was started without enable_prompt_logprobs")
         if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"prompt has {len(ids)} tokens; the context window is {self.max_model_len} "
-                                     "and at least one token must be generated")
+            raise PromptTooLongError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                                     f"prompt has {len(ids)} tokens and leaves no room for a completion")
+        if len(ids) + params.max_tokens > self.max_model_len:   # rejected, as the server does, not cut short
+            raise PromptTooLongError(f"this model's maximum context length is {self.max_model_len} tokens; you "
+                                     f"asked for {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                                     f"{params.max_tokens} in the completion)")
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             eos = (self.tokenizer.eos_token_ids if self.tokenizer else ()) + self.cfg.eos_token_ids
@@ -381,7 +225,7 @@ class Engine:
         seq = Sequence(
             request_id=next(self._ids), prompt=text, prompt_ids=ids, params=params,
             seed=params.seed if params.seed is not None else self._rng.getrandbits(32),
-            max_new=min(params.max_tokens, self.max_model_len - len(ids)), stop_ids=stop_ids,
+            max_new=params.max_tokens, stop_ids=stop_ids,
             detok=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
             stopper=StopStringMatcher(params.stop or []),
         )
@@ -405,7 +249,7 @@ class Engine:
         if self._inflight is None:
             return None
         return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])),
-                                     early=self.config.chain_early_ms / 1e3)
+                                     early=self.config.tuning.chain_early_ms / 1e3)
 
     def inflight_done(self) -> bool:
         """Whether the decode dispatch in flight has finished on the device (no wait); its end is
@@ -474,7 +318,7 @@ class Engine:
         ph["schedule"] += t1 - t0
         if plan is None:
             return []
-        if plan.kind == "mixed" and self.config.overlap_mixed:   # read back one step late
+        if plan.kind == "mixed" and self.config.tuning.overlap_mixed:   # read back one step late
             self._inflight_mixed = self._launch_mixed(plan.chunks)
             return []
         if plan.kind == "mixed":
@@ -492,7 +336,7 @@ class Engine:
     def prefills_behind_decode(self) -> bool:
         """A newcomer's prompt step may be launched behind the decode dispatch in flight (overlap_mixed
         with prefill_behind_decode): a server need not let the dispatch finish before taking it in."""
-        return bool(self.config.overlap_mixed and self.config.prefill_behind_decode)
+        return bool(self.config.tuning.overlap_mixed and self.config.tuning.prefill_behind_decode)
 
     def _newcomers_fit(self) -> bool:
         """Whether waiting requests can be taken in now (a free row) and their prompt step launched
@@ -511,7 +355,7 @@ class Engine:
     def _chain(self, seqs: list[Sequence], advanced: DecodeBatch):
         """Start the next decode dispatch from `advanced` if the batch can stay as it is."""
         s, steps = self.scheduler, self.config.decode_steps
-        if not self.config.overlap_decode or s.waiting and s.free_rows or len(s.running) != len(seqs):
+        if not self.config.tuning.overlap_decode or s.waiting and s.free_rows or len(s.running) != len(seqs):
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
             return None
@@ -531,16 +375,11 @@ class Engine:
         advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
         return seqs, advanced, outs
 
-    def _sampler(self, seqs: list[Sequence], rows: int, decode: bool = False) -> str | None:
-        """The sampling step variant for these sequences in a step sampling `rows` rows: with
-        plain_sampling_step, "plain", "filter" or "filter-p" (no sort) where sampling.sampler_for allows, else None
-        (the sorting one). A decode dispatch whose rows want no top logprobs takes "plain-notop" for "plain"."""
-        if not self.config.plain_sampling_step:
-            return None
-        method = sampler_for([seq.params for seq in seqs], rows)
-        if decode and method == "plain" and not any(seq.params.logprobs for seq in seqs):
-            return "plain-notop"    # no top logprobs to compute
-        return None if method == "sort" else method
+    def _sampler(self, seqs: list[Sequence], rows: int, decode: bool) -> str:
+        """The sampler variant for a step over these sequences (variants.choose_sampler)."""
+        t = self.config.tuning
+        return choose_sampler([seq.params for seq in seqs], rows, t.plain_sampling_step, decode=decode,
+                              greedy_step=decode or t.greedy_mixed_step)
 
     def _launch_decode(self, seqs: list[Sequence]):
         r = self.runner
@@ -564,9 +403,8 @@ class Engine:
     def _launch(self, batch: DecodeBatch, seqs: list[Sequence]):
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
-        greedy = _all_greedy(seqs)
-        sampler = None if greedy else self._sampler(seqs, batch.tokens.shape[0], decode=True)
-        out = self.runner.launch_decode(batch, greedy=greedy, sampler=sampler)
+        B = batch.tokens.shape[0]
+        out = self.runner.launch_decode(batch, self.runner.decode_variant(self._sampler(seqs, B, decode=True), B))
         self._timing.launched(time.perf_counter() - t0)
         return out
 
@@ -602,7 +440,7 @@ class Engine:
         attention = "paged"
         if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
-                "prefixed" if self.config.prefixed_chunk_attention else "paged"
+                "prefixed" if self.config.tuning.prefixed_chunk_attention else "paged"
         rows = r.sampled_rows(attention)   # a one-sequence step's batch has one row
         a = r.empty_mixed(bucket, rows)
         a["next_tokens"] = next_tokens
@@ -627,11 +465,11 @@ class Engine:
             a["query_start"][b + 1:] = t
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
         t0 = time.perf_counter()
-        greedy = self.config.greedy_mixed_step and not scored and _all_greedy([s for s, _ in chunks])
         batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
         t1 = time.perf_counter()
-        sampler = None if scored or greedy else self._sampler([s for s, _ in chunks], rows)
-        outs = r.launch_mixed(batch, prompt_logprobs=bool(scored), greedy=greedy, attention=attention, sampler=sampler)
+        variant = StepVariant("prompt-logprobs") if scored else \
+            StepVariant("mixed", self._sampler([s for s, _ in chunks], rows, decode=False), attention)
+        outs = r.launch_mixed(batch, variant)
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build
@@ -726,7 +564,7 @@ class Engine:
                            lps, tops if k is not None else None)
 
     def take_finished(self, request_id: int) -> RequestOutput:
-        return _output(self._finished.pop(request_id))
+        return output_of(self._finished.pop(request_id))
 
     def abort(self, request_id: int) -> None:
         """Drop a request wherever it is and free its pages at once."""
@@ -735,50 +573,6 @@ class Engine:
             seq.finish_reason = seq.finish_reason or "abort"
             s.release(seq)
         self._finished.pop(request_id, None)
-
-
-class LLM:
-    """Offline generation: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(self, model_dir: str | Path, **engine_options):
-        self.engine = Engine(model_dir, **engine_options)
-        self.tokenizer = self.engine.tokenizer
-
-    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
-        try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp or self.engine.default_sampling_params()))
-        except (JaxinferError, ValueError):
-            for i in ids:
-                self.engine.abort(i)
-            raise
-        while self.engine.has_unfinished():
-            self.engine.step()
-        return [self.engine.take_finished(i) for i in ids]
-
-
-def stream(engine: Engine, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterable[StreamDelta]:
-    """Generate one request alone, yielding its text as it is produced."""
-    rid = engine.add_request(prompt, params)
-    while True:
-        for delta in engine.step():
-            if delta.request_id == rid:
-                yield delta
-                if delta.finished:
-                    engine.take_finished(rid)
-                    return
-
-
-def _all_greedy(seqs: list[Sequence]) -> bool:
-    """The batch can run a greedy-only step variant: argmax rows, no top logprobs wanted."""
-    return all(seq.params.temperature == 0 and not seq.params.logprobs for seq in seqs)
 
 
 def _weakly(method):

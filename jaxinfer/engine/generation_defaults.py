@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxinfer.model.config import _read_json
 from jaxinfer.errors import ModelLoadError
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 # generation_config.json key -> SamplingParams field
 FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any, Callable
 
 from jaxinfer.engine.paging import PageAllocator, block_hashes
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 @dataclasses.dataclass(eq=False)

@@ -141,8 +141,17 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
-    """Build a ModelConfig from the dict of a Hugging Face config.json."""
+def checkpoint_dtype(hf: dict[str, Any]) -> str:
+    """The dtype a Hugging Face config.json says its weights are in ("dtype", or the older "torch_dtype");
+    float32 where it says none, bfloat16 for a float8 or other low-precision checkpoint."""
+    name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32").removeprefix("torch.")
+    return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
+    """Build a ModelConfig from the dict of a Hugging Face config.json; dtype "auto": the checkpoint's."""
+    if dtype == "auto":
+        dtype = checkpoint_dtype(hf)
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
     family = ARCHITECTURES.get(arch)
@@ -150,7 +159,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         supported = ", ".join(sorted(ARCHITECTURES))
         raise ModelLoadError(f"unknown architecture {arch!r} (supported: {supported})")
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ModelLoadError(f"unsupported dtype {dtype!r} (float32, bfloat16, float16)")
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (auto, float32, bfloat16, float16)")
     try:
         if family == "gpt2":
             d = int(hf["n_embd"])
@@ -216,7 +225,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         raise ModelLoadError(f"config.json has a bad value: {e}") from None
 
 
-def load_config(model_dir: str | Path, dtype: str = "float32") -> ModelConfig:
+def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
     """Read config.json (and generation_config.json's eos ids, if present) from a model folder."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():

@@ -1,4 +1,5 @@
-"""StepBatch: the arrays one step of the model consumes, in the ragged layout of DESIGN.md.
+"""The pytrees a step consumes: StepBatch (a mixed step's ragged tokens), DecodeBatch (a decode dispatch's
+sequences) and SamplerState (per-sequence penalty state on the device), in the layout of DESIGN.md.
 
 T (tokens) and B (sequences) are padded to compiled buckets; padding tokens write to the scratch
 page and padding sequences are never sampled from.
@@ -8,8 +9,9 @@ from __future__ import annotations
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
-from jaxinfer.sampling.sampling import SamplingArrays
+from jaxinfer.sampling.sample import SamplingArrays
 
 
 @flax.struct.dataclass
@@ -30,3 +32,37 @@ class StepBatch:
     state_row: jax.Array       # int32, row of the sequence in the sampler state
     step_index: jax.Array      # int32, index of the token being generated (for the seeded PRNG)
     sampling: SamplingArrays
+
+
+@flax.struct.dataclass
+class SamplerState:
+    """Per-sequence penalty state, one row per running-sequence slot plus a scratch row (last)."""
+
+    prompt_mask: jax.Array     # bool [rows, V]: token occurs in the prompt
+    output_counts: jax.Array   # int32 [rows, V]: times the token was generated
+    # int32 [rows]: the token a mixed step last sampled for the row, for a step launched before the
+    # host has read it back (StepBatch.from_state)
+    last_tokens: jax.Array
+
+    @staticmethod
+    def allocate(rows: int, vocab: int) -> "SamplerState":
+        return SamplerState(jnp.zeros((rows, vocab), bool), jnp.zeros((rows, vocab), jnp.int32),
+                            jnp.zeros((rows,), jnp.int32))
+
+
+@flax.struct.dataclass
+class DecodeBatch:
+    """B sequences in the decode phase; each adds one token per inner step."""
+
+    tokens: jax.Array          # int32 [B], last token (its K/V not yet cached)
+    positions: jax.Array       # int32 [B], position of that token
+    page_table: jax.Array      # int32 [B, P]
+    state_row: jax.Array       # int32 [B]
+    step_index: jax.Array      # int32 [B], index of the token to generate next
+    remaining: jax.Array       # int32 [B], tokens it may still generate
+    stop_ids: jax.Array        # int32 [B, S], -1 padded
+    active: jax.Array          # bool [B]
+    sampling: SamplingArrays
+
+# DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
+CARRIED = ("tokens", "positions", "step_index", "remaining", "active")

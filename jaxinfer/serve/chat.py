@@ -59,7 +59,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, s
         return finals
     choices, completion_tokens = [], 0
     for ev in finals:
-        out = ev.output
+        out = ev.output.outputs[0]
         completion_tokens += len(out.token_ids)
         lp = None
         if want_logprobs:

@@ -61,7 +61,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
         return finals
     choices, completion_tokens = [], 0
     for ev in finals:
-        out = ev.output
+        out = ev.output.outputs[0]
         completion_tokens += len(out.token_ids)
         prefix = echo_text(ev.index) if req.echo else ""
         lp = None
@@ -69,7 +69,7 @@ async def create_completion(req: CompletionRequest, request: Request, state: Ser
             lp = completion_logprobs(tt, out.token_ids, out.logprobs, out.top_logprobs, k,
                                      len(prefix))
             if req.echo:
-                lp = _with_prompt(tt, out.prompt_token_ids, out.prompt_logprobs, k, lp)
+                lp = _with_prompt(tt, ev.output.prompt_token_ids, ev.output.prompt_logprobs, k, lp)
         choices.append({"index": ev.index, "text": prefix + out.text, "logprobs": lp,
                         "finish_reason": out.finish_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,

@@ -2,48 +2,39 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from jaxinfer.serve.app import create_app
 from jaxinfer.serve.gc_pauses import freeze_heap
+from jaxinfer.settings import ServerConfig
 
 
-def engine_options(max_num_seqs: int | None = None, max_model_len: int | None = None,
-                   gpu_memory_fraction: float | None = None, **other) -> dict:
-    """Engine keyword arguments, leaving out what the engine does not know (yet)."""
-    from jaxinfer.engine.engine import EngineConfig
-
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    opts = {k: v for k, v in dict(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  gpu_memory_fraction=gpu_memory_fraction, **other).items() if v is not None}
-    dropped = sorted(set(opts) - fields)
-    if dropped:
-        print(f"[jaxinfer serve: this engine has no option {', '.join(dropped)}; ignored]", file=sys.stderr)
-    return {k: v for k, v in opts.items() if k in fields}
-
-
-def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, max_waiting: int = 256, log_level: str = "info",
-          freeze_gc: bool = True, **engine_kwargs) -> None:
+def serve(model: str, server: ServerConfig | None = None, **engine_settings) -> None:
+    """Load `model` with the engine settings (EngineConfig's fields), compile every step, serve until stopped."""
     from jaxinfer.engine.engine import Engine
 
-    engine = Engine(model, **engine_options(**engine_kwargs))
-    app = create_app(engine, served_model_name=served_model_name, api_key=api_key, max_waiting=max_waiting)
-    if freeze_gc:   # start-up's objects out of every later collection's scan (gc_pauses.py)
+    server = server or ServerConfig()
+    check_port_free(server.host, server.port)   # before minutes of loading and compiling
+    chat_template = Path(server.chat_template).read_text() if server.chat_template else None
+    engine = Engine(model, **{"compile_all_at_start": True, **engine_settings})
+    print(engine.summary, file=sys.stderr)
+    app = create_app(engine, served_model_name=server.served_model_name, api_key=server.api_key,
+                     max_waiting=server.max_waiting, chat_template=chat_template)
+    if server.freeze_gc:   # start-up's objects out of every later collection's scan (gc_pauses.py)
         freeze_heap()
-    name = served_model_name or engine.model_dir.name
-    print(f"[serving '{name}' on http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
-          f"max_num_seqs {engine.config.max_num_seqs}, waiting queue {max_waiting}"
-          f"{', API key required' if api_key else ''})]", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                timeout_graceful_shutdown=5)
+    name = server.served_model_name or engine.model_dir.name
+    print(f"[serving '{name}' on http://{server.host}:{server.port}/v1 (max_model_len {engine.max_model_len}, "
+          f"max_num_seqs {engine.config.max_num_seqs}, waiting queue {server.max_waiting}"
+          f"{', API key required' if server.api_key else ''})]", file=sys.stderr)
+    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level,
+                access_log=server.log_level == "debug", timeout_graceful_shutdown=5)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
