@@ -17,7 +17,7 @@ import platform
 import jax
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 def measure(model: str, new_tokens: int, steps: int, overlap: bool = True, repeats: int = 5) -> tuple[float, float]:

@@ -30,7 +30,7 @@ from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engin
 from jaxinfer.model.config import load_config
 from jaxinfer.engine.engine import Engine
 from bench.random_model import bench_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 def step_bytes(cfg, context: float, kv_item: int = 2) -> float:

@@ -76,7 +76,7 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
     import numpy as np
 
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.sampling.sampling import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     dispatches, new = 8, 128
     steps = options.get("decode_steps", steps)
@@ -146,7 +146,7 @@ def launch_ms(engine, greedy: bool, n: int = 5) -> float:
     import jax
 
     from jaxinfer.runner.model_runner import DecodeBatch
-    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.sampling.sample import SamplingArrays
 
     r = engine.runner
     a = r.empty_decode(1)

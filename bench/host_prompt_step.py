@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxinfer.engine.engine import Engine
 from bench.random_model import QWEN3_0_6B, write_random_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 def main() -> None:

@@ -37,7 +37,8 @@ import numpy as np
 
 from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
-from jaxinfer.sampling.sampling import TOP_K_CANDIDATES, SamplingArrays, SamplingParams, _top_p_keep, sample, top_k_by_blocks
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sample import TOP_K_CANDIDATES, SamplingArrays, _top_p_keep, sample, top_k_by_blocks
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from bench.kernel_timing import best_ms_per_call
 from bench.table import print_table
-from jaxinfer.sampling.sampling import top_k_by_blocks
+from jaxinfer.sampling.sample import top_k_by_blocks
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def main() -> None:
     from jaxinfer.engine.engine import Engine
     from bench.random_model import bench_model
     from jaxinfer.runner.model_runner import DecodeBatch, decode_steps
-    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.sampling.sample import SamplingArrays
 
     model_dir = bench_model(args.models, args.shape)
     engine = Engine(str(model_dir), dtype=args.dtype, ops=args.ops, max_num_seqs=1, max_model_len=256,

@@ -107,7 +107,7 @@ def child(args) -> None:
     from bench.throughput import engine_for, run_all
     from jaxinfer.model.config import load_config
     from bench.random_model import bench_model
-    from jaxinfer.sampling.sampling import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     if args.workload in ONE_KERNEL:
         one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens, args.block_in, args.rows)
@@ -138,7 +138,7 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
     import jax
 
     from jaxinfer.runner.model_runner import DecodeBatch
-    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.sampling.sample import SamplingArrays
     from jaxinfer.runner.transfer import to_device
 
     r = engine.runner

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jaxinfer.engine.engine import LLM
 from bench.random_model import QWEN3_0_6B, write_random_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 1024}
 

@@ -29,7 +29,7 @@ from bench.trace_kernels import keep_command_buffers_when_profiling
 from jaxinfer.model.config import load_config
 from jaxinfer.engine.engine import Engine
 from bench.random_model import bench_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 def prefill_flops(cfg, T: int) -> float:

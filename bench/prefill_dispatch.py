@@ -130,7 +130,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
     import numpy as np
 
     from jaxinfer.engine.engine import Engine
-    from jaxinfer.sampling.sampling import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     options = apply_bench_options(options)
     t0 = time.perf_counter()

@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     from jaxinfer.engine.engine import Engine
     from bench.random_model import bench_model
-    from jaxinfer.sampling.sampling import SamplingParams
+    from jaxinfer.sampling import SamplingParams
 
     model_dir = bench_model(args.models, args.shape)
     rng = np.random.default_rng(0)

@@ -36,7 +36,7 @@ from bench.variant_runs import tokens_fingerprint
 from jaxinfer.model.config import load_config
 from jaxinfer.engine.engine import Engine
 from bench.random_model import bench_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 
 _FORCED: list[str] = []   # kernel-choosing functions this process patched (force_attention_config)
@@ -100,7 +100,7 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
     import jax
 
     from jaxinfer.runner.model_runner import DecodeBatch
-    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.sampling.sample import SamplingArrays
 
     r = engine.runner
     steps = engine.config.decode_steps

@@ -35,7 +35,7 @@ def main() -> None:
     from jaxinfer.ops import get_ops
     from bench.random_model import TINY, write_random_model
     from jaxinfer.runner.model_runner import DecodeBatch, ModelRunner, decode_steps, mixed_step
-    from jaxinfer.sampling.sampling import SamplingArrays
+    from jaxinfer.sampling.sample import SamplingArrays
     from jaxinfer.model.weights import load_params
 
     d = write_random_model(f"{args.models or tempfile.mkdtemp()}/tiny-{args.layers}-layers", {**TINY, "num_hidden_layers": args.layers}, dtype="float32")

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHILD = """
 import json, sys
 from jaxinfer.engine.engine import LLM
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
           progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True,
           **json.loads(sys.argv[4]))

@@ -20,7 +20,7 @@ from jaxinfer.pallas import prefill_attention as PA
 from jaxinfer.pallas.blocks import page_compute_dtype, to_compute
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 from jaxinfer.pallas.rope_kv_write import qkv_rope_write
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 F8 = jnp.float8_e4m3fn
 

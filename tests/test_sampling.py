@@ -1,8 +1,9 @@
-"""Tests for jaxinfer.sampling.sampling: parameter validation and the properties of on-device sampling."""
+"""Tests for jaxinfer.sampling: parameter validation and the properties of on-device sampling."""
 
 import functools
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,16 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling.sampling import (
+from jaxinfer.sampling import SamplingParams, SamplingParamsError
+from jaxinfer.sampling.choose import SORT_MAX_ROWS, sampler_for
+from jaxinfer.sampling.params import seed_to_u32
+from jaxinfer.sampling.sample import (
     SamplingArrays,
-    SamplingParamsError,
-    SamplingParams,
+    _top_p_keep,
     apply_penalties,
     greedy_with_logprob,
     sample,
-    SORT_MAX_ROWS,
-    sampler_for,
-    seed_to_u32,
+    top_k_by_blocks,
     top_logprobs,
 )
 
@@ -65,6 +66,8 @@ def run(fn, logits, params, seeds=None, steps=None, prompt_mask=None, counts=Non
     arrays = SamplingArrays.from_params(params, seeds, P)
     tokens, logprob = fn(pad(logits, np.float32), arrays, pad(steps, np.int32), pad(prompt_mask, bool),
                          pad(counts, np.int32))
+    chex.assert_shape([tokens, logprob], (P,))
+    chex.assert_type([tokens, logprob], [jnp.int32, jnp.float32])
     return np.asarray(tokens)[:B], np.asarray(logprob)[:B]
 
 
@@ -238,7 +241,10 @@ def test_from_params_packs_and_pads():
     np.testing.assert_allclose(a.presence_penalty, [0.5, 0, 0, 0])
     np.testing.assert_allclose(a.frequency_penalty, [-0.5, 0, 0, 0])
     np.testing.assert_array_equal(a.seed, [3, 2**32 - 1, 0, 0])
-    assert a.temperature.dtype == np.float32 and a.top_k.dtype == np.int32 and a.seed.dtype == np.uint32
+    chex.assert_shape([a.temperature, a.top_k, a.top_p, a.min_p, a.seed], (4,))
+    chex.assert_type([a.temperature, a.top_p, a.min_p, a.repetition_penalty], np.float32)
+    chex.assert_type(a.top_k, np.int32)
+    chex.assert_type(a.seed, np.uint32)
     assert seed_to_u32(2**32 + 5) == 5
 
     empty = SamplingArrays.from_params([], [], 2)
@@ -511,7 +517,8 @@ def test_logprob_is_raw_log_softmax_of_the_token(jsample):
 def test_top_logprobs(jtop):
     logits = np.random.default_rng(9).normal(size=(4, 64)).astype(np.float32)
     values, ids = jtop(logits, 5)
-    assert values.shape == (4, 5) and ids.shape == (4, 5) and ids.dtype == jnp.int32
+    chex.assert_shape([values, ids], (4, 5))
+    chex.assert_type([values, ids], [jnp.float32, jnp.int32])
     ref = log_softmax_np(logits)
     want = np.argsort(-ref, axis=-1, kind="stable")[:, :5]
     np.testing.assert_array_equal(ids, want)
@@ -522,13 +529,11 @@ def test_top_logprobs(jtop):
     np.testing.assert_allclose(tied_values, -math.log(64), rtol=1e-6)
 
     v0, i0 = jtop(logits, 0)
-    assert v0.shape == (4, 0) and i0.shape == (4, 0)
+    chex.assert_shape([v0, i0], (4, 0))
 
 
 @pytest.mark.parametrize("V,k", [(151_936, 20), (5_000, 1), (4_097, 5), (32_000, 20), (300, 20)])
 def test_top_k_by_blocks_equals_lax_top_k(V, k):
-    from jaxinfer.sampling.sampling import top_k_by_blocks
-
     rng = np.random.default_rng(V + k)
     smooth = rng.normal(size=(3, V)).astype(np.float32)
     tied = rng.integers(0, 4, size=(3, V)).astype(np.float32)     # many ties at the k-th value
@@ -658,8 +663,6 @@ def test_the_top_p_keep_mask_equals_the_sorted_one(top_p):
     """_top_p_keep (radix search) keeps exactly the tokens the sorted path keeps (float64 here), on rows
     with a peak, flat rows, many ties, a uniform row and one whose mass ends right at a token; it may
     differ only at one token whose mass before it is top_p within float32 rounding."""
-    from jaxinfer.sampling.sampling import _top_p_keep
-
     rng = np.random.default_rng(int(top_p * 1000))
     V = 3000
     rows = [rng.normal(size=V) * 3, rng.normal(size=V) * 0.01, np.round(rng.normal(size=V)), np.zeros(V),
@@ -712,6 +715,8 @@ def test_greedy_with_logprob_is_argmax_and_log_softmax(V):
     raw = raw.at[5, 2].set(-jnp.inf)                                               # a raw -inf adds nothing
     tokens, logprob = jax.jit(greedy_with_logprob)(raw, pen)
     want = jnp.argmax(pen, axis=-1)
+    chex.assert_shape([tokens, logprob], (6,))
+    chex.assert_type([tokens, logprob], [jnp.int32, jnp.float32])
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
     ref = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), want[:, None], axis=-1)[:, 0]
-    np.testing.assert_allclose(np.asarray(logprob), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_close(logprob, ref, rtol=1e-5, atol=1e-5)

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import STORIES, no_compiles
 from jaxinfer.engine.engine import Engine
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 WORDS = "once upon a time there was a little girl named lily she liked to play in the park with her dog".split()
 

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.runner.batch import StepBatch
-from jaxinfer.sampling.sampling import SamplingArrays, SamplingParams
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sample import SamplingArrays
 from jaxinfer.runner.transfer import pack, to_device
 
 

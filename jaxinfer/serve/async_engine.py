@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator
 
 from jaxinfer.engine.dispatch_timing import POLL
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError
 
 log = logging.getLogger("jaxinfer.serve")

@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from jaxinfer.text import Tokenizer, TokenizerError

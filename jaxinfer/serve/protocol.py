@@ -15,9 +15,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxinfer.sampling import MAX_LOGPROBS   # top logprobs per token (OpenAI: 20 for chat, 5 for completions)
+
 MAX_N = 128           # OpenAI's limit on choices per request
 MAX_STOP = 16         # stop strings per request
-MAX_LOGPROBS = 20     # top logprobs per token (OpenAI: 20 for chat, 5 for completions)
 
 
 def _bad_text(s: str) -> bool:

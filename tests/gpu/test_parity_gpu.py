@@ -14,7 +14,7 @@ from conftest import record_steps
 from jaxinfer.engine.engine import LLM, Engine
 from jaxinfer.pallas import hopper_attention
 from bench.random_model import QWEN3_0_6B, write_random_model
-from jaxinfer.sampling.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
 
