@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 # broadcast_divide_fusion.1 not found" when loaded. The engine keeps the cache off on CPUs.)
 CHILD = """
 import json, sys
-from jaxinfer.engine.engine import LLM
+from jaxinfer import LLM
 from jaxinfer.sampling import SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
           progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True,
@@ -30,9 +30,9 @@ params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
 r = llm.engine.runner
 ran, call = [], r._call
 r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
-out = [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
+out = [o.outputs[0].token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
 if json.loads(sys.argv[4]):   # and a 25-token prompt alone: a one-sequence prompt step
-    out += [o.token_ids for o in llm.generate([[1, 403, 407, 261, 378] * 5], params[:1])]
+    out += [o.outputs[0].token_ids for o in llm.generate([[1, 403, 407, 261, 378] * 5], params[:1])]
 c = r.executable_cache
 print(json.dumps(dict(tokens=out, ran=sorted(set(ran)), hits=c and c.hits, misses=c and c.misses,
                       steps=len(r.bucket_calls()), lower=r.warmup_breakdown["lower"])))
@@ -102,7 +102,7 @@ def test_key_follows_shapes_settings_and_names(tmp_path):
 
 
 def test_a_code_change_is_a_new_key(tmp_path, monkeypatch):
-    from jaxinfer import executable_cache as ec
+    from jaxinfer.runner import executable_cache as ec
 
     cache = ExecutableCache(tmp_path)
     k = cache.key("decode", "s", ())
@@ -112,14 +112,14 @@ def test_a_code_change_is_a_new_key(tmp_path, monkeypatch):
 
 def test_a_kernel_table_changed_at_run_time_is_a_new_key(tmp_path, monkeypatch):
     """A step reads the kernels' tables when it is traced: one traced with another table must not be loaded."""
-    from jaxinfer.pallas import hopper_attention, hopper_gemm
+    from jaxinfer.pallas import tables
 
     cache = ExecutableCache(tmp_path)
     k = cache.key("mixed", "s", ())
-    monkeypatch.setattr(hopper_attention, "TABLE", [])
+    monkeypatch.setattr(tables, "FRESH_PROMPT_FLASH", [])
     k2 = cache.key("mixed", "s", ())
     assert k2 != k
-    monkeypatch.setitem(hopper_gemm.DECODE_TABLE, (1, 2, "none"), hopper_gemm.HopperConfig())
+    monkeypatch.setitem(tables.HOPPER_GEMM, (1, 2, "none"), ((64, 64, tables.HopperConfig()),))
     assert cache.key("mixed", "s", ()) not in (k, k2)
 
 
@@ -155,14 +155,14 @@ def test_the_folder_is_kept_under_its_size_least_recently_used_first(tmp_path):
 
 
 def test_every_kernel_table_is_in_the_key(monkeypatch):
-    """_kernel_choices lists the kernels' tables by hand; a table a kernel module gains (a module-level name
-    with TABLE in it, or fused_gemv's rows, or rope_kv_write's tiling) and the list misses would let a step
-    traced with the table changed at run time load one traced without it. Each such name, changed, changes
-    the key's part."""
+    """The kernels' measured tables live in pallas/tables.py, whose every upper-case name is part of the key: each
+    one, changed, changes the key's part; and no kernel module holds a table of its own (a module-level list or
+    dict the key would miss, letting a step traced with it changed at run time load one traced without)."""
     import importlib
     import pkgutil
 
     import jaxinfer.pallas
+    from jaxinfer.pallas import tables
     from jaxinfer.runner.executable_cache import _kernel_choices
 
     def changed(value):
@@ -173,13 +173,15 @@ def test_every_kernel_table_is_in_the_key(monkeypatch):
         return value + 1    # ints: rows, tiling
 
     before, seen = _kernel_choices(), []
+    for name, value in vars(tables).items():
+        if name.isupper():
+            with monkeypatch.context() as m:
+                m.setattr(tables, name, changed(value))
+                assert _kernel_choices() != before, f"tables.{name} is not in the executable cache's key"
+            seen.append(name)
+    assert len(seen) >= 10, seen
     for info in pkgutil.iter_modules(jaxinfer.pallas.__path__):
         module = importlib.import_module(f"jaxinfer.pallas.{info.name}")
-        for name, value in vars(module).items():
-            if "TABLE" in name or (info.name, name) in {("fused_gemv", "ROWS"), ("fused_gemv", "DEFAULT_ROWS"),
-                                                        ("rope_kv_write", "TILED")}:
-                with monkeypatch.context() as m:
-                    m.setattr(module, name, changed(value))
-                    assert _kernel_choices() != before, f"{info.name}.{name} is not in the executable cache's key"
-                seen.append(f"{info.name}.{name}")
-    assert len(seen) >= 12, seen
+        if module is not tables:
+            own = [n for n, v in vars(module).items() if n.lstrip("_").isupper() and isinstance(v, (list, dict))]
+            assert not own, f"{info.name} holds {own}: measured tables go in pallas/tables.py"

@@ -1,5 +1,5 @@
 """The Mosaic GPU flash attention for a fresh prompt (pallas/hopper_attention.py) in Mosaic GPU's interpret mode on
-the CPU, against its reference twin (XLA's causal attention in float32) at several shapes with fresh random
+the CPU, against the reference op (XLA's causal attention in float32) at several shapes with fresh random
 inputs; its shape checks; its configs through the lowering for CUDA (no GPU needed); and the pallas op taking it
 where its table has the prompt's length."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.ops import get_ops, reference
-from jaxinfer.pallas import hopper_attention
+from jaxinfer.pallas import hopper_attention, tables
 from jaxinfer.pallas.hopper_attention import FlashConfig
 
 
@@ -26,7 +26,7 @@ def _inputs(seed, T, H, KVH, hd, dtype=jnp.bfloat16):
 def _close(out, q, k, v, scale):
     """Against the float32 reference: the output's own rounding plus P rounded to 16 bits before P V (as cuDNN
     and every flash attention round it): a few bf16 steps at most, far under a masking or indexing error (~1)."""
-    ref = np.asarray(hopper_attention.reference(*(a.astype(jnp.float32) for a in (q, k, v)), scale))
+    ref = np.asarray(reference.fresh_prompt_attention(*(a.astype(jnp.float32) for a in (q, k, v)), scale))
     out = np.asarray(out, np.float32)
     assert out.shape == ref.shape
     err = np.abs(out - ref)
@@ -77,7 +77,7 @@ def test_shapes_it_does_not_take_are_refused_and_say_why():
 
 
 def test_table_config_covers_only_measured_lengths(monkeypatch):
-    monkeypatch.setattr(hopper_attention, "TABLE", [(512, 1024, FlashConfig())])
+    monkeypatch.setattr(tables, "FRESH_PROMPT_FLASH", [(512, 1024, FlashConfig())])
     q, k, _ = _inputs(0, 1024, 4, 2, 64)
     assert hopper_attention.table_config(q, k) == FlashConfig()
     assert hopper_attention.table_config(q[:256], k[:256]) is None                  # shorter than measured
@@ -91,7 +91,7 @@ def test_pallas_op_takes_the_kernel_where_the_table_has_the_length(monkeypatch):
     real = hopper_attention.fresh_prompt_flash
     monkeypatch.setattr(hopper_attention, "fresh_prompt_flash",
                         lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))
-    monkeypatch.setattr(hopper_attention, "TABLE", [(256, 256, FlashConfig())])
+    monkeypatch.setattr(tables, "FRESH_PROMPT_FLASH", [(256, 256, FlashConfig())])
     ops = get_ops("pallas-interpret")
     q, k, v = _inputs(5, 256, 4, 2, 64)
     _close(ops.fresh_prompt_attention(q, k, v, 0.125), q, k, v, 0.125)
@@ -105,7 +105,7 @@ def test_pallas_op_takes_the_kernel_where_the_table_has_the_length(monkeypatch):
 
 def test_the_kernel_needs_a_hopper_gpu(monkeypatch):
     """Off a Hopper GPU (here: the CPU) the op keeps cuDNN/XLA even at a length in the table."""
-    monkeypatch.setattr(hopper_attention, "TABLE", [(256, 256, FlashConfig())])
+    monkeypatch.setattr(tables, "FRESH_PROMPT_FLASH", [(256, 256, FlashConfig())])
     monkeypatch.setattr(hopper_attention, "fresh_prompt_flash", lambda *a, **kw: pytest.fail("kernel called"))
     q, k, v = _inputs(6, 256, 4, 2, 64)
     get_ops("pallas").fresh_prompt_attention(q, k, v, 0.125)

@@ -1,7 +1,6 @@
 """The Mosaic GPU GEMM (pallas/hopper_gemm.py) in Mosaic GPU's interpret mode on the CPU, against the reference
 ops at several tilings with fresh random inputs; its shape checks; its configs through the lowering for CUDA
-(no GPU needed); and the pallas ops taking it for prompt rows and decode batches where its tables have the
-product."""
+(no GPU needed); and the pallas ops taking it for prompt rows where its table has the product."""
 
 import functools
 
@@ -10,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import LayerWeight, get_ops, reference
-from jaxinfer.pallas import hopper_gemm
+from jaxinfer.ops import LayerWeight, get_ops, reference, twins
+from jaxinfer.pallas import hopper_gemm, tables
 from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig
 
@@ -40,21 +39,14 @@ def _close(y, ref):
     (128, 128, 64, SMALL),                                        # one tile, one k step
     (256, 192, 320, SMALL),                                       # several tiles and k steps, 3 CTAs
     (128, 256, 128, HopperConfig(64, 128, 64, 3, epi_n=64)),      # a wider tile, one epilogue tile a half
-    (64, 192, 128, HopperConfig(64, 16, 64, 3, epi_n=16, split_n=True)),   # decode rows: warpgroups split N
-    (128, 128, 192, HopperConfig(64, 32, 64, 2, epi_n=16, split_n=True)),  # 2 row tiles, 2 epilogue tiles a WG
-    (128, 64, 256, HopperConfig(64, 64, 64, 2, split_k=2)),                # K in 2 ranges: float32 partials
-    (64, 128, 384, HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True, split_k=3)),
+    (128, 128, 192, HopperConfig(64, 32, 64, 2, epi_n=16)),       # 4 column tiles, 2 epilogue tiles each
 ])
 def test_matches_reference_in_interpret_mode(epilogue, M, N, K, config):
     n_w = 2 * N if epilogue == "swiglu" else N
     x, w, r = _inputs(M + N + K, M, n_w, K, N)
-    if epilogue == "swiglu" and config.split_k > 1:     # the SiLU needs the whole sum: refused
-        with pytest.raises(ValueError, match="does not tile"):
-            hopper_gemm.hopper_gemm(x, w, epilogue=epilogue, config=config, sms=3, interpret=True)
-        return
     y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 config=config, sms=3, interpret=True)
-    _close(y, hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue))
+    _close(y, twins.hopper_gemm(x, w, r if epilogue == "residual" else None, epilogue))
 
 
 def test_shapes_that_do_not_tile_are_refused_and_say_why():
@@ -70,22 +62,6 @@ def test_shapes_that_do_not_tile_are_refused_and_say_why():
         hopper_gemm.hopper_gemm(x[:128, :32], w, config=SMALL, interpret=True)
 
 
-def test_split_k_needs_whole_k_ranges_and_no_swiglu():
-    cfg = HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True, split_k=2)
-    assert hopper_gemm.supported(64, 128, 256, "residual", cfg)        # 4 k steps: 2 ranges of 2
-    assert not hopper_gemm.supported(64, 128, 192, "residual", cfg)    # 3 k steps do not split in 2
-    assert not hopper_gemm.supported(64, 256, 256, "swiglu", cfg)      # SiLU needs the whole sum
-
-
-def test_split_n_tiles_the_ctas_columns_not_its_rows():
-    cfg = HopperConfig(64, 32, 64, 2, epi_n=32, split_n=True)
-    assert hopper_gemm.cta_tile(cfg) == (64, 64) and hopper_gemm.cta_tile(SMALL) == (128, 64)
-    assert hopper_gemm.supported(64, 192, 128, "none", cfg)           # 64 rows: one warpgroup tile
-    assert not hopper_gemm.supported(64, 192, 128, "none", SMALL)     # 2 x 64 rows needed
-    assert not hopper_gemm.supported(64, 160, 128, "none", cfg)       # 160 columns: not whole 64-column CTA tiles
-    assert hopper_gemm.supported(64, 256, 128, "swiglu", cfg)         # 128 gate columns
-
-
 def test_table_config_covers_only_measured_rows():
     cfg = hopper_gemm.table_config(1024, 19456, 2560, "swiglu")
     assert cfg is not None and hopper_gemm.supported(1024, 19456, 2560, "swiglu", cfg)
@@ -97,9 +73,9 @@ def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch)
     """Prompt rows of a product in the table run the kernel (the epilogue fused) and give the reference ops'
     outputs; a product outside it stays on XLA's GEMM."""
     M, D, I = 256, 128, 128
-    monkeypatch.setattr(hopper_gemm, "PREFILL_TABLE", {(2 * I, D, "swiglu"): ((M, M, SMALL),),
-                                                      (D, I, "residual"): ((M, M, SMALL),),
-                                                      (D, D, "none"): ((M, M, SMALL),)})
+    monkeypatch.setattr(tables, "HOPPER_GEMM", {(2 * I, D, "swiglu"): ((M, M, SMALL),),
+                                                (D, I, "residual"): ((M, M, SMALL),),
+                                                (D, D, "none"): ((M, M, SMALL),)})
     calls = []
     real = hopper_gemm.hopper_gemm
     monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda *a, **k: calls.append(k.get("epilogue", "none"))
@@ -126,54 +102,10 @@ def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch)
     assert calls == ["swiglu", "residual", "none", "none"]
 
 
-def test_pallas_ops_take_the_kernel_for_a_decode_batch_where_the_decode_table_has_the_product(monkeypatch):
-    """A decode batch's rows (2..64) of a product in hopper_gemm.DECODE_TABLE run the kernel on rows padded to 64
-    (the padding's outputs sliced off) and give the reference ops' outputs; one row stays on the GEMV, and a
-    product outside the table on the skinny GEMM."""
-    D, I = 64, 128
-    cfg = HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True)
-    split_k = HopperConfig(64, 16, 64, 2, epi_n=16, split_n=True, split_k=2)     # down: K in 2 ranges
-    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {(2 * I, D, "swiglu"): cfg, (D, I, "residual"): split_k,
-                                                      (D, D, "none"): cfg})
-    calls = []
-    real = hopper_gemm.hopper_gemm
-    monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda x, *a, **k: calls.append((x.shape[0], k.get("epilogue")))
-                        or real(x, *a, **{**k, "sms": 3}))
-    ops = get_ops("pallas-interpret")
-    ks = jax.random.split(jax.random.PRNGKey(8), 5)
-    for M in (8, 37):
-        x = jax.random.normal(ks[0], (M, D), jnp.float32).astype(jnp.bfloat16)
-        scale = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(jnp.bfloat16)
-        w_gu = (jax.random.normal(ks[2], (2 * I, D)) / np.sqrt(D)).astype(jnp.bfloat16)
-        w_down = (jax.random.normal(ks[3], (D, I)) / np.sqrt(I)).astype(jnp.bfloat16)
-        w_q = LayerWeight((jax.random.normal(ks[4], (D, D)) / np.sqrt(D)).astype(jnp.bfloat16)[None], jnp.int32(0))
-        calls.clear()
-        h = ops.rms_norm_swiglu(x, scale, 1e-6, w_gu)
-        _close(h, silu_mul(*jnp.split(reference.rms_norm_linear(x, scale, 1e-6, w_gu), 2, axis=-1)))
-        y = ops.linear_residual(h, w_down, None, x)
-        assert y.shape == (M, D)
-        _close(y, reference.linear_residual(h, w_down, None, x))
-        _close(ops.rms_norm_linear(x, scale, 1e-6, w_q), reference.rms_norm_linear(x, scale, 1e-6, w_q))
-        assert calls == [(64, "swiglu"), (64, "residual"), (64, None)]
-    calls.clear()
-    ops.rms_norm_linear(x[:1], scale, 1e-6, w_q)                              # one row: the GEMV
-    ops.rms_norm_linear(x, scale, 1e-6, (jax.random.normal(ks[4], (2 * D, D))).astype(jnp.bfloat16))   # not in it
-    assert calls == []
-
-
-def _lowering_cases():
-    from bench.kernels_hopper_gemm import projections
-    from bench.kernels_hopper_skinny import CONFIGS, ROWS
-
-    cases = [(M, N, K, ep, cfg) for (N, K, ep), rows in hopper_gemm.PREFILL_TABLE.items() for M, _, cfg in rows]
-    cases += [(ROWS, N, K, ep, cfg) for _, N, K, ep in projections("qwen3-4b") for cfg in CONFIGS
-              if hopper_gemm.supported(ROWS, N, K, ep, cfg)]
-    return cases
-
-
-@pytest.mark.parametrize("M, N, K, epilogue, config", _lowering_cases())
+@pytest.mark.parametrize("M, N, K, epilogue, config",
+                         [(M, N, K, ep, cfg) for (N, K, ep), rows in tables.HOPPER_GEMM.items() for M, _, cfg in rows])
 def test_configs_lower_for_the_gpu(M, N, K, epilogue, config):
-    """Every config of the tables and of the decode-row bench goes through Mosaic GPU's lowering for CUDA (here,
+    """Every config of the table goes through Mosaic GPU's lowering for CUDA (here,
     without a GPU): its layouts, and its shared memory within the H200's 227 KB, are checked before device time
     is spent (a config over the limit fails here with "exceeds available shared memory")."""
     cols = N // 2 if epilogue == "swiglu" else N

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from conftest import STORIES
 
-from jaxinfer.engine.engine import LLM, Engine
+from jaxinfer import LLM
+from jaxinfer.engine.engine import Engine
 from jaxinfer.model.kv_cache import kv_cache_dtype, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
@@ -140,7 +141,7 @@ def test_kv_writers_store_the_same_float8_values():
 
 def _greedy(llm, prompts, n=24):
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, [params] * len(prompts))]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, [params] * len(prompts))]
 
 
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park. They"]
@@ -176,9 +177,9 @@ def test_a_fresh_prompt_reads_its_keys_back_from_a_float8_cache():
     prompts = ["Lily and Ben went to the park. They saw a big red ball and"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     got, want, far = (llm.generate(prompts, [params])[0] for llm in (fresh, paged, unrounded))
-    assert got.token_ids == want.token_ids
-    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
-    assert abs(got.logprobs[0] - far.logprobs[0]) > 1e-2
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    np.testing.assert_allclose(got.outputs[0].logprobs, want.outputs[0].logprobs, atol=1e-5)
+    assert abs(got.outputs[0].logprobs[0] - far.outputs[0].logprobs[0]) > 1e-2
     assert "mixed-greedy-fresh" in ran
 
 
@@ -202,8 +203,8 @@ def test_prefix_hits_and_preemption_with_a_float8_cache():
                                     "the sun", "lily saw", "he was sad")]
     params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     alone = LLM(STORIES, max_num_seqs=1, enable_prefix_caching=False, max_model_len=128, **opts)
-    expected = [alone.generate(p, sp)[0].token_ids for p, sp in zip(prompts, params)]
+    expected = [alone.generate(p, sp)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     tight = LLM(STORIES, max_num_seqs=8, num_pages=13, max_model_len=128, **opts)   # 12 usable pages
-    assert [o.token_ids for o in tight.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params)] == expected
     assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.prefix_cache_hit_rate > 0
     assert tight.engine.pages.num_free == tight.engine.pages.capacity

@@ -22,7 +22,7 @@ def test_matches_reference(T, H, K, hd, norm, rope, dtype, norm_stack, with_kv, 
     """Token counts around the 8-token tiles; norms from the cache's layer of a stack, or from a
     one-layer stack (per-layer parameters) read at index 0 while the cache is written at `layer`;
     with_kv: the k and v written returned too (a fresh prompt's attention takes them); tiled: a program's
-    tokens as [tiled, hd/2] tiles (rope_kv_write.TILED); hd 24: halves of 12 padded to 16 masked columns. Tiles of
+    tokens as [tiled, hd/2] tiles (tables.ROPE_KV_WRITE_TILE); hd 24: halves of 12 padded to 16 masked columns. Tiles of
     16 must equal tiles of 8 bit for bit (a token's arithmetic does not depend on the tile it rides in)."""
     L, layer, slots = 3, 2, 64
     ks = jax.random.split(jax.random.PRNGKey(T * 100 + H + hd + norm), 8)

@@ -1,6 +1,6 @@
 """The tensor-core GEMM (interpret mode) against the reference ops, at row counts, column counts and
 depths that are not multiples of the tiles, with the layer index, bias, split-K and each epilogue: as
-the batched-decode GEMM (every row in one tile) and as a prefill GEMM (rows in tiles of block_m).
+the batched-decode GEMM (every row in one tile).
 
 Tolerances: float32 1e-5 relative (same products, another summation order); bfloat16 1e-2 relative
 (outputs round to bf16, ~4e-3 per element, and a different summation order can flip a rounding).
@@ -13,8 +13,8 @@ import pytest
 
 from conftest import rel_err
 from jaxinfer.ops import LayerWeight, reference
-from jaxinfer.pallas.skinny_gemm import (PREFILL_DEFAULT, SkinnyConfig, choose_config, fit_stages, prefill_table_config,
-                                         skinny_gemm, table_config)
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.skinny_gemm import SkinnyConfig, choose_config, fit_stages, skinny_gemm, table_config
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 # (M, N, K, config): ragged everywhere; exact tiles; split-K with a ragged last share; M at a tile edge
@@ -23,10 +23,7 @@ CASES = [
     (16, 128, 256, SkinnyConfig(block_n=64, block_k=64, split_k=1)),
     (5, 96, 200, SkinnyConfig(block_n=32, block_k=32, split_k=3)),
     (17, 64, 128, SkinnyConfig(block_n=16, block_k=64, split_k=2)),
-    # prefill tiles: M over several row tiles, the last one ragged; exact tiles; with split-K
-    (100, 96, 72, SkinnyConfig(block_n=32, block_k=32, block_m=32)),
-    (128, 64, 128, SkinnyConfig(block_n=32, block_k=64, block_m=64)),
-    (70, 48, 160, SkinnyConfig(block_n=16, block_k=32, block_m=16, split_k=2)),
+    (64, 48, 160, SkinnyConfig(block_n=16, block_k=32, split_k=2)),
 ]
 
 
@@ -92,31 +89,28 @@ def test_table_covers_measured_shapes_only():
 
 
 def test_a_32_row_entry_serves_17_to_32_rows_only(monkeypatch):
-    from jaxinfer.pallas import skinny_gemm as SG
-
     cfg32 = SkinnyConfig(block_n=32, block_k=256)
-    monkeypatch.setitem(SG._TABLE, (6144, 2560, "none", 32), cfg32)
-    assert table_config(16, 6144, 2560) == SG._TABLE[(6144, 2560, "none", 16)]
+    monkeypatch.setitem(tables.SKINNY_GEMM, (6144, 2560, "none", 32), cfg32)
+    assert table_config(16, 6144, 2560) == tables.SKINNY_GEMM[(6144, 2560, "none", 16)]
     assert table_config(17, 6144, 2560) == table_config(32, 6144, 2560) == cfg32
-    assert table_config(33, 6144, 2560) == SG._TABLE[(6144, 2560, "none", 64)]
-    assert table_config(32, 2560, 4096, "residual") == SG._TABLE[(2560, 4096, "residual", 64)]   # no 32 row: 64's
-
-
-def test_prefill_rows_get_row_tiles():
-    assert choose_config(1024, 6144, 2560) == PREFILL_DEFAULT and PREFILL_DEFAULT.block_m
-    assert prefill_table_config(1024, 6144, 2560) is None            # not measured yet: XLA's GEMM
-    assert prefill_table_config(64, 6144, 2560) is None              # decode rows: the skinny table
+    assert table_config(33, 6144, 2560) == tables.SKINNY_GEMM[(6144, 2560, "none", 64)]
+    assert table_config(32, 2560, 4096, "residual") == tables.SKINNY_GEMM[(2560, 4096, "residual", 64)]   # 64's
 
 
 def test_stages_fit_shared_memory():
-    big = SkinnyConfig(block_n=64, block_k=128, num_stages=4)
-    assert fit_stages(big, 128, 2, "swiglu").num_stages < 4          # 256 KB asked for on the H200
+    big = SkinnyConfig(block_n=64, block_k=256, num_stages=4)
+    assert fit_stages(big, 64, 2, "swiglu").num_stages < 4           # 384 KB asked for on the H200
     assert fit_stages(big, 16, 2, "none").num_stages == 4
 
 
 @pytest.mark.parametrize("bad", [dict(epilogue="gelu"), dict(epilogue="residual"),
-                                 dict(config=SkinnyConfig(block_n=48)), dict(config=SkinnyConfig(block_m=8))])
+                                 dict(config=SkinnyConfig(block_n=48))])
 def test_bad_arguments_are_refused(bad):
     x, w = jnp.zeros((4, 64)), jnp.zeros((32, 64))
     with pytest.raises(ValueError):
         skinny_gemm(x, w, interpret=True, **bad)
+
+
+def test_more_rows_than_max_t_are_refused():
+    with pytest.raises(ValueError, match="MAX_T"):
+        skinny_gemm(jnp.zeros((65, 64)), jnp.zeros((32, 64)), interpret=True)

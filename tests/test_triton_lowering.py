@@ -52,23 +52,19 @@ def small_model(request, tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp(request.param) / "m", {**base, **SMALL}, dtype="bfloat16")
 
 
-@pytest.mark.parametrize("ops, kv", [("pallas", None), ("pallas-unfused-rope", None), ("pallas-xla-attention", None),
-                                     ("pallas", jnp.float8_e4m3fn), ("pallas-unfused-rope", jnp.float8_e4m3fn)],
-                         ids=["pallas", "pallas-unfused-rope", "pallas-xla-attention", "pallas-fp8-kv",
-                              "pallas-unfused-rope-fp8-kv"])
+@pytest.mark.parametrize("kv", [None, jnp.float8_e4m3fn], ids=["pallas", "pallas-fp8-kv"])
 @pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
-def test_engine_steps_lower(small_model, ops, kv, unroll):
+def test_engine_steps_lower(small_model, kv, unroll):
     cfg = load_config(small_model, "bfloat16")
     params = load_params(small_model, cfg, progress=False)
-    runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops(ops), num_pages=33, page_size=16,
+    runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops("pallas"), num_pages=33, page_size=16,
                          max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
                          unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True,
                          # the one-sequence steps (the fresh one's K/V from the write, or read back from float8)
-                         # with the default op set alone: lowering is most of this file's time
-                         fresh_prompt_min_tokens=32 if ops == "pallas" else 0, prefixed_chunks=ops == "pallas")
+                         fresh_prompt_min_tokens=32, prefixed_chunks=True)
     calls = runner.bucket_calls()
     assert len(calls) >= 6 and "mixed-greedy" in {name for name, _ in calls}
-    assert ops != "pallas" or {"mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
+    assert {"mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
     for name, batch in calls:
         traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
@@ -145,7 +141,7 @@ def test_prefill_gemm_lowers_at_real_shapes(shape, M):
 
 @pytest.mark.parametrize("rows", [2, 4])
 def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
-    """The decode GEMV with `rows` output rows per program (fused_gemv.ROWS), at each Qwen3-4B projection."""
+    """The decode GEMV with `rows` output rows per program (tables.GEMV_ROWS), at each Qwen3-4B projection."""
     from jaxinfer.pallas.fused_gemv import fused_gemv
 
     D, I = QWEN3_4B["hidden_size"], QWEN3_4B["intermediate_size"]
@@ -167,7 +163,7 @@ def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
 @pytest.mark.parametrize("T", [1, 1000, 2048])
 @pytest.mark.parametrize("tiles", [8, 32])
 def test_tiled_rope_kv_write_lowers_at_real_shapes(shape, T, tiles):
-    """The prompt step's norm/RoPE/cache-write kernel with a program's tokens as tiles (rope_kv_write.TILED), the
+    """The prompt step's norm/RoPE/cache-write kernel with a program's tokens as tiles (tables.ROPE_KV_WRITE_TILE), the
     fresh prompt's k/v returned too, at bf16 and float8 caches."""
     from jaxinfer.pallas.rope_kv_write import qkv_rope_write
 

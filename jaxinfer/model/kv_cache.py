@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.numerics import is_float8, to_cache  # noqa: F401  (the cache's dtype rules live there)
 
 SCRATCH_PAGE = 0
 
@@ -36,19 +37,6 @@ def kv_cache_dtype(cfg: ModelConfig, name: str = "auto"):
     """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype) or "fp8"."""
     check_kv_cache_dtype(name)
     return KV_CACHE_DTYPES[name] or cfg.jnp_dtype
-
-
-def is_float8(dtype) -> bool:
-    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
-
-
-def to_cache(x: jax.Array, dtype) -> jax.Array:
-    """x as stored in a cache of `dtype`: float8 clipped to its finite range first (e4m3 has no
-    infinity: an overflowing cast gives NaN). Also usable inside Pallas kernels."""
-    if is_float8(dtype):
-        big = float(jnp.finfo(dtype).max)
-        return jnp.clip(x.astype(jnp.float32), -big, big).astype(dtype)
-    return x.astype(dtype)
 
 
 @flax.struct.dataclass

@@ -1,9 +1,6 @@
 """The op interface. `get_ops(name)` returns a namespace of ops with the signatures of ops.reference:
-"reference" (jax.numpy), "pallas" (Pallas GPU kernels where they measured faster, the flash prefill
-attention and the decode attention with the new token's norm, RoPE and cache write folded in
-included), "pallas-xla-attention" (the same without the flash prefill kernel) and "pallas-unfused-rope"
-(RoPE and the cache write as a kernel of their own before decode attention), both for A/B runs, and
-"-interpret" variants (the same kernels in Pallas interpret mode, for CPU tests).
+"reference" (jax.numpy), "pallas" (Pallas GPU kernels where they measured faster: ops/pallas.py) and
+"pallas-interpret" (the same kernels in Pallas interpret mode, for CPU tests).
 
 Weight matrices of a layer reach the ops as `LayerWeight`s: the stacked [L, out, in] array and the
 layer index, so that a kernel reads the layer's rows in place. (Slicing the stack first would make
@@ -44,13 +41,11 @@ def get_ops(name: str = "reference"):
         from jaxinfer.ops import reference
 
         return reference
-    if name in BACKENDS[1:]:
+    if name in ("pallas", "pallas-interpret"):
         from jaxinfer.ops import pallas
 
-        return pallas.make(interpret=name.endswith("-interpret"), flash_prefill=not name.startswith("pallas-xla-attention"),
-                           fused_decode_rope=not name.startswith("pallas-unfused-rope"))
+        return pallas.make(interpret=name == "pallas-interpret")
     raise ValueError(f"unknown ops backend {name!r} ({', '.join(BACKENDS)})")
 
 
-BACKENDS = ("reference", "pallas", "pallas-interpret", "pallas-xla-attention", "pallas-xla-attention-interpret",
-            "pallas-unfused-rope", "pallas-unfused-rope-interpret")
+BACKENDS = ("reference", "pallas", "pallas-interpret")

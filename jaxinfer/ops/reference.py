@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.model.kv_cache import to_cache
+from jaxinfer.numerics import to_cache
 from jaxinfer.ops import weight
 
 f32 = jnp.float32

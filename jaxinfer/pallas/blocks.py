@@ -126,7 +126,7 @@ def layer_operands(layer, vector_layer=None) -> tuple[jax.Array, jax.Array]:
     Never one [2] array: a traced index becomes [1] by a free reshape, and a constant one (an unrolled layer's)
     stays a literal, but XLA turns a [2] pair of constants into a parameterless fusion (an iota times i, a
     broadcast) that runs as a kernel of its own, inside the decode loop, every step: 37 of them a batch-1
-    Qwen3-4B step on the H200 (sixteenth session, its optimized HLO), ~0.8 us each."""
+    Qwen3-4B step on the H200 (its optimized HLO), ~0.8 us each."""
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return layer, layer if vector_layer is None else jnp.asarray(vector_layer, jnp.int32).reshape(1)
 

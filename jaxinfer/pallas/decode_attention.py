@@ -20,8 +20,7 @@ Splits are sized at run time from each sequence's own context length: a sequence
 each split ceil(n / num_splits) blocks, so a short sequence in a wide page table does not leave its
 work to one program. num_splits and block_k (static: the grid and the tile) come from `choose_config`,
 a table keyed by sequence-heads (batch x KVH) and the page table's span (P * page_size, the longest
-context the call can see), filled from measurements on the H200 (bench/kernels_decode_attention.py,
-bench/NOTES.md).
+context the call can see), filled from measurements on the H200 (tables.DECODE_ATTENTION).
 
 Every block dimension is a power of two and the tails are masked (a block over a non-power-of-two
 dimension gave silently wrong results on the GPU: ../shared/GPU_FACTS.md). Masked positions score a
@@ -40,24 +39,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.tables import SplitConfig
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
                                      pow2_at_least, split_range, to_compute)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
 NEG = -1e30  # masked score / empty-split lse: finite, so max/exp2 never see -inf - -inf
-
-
-@dataclasses.dataclass(frozen=True)
-class SplitConfig:
-    num_splits: int = 1   # programs per (sequence, KV head); power of two
-    block_k: int = 64     # positions per inner step; power of two >= 16
-    num_warps: int = 4
-    num_stages: int = 2   # Triton software pipelining of the block loop
-    merge: str = "pallas"  # "pallas" (kernel 2) or "jnp" (XLA reduction); unused with one split
-
-    def astuple(self):
-        return dataclasses.astuple(self)
 
 
 def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, group, G, hd, D, page_size,
@@ -214,59 +203,11 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
     )(context_lens.astype(jnp.int32), o_part, lse)
 
 
-# Measured on one H200 (bench/kernels_decode_attention.py --sweep, 2026-11-29, bf16, KVH 8, hd 128, page 16;
-# bench/NOTES.md). Rows (max sequence-heads = batch x KVH, max span, config), first match wins; span =
-# P * page_size, the longest context the page table can hold. The rule the sweep found: about 256-512
-# programs in all (B x KVH x num_splits), one or two blocks per split on short spans; num_warps 4 and
-# num_stages 2 were best or within noise everywhere, and the jnp merge timed the same as kernel 2.
-_BIG = 1 << 62
-_TABLE: list[tuple[int, int, SplitConfig]] = [
-    (8, 128, SplitConfig(1, 64)),        # batch 1: ctx 100 4.1 us (2 splits: 6.9)
-    (8, 1024, SplitConfig(16, 64)),      # ctx 1,024 6.4 us
-    (8, _BIG, SplitConfig(64, 64)),      # ctx 8,192 13.9 us, 32,768 39.4 us (77% of 4.50 TB/s)
-    (32, 128, SplitConfig(1, 64)),
-    (32, 1024, SplitConfig(16, 64)),     # batch 4: ctx 1,024 10.1 us
-    (32, _BIG, SplitConfig(8, 128)),     # batch 4: ctx 8,192 39.4 us, 32,768 135 us (91%)
-    (64, _BIG, SplitConfig(8, 64)),      # batch 5-8, RoPE-fused kernel (bench/kernels_decode_attention_rope.py,
-                                         # 2026-11-30): B8 ctx 1,024 13.9 us against 4x64's 15.8, 2,048 22.4
-                                         # against 26.1; the B8 step 3.261 -> 3.157 ms
-    (128, 128, SplitConfig(1, 64)),
-    (128, 1024, SplitConfig(8, 64)),     # batch 16: ctx 1,024 23.3 us
-    (128, _BIG, SplitConfig(4, 64)),     # batch 16: ctx 8,192 131 us, 32,768 505 us (95%)
-    (256, 128, SplitConfig(1, 64)),
-    (256, _BIG, SplitConfig(2, 64)),     # batch 17-32, by the rule (not swept); checked at batch 32:
-                                         # ctx 1,024 40 us (75%), 8,192 260 us (93%), 32,768 1.00 ms (96%)
-    (_BIG, _BIG, SplitConfig(1, 64)),    # batch 64: ctx 100 11.7 us, 1,024 67 us, 8,192 509 us, 32,768 1.98 ms
-]
-
-
-# Float8 pages (1 byte a value), measured (H200, 2026-11-29, bench/kernels_decode_attention.py --kv-cache-dtype
-# fp8 --sweep; bench/NOTES.md). The float8 kernel is not bound by HBM reads: with bf16 products it ran
-# as long as bf16 pages (B64 ctx 1,024: 59.0 against 56.8 us); with float16 products (page_compute_dtype)
-# B64 52.7 us, B128 88.0 (bf16 pages ~113). Rows marked f16 were swept with float16 products, the
-# others with bf16 products; rows where no point was swept keep bf16's config.
-_TABLE_FP8: list[tuple[int, int, SplitConfig]] = [
-    (8, 128, SplitConfig(1, 64)),
-    (8, 1024, SplitConfig(16, 64)),                                  # batch 1: ctx 1,024 5.9 us
-    (8, _BIG, SplitConfig(32, 128)),                                 # f16: ctx 8,192 12.6 us
-    (32, 128, SplitConfig(1, 64)),
-    (32, 1024, SplitConfig(16, 64)),
-    (32, _BIG, SplitConfig(32, 128, num_stages=3)),                  # batch 4: ctx 8,192 37.8 us
-    (128, 128, SplitConfig(1, 64)),
-    (128, 1024, SplitConfig(2, 128, num_stages=3)),                  # batch 16: ctx 1,024 20.5 us
-    (128, _BIG, SplitConfig(4, 128, num_stages=3)),                  # as batch 64 at 8,192 (not swept)
-    (256, 128, SplitConfig(1, 64)),
-    (256, _BIG, SplitConfig(2, 128, num_stages=3)),                  # as batch 16 (not swept)
-    (512, _BIG, SplitConfig(1, 128, num_stages=3)),                  # f16: batch 64, ctx 1,024 52.7 us
-    (_BIG, _BIG, SplitConfig(1, 64, num_warps=2, num_stages=3)),     # f16: batch 128, ctx 1,024 88.0 us
-]
-
-
 def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) -> SplitConfig:
     """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`,
     pages of `kv_itemsize`-byte values (1: float8)."""
     seq_heads = batch * kv_heads
-    table = _TABLE_FP8 if kv_itemsize == 1 else _TABLE
+    table = tables.DECODE_ATTENTION_FP8 if kv_itemsize == 1 else tables.DECODE_ATTENTION
     cfg = next(c for max_sh, max_span, c in table if seq_heads <= max_sh and span <= max_span)
     # Never more splits than blocks in the span (the extra ones would only be empty programs).
     s = cfg.num_splits

@@ -4,8 +4,8 @@
 layer, slot_mapping [B], page_table [B, P], context_lens [B], ...) -> (out [B, H, hd], k_cache, v_cache)`
 computes what `qkv_rope_write` followed by `paged_decode_attention` compute for one new token per
 sequence (the reference twin is exactly that composition), in one kernel instead of two: a batch-1
-decode step pays ~2 us of ramp and tail per dependent kernel on the H200 (bench/NOTES.md, fourth
-session), and the RoPE/KV-write kernel is one of the seven per layer.
+decode step pays ~2 us of ramp and tail per dependent kernel on the H200, and the RoPE/KV-write kernel
+is one of the seven per layer.
 
 The split kernel of pallas/decode_attention.py, changed at both ends. A program (b, KV head h,
 split s) loads its `group` query heads and its KV head's new k and v straight from the projection's
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.model.kv_cache import to_cache
+from jaxinfer.numerics import to_cache
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
                                      page_compute_dtype, page_slots, pow2_at_least, rope_halves, split_range,
                                      to_compute)

@@ -3,11 +3,12 @@
     y = epilogue( rms_norm(x) @ W[layer].T + b )     epilogue: none | + residual | SwiGLU
 
 It also serves the lm_head at batch 1 with float32 outputs (`out_dtype`): on the H200 it reads Qwen3-4B's
-778 MB matrix in 175 us a call where XLA's reduce fusions took 184 (floor 174; bench/NOTES.md).
+778 MB matrix in 175 us a call where XLA's reduce fusions took 184 (floor 174).
 
-The lane mapping is gemv.py's (measured best there): one warp per program, the warp's lanes streaming
-consecutive weights of a row in tiles of `block_in`; one output row per program, or `rows` of them where
-`ROWS` says (each row still its own vector, summed as a one-row program sums it: the same outputs).
+One warp per program (measured best), the warp's lanes streaming consecutive weights of a row in tiles of
+`block_in` (tables.GEMV_BLOCK_IN); one output row per program, or `rows` of them where tables.GEMV_ROWS says
+(each row still its own vector, summed as a one-row program sums it: the same outputs). The weight matrix
+stays [out, in] row-major, as loaded from the checkpoint, and is never padded or copied per call.
 What is fused:
 - the layer index: W is the stacked [L, out, in] array, read in place (no slice copy);
 - RMSNorm as a prologue, without a second pass over x: rms_norm(x) . w = rsqrt(mean(x^2) + eps) *
@@ -26,10 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import layer_operands, row_tiles, silu_mul
 
 f32 = jnp.float32
-MAX_T = 1  # decode tokens per call (gemv.py: above 1 token, XLA's GEMM wins)
+MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
@@ -127,27 +129,15 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     )(*args)
 
 
-# Output rows per program at batch 1 by (output rows, in); absent: DEFAULT_ROWS. The plain GEMV's sweep found
-# one row best (gemv.py); the fused kernels re-load x (and the norm's scale) for every row, so several rows a
-# program share those loads and the norm's per-program work (bench/kernels_fused_gemv.py, H200, 2026-11-30:
-# Qwen3-4B's QKV with its norm prologue 10.87 us at 1 row, 9.71 at 2, 10.69 at 4; o_proj, gate/up and down
-# are slower at 2; the batch-1 step 2.609 -> 2.560 ms, the same greedy tokens). Only rows the step confirmed:
-# Qwen3-0.6B's QKV (6.67 -> 5.00 us) and o_proj (5.22 -> 4.82) at 2 rows left its step as it was (0.875 against
-# 0.882 ms). Llama-3-8B's QKV (15.73 -> 14.81 us): its step 4.052 -> 4.017 ms, the same greedy tokens (sixteenth
-# session, run 2).
-ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2,    # Qwen3-4B's QKV
-                                    (6144, 4096): 2}    # Llama-3-8B's QKV
-DEFAULT_ROWS = 1
-
-
 def rows_for(n_out: int, n_in: int) -> int:
     """Rows per program for an [n_out, in] product (n_out: the SwiGLU kernel's gate rows)."""
-    rows = ROWS.get((n_out, n_in), DEFAULT_ROWS)
+    rows = tables.GEMV_ROWS.get((n_out, n_in), tables.GEMV_DEFAULT_ROWS)
     return rows if n_out % rows == 0 else 1
 
 
 def block_in_for(n_out: int, n_in: int, dtype) -> int:
-    """gemv.py's measured table (bf16, one row per program); 128 for 4-byte weights."""
-    from jaxinfer.pallas.gemv import choose_config
-
-    return choose_config(1, n_out, n_in, dtype).block_in
+    """The measured table for 2-byte weights; 128 for 4-byte weights (the same 16-byte lanes hold half the
+    elements)."""
+    if jnp.dtype(dtype).itemsize != 2:
+        return 128
+    return tables.GEMV_BLOCK_IN.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN)

@@ -3,8 +3,8 @@
 `fresh_prompt_flash(q [T, H, hd], k, v [T, KVH, hd], scale) -> [T, H, hd]`: the op
 `fresh_prompt_attention` (reference.fresh_prompt_attention: a prompt at positions 0..T-1 attending to
 itself, GQA) for bf16/f16 prompts whose length tiles by the CTA's rows. It exists for the 1k prompt step,
-where cuDNN's flash attention took 31.5 us a layer plus ~6 us of idle before it for its 4-byte memset
-(bench/NOTES.md, twenty-first session), against ~11 us of tensor-core work.
+where cuDNN's flash attention took 31.5 us a layer plus ~6 us of idle before it for its 4-byte memset,
+against ~11 us of tensor-core work.
 
 A work item is 2 x block_q consecutive rows of one query head: two compute warpgroups of block_q rows each.
 The grid is persistent (one CTA an SM; FlashConfig.persistent) and deals the items, heaviest first (the last
@@ -15,9 +15,8 @@ TMA, one stream across the CTA's items, so the next item's loads overlap the las
 by wgmma into a float32 accumulator (the two warpgroups taking turns on the tensor cores), scaled (log2 e
 folded in), the online softmax in registers (base 2), P rounded to the input dtype and through shared memory
 into acc += P V by wgmma. The output is acc / l rounded to the input dtype, stored by TMA from shared memory.
-Options measured against each other in bench/kernels_hopper_attention.py (FlashConfig): ping-pong, the
-persistent grid, two Q buffers. (FA3's intra-warpgroup overlap in place of ping-pong, built and measured in the
-twenty-second and twenty-third sessions, ran 50% slower at 1k-8k and was taken out: bench/NOTES.md.)
+Options measured against each other in bench/kernels/hopper_attention.py (FlashConfig): ping-pong, the
+persistent grid, two Q buffers. (FA3's intra-warpgroup overlap in place of ping-pong ran 50% slower at 1k-8k.)
 
 Interpret mode (`interpret=True`, Mosaic GPU's) runs it on the CPU for tests, warpgroups as threads with
 barriers checked phase by phase (it found a deadlock); it cannot show every race: tests/gpu has the kernel
@@ -26,7 +25,6 @@ on the H200.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -36,44 +34,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import run_mosaic
 from jaxinfer.pallas.hopper_gemm import num_sms
+from jaxinfer.pallas.tables import FlashConfig
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
 
 
-@dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    block_q: int = 64     # rows a compute warpgroup (wgmma's M: a multiple of 64); K/V blocks are 2 x block_q keys
-    stages: int = 2       # K/V blocks in flight in the shared-memory ring
-    # The two compute warpgroups take turns on the tensor cores (FA3's ping-pong): one's softmax runs while the
-    # other's two products do, ordered by a barrier both arrive at twice a step, warpgroup 1 one phase behind.
-    pingpong: bool = True
-    # One CTA an SM walking work items (a query head's 2 x block_q rows) in a loop, its ring streaming the next
-    # item's Q and K/V while the last item's softmax, products and output finish (False: one CTA an item, each
-    # paying its start and end alone: H200, 1k tokens, 30.5 us against 27.8).
-    persistent: bool = True
-    # Q buffers a warpgroup (persistent): with 2 the next item's Q is loaded while this one runs, not after its last
-    # QK^T (then only a 1-deep K/V ring fits the shared memory at hd 128).
-    q_buffers: int = 1
-
-    @property
-    def block_kv(self) -> int:
-        return 2 * self.block_q
-
-
-# Prompt lengths (first, last tokens) where the kernel ran faster than cuDNN's flash attention, and its config;
-# elsewhere cuDNN. H200, Qwen3-4B's heads, 2026-12-02 (bench/NOTES.md, twenty-second session), us a call: 1k 27.8
-# against cuDNN's 42.1, 2k 80.7 against 99.6, 8k 1046 against 1039 (level: cuDNN kept); the 1k prompt step
-# 13.39 / 13.35 ms against 13.59 / 13.75 with cuDNN (prefill_dispatch.py hopper-flash / default).
-TABLE: list[tuple[int, int, FlashConfig]] = [(1024, 2048, FlashConfig())]
-
-
 def table_config(q: jax.ShapeDtypeStruct | jax.Array, k: jax.ShapeDtypeStruct | jax.Array) -> FlashConfig | None:
     """The measured config for this prompt's length, or None where cuDNN's flash attention is the faster."""
     T = q.shape[0]
-    for first, last, config in TABLE:
+    for first, last, config in tables.FRESH_PROMPT_FLASH:
         if first <= T <= last and supported(q, k, config):
             return config
     return None
@@ -258,13 +231,6 @@ def _kernel(q_ref, k_ref, v_ref, out_ref, q_smem2, o_smem2, p_smem2, k_smem, v_s
         @pl.loop(jnp.maximum(n_items_cta - nq, 0), n_items_cta)
         def _drain_q(r):
             plgpu.barrier_wait(q_free.at[lax.rem(r, nq)])
-
-
-def reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float) -> jax.Array:
-    """The kernel's reference twin: the op's reference (XLA's attention)."""
-    from jaxinfer.ops import reference as ref_ops
-
-    return ref_ops.fresh_prompt_attention(q, k, v, scale)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "config", "ctas", "interpret"))

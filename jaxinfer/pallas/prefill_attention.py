@@ -46,27 +46,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.tables import PrefillConfig
 from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
 
 f32 = jnp.float32
 i32 = jnp.int32
 LOG2E = math.log2(math.e)
 NEG = -1e30  # masked score: finite, so max/exp2 never see -inf - -inf
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillConfig:
-    block_q: int = 32      # query tokens per program; power of two
-    block_k: int = 64      # key positions per inner step; power of two >= 16
-    heads: int = 0         # query heads per program: 0 = the whole GQA group (K/V tiles shared by the
-                           # group); else a divisor of the group (1: one head per program, the
-                           # "short prompt" variant with more, smaller programs)
-    num_warps: int = 4
-    num_stages: int = 2    # Triton software pipelining of the key loop
-    order: str = "work"    # schedule order: "work" (most keys first) or "natural" (sequence, block)
-
-    def astuple(self):
-        return dataclasses.astuple(self)
 
 
 def heads_per_program(cfg: PrefillConfig, group: int) -> int:
@@ -265,23 +252,7 @@ def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, *, page_s
 
 
 # ---------------------------------------------------------------------------------------------------
-# Configuration table
-
-# Measured on the H200 (bench/kernels_prefill_attention.py --sweep, 2026-11-29, bench/results/
-# 2026-11-29f-h200-3-*): rows (max tokens T of the call, tile rows, config), first match wins; the tile
-# rows (block_q x the heads of a program, padded to a power of two) fix block_q for the model's group,
-# so one row serves every GQA shape. Up to 256 tokens the best was 16-row tiles of the whole group with
-# 128-key blocks (prompt 128: 6.1 us against 7.4 for one head per program). From 1k on, the long-prompt
-# guess (128-row tiles, 64-key blocks, 8 warps, 3 stages) was within 4% of the best of 48 configs at
-# every case (1k 60 us / best 58; 8k 1.89 ms / 1.88; a 2k chunk after 6k 0.87 / 0.84; 4 x 1k 0.161 /
-# 0.161), so it stays: at 1k every config lands at 58-61 us, a floor that no tile shape moves.
-# Shared memory passes the 227 KB limit for 128-key blocks at 4 stages (RESOURCE_EXHAUSTED).
-_BIG = 1 << 62
-_TABLE: list[tuple[int, int, PrefillConfig]] = [
-    (256, 16, PrefillConfig(block_k=128, heads=0, num_warps=4, num_stages=2)),
-    (_BIG, 128, PrefillConfig(block_k=64, heads=0, num_warps=8, num_stages=3)),
-]
-
+# Configuration (the measured rows: tables.PREFILL_ATTENTION)
 
 def config_for_rows(cfg: PrefillConfig, rows: int, num_tokens: int, group: int, head_dim: int) -> PrefillConfig:
     """cfg with block_q set so that a tile has about `rows` rows for this group (and >= 16), no larger
@@ -299,7 +270,7 @@ def config_for_rows(cfg: PrefillConfig, rows: int, num_tokens: int, group: int, 
 
 def choose_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:
     """The configuration for a call with T = num_tokens rows (static), H / KVH heads of head_dim."""
-    rows, cfg = next((r, c) for max_t, r, c in _TABLE if num_tokens <= max_t)
+    rows, cfg = next((r, c) for max_t, r, c in tables.PREFILL_ATTENTION if num_tokens <= max_t)
     return config_for_rows(cfg, rows, num_tokens, num_heads // num_kv_heads, head_dim)
 
 

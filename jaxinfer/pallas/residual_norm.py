@@ -8,7 +8,8 @@ and its residual row once, and writes the new residual row and its normed row.
 
 Rounding follows the ops it replaces: the partials summed in order in float32 (skinny_gemm.finish_partials),
 rounded to the residual's dtype, added to the residual (rounded again), then reference.rms_norm (the
-mean of squares in float32, the normed row rounded, then times the scale).
+mean of squares in float32, the normed row rounded, then times the scale); ops.twins.split_k_residual_rms_norm
+is that composition.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.ops.reference import rms_norm
 from jaxinfer.pallas.blocks import layer_operands, pow2_at_least
 from jaxinfer.pallas.skinny_gemm import finish_partials
 
@@ -67,10 +67,3 @@ def split_k_residual_rms_norm(partials: jax.Array, residual: jax.Array, scale: j
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
     )(vlayer, partials, residual, scale)
 
-
-def reference(partials: jax.Array, residual: jax.Array, scale: jax.Array, eps: float,
-              vector_layer: int = 0) -> tuple[jax.Array, jax.Array]:
-    """The kernel's twin: the XLA ops it replaces (skinny_gemm's split-K finish, then the reference norm)."""
-    scale = scale if scale.ndim == 1 else scale[vector_layer]
-    r = finish_partials(partials, None, residual, "residual", residual.dtype)
-    return r, rms_norm(r, scale, eps)

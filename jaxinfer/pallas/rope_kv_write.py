@@ -18,18 +18,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.model.kv_cache import to_cache
+from jaxinfer.numerics import to_cache
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import head_rms_norm, layer_operands, pow2_at_least, rope_halves
 
 f32 = jnp.float32
-# A program's tokens as one [BT, hd/2] tile per half (one load, one norm, one store each): as a loop of one-token
-# passes, each behind the previous one's branches, the 1k prompt step's kernel took 13.5 us a layer on the H200,
-# ~2.4x its bytes (seventeenth session); as tiles of 8, 9.7 us and the 1k raw step 13.95 -> 13.85 ms (tiles of 16:
-# 13.92, 32: 14.14; eighteenth session; the loop is at 4fd479e). On the GPU the norm's sums of squares associate
-# along a tile's rows as Triton reduces them (the bf16 greedy tokens of a random-weight bench model moved from the
-# loop's; the float32 GPU parity with the reference held). TILED = N: tiles of N tokens (a power of two; bench
-# option rope_write_tiled). Read by the op set (ops.pallas) when it traces a step, and passed on as `tiled`.
-TILED = 8
 
 
 def _unpack(refs, has_rope, has_norm, with_kv):
@@ -109,7 +102,7 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, qkv_ref, *refs, T, BT, H, K, hd
                    donate_argnames=("k_cache", "v_cache"))
 def qkv_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, *, num_heads: int,
                    num_kv_heads: int, eps: float = 1e-6, interpret: bool = False, norm_layer=None,
-                   with_kv: bool = False, tiled: int = TILED):
+                   with_kv: bool = False, tiled: int = tables.ROPE_KV_WRITE_TILE):
     """qkv [T, (H+2K)*hd]; cos, sin [T, hd] or None; q_norm, k_norm [Ln, hd] or None, read at
     norm_layer (default: layer); caches [L, K, slots, hd], written at layer. Returns (q [T, H, hd],
     k_cache, v_cache), and with `with_kv` also the k and v written ([T, K, hd] each, in qkv's dtype).

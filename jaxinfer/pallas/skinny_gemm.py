@@ -1,8 +1,6 @@
 """Projections on tensor cores with fused epilogues: y [M, N] = epilogue(x [M, K] @ W[layer].T + b).
 
-Made for a batched decode step (M = 2..MAX_T rows, one per sequence; every row in one tile); with
-`block_m` set it tiles M as well, as a prefill GEMM (issue 4: XLA's GEMM is the bar, a measured table
-picks per shape; `prefill_table_config`).
+Made for a batched decode step (M = 2..MAX_T rows, one per sequence; every row in one tile).
 
 At these M the product is bound by reading W once (8 GB per Qwen3-4B step), as at batch 1, but the
 batch-1 GEMV (one warp per output row, CUDA-core FMAs) would re-read x per row and spend M times the
@@ -12,9 +10,6 @@ streams W[layer, n0:n0+block_n, :] in [block_n, block_k] tiles through a softwar
 columns (N = 2,560: o_proj, down) give few programs; `split_k` then gives each column block several
 programs over equal shares of K, which write float32 partial sums that a small XLA epilogue adds.
 W is the stacked [L, N, K] array read in place at `layer` (no per-layer copy).
-With `block_m` (a prefill GEMM), programs own [block_m, block_n] tiles; the grid walks the M tiles
-fastest, so the programs running at one time share W's column blocks (read from HBM about once) and x
-(a few MB) stays in L2.
 
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
 residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
@@ -31,7 +26,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
+from jaxinfer.pallas.tables import SkinnyConfig
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -43,48 +40,22 @@ EPILOGUES = ("none", "residual", "swiglu")
 SMEM_BYTES = 200 * 1024   # of the H200's 227 KB per block: what the pipeline's stages may take
 
 
-@dataclasses.dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int = 64
-    block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 4
-    split_k: int = 1
-    block_m: int = 0      # rows per tile; 0: all M rows in one tile (padded to a power of two >= 16)
-
-
-# Measured (H200, 2026-11-29, bench/kernels_skinny_gemm.py --sweep, bf16; bench/NOTES.md): the best
-# config per (N, K, epilogue) at M = 16 (used for M <= 16) and M = 64 (16 < M <= 64), kept only where
-# it beat XLA's GEMM in the same run. Missing: XLA is as fast or faster (gate/up at M = 64), or the
-# shape was not swept.
-_TABLE = {
-    (6144, 2560, "none", 16): SkinnyConfig(64, 256, 8, 4, 1),       # 10.95 us vs XLA 11.80
-    (6144, 2560, "none", 64): SkinnyConfig(64, 128, 4, 6, 1),       # 10.79 vs 14.50
-    (2560, 4096, "residual", 16): SkinnyConfig(128, 128, 4, 4, 4),  # 9.66 vs 13.99
-    (2560, 4096, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 10.03 vs 11.26
-    (19456, 2560, "swiglu", 16): SkinnyConfig(32, 128, 4, 3, 1),    # 26.59 vs 27.99
-    (2560, 9728, "residual", 16): SkinnyConfig(32, 64, 4, 4, 8),    # 16.21 vs 16.49
-    (2560, 9728, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 17.94 vs 19.27
-}
-
-
 def table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
     """The measured config for this product, or None where XLA's GEMM measured as fast or faster. Rows
     17..32 take an M = 32 row where the table has one, else the M = 64 row."""
     if M > MAX_T:
         return None
+    table = tables.SKINNY_GEMM
     if M <= 16:
-        return _TABLE.get((N, K, epilogue, 16))
-    if M <= 32 and (N, K, epilogue, 32) in _TABLE:
-        return _TABLE[(N, K, epilogue, 32)]
-    return _TABLE.get((N, K, epilogue, 64))
+        return table.get((N, K, epilogue, 16))
+    if M <= 32 and (N, K, epilogue, 32) in table:
+        return table[(N, K, epilogue, 32)]
+    return table.get((N, K, epilogue, 64))
 
 
 def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig:
     """The table's config; elsewhere enough programs to keep every SM streaming (split K when the
-    column blocks alone are few). Above MAX_T rows: the prefill table's, else PREFILL_DEFAULT."""
-    if M > MAX_T:
-        return prefill_table_config(M, N, K, epilogue) or PREFILL_DEFAULT
+    column blocks alone are few)."""
     cfg = table_config(M, N, K, epilogue)
     if cfg is not None:
         return cfg
@@ -97,34 +68,21 @@ def choose_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfi
     return SkinnyConfig(block_n=block_n, block_k=128, num_warps=4, num_stages=4, split_k=split)
 
 
-# Prefill GEMMs (M > MAX_T) where the Pallas kernel measured faster than XLA's: none yet (to be filled
-# by `bench/kernels_skinny_gemm.py --prefill --sweep` on the H200). Keys (N, K, epilogue).
-_PREFILL_TABLE: dict[tuple[int, int, str], SkinnyConfig] = {}
-PREFILL_DEFAULT = SkinnyConfig(block_n=128, block_k=64, num_warps=8, num_stages=3, block_m=128)
-
-
-def prefill_table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
-    """The measured prefill config for this product (M > MAX_T), or None where XLA's GEMM is the faster."""
-    if M <= MAX_T:
-        return None
-    return _PREFILL_TABLE.get((N, K, epilogue))
-
-
 def splits(cfg: SkinnyConfig, K: int) -> int:
     """How many K ranges the config runs (never more than there are k tiles); above 1 the kernel writes
     float32 partial sums."""
     return min(cfg.split_k, -(-K // cfg.block_k))
 
 
-def block_rows(cfg: SkinnyConfig, M: int) -> int:
-    """Rows per tile: block_m, or all M rows padded to a power of two >= 16."""
-    return cfg.block_m or pow2_at_least(M, 16)
+def block_rows(M: int) -> int:
+    """Rows of the one tile: all M rows padded to a power of two >= 16."""
+    return pow2_at_least(M, 16)
 
 
 def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> SkinnyConfig:
     """Fewer pipeline stages where the tiles of M rows would overflow shared memory (M = 128 with
     4 stages of 64 x 128 did, on the H200)."""
-    BM = block_rows(cfg, M)
+    BM = block_rows(M)
     n_w = 2 if epilogue == "swiglu" else 1
     per_stage = (BM + n_w * cfg.block_n) * cfg.block_k * itemsize
     stages = max(1, min(cfg.num_stages, SMEM_BYTES // per_stage))
@@ -228,6 +186,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     if b is not None and b.ndim == 1:
         b, vector_layer = b[None], 0
     M, K = x.shape
+    if M > MAX_T:
+        raise ValueError(f"skinny_gemm: {M} rows, more than MAX_T = {MAX_T}")
     _, N, K_w = w.shape
     if K_w != K:
         raise ValueError(f"skinny_gemm: x {x.shape} and w {w.shape} disagree on K")
@@ -241,11 +201,11 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
     cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
-            and cfg.split_k >= 1 and (cfg.block_m == 0 or (is_pow2(cfg.block_m) and cfg.block_m >= 16))):
+            and cfg.split_k >= 1):
         raise ValueError(f"skinny_gemm: bad config {cfg}")
     half = N // 2
     cols = half if epilogue == "swiglu" else N
-    BM = block_rows(cfg, M)
+    BM = block_rows(M)
     k_tiles = -(-K // cfg.block_k)
     S = splits(cfg, K)
     cfg = dataclasses.replace(cfg, split_k=S)

@@ -43,25 +43,12 @@ def _source_digest() -> str:
 
 
 def _kernel_choices() -> str:
-    """The kernels' measured tables, which a step reads when it is traced: a bench option or a test that changes one
-    at run time (flash4, twenty-second session: a step traced with hopper_attention.TABLE emptied was loaded for
-    one with it set) makes new keys, as a code change does."""
-    from jaxinfer.pallas import (
-        decode_attention,
-        fused_gemv,
-        gemv,
-        hopper_attention,
-        hopper_gemm,
-        prefill_attention,
-        rope_kv_write,
-        skinny_gemm,
-    )
+    """The kernels' measured tables (every upper-case name of pallas/tables.py), which a step reads when it is
+    traced: a bench option or a test that changes one at run time makes new keys, as a code change does."""
+    from jaxinfer.pallas import tables
 
-    return repr((decode_attention._TABLE, decode_attention._TABLE_FP8, sorted(fused_gemv.ROWS.items()),
-                 fused_gemv.DEFAULT_ROWS, sorted(gemv._TABLE.items()), hopper_attention.TABLE,
-                 sorted(hopper_gemm.PREFILL_TABLE.items()), sorted(hopper_gemm.DECODE_TABLE.items()),
-                 prefill_attention._TABLE, rope_kv_write.TILED, sorted(skinny_gemm._TABLE.items()),
-                 sorted(skinny_gemm._PREFILL_TABLE.items())))
+    return repr([(name, sorted(value.items()) if isinstance(value, dict) else value)
+                 for name, value in sorted(vars(tables).items()) if name.isupper()])
 
 
 def _environment() -> str:

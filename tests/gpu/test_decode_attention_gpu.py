@@ -22,6 +22,7 @@ import pytest
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas import tables
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -35,7 +36,7 @@ ref_op = jax.jit(reference.paged_decode_attention, static_argnums=(6, 7))
 
 
 def _table_configs():
-    cfgs = {cfg for _, _, cfg in DA._TABLE}
+    cfgs = {cfg for _, _, cfg in tables.DECODE_ATTENTION}
     for B in BATCHES:
         for span in CONTEXTS:
             cfgs.add(DA.choose_config(B, 8, span))

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.model.kv_cache import to_cache
+from jaxinfer.numerics import to_cache
 from jaxinfer.ops import get_ops, reference
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")

@@ -9,24 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.pallas import hopper_gemm
+from jaxinfer.ops import twins
+from jaxinfer.pallas import hopper_gemm, tables
 from jaxinfer.pallas.hopper_gemm import HopperConfig
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
 
-CASES = [(M, N, K, ep, cfg) for (N, K, ep), rows in hopper_gemm.PREFILL_TABLE.items() for M, _, cfg in rows]
+CASES = [(M, N, K, ep, cfg) for (N, K, ep), rows in tables.HOPPER_GEMM.items() for M, _, cfg in rows]
 CASES += [(1024, 2560, 9728, "residual", HopperConfig(128, 128, 64, 3)),      # down, o_proj: not in the table
           (2048, 2560, 4096, "residual", HopperConfig(64, 256, 64, 3)),
           (256, 2560, 9728, "residual", HopperConfig(64, 128, 64, 4)),
-          (1024, 6144, 2560, "none", HopperConfig(64, 256, 64, 3)),
-          # decode rows padded to one warpgroup tile, the warpgroups side by side along N (kernels_hopper_skinny.py)
-          (64, 6144, 2560, "none", HopperConfig(64, 16, 64, 8, epi_n=16, split_n=True)),
-          (64, 19456, 2560, "swiglu", HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True)),
-          (64, 2560, 4096, "residual", HopperConfig(64, 16, 64, 6, epi_n=16, split_n=True)),
-          (64, 2560, 9728, "residual", HopperConfig(64, 64, 64, 4, split_n=True)),
-          # K split, float32 partials summed after the kernel
-          (64, 2560, 9728, "residual", HopperConfig(64, 16, 64, 6, epi_n=16, split_n=True, split_k=4)),
-          (64, 2560, 4096, "residual", HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True, split_k=2))]
+          (1024, 6144, 2560, "none", HopperConfig(64, 256, 64, 3))]
 
 
 @pytest.mark.parametrize("M, N, K, epilogue, config", CASES)
@@ -38,7 +31,7 @@ def test_matches_reference(M, N, K, epilogue, config):
     r = jax.random.normal(ks[2], (M, cols), jnp.float32).astype(jnp.bfloat16)
     y = hopper_gemm.hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 config=config)
-    ref = hopper_gemm.reference(x, w, r if epilogue == "residual" else None, epilogue)
+    ref = twins.hopper_gemm(x, w, r if epilogue == "residual" else None, epilogue)
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     # float32 sums in another order than cuBLAS's: round(x @ w.T) may land a bf16 step away (0.13% of elements at
     # K = 9,728), and with a residual that step is the product's (-2.9375 against -2.96875), so the tolerance is

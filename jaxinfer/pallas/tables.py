@@ -1,0 +1,203 @@
+"""The kernels' tunable configs and every measured table, in one place.
+
+A kernel reads its table from here when a step is traced (`tables.NAME`, looked up at call time, so a
+bench or a test that patches a table here reaches the kernel). The executable cache hashes every
+upper-case name of this module into its keys (runner/executable_cache.py), so a table changed at run
+time never loads a step compiled under another. The tables were measured on one H200 by the sweeps in
+bench/kernels/; a row's comment gives its time where that is what chose it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_BIG = 1 << 62
+
+
+# --- decode attention (decode_attention.py, decode_attention_rope.py) -------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SplitConfig:
+    num_splits: int = 1   # programs per (sequence, KV head); power of two
+    block_k: int = 64     # positions per inner step; power of two >= 16
+    num_warps: int = 4
+    num_stages: int = 2   # Triton software pipelining of the block loop
+    merge: str = "pallas"  # "pallas" (kernel 2) or "jnp" (XLA reduction); unused with one split
+
+    def astuple(self):
+        return dataclasses.astuple(self)
+
+
+# bench/kernels/decode_attention.py --sweep, H200, 2026-11-29, bf16, KVH 8, hd 128, page 16. Rows (max
+# sequence-heads = batch x KVH, max span, config), first match wins; span = P * page_size, the longest context the
+# page table can hold. The rule the sweep found: about 256-512 programs in all (B x KVH x num_splits), one or two
+# blocks per split on short spans; num_warps 4 and num_stages 2 best or within noise everywhere.
+DECODE_ATTENTION: list[tuple[int, int, SplitConfig]] = [
+    (8, 128, SplitConfig(1, 64)),        # batch 1: ctx 100 4.1 us (2 splits: 6.9)
+    (8, 1024, SplitConfig(16, 64)),      # ctx 1,024 6.4 us
+    (8, _BIG, SplitConfig(64, 64)),      # ctx 8,192 13.9 us, 32,768 39.4 us (77% of 4.50 TB/s)
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(16, 64)),     # batch 4: ctx 1,024 10.1 us
+    (32, _BIG, SplitConfig(8, 128)),     # batch 4: ctx 8,192 39.4 us, 32,768 135 us (91%)
+    (64, _BIG, SplitConfig(8, 64)),      # batch 5-8, RoPE-fused kernel (bench/kernels/decode_attention_rope.py,
+                                         # 2026-11-30): B8 ctx 1,024 13.9 us against 4x64's 15.8
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(8, 64)),     # batch 16: ctx 1,024 23.3 us
+    (128, _BIG, SplitConfig(4, 64)),     # batch 16: ctx 8,192 131 us, 32,768 505 us (95%)
+    (256, 128, SplitConfig(1, 64)),
+    (256, _BIG, SplitConfig(2, 64)),     # batch 17-32, by the rule (not swept); checked at batch 32
+    (_BIG, _BIG, SplitConfig(1, 64)),    # batch 64: ctx 100 11.7 us, 1,024 67 us, 8,192 509 us, 32,768 1.98 ms
+]
+
+# Float8 pages: bench/kernels/decode_attention.py --kv-cache-dtype fp8 --sweep, H200, 2026-11-29. Not bound by HBM
+# reads: bf16 products ran as long as bf16 pages; rows marked f16 were swept with float16 products
+# (page_compute_dtype), the others with bf16 products; rows where no point was swept keep bf16's config.
+DECODE_ATTENTION_FP8: list[tuple[int, int, SplitConfig]] = [
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(16, 64)),                                  # batch 1: ctx 1,024 5.9 us
+    (8, _BIG, SplitConfig(32, 128)),                                 # f16: ctx 8,192 12.6 us
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(16, 64)),
+    (32, _BIG, SplitConfig(32, 128, num_stages=3)),                  # batch 4: ctx 8,192 37.8 us
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(2, 128, num_stages=3)),                  # batch 16: ctx 1,024 20.5 us
+    (128, _BIG, SplitConfig(4, 128, num_stages=3)),                  # as batch 64 at 8,192 (not swept)
+    (256, 128, SplitConfig(1, 64)),
+    (256, _BIG, SplitConfig(2, 128, num_stages=3)),                  # as batch 16 (not swept)
+    (512, _BIG, SplitConfig(1, 128, num_stages=3)),                  # f16: batch 64, ctx 1,024 52.7 us
+    (_BIG, _BIG, SplitConfig(1, 64, num_warps=2, num_stages=3)),     # f16: batch 128, ctx 1,024 88.0 us
+]
+
+
+# --- batch-1 decode GEMVs (fused_gemv.py) -----------------------------------------------------------------------
+
+# Columns a program's tile spans, by (out, in) of a 2-byte matrix (4-byte weights: 128; absent: the default).
+# The GEMV sweep, H200, 2026-11-29, bf16, T=1 (one warp and one row a program won almost everywhere).
+GEMV_BLOCK_IN: dict[tuple[int, int], int] = {
+    (6144, 2560): 128,      # Qwen3-4B qkv
+    (19456, 2560): 512,     # Qwen3-4B gate/up
+    (2560, 9728): 128,      # Qwen3-4B down
+    (2560, 4096): 128,      # Qwen3-4B o_proj (256: 98 registers, two waves; 128: ~64, one wave)
+    (4096, 4096): 128,      # Llama-3-8B o_proj
+    (28672, 4096): 512,     # Llama-3-8B gate/up
+    (4096, 14336): 256,     # Llama-3-8B down
+    (151936, 2560): 256,    # Qwen3-4B lm_head
+}
+GEMV_DEFAULT_BLOCK_IN = 256   # within 2% of the best at 5 of the 8 shapes, 16-35% behind at the others
+
+# Output rows a program at batch 1 by (output rows, in); absent: GEMV_DEFAULT_ROWS. Several rows a program share
+# the x and norm-scale loads (bench/kernels/fused_gemv.py, H200, 2026-11-30: Qwen3-4B's QKV 10.87 us at 1 row,
+# 9.71 at 2; o_proj, gate/up and down slower at 2). Only rows a whole decode step confirmed.
+GEMV_ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2,    # Qwen3-4B's QKV
+                                         (6144, 4096): 2}    # Llama-3-8B's QKV
+GEMV_DEFAULT_ROWS = 1
+
+
+# --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1
+
+
+# bench/kernels/skinny_gemm.py --sweep, H200, 2026-11-29, bf16: the best config per (N, K, epilogue) at M = 16 (used
+# for M <= 16) and M = 64 (16 < M <= 64), kept only where it beat XLA's GEMM in the same run. Missing: XLA is as
+# fast or faster (gate/up at M = 64), or the shape was not swept.
+SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
+    (6144, 2560, "none", 16): SkinnyConfig(64, 256, 8, 4, 1),       # 10.95 us vs XLA 11.80
+    (6144, 2560, "none", 64): SkinnyConfig(64, 128, 4, 6, 1),       # 10.79 vs 14.50
+    (2560, 4096, "residual", 16): SkinnyConfig(128, 128, 4, 4, 4),  # 9.66 vs 13.99
+    (2560, 4096, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 10.03 vs 11.26
+    (19456, 2560, "swiglu", 16): SkinnyConfig(32, 128, 4, 3, 1),    # 26.59 vs 27.99
+    (2560, 9728, "residual", 16): SkinnyConfig(32, 64, 4, 4, 8),    # 16.21 vs 16.49
+    (2560, 9728, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 17.94 vs 19.27
+}
+
+
+# --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class HopperConfig:
+    tile_m: int = 64        # rows per compute warpgroup (the CTA takes 2 x tile_m)
+    tile_n: int = 128       # output columns per CTA (swiglu: gate and up columns each)
+    tile_k: int = 64        # 64 bf16 = one 128-byte swizzled row
+    stages: int = 4         # shared-memory ring depth
+    epi_n: int = 64         # epilogue tile columns (rows: tile_m)
+    snake_width: int = 8    # planar snake: tiles of this many along M before moving along N
+
+
+# Prompt-row products where the kernel made the 1k prompt step faster than XLA's GEMM (cuBLAS) with the epilogue in
+# XLA (bench/kernels/hopper_gemm.py and the step, H200, 2026-12-01, Qwen3-4B's shapes; the kernel bench alone
+# misleads: cuBLAS ran QKV in 44 us in the step's trace and 67 us in the bench). Absent: XLA's GEMM.
+# (N, K, epilogue) -> ((first rows, last rows, config), ...)
+HOPPER_GEMM: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {
+    (6144, 2560, "none"): ((1024, 1024, HopperConfig(64, 192, 64, 4)),),      # QKV 1k: 44.5 us (64x128/5: 49.3)
+    (19456, 2560, "swiglu"): ((1024, 1024, HopperConfig(64, 128, 64, 3)),     # gate/up 1k: 151.6 (128x64/3: 155.2)
+                              (8192, 8192, HopperConfig(64, 128, 64, 3))),    # 8k: 1196 vs XLA 1280
+}
+
+
+# --- one fresh prompt's attention on Hopper (hopper_attention.py) -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    block_q: int = 64     # rows a compute warpgroup (wgmma's M: a multiple of 64); K/V blocks are 2 x block_q keys
+    stages: int = 2       # K/V blocks in flight in the shared-memory ring
+    # The two compute warpgroups take turns on the tensor cores (FA3's ping-pong): one's softmax runs while the
+    # other's two products do, ordered by a barrier both arrive at twice a step, warpgroup 1 one phase behind.
+    pingpong: bool = True
+    # One CTA an SM walking work items (a query head's 2 x block_q rows) in a loop, its ring streaming the next
+    # item's Q and K/V while the last item's softmax, products and output finish (False: one CTA an item).
+    persistent: bool = True
+    # Q buffers a warpgroup (persistent): with 2 the next item's Q is loaded while this one runs, not after its last
+    # QK^T (then only a 1-deep K/V ring fits the shared memory at hd 128).
+    q_buffers: int = 1
+
+    @property
+    def block_kv(self) -> int:
+        return 2 * self.block_q
+
+
+# Prompt lengths (first, last tokens) where the kernel ran faster than cuDNN's flash attention; elsewhere cuDNN.
+# bench/kernels/hopper_attention.py, H200, Qwen3-4B's heads, 2026-12-02: 1k 27.8 us against cuDNN's 42.1, 2k 80.7
+# against 99.6, 8k 1046 against 1039 (level: cuDNN kept).
+FRESH_PROMPT_FLASH: list[tuple[int, int, FlashConfig]] = [(1024, 2048, FlashConfig())]
+
+
+# --- prompt attention over the paged cache (prefill_attention.py) -----------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    block_q: int = 32      # query tokens per program; power of two
+    block_k: int = 64      # key positions per inner step; power of two >= 16
+    heads: int = 0         # query heads per program: 0 = the whole GQA group (K/V tiles shared by the
+                           # group); else a divisor of the group (1: one head per program, the
+                           # "short prompt" variant with more, smaller programs)
+    num_warps: int = 4
+    num_stages: int = 2    # Triton software pipelining of the key loop
+    order: str = "work"    # schedule order: "work" (most keys first) or "natural" (sequence, block)
+
+    def astuple(self):
+        return dataclasses.astuple(self)
+
+
+# bench/kernels/prefill_attention.py --sweep, H200, 2026-11-29: rows (max tokens T of the call, tile rows, config),
+# first match wins; the tile rows (block_q x the heads of a program, padded to a power of two) fix block_q for the
+# model's group, so one row serves every GQA shape. Up to 256 tokens 16-row tiles of the whole group with 128-key
+# blocks won (prompt 128: 6.1 us against 7.4 for one head a program); from 1k on, 128-row tiles were within 4% of
+# the best of 48 configs everywhere. (128-key blocks at 4 stages pass the 227 KB of shared memory.)
+PREFILL_ATTENTION: list[tuple[int, int, PrefillConfig]] = [
+    (256, 16, PrefillConfig(block_k=128, heads=0, num_warps=4, num_stages=2)),
+    (_BIG, 128, PrefillConfig(block_k=64, heads=0, num_warps=8, num_stages=3)),
+]
+
+
+# --- the prompt step's norm/RoPE/cache write (rope_kv_write.py) -------------------------------------------------
+
+# A program's tokens as tiles of this many (a power of two): H200, the 1k prompt step 13.95 ms as a one-token loop,
+# 13.85 at tiles of 8 (16: 13.92, 32: 14.14).
+ROPE_KV_WRITE_TILE = 8
