@@ -78,9 +78,9 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     prof = trace_engine_decode(engine, [prompt], [params], profile_dir) if profile_dir else None
     # step_ms: as the user sees it, first token to last over the tokens in between; the engine's own
     # figure also counts dispatches that ran past the request's end.
-    res = dict(profile=prof, step_ms=1e3 * (done - first) / (len(out.token_ids) - 1), ttft_ms=1e3 * first,
+    res = dict(profile=prof, step_ms=1e3 * (done - first) / (len(out.outputs[0].token_ids) - 1), ttft_ms=1e3 * first,
                engine_step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"],
-               tokens=out.token_ids, compile_s=engine.compile_seconds)
+               tokens=out.outputs[0].token_ids, compile_s=engine.compile_seconds)
     if prof and "kernels_per_step" in prof:   # counted in the trace (the compiled HLO's count misleads)
         res.update(kernels_per_step=round(prof["kernels_per_step"], 1),
                    kernel_us_per_step=round(prof["kernel_us_per_step"], 1))

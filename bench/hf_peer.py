@@ -1,6 +1,6 @@
 """The transformers peer of the decode benchmark, in its fastest set-up: greedy `generate` with a static KV cache,
 whose decode steps transformers itself compiles (`CompileConfig`: torch.compile, "reduce-overhead" = CUDA graphs; the
-prompt's forward runs eager). The first session's hand-made loop around a compiled forward failed on the GPU (a CUDA
+prompt's forward runs eager). A hand-made loop around a compiled forward failed on the GPU (a CUDA
 graph's output overwritten by the next replay); generate copies the logits it keeps, so its own path is the one used.
 
 Per-token times come from a streamer that stamps each token as generate emits it, so one generate

@@ -8,8 +8,7 @@ Each workload of ncu_kernels.ONE_KERNEL is lowered for the `cuda` platform with 
 (3.6, as the GPU machine has) for sm_90 and its PTX assembled by the ptxas that package bundles (`ptxas -v`).
 Prints per kernel: warps, stages, grid, registers, spills, shared memory, the blocks an SM can hold by registers
 (`occupancy`) and the waves that make on 132 SMs.
-XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (nineteenth
-session, bench/NOTES.md): o_proj 96 here against 98 there. A tool for comparing variants before spending device
+XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
 """
 

@@ -3,8 +3,8 @@
     PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--workload W] [--kernels REGEX]
                                               [--skip 600] [--count 14] [--block-in N] [--rows N] [--out DIR]
 
-On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`:
-nineteenth session) but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
+On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`)
+but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
 `attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`: ONE_KERNEL, called --tokens times on random inputs;
 use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
 the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
@@ -293,7 +293,7 @@ def main() -> None:
                 *(["--rows", str(args.rows)] if args.rows else []), "--models",
                 args.models] + (["--model", args.model] if args.model else [])
         # --apply-rules no: the rules' advice is not read here (turning them off did not stop the engine
-        # workloads' crash: NOTES)
+        # workloads' crash)
         cmd = [ncu, "--clock-control", "none", "--apply-rules", "no", "--target-processes", "all",
                "--kernel-name", f"regex:{args.kernels}",
                "--launch-skip", str(args.skip), "--launch-count", str(args.count),

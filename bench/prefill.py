@@ -44,7 +44,7 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
                 "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True}),
                 # the prompt step as two executables, its first 6 layers apart (EngineConfig.prompt_step_head_layers)
                 "pallas-split6": ("pallas", {"prompt_step_head_layers": 6}),
-                # the prompt step as one executable (the GPU default before the twenty-fourth session)
+                # the prompt step as one executable (the former GPU default)
                 "pallas-one-step": ("pallas", {"prompt_step_head_layers": 0})}
 
 

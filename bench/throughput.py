@@ -32,7 +32,6 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
 from bench.trace_kernels import keep_command_buffers_when_profiling, trace_engine_decode
-from bench.variant_runs import tokens_fingerprint
 from jaxinfer.model.config import load_config
 from jaxinfer.engine.engine import Engine
 from bench.random_model import bench_model
@@ -40,6 +39,14 @@ from jaxinfer.sampling import SamplingParams
 
 
 _FORCED: list[str] = []   # kernel-choosing functions this process patched (force_attention_config)
+
+
+def tokens_fingerprint(token_ids) -> str:
+    """12 hex digits of the greedy tokens (a list, or a list of equal-length lists): runs that change only how a
+    kernel computes or is launched must agree on it."""
+    import hashlib
+
+    return hashlib.sha1(np.asarray(token_ids, np.int64).tobytes()).hexdigest()[:12]
 
 
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
@@ -73,7 +80,7 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         # (The engine has prefix caching off: both runs send the same prompts.)
         prefill_only, _ = run_all(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in params])
         full, outs = run_all(engine, prompts, params)
-        tokens_sha = tokens_fingerprint([o.token_ids for o in outs])
+        tokens_sha = tokens_fingerprint([o.outputs[0].token_ids for o in outs])
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
         weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
@@ -151,24 +158,12 @@ def force_attention_config(num_splits: int, block_k: int) -> None:
 
 
 def patch_skinny_table(path: str) -> None:
-    """Add the sweep's winning rows (kernels_skinny_gemm.py's JSON, "winners") to skinny_gemm's table."""
-    from jaxinfer.pallas import skinny_gemm as SG
+    """Add the sweep's winning rows (bench/kernels/skinny_gemm.py's JSON, "winners") to the skinny GEMM's table."""
+    from jaxinfer.pallas import tables
 
     for w in json.loads(Path(path).read_text()).get("winners", []):
-        SG._TABLE[(*w["shape"], w["epilogue"], w["M"])] = SG.SkinnyConfig(**w["cfg"])
+        tables.SKINNY_GEMM[(*w["shape"], w["epilogue"], w["M"])] = tables.SkinnyConfig(**w["cfg"])
         print(f"# skinny table + {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
-
-
-def patch_prefill_table(path: str) -> None:
-    """Each product the prefill sweep timed (kernels_skinny_gemm.py --prefill --sweep's JSON, "sweep") into
-    skinny_gemm's prefill table at its best config, whether or not it beat XLA in isolation (the step's A/B)."""
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    for e in json.loads(Path(path).read_text()).get("sweep", []):
-        if e["top"]:
-            SG._PREFILL_TABLE[(*e["shape"], e["epilogue"])] = SG.SkinnyConfig(**e["top"][0]["cfg"])
-            print(f"# prefill table + {e['shape'][0]} x {e['shape'][1]} {e['epilogue']}: {e['top'][0]['cfg']} "
-                  f"({e['top'][0]['us']:.1f} us at M={e['M']})", flush=True)
 
 
 def main() -> None:
@@ -186,11 +181,6 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="only the decode step table (no offline, no prefix)")
     ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
                     help="every decode attention call with this split config, not the table's (A/B runs)")
-    ap.add_argument("--hopper-decode-table", default=None, metavar="JSON",
-                    help="kernels_hopper_skinny.py's JSON: decode rows of each product it timed on the Mosaic GEMM")
-    ap.add_argument("--hopper-decode-rows", type=int, default=None,
-                    help="with --hopper-decode-table: only the products where the Mosaic GEMM beat the engine's "
-                         "kernel at these rows")
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
@@ -202,10 +192,6 @@ def main() -> None:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:
         patch_skinny_table(args.skinny_table)
-    if args.hopper_decode_table:
-        from bench.kernels_hopper_skinny import patch_decode_table
-
-        patch_decode_table(args.hopper_decode_table, args.hopper_decode_rows)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)
@@ -240,7 +226,7 @@ def main() -> None:
     params = [SamplingParams(max_tokens=int(n), temperature=0, ignore_eos=True)
               for n in rng.integers(16, 513, args.requests)]
     wall, outs = run_all(engine, prompts, params)
-    generated = sum(len(o.token_ids) for o in outs)
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
     out["offline"] = dict(requests=args.requests, wall_s=wall, generated=generated, tok_s=generated / wall,
                           preemptions=engine.scheduler.num_preemptions)
     print(f"\n## offline: {args.requests} requests, {generated:,} tokens in {wall:.1f} s = {generated / wall:,.0f} tok/s "

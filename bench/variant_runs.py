@@ -26,7 +26,7 @@ def add_variant_args(ap, variants) -> None:
 # conditionals too), and XLA's fusion of a (dynamic) slice into the GEMM that reads it
 _COMMAND_TYPES = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,"
 EVERY_COMMAND_TYPE = _COMMAND_TYPES + "DYNAMIC_SLICE_FUSION,WHILE,CONDITIONAL"
-# the same without DYNAMIC_SLICE_FUSION, as the fourth session's decode variants were measured
+# the same without DYNAMIC_SLICE_FUSION
 LOOPS_IN_COMMAND_BUFFERS = _COMMAND_TYPES + "WHILE,CONDITIONAL"
 NO_COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer="
 SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
@@ -36,16 +36,6 @@ SLICE_FUSION = "--xla_gpu_enable_dynamic_slice_fusion=true"
 # kernel signal its dependent early (launch_dependents), so the next one's launch overlaps more of the tail
 PDL = "--xla_gpu_enable_pdl=true"
 PDL_LAUNCH = PDL + " --xla_gpu_enable_pdl_launch=true"
-
-
-def tokens_fingerprint(token_ids) -> str:
-    """12 hex digits of the greedy tokens (a list, or a list of equal-length lists): runs that change only how a
-    kernel computes or is launched must agree on it."""
-    import hashlib
-
-    import numpy as np
-
-    return hashlib.sha1(np.asarray(token_ids, np.int64).tobytes()).hexdigest()[:12]
 
 
 def run_variants(script: str, variants: dict[str, str], child_args: list[str], timeout: float) -> list[dict]:
@@ -75,72 +65,53 @@ def run_variants(script: str, variants: dict[str, str], child_args: list[str], t
 
 def apply_bench_options(options: dict) -> dict:
     """Pop the bench-only options from a child's engine options and apply them before the engine loads:
-    "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or fused_gemv.ROWS entries),
-    "gemv_block_in" ({(out, in): block_in} for the decode GEMVs of those shapes: gemv._TABLE entries),
+    "gemv_rows" (the decode GEMVs' output rows per program: an int for every shape, or tables.GEMV_ROWS entries),
+    "gemv_block_in" ({(out, in): block_in} for the decode GEMVs of those shapes: tables.GEMV_BLOCK_IN entries),
     "attention_config" ((splits, block_k) for every decode attention call, throughput.force_attention_config),
-    "prefill_table" (a kernels_skinny_gemm.py --prefill --sweep JSON: each swept product's best config into
-    skinny_gemm's prefill table, whether or not it beat XLA in isolation, for the step's A/B),
     "no_hopper_gemm" (prompt rows on XLA's GEMM where hopper_gemm's table would take them: its table emptied),
-    "hopper_table" (a kernels_hopper_gemm.py JSON: each of hopper_gemm's table rows at the config that ran fastest),
-    "flash_table" (hopper_attention.TABLE's rows: [[first, last, FlashConfig's fields], ...], the Mosaic GPU flash
+    "hopper_table" (a bench/kernels/hopper_gemm.py JSON: each of hopper_gemm's table rows at the config that ran fastest),
+    "flash_table" (tables.FRESH_PROMPT_FLASH's rows: [[first, last, FlashConfig's fields], ...], the Mosaic GPU flash
     attention for a fresh prompt of those lengths; [] gives every length to cuDNN's),
     "rope_write_tiled" (the norm/RoPE/cache-write kernel with a program's tokens as tiles of that many:
-    rope_kv_write.TILED),
+    tables.ROPE_KV_WRITE_TILE),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
-    "split-every-array" (every per-layer array its own, vectors too: model.split_layers before the
-    thirteenth session). Returns the other options (the layers must be unrolled: unroll_layers)."""
+    "split-every-array" (every per-layer array its own, vectors too). Returns the other options (the layers must be unrolled: unroll_layers)."""
     options = dict(options)
     import jax
 
     import jaxinfer.engine.engine
-    from jaxinfer.pallas import fused_gemv
+    from jaxinfer.pallas import tables
 
     # These patch the step's code, not a table. The executable cache's key sees the source, the flags, the
-    # arguments and the kernels' tables (every one: tests/test_executable_cache.py), not a patched function
-    # (attention_config, weights, the batch's transfer): such a child compiles afresh (the fourteenth session's
-    # batch-8 attention A/B loaded its first run's executables for the second). The table patches keep the cache.
+    # arguments and the kernels' tables (pallas/tables.py), not a patched function (attention_config, weights,
+    # the batch's transfer): such a child compiles afresh. The table patches keep the cache.
     patched = ("attention_config" in options or bool(options.get("unpacked_batch"))
                or options.get("weights") is not None)
     if "gemv_rows" in options:   # the decode GEMVs' output rows per program: every shape's, or {(out, in): rows}
         rows = options.pop("gemv_rows")
-        fused_gemv.ROWS.clear()
+        tables.GEMV_ROWS.clear()
         if isinstance(rows, dict):
-            fused_gemv.ROWS.update(rows)
+            tables.GEMV_ROWS.update(rows)
         else:
-            fused_gemv.DEFAULT_ROWS = rows
-    if "gemv_block_in" in options:   # {(out, in): block_in}; block_in_for reads gemv's table
-        import dataclasses
-
-        from jaxinfer.pallas import gemv
-
-        for key, block_in in options.pop("gemv_block_in").items():
-            gemv._TABLE[key] = dataclasses.replace(gemv._TABLE.get(key, gemv._DEFAULT), block_in=block_in)
+            tables.GEMV_DEFAULT_ROWS = rows
+    if "gemv_block_in" in options:   # {(out, in): block_in}; fused_gemv.block_in_for reads the table
+        tables.GEMV_BLOCK_IN.update(options.pop("gemv_block_in"))
     if "attention_config" in options:   # every decode attention call at this (splits, block_k)
         from bench.throughput import force_attention_config
 
         force_attention_config(*options.pop("attention_config"))
-    if "prefill_table" in options:
-        from bench.throughput import patch_prefill_table
-
-        patch_prefill_table(options.pop("prefill_table"))
     if options.pop("no_hopper_gemm", False):
-        from jaxinfer.pallas import hopper_gemm
-
-        hopper_gemm.PREFILL_TABLE.clear()
+        tables.HOPPER_GEMM.clear()
     if "hopper_table" in options:
-        from bench.kernels_hopper_gemm import patch_table
+        from bench.kernels.hopper_gemm import patch_table
 
         patch_table(options.pop("hopper_table"))
     if "flash_table" in options:
-        from jaxinfer.pallas import hopper_attention
-
-        hopper_attention.TABLE[:] = [(first, last, hopper_attention.FlashConfig(**fields))
-                                     for first, last, fields in options.pop("flash_table")]
+        tables.FRESH_PROMPT_FLASH[:] = [(first, last, tables.FlashConfig(**fields))
+                                        for first, last, fields in options.pop("flash_table")]
     if "rope_write_tiled" in options:
-        from jaxinfer.pallas import rope_kv_write
-
-        rope_kv_write.TILED = options.pop("rope_write_tiled")
+        tables.ROPE_KV_WRITE_TILE = options.pop("rope_write_tiled")
     if options.pop("unpacked_batch", False):   # the prompt step's batch split by its own call, as before 2026-11-30
         from jaxinfer.runner.transfer import to_device
 

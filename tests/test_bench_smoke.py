@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _run(tmp_path, script, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
-    where = [] if script.startswith(("kernels_", "dispatch_args")) else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
+    where = [] if script.startswith("kernels/") else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), *where, *args], capture_output=True, text=True,
                        timeout=timeout, env=env, cwd=REPO)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -33,38 +33,18 @@ def _run(tmp_path, script, *args, timeout=300):
      "warm_start.json"),
     ("warm_start.py", ["--serve", "--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64",
                        "--max-num-seqs", "2", "--runs", "1"], "warm_start_serve.json"),
-    ("kernels_l2_prefetch.py", ["--interpret"], "l2_prefetch.json"),
-    ("kernels_fused_gemv.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--repeats", "1", "--rows", "1", "2"],
+    ("kernels/fused_gemv.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--repeats", "1", "--rows", "1", "2"],
      "fused_gemv.json"),
-    ("kernels_hopper_skinny.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--rows", "8"],
-     "kernels_hopper_skinny.json"),
-    ("kernels_hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
+    ("kernels/hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
      "kernels_hopper_gemm.json"),
-    ("kernels_hopper_attention.py", ["--interpret", "--tokens", "128", "--configs", "2"], "kernels_hopper_attention.json"),
-    ("step_memory.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-num-seqs", "2",
-                        "--max-model-len", "64"], "step_memory.json"),
-    ("kernels_top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
-    ("kernels_sampling.py", ["--vocab", "20000", "--rows", "1", "3", "--calls", "2"], "sampling.json"),
-    ("host_prompt_step.py", ["--layers", "1", "--max-num-seqs", "4", "--max-model-len", "2048", "--prompt", "256"],
-     "host_prompt_step.json"),
-    ("trace_cost.py", ["--layers", "2", "--ops", "reference"], "trace_cost.json"),
-    ("launch_cost.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--steps", "1", "2"],
-     "launch_cost.json"),
-    ("kernels_skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
-    ("kernels_skinny_gemm.py", ["--interpret", "--prefill", "--sweep", "--budget", "30"], "prefill_gemm.json"),
-    ("kernels_skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
-    ("kernels_decode_attention_rope.py", ["--interpret", "--points", "2:40"], "decode_attention_rope.json"),
-    ("kernels_barrier.py", ["--interpret", "--calls", "2"], "barrier.json"),
-    ("kernels_mosaic_gemv.py", ["--interpret"], "kernels_mosaic_gemv.json"),
-    ("kernels_decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
+    ("kernels/hopper_attention.py", ["--interpret", "--tokens", "128", "--configs", "2"], "kernels_hopper_attention.json"),
+    ("kernels/top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
+    ("kernels/sampling.py", ["--vocab", "20000", "--rows", "1", "3", "--calls", "2"], "sampling.json"),
+    ("kernels/skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
+    ("kernels/skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
+    ("kernels/decode_attention_rope.py", ["--interpret", "--points", "2:40"], "decode_attention_rope.json"),
+    ("kernels/decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
                                      "float16", "--points", "2:40", "--budget", "200"], "decode_attention.json"),
-    ("prefill_dispatch.py", ["--shape", "tiny", "--prompt", "40", "--ops", "reference", "--variants", "default",
-                             "fresh-attention", "host-trace"], "prefill_dispatch.json"),
-    ("decode_dispatch.py", ["--shape", "tiny", "--ctx", "40", "--steps", "2", "--ops", "reference", "--variants",
-                            "server-defaults+greedy"], "decode_dispatch.json"),
-    ("dispatch_args.py", ["--counts", "1", "8", "--calls", "5"], "dispatch_args.json"),
-    ("prefix_span.py", ["--shape", "tiny", "--ops", "reference", "--system", "32", "--new", "8", "--spans", "128"],
-     "prefix_span.json"),
 ])
 def test_bench_runs(tmp_path, script, args, out):
     stdout = _run(tmp_path, script, *args)
@@ -118,88 +98,67 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
-def test_the_prefill_table_option_fills_the_table_from_a_sweep(monkeypatch, tmp_path):
-    """prefill_dispatch's prefill-table variants: each product the prefill sweep timed goes into skinny_gemm's
-    prefill table at its best config (whether or not it beat XLA in isolation); the executable cache stays on (its
-    key sees the tables)."""
-    monkeypatch.syspath_prepend(str(REPO))
-    from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    monkeypatch.setattr(SG, "_PREFILL_TABLE", {})
-    best = dict(block_n=128, block_k=64, num_warps=8, num_stages=4, split_k=1, block_m=128)
-    sweep = [dict(shape=[19456, 2560], epilogue="swiglu", M=1024, top=[dict(cfg=best, us=150.0)], failed=0),
-             dict(shape=[6144, 2560], epilogue="none", M=1024, top=[], failed=3)]
-    path = tmp_path / "prefill_gemm.json"
-    path.write_text(json.dumps({"sweep": sweep}))
-    assert apply_bench_options({"prefill_table": str(path)}) == {}
-    assert SG._PREFILL_TABLE == {(19456, 2560, "swiglu"): SG.SkinnyConfig(**best)}
-    assert SG.prefill_table_config(1024, 19456, 2560, "swiglu") == SG.SkinnyConfig(**best)
-    assert SG.prefill_table_config(1024, 6144, 2560) is None
-
-
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
-    """prefill_dispatch's rope-tiled variants: the bench option sets rope_kv_write.TILED."""
+    """The rope-tiled variants: the bench option sets tables.ROPE_KV_WRITE_TILE."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import rope_kv_write
+    from jaxinfer.pallas import tables
 
-    monkeypatch.setattr(rope_kv_write, "TILED", 8)
+    monkeypatch.setattr(tables, "ROPE_KV_WRITE_TILE", 8)
     # a patched table keeps the executable cache (its key sees the tables); a patched function turns it off
     assert apply_bench_options({"rope_write_tiled": 16, "unroll_layers": True}) == {"unroll_layers": True}
     import jaxinfer.engine.engine
 
     monkeypatch.setattr(jaxinfer.engine.engine, "to_device_packed", jaxinfer.engine.engine.to_device_packed)   # restored after
     assert apply_bench_options({"unpacked_batch": True}) == {"executable_cache": ""}
-    assert rope_kv_write.TILED == 16
+    assert tables.ROPE_KV_WRITE_TILE == 16
     apply_bench_options({"rope_write_tiled": 32})
-    assert rope_kv_write.TILED == 32
+    assert tables.ROPE_KV_WRITE_TILE == 32
 
 
 def test_the_flash_table_option_sets_the_fresh_prompt_kernels_lengths(monkeypatch):
-    """prefill_dispatch's cudnn-attention / hopper-flash variants: the bench option replaces hopper_attention.TABLE."""
+    """The cudnn-attention / hopper-flash variants: the bench option replaces tables.FRESH_PROMPT_FLASH."""
     monkeypatch.syspath_prepend(str(REPO))
     from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import hopper_attention
-    from jaxinfer.pallas.hopper_attention import FlashConfig
+    from jaxinfer.pallas import tables
+    from jaxinfer.pallas.tables import FlashConfig
 
-    monkeypatch.setattr(hopper_attention, "TABLE", [(1024, 2048, FlashConfig())])
+    monkeypatch.setattr(tables, "FRESH_PROMPT_FLASH", [(1024, 2048, FlashConfig())])
     assert apply_bench_options({"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}) == {}
-    assert hopper_attention.TABLE == [(1024, 2048, FlashConfig(stages=1, q_buffers=2))]
+    assert tables.FRESH_PROMPT_FLASH == [(1024, 2048, FlashConfig(stages=1, q_buffers=2))]
     apply_bench_options({"flash_table": []})
-    assert hopper_attention.TABLE == []
+    assert tables.FRESH_PROMPT_FLASH == []
 
 
 def test_the_gemv_block_in_option_reaches_the_engines_gemvs(monkeypatch):
-    """decode_dispatch's oproj-in* variants: the bench option sets block_in for those shapes only (the engine's
-    GEMVs read it through fused_gemv.block_in_for) and keeps the entry's other fields."""
+    """The oproj-in* variants: the bench option sets block_in for those shapes only (the engine's GEMVs read it
+    through fused_gemv.block_in_for)."""
     monkeypatch.syspath_prepend(str(REPO))
     import jax.numpy as jnp
 
     from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import gemv
+    from jaxinfer.pallas import tables
     from jaxinfer.pallas.fused_gemv import block_in_for
 
-    monkeypatch.setattr(gemv, "_TABLE", dict(gemv._TABLE))
-    before = gemv._TABLE[(2560, 4096)]
+    monkeypatch.setattr(tables, "GEMV_BLOCK_IN", dict(tables.GEMV_BLOCK_IN))
     assert apply_bench_options({"gemv_block_in": {(2560, 4096): 512, (7, 64): 32}}) == {}
     assert block_in_for(2560, 4096, jnp.bfloat16) == 512 and block_in_for(7, 64, jnp.bfloat16) == 32
-    assert gemv._TABLE[(2560, 4096)].block_out == before.block_out
-    assert block_in_for(6144, 2560, jnp.bfloat16) == gemv._TABLE[(6144, 2560)].block_in   # others as they were
+    assert block_in_for(6144, 2560, jnp.bfloat16) == tables.GEMV_BLOCK_IN[(6144, 2560)] == 128   # others as they were
 
 
 def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
-    """kernels_skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
+    """bench/kernels/skinny_gemm.py keeps a swept config only where it beat XLA at that M in the same run;
     throughput.py --skinny-table adds those rows to skinny_gemm's table (the executable cache stays on: its key
     sees the table)."""
     monkeypatch.syspath_prepend(str(REPO))
     import json
 
     import bench.throughput as T
-    from bench.kernels_skinny_gemm import sweep_winners
+    from bench.kernels.skinny_gemm import sweep_winners
     from jaxinfer.pallas import skinny_gemm as SG
+    from jaxinfer.pallas import tables
 
-    cfg = dict(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1, block_m=0)
+    cfg = dict(block_n=32, block_k=256, num_warps=4, num_stages=3, split_k=1)
     results = {"sweep": [dict(shape=[19456, 2560], epilogue="swiglu", M=32, top=[dict(cfg=cfg, us=27.0)]),
                          dict(shape=[6144, 2560], epilogue="none", M=32, top=[dict(cfg=cfg, us=11.9)])],
                "rows": [dict(shape=[19456, 2560], epilogue="swiglu", M=32, xla_ok=True, xla_us=32.7),
@@ -207,41 +166,12 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     winners = sweep_winners(results)
     assert [(w["shape"], w["M"]) for w in winners] == [([19456, 2560], 32)]   # 11.9 against 12.0 is no win
     (tmp_path / "s.json").write_text(json.dumps({**results, "winners": winners}))
-    monkeypatch.setattr(SG, "_TABLE", dict(SG._TABLE))
+    monkeypatch.setattr(tables, "SKINNY_GEMM", dict(tables.SKINNY_GEMM))
     monkeypatch.setattr(T, "_FORCED", [])
     assert SG.table_config(32, 19456, 2560, "swiglu") is None
     T.patch_skinny_table(str(tmp_path / "s.json"))
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg)
     assert not T._FORCED   # a table the executable cache's key sees: the cache stays on
-
-
-def test_the_hopper_decode_table_option_takes_each_products_fastest_right_config(monkeypatch, tmp_path):
-    """throughput.py --hopper-decode-table: each product kernels_hopper_skinny.py timed goes into
-    hopper_gemm.DECODE_TABLE at its fastest config among those that matched XLA (a wrong faster one is passed
-    over)."""
-    monkeypatch.syspath_prepend(str(REPO))
-    import json
-
-    from bench.kernels_hopper_skinny import patch_decode_table
-    from jaxinfer.pallas import hopper_gemm
-    from jaxinfer.pallas.hopper_gemm import HopperConfig
-
-    monkeypatch.setattr(hopper_gemm, "DECODE_TABLE", {})
-    right = HopperConfig(64, 32, 64, 6, epi_n=32, split_n=True)
-    wrong = HopperConfig(64, 16, 64, 8, epi_n=16, split_n=True)
-    slow = HopperConfig(64, 64, 64, 4, split_n=True)
-    results = [dict(N=6144, K=2560, epilogue="none", M=64, kernel="mosaic", config=c.__dict__, us=us, rel_err=err)
-               for c, us, err in ((right, 9.0, 0.0), (wrong, 7.0, 4e-3), (slow, 12.0, 0.0))]
-    results.append(dict(N=6144, K=2560, epilogue="none", M=8, kernel="engine-skinny", us=10.0, share=0.6))
-    (tmp_path / "k.json").write_text(json.dumps(dict(results=results)))
-    assert hopper_gemm.decode_config(6144, 2560, "none") is None
-    patched = patch_decode_table(str(tmp_path / "k.json"))
-    assert hopper_gemm.decode_config(6144, 2560, "none") == right and len(patched) == 1
-    # with rows: only where it beat the engine's kernel at those rows (9.0 against 10.0 at 8 rows; none at 16)
-    hopper_gemm.DECODE_TABLE.clear()
-    assert len(patch_decode_table(str(tmp_path / "k.json"), 8)) == 1
-    hopper_gemm.DECODE_TABLE.clear()
-    assert patch_decode_table(str(tmp_path / "k.json"), 16) == [] and hopper_gemm.DECODE_TABLE == {}
 
 
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
@@ -306,7 +236,7 @@ def test_ncu_kernels_reads_the_details_page():
 
 def test_kernel_registers_occupancy_matches_what_ncu_reported():
     """bench/kernel_registers.py's blocks an SM by registers, against the limits Nsight Compute reported on the
-    H200 (nineteenth session): 66 registers -> 28 one-warp blocks, 98 -> 16, 92 with 4 warps -> 5, 48 with 4 -> 10."""
+    H200: 66 registers -> 28 one-warp blocks, 98 -> 16, 92 with 4 warps -> 5, 48 with 4 -> 10."""
     from bench.kernel_registers import occupancy
 
     assert [occupancy(r, w, 132)[0] for r, w in [(66, 1), (98, 1), (92, 4), (48, 4), (32, 1)]] == [28, 16, 5, 10, 32]
@@ -328,15 +258,15 @@ def test_kernel_registers_finds_each_kernels_triton_module():
 
 def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
     """prefill_dispatch's hopper-fastest variant: each of hopper_gemm's table rows (a measured row count) takes the
-    config that ran fastest and right in kernels_hopper_gemm.py's JSON; rows it did not time keep theirs."""
+    config that ran fastest and right in bench/kernels/hopper_gemm.py's JSON; rows it did not time keep theirs."""
     monkeypatch.syspath_prepend(str(REPO))
     import json
 
     from bench.variant_runs import apply_bench_options
-    from jaxinfer.pallas import hopper_gemm
+    from jaxinfer.pallas import hopper_gemm, tables
     from jaxinfer.pallas.hopper_gemm import HopperConfig
 
-    monkeypatch.setattr(hopper_gemm, "PREFILL_TABLE", dict(hopper_gemm.PREFILL_TABLE))
+    monkeypatch.setattr(tables, "HOPPER_GEMM", dict(tables.HOPPER_GEMM))
     fastest = HopperConfig(64, 128, 64, 5)
     results = [dict(N=6144, K=2560, epilogue="none", M=1024, config=fastest.__dict__, us=40.0, rel_err=0.0),
                dict(N=6144, K=2560, epilogue="none", M=1024, config=HopperConfig().__dict__, us=30.0, rel_err=1.0),
@@ -344,7 +274,7 @@ def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp
                     rel_err=0.0)]
     path = tmp_path / "kernels_hopper_gemm.json"
     path.write_text(json.dumps(dict(results=results)))
-    gate_up_before = hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")]
+    gate_up_before = tables.HOPPER_GEMM[(19456, 2560, "swiglu")]
     assert apply_bench_options({"hopper_table": str(path)}) == {}
     assert hopper_gemm.table_config(1024, 6144, 2560, "none") == fastest       # the wrong 30 us one is passed over
-    assert hopper_gemm.PREFILL_TABLE[(19456, 2560, "swiglu")] == gate_up_before
+    assert tables.HOPPER_GEMM[(19456, 2560, "swiglu")] == gate_up_before

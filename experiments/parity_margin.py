@@ -26,7 +26,7 @@ def generate(model_dir, ops, prompt, n, kv, logprobs=2, **extra):
     out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))[0]
     del llm
     gc.collect()
-    return out.token_ids, out.logprobs, out.top_logprobs
+    return out.outputs[0].token_ids, out.outputs[0].logprobs, out.outputs[0].top_logprobs
 
 
 def margin(top):

@@ -1,6 +1,6 @@
 """Paged prefill attention on the GPU: the flash-attention Pallas kernel against the XLA reference op.
 
-    PYTHONPATH=. python3 bench/kernels_prefill_attention.py [--sweep] [--budget 240] [--interpret]
+    PYTHONPATH=. python3 bench/kernels/prefill_attention.py [--sweep] [--budget 240] [--interpret]
 
 Default mode: for the Qwen3-4B shape (H 32, KVH 8, hd 128; Llama-3-8B has the same attention shape)
 and Qwen3-0.6B (16/8/128), bf16, page size 16, pages in random order, cases:
@@ -20,7 +20,7 @@ the same run, at the start and the end.
 --sweep: first, at the Qwen3-4B shape, a sweep of PrefillConfigs at prompt 128, 1,024, 8,192, the 2,048
 chunk after 6,144 and 4 x 1,024 (phase A: tile rows x heads per program x block_k; phase B: the best
 three with other num_warps / num_stages and the natural schedule order), printing the best per case:
-what fills prefill_attention._TABLE and its short/long crossover. Every config is checked against the
+what fills tables.PREFILL_ATTENTION and its short/long crossover. Every config is checked against the
 reference (a wrong block shape can compile, run and be silently wrong: ../shared/GPU_FACTS.md).
 --fused: also the engine's op for a step that is one fresh prompt (reference.fresh_prompt_attention: its
 K/V gathered back from the slots it wrote, then jax.nn.dot_product_attention(is_causal=True)) with
@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
-from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
+from bench.kernels.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 import numpy as np
 
 from jaxinfer.ops import reference

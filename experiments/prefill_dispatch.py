@@ -28,7 +28,6 @@ from bench.variant_runs import (EVERY_COMMAND_TYPE, NO_COMMAND_BUFFERS, PDL, PDL
                                 add_variant_args, apply_bench_options, run_variants)
 
 # kernels_skinny_gemm.py --prefill --sweep's JSON, for the prefill-table variants
-PREFILL_SWEEP = os.path.join(os.environ.get("OUT", "."), "prefill_gemm.json")
 # kernels_hopper_gemm.py's JSON, for the hopper-fastest variants: $HOPPER_JSON, else this call's $OUT
 HOPPER_JSON = os.environ.get("HOPPER_JSON") or os.path.join(os.environ.get("OUT", "."), "kernels_hopper_gemm.json")
 PROFILED = "--xla_enable_command_buffers_during_profiling=true"   # a profiled step keeps its command buffers
@@ -78,8 +77,6 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # session), 16 or 32 (rope_kv_write.TILED; the token loop it replaced is gone since the nineteenth)
     # the Pallas GEMM where kernels_skinny_gemm.py --prefill --sweep (its JSON in $OUT) swept a product: gate/up with
     # its SwiGLU epilogue takes the SiLU-multiply kernel (15 us a layer at 1k) and cuBLAS's memset gap out
-    "prefill-table": ("", False, {"prefill_table": PREFILL_SWEEP}),
-    "profiled-prefill-table": (PROFILED, True, {"prefill_table": PREFILL_SWEEP}),
     "rope-tiled": ("", False, {"rope_write_tiled": 8}),
     "rope-tiled-16": ("", False, {"rope_write_tiled": 16}),
     "rope-tiled-32": ("", False, {"rope_write_tiled": 32}),
@@ -161,7 +158,7 @@ def child(model_dir: str, ops: str, T: int, profile: bool | str, options: dict) 
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
-        first = engine.take_finished(rid).token_ids
+        first = engine.take_finished(rid).outputs[0].token_ids
         t1 = time.perf_counter()
         rows.append((t1 - t0, marks["call"] - t0, marks["launched"] - marks["call"], t1 - marks["launched"]))
     best = min(rows[1:])

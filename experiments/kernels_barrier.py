@@ -1,6 +1,6 @@
 """Does a grid barrier order memory between Pallas Triton programs on this GPU? Counts what it gets wrong.
 
-    PYTHONPATH=. python3 bench/kernels_barrier.py [--programs 128 256 512 1024] [--calls 200]
+    PYTHONPATH=. python3 bench/kernels/barrier.py [--programs 128 256 512 1024] [--calls 200]
 
 The persistent MLP block (pallas/mlp_block.py, removed in the seventeenth session after it measured slower than
 the two kernels; it is at dae4e19) gave outputs off by 1e-2 at 256 and 512 programs and exact at

@@ -1,7 +1,7 @@
 """A fresh prompt's causal attention: the Mosaic GPU flash kernel (pallas/hopper_attention.py) against cuDNN's flash
 attention (the engine's op for it today) and XLA's, one prompt from position 0.
 
-    PYTHONPATH=. python3 bench/kernels_hopper_attention.py [--tokens 1024 2048 8192] [--out DIR]
+    PYTHONPATH=. python3 bench/kernels/hopper_attention.py [--tokens 1024 2048 8192] [--out DIR]
     (CPU dry run: --interpret: small heads, XLA in cuDNN's place, each call timed once)
 
 Qwen3-4B's heads (32 query, 8 KV, hd 128; Llama-3-8B's are the same). Each op runs `--calls` times in a row inside
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import dense_gemm_rate
-from bench.kernel_timing import best_ms_per_call, log, rel_err
-from bench.kernels_hopper_gemm import TIMING, dry_run_timing
+from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
+from bench.kernels.hopper_gemm import TIMING, dry_run_timing
 from jaxinfer.ops import reference
 from jaxinfer.pallas import hopper_attention
 from jaxinfer.pallas.hopper_attention import FlashConfig

@@ -1,10 +1,10 @@
 """The engine's decode attention kernel (RoPE, norm and cache write fused: pallas/decode_attention_rope.py) by
 split configuration, at the batches and contexts of a batched decode step.
 
-    PYTHONPATH=. python3 bench/kernels_decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300]
+    PYTHONPATH=. python3 bench/kernels/decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300]
 
-bench/kernels_decode_attention.py sweeps the plain split kernel, which the engine no longer runs in a decode
-step (fourteenth session: batch 8's best plain config did not move the step). This sweeps the kernel the step
+bench/kernels/decode_attention.py sweeps the plain split kernel, which the engine no longer runs in a decode
+step (batch 8's best plain config did not move the step). This sweeps the kernel the step
 runs, merge included. Qwen3-4B's attention shape (H 32, KVH 8, hd 128, Qwen3's q/k norm and RoPE), bf16, page
 size 16, pages in random order. Each config runs inside one jit as a chain of calls that thread the caches
 (aliased, donated: the calls run one after another, as the layers do), over enough layers that the KV read is
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import log, rel_err, save_results
+from bench.kernels.kernel_timing import log, rel_err, save_results
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write

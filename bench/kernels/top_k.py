@@ -1,6 +1,6 @@
 """Top-k logprobs over the vocabulary: XLA's top_k against sampling.top_k_by_blocks.
 
-    PYTHONPATH=. python3 bench/kernels_top_k.py [--vocab 151936] [--rows 1 8 64 256] [--k 20]
+    PYTHONPATH=. python3 bench/kernels/top_k.py [--vocab 151936] [--rows 1 8 64 256] [--k 20]
 
 Each jit runs the op on `calls` different inputs in a row (device time >> dispatch); best of 3, ms
 per call. The answers are checked equal first. JSON to $OUT/top_k.json.
@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from bench.kernel_timing import best_ms_per_call
+from bench.kernels.kernel_timing import best_ms_per_call
 from bench.table import print_table
 from jaxinfer.sampling.sample import top_k_by_blocks
 

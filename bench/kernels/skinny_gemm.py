@@ -1,6 +1,6 @@
 """Batched-decode projections on the GPU: XLA's GEMM against the Pallas skinny tensor-core GEMM.
 
-    PYTHONPATH=. python3 bench/kernels_skinny_gemm.py [--sweep] [--budget 200] [--interpret]
+    PYTHONPATH=. python3 bench/kernels/skinny_gemm.py [--sweep] [--budget 200] [--interpret]
 
 For each weight shape of Qwen3-4B and Llama-3-8B (bf16) and M rows (one per sequence of the
 batch) it times, inside one jit over n different weight matrices (together >= 900 MB, so every
@@ -11,21 +11,13 @@ the HBM read ceiling measured in the same run.
 
 --sweep first searches configs at M = 16 and 64 on the Qwen3-4B shapes (phase A: block_n x block_k x
 split_k at 4 warps / 4 stages; phase B: the best three with other warps and stages) and prints the
-best per case: what fills skinny_gemm._TABLE. JSON to $OUT/skinny_gemm.json when OUT is set.
+best per case: what fills tables.SKINNY_GEMM. JSON to $OUT/skinny_gemm.json when OUT is set.
 
---prefill: the same kernel tiled over prompt rows (block_m) against XLA's GEMM at M = 128 ... 8,192
-(compute-bound: TFLOP/s and the share of the dense bf16 GEMM rate measured in the same run); its
---sweep (at M = 1,024: block_m x block_n x block_k, then warps and stages) fills
-skinny_gemm._PREFILL_TABLE where the kernel wins. Both sides compute the plain product for the
-residual shapes (XLA's extra add kernel, ~5 us at 1k rows, is left out: in XLA's favour).
-
---epilogues swiglu (or none, residual): only those products (e.g. gate/up with SwiGLU at 1k rows, the one
-prefill product the eighth session's sweep did not reach; prefill_dispatch's `prefill-table` variant then
-runs the 1k step with each swept product's best config).
+--epilogues swiglu (or none, residual): only those products.
 
 --norm: the products that follow an RMSNorm (QKV, gate/up) with the norm in: XLA's rms_norm_linear /
 rms_norm_swiglu against XLA's norm then the kernel (as ops.pallas calls it). (A norm prologue inside
-the kernel, x * scale on the loaded tiles, measured 2-3x slower than this on the H200; bench/NOTES.md.)
+the kernel, x * scale on the loaded tiles, measured 2-3x slower than this on the H200.)
 """
 
 from __future__ import annotations
@@ -43,9 +35,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-import bench.kernels_gemv as KG
-from bench.ceilings import dense_gemm_rate, hbm_read_ceiling
-from bench.kernel_timing import log, save_results
+import bench.kernels.problem as KG
+from bench.ceilings import hbm_read_ceiling
+from bench.kernels.kernel_timing import log, save_results
 
 from jaxinfer.ops import reference
 from jaxinfer.pallas import skinny_gemm as SG
@@ -56,9 +48,6 @@ SHAPES = {"qwen3-4b": [(6144, 2560, "none"), (2560, 4096, "residual"), (19456, 2
                         (4096, 14336, "residual")]}
 MS = [2, 8, 16, 32, 64, 128]
 SWEEP_MS = [16, 64]
-PREFILL_MS = [128, 512, 1024, 2048, 8192]
-PREFILL_SWEEP_MS = [1024]
-PREFILL = False
 INTERPRET = False
 NORM = False
 EPS = 1e-6
@@ -110,39 +99,24 @@ def phase_a(K):
     return cfgs
 
 
-def phase_a_prefill(K):
-    cfgs = []
-    for bm in (64, 128):
-        for bn in (64, 128, 256):
-            for bk in (32, 64):
-                if bm * bn <= 128 * 256:
-                    cfgs.append(SG.SkinnyConfig(block_n=bn, block_k=bk, num_warps=8 if bm * bn >= 128 * 128 else 4,
-                                                num_stages=3, block_m=bm))
-    return cfgs
-
-
 def phase_b(best):
     return [dataclasses.replace(c, num_warps=w, num_stages=s) for c in best for w in (4, 8) for s in (2, 3, 4, 5, 6)
             if (w, s) != (c.num_warps, c.num_stages)]
 
 
 def cfg_str(c: SG.SkinnyConfig):
-    return (f"{c.block_m or 'all'}/" if c.block_m or PREFILL else "") + \
-        f"{c.block_n}/{c.block_k}/w{c.num_warps}/s{c.num_stages}/k{c.split_k}"
+    return f"{c.block_n}/{c.block_k}/w{c.num_warps}/s{c.num_stages}/k{c.split_k}"
 
 
 def speed(p, us: float, ceiling: float) -> tuple[str, float]:
-    """(unit, share of the ceiling): TB/s of weights for decode rows, TFLOP/s for prompt rows."""
-    if PREFILL:
-        rate = 2 * p.T * p.n_out * p.n_in / (us * 1e-6)
-        return f"{rate / 1e12:.0f} TFLOP/s", rate / ceiling
+    """(unit, share of the ceiling): TB/s of weights."""
     rate = p.wbytes / (us * 1e-6)
     return f"{rate / 1e12:.2f} TB/s", rate / ceiling
 
 
 def sweep_winners(results: dict, margin: float = 0.97) -> list[dict]:
     """The sweep's best config per (shape, epilogue, M) where it beat XLA's time at that M in the same
-    run's table (by `margin`): rows for skinny_gemm._TABLE (bench/throughput.py --skinny-table)."""
+    run's table (by `margin`): rows for tables.SKINNY_GEMM (bench/throughput.py --skinny-table)."""
     xla = {(tuple(r["shape"]), r["epilogue"], r["M"]): r["xla_us"] for r in results["rows"] if r.get("xla_ok")}
     out = []
     for e in results["sweep"]:
@@ -160,39 +134,31 @@ def main():
     ap.add_argument("--models", default="qwen3-4b,llama3-8b")
     ap.add_argument("--threads", type=int, default=min(14, os.cpu_count() or 4))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny shapes)")
-    ap.add_argument("--prefill", action="store_true", help="prompt rows: the kernel tiled over M against XLA")
     ap.add_argument("--norm", action="store_true", help="QKV and gate/up with their RMSNorm in the product")
     ap.add_argument("--sweep-ms", type=int, nargs="*", default=None, help="the sweep's M values (default 16 64)")
     ap.add_argument("--ms", type=int, nargs="*", default=None, help="the table's M values")
     ap.add_argument("--epilogues", nargs="*", default=None, choices=["none", "residual", "swiglu"],
                     help="only the products with these epilogues (default all)")
     args = ap.parse_args()
-    global INTERPRET, SHAPES, MS, SWEEP_MS, PREFILL, NORM
+    global INTERPRET, SHAPES, MS, SWEEP_MS, NORM
     INTERPRET = KG.INTERPRET = args.interpret
-    PREFILL = args.prefill
     NORM = args.norm
     if NORM:
         SHAPES = {m: [s for s in shapes if s[2] != "residual"] for m, shapes in SHAPES.items()}
     if args.epilogues:
         SHAPES = {m: [s for s in shapes if s[2] in args.epilogues] for m, shapes in SHAPES.items()}
-    if PREFILL:
-        MS, SWEEP_MS = PREFILL_MS, PREFILL_SWEEP_MS
     if args.sweep_ms:
         SWEEP_MS = args.sweep_ms
     if args.ms:
         MS = args.ms
     if INTERPRET:
         SHAPES = {"tiny": [(96, 64, "none"), (128, 64, "swiglu")]}
-        MS, SWEEP_MS = ([80, 130], [80]) if PREFILL else ([2, 16], [16])
+        MS, SWEEP_MS = [2, 16], [16]
     t_start = time.time()
     dev = jax.devices()[0]
     log(f"device {dev.device_kind}, jax {jax.__version__}, {datetime.datetime.now().isoformat()}")
-    if PREFILL:
-        bw = dense_gemm_rate(256 if INTERPRET else 8192)
-        log(f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s")
-    else:
-        bw = hbm_read_ceiling(0.125 if INTERPRET else 4)
-        log(f"HBM read ceiling {bw / 1e12:.2f} TB/s")
+    bw = hbm_read_ceiling(0.125 if INTERPRET else 4)
+    log(f"HBM read ceiling {bw / 1e12:.2f} TB/s")
     results = {"device": dev.device_kind, "jax": jax.__version__, "argv": sys.argv[1:], "bw": bw,
                "date": datetime.datetime.now().isoformat(), "sweep": [], "rows": []}
     pool = cf.ThreadPoolExecutor(args.threads)
@@ -203,11 +169,8 @@ def main():
         for n_out, n_in, ep in SHAPES[first]:
             for M in SWEEP_MS:
                 p = problem(n_out, n_in, M, ep)
-                first_phase = phase_a_prefill(n_in) if PREFILL else phase_a(n_in)
-                if INTERPRET and PREFILL:
-                    first_phase = [dataclasses.replace(c, block_m=min(c.block_m, 32), block_n=32, block_k=32)
-                                   for c in first_phase[:2]]
-                elif INTERPRET:   # a CPU dry run checks the path, not the ranking
+                first_phase = phase_a(n_in)
+                if INTERPRET:   # a CPU dry run checks the path, not the ranking
                     first_phase = first_phase[:3]
                 a = KG.compile_then_time(p, {c: kernel_fn(c, ep) for c in first_phase}, pool, deadline)
                 ranked = sorted((r["us"], c) for c, r in a.items() if r.get("ok"))
@@ -232,8 +195,6 @@ def main():
             for M in MS:
                 p = problem(n_out, n_in, M, ep)
                 cfg = SG.choose_config(M, n_out, n_in, ep)
-                if INTERPRET and PREFILL:
-                    cfg = dataclasses.replace(cfg, block_m=32, block_n=32, block_k=32)
                 r = KG.compile_then_time(p, {"xla": xla_fn(ep), "kernel": kernel_fn(cfg, ep)}, pool, deadline)
                 row = dict(model=model, shape=[n_out, n_in], epilogue=ep, M=M, cfg=dataclasses.asdict(cfg), **{
                     f"{k}_{f}": v for k, d in r.items() for f, v in d.items()})
@@ -243,8 +204,7 @@ def main():
                     for k, d in r.items()))
                 del p
     pool.shutdown()
-    what, ceiling = (("Prompt-row projections", f"dense bf16 GEMM {bw / 1e12:.0f} TFLOP/s") if PREFILL else
-                     ("Batched-decode projections", f"HBM read {bw / 1e12:.2f} TB/s"))
+    what, ceiling = "Batched-decode projections", f"HBM read {bw / 1e12:.2f} TB/s"
     print(f"\n{what}, bf16, on {dev.device_kind}, jax {jax.__version__}; {ceiling}")
     print("| model | N x K | epilogue | M | config | kernel us | kernel share | XLA us | XLA share | speedup |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -256,13 +216,13 @@ def main():
         sp = f"{r['xla_us'] / r['kernel_us']:.2f}x" if k_ok and x_ok else ""
         print(f"| {r['model']} | {r['shape'][0]} x {r['shape'][1]} | {r['epilogue']} | {r['M']} | "
               f"{cfg_str(SG.SkinnyConfig(**r['cfg']))} | {ks} | {xs} | {sp} |")
-    if args.sweep and not PREFILL:
+    if args.sweep:
         results["winners"] = sweep_winners(results)
         for w in results["winners"]:
             print(f"# table row: {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: "
                   f"{cfg_str(SG.SkinnyConfig(**w['cfg']))} {w['us']:.2f} us against XLA {w['xla_us']:.2f}")
     print(f"total {time.time() - t_start:.0f} s")
-    save_results(results, "prefill_gemm.json" if PREFILL else "skinny_norm_gemm.json" if NORM else "skinny_gemm.json")
+    save_results(results, "skinny_norm_gemm.json" if NORM else "skinny_gemm.json")
 
 
 if __name__ == "__main__":

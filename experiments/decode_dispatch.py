@@ -17,7 +17,8 @@ from pathlib import Path
 
 from bench.table import print_table
 from bench.variant_runs import (EVERY_COMMAND_TYPE, LOOPS_IN_COMMAND_BUFFERS, NO_COMMAND_BUFFERS, PDL, PDL_LAUNCH,
-                                SLICE_FUSION, add_variant_args, apply_bench_options, run_variants, tokens_fingerprint)
+                                SLICE_FUSION, add_variant_args, apply_bench_options, run_variants)
+from bench.throughput import tokens_fingerprint
 from jaxinfer.engine.dispatch_timing import POLL
 
 VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options beyond the defaults below)
@@ -95,7 +96,7 @@ def child(model_dir: str, ops: str, ctx: int, steps: int, greedy: bool, profile:
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
-        tokens = engine.take_finished(rid).token_ids
+        tokens = engine.take_finished(rid).outputs[0].token_ids
     res["tokens_sha"] = tokens_fingerprint(tokens)
     res["engine_step_ms"] = 1e3 * engine.stats["decode_seconds"] / engine.stats["decode_tokens"]
     # as a user sees it (first token to last), driven as `jaxinfer generate` drives the engine and as

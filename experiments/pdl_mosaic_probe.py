@@ -32,7 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from bench.kernel_timing import best_ms_per_call
+from bench.kernels.kernel_timing import best_ms_per_call
 from jaxinfer.pallas.blocks import run_mosaic
 
 SHAPE = (16, 128)     # the dependent value: 8 KB of float32

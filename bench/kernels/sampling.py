@@ -1,6 +1,6 @@
 """The sampler's cost per call over the vocabulary: where a sampling step's time goes.
 
-    PYTHONPATH=. python3 bench/kernels_sampling.py [--vocab 151936] [--rows 1 8 64] [--calls 16]
+    PYTHONPATH=. python3 bench/kernels/sampling.py [--vocab 151936] [--rows 1 8 64] [--calls 16]
 
 Variants of jaxinfer.sampling.sampling.sample on [B, V] float32 logits with the penalty inputs the engine
 passes (prompt mask, output counts):
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.kernel_timing import best_ms_per_call
+from bench.kernels.kernel_timing import best_ms_per_call
 from bench.table import print_table
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.sample import TOP_K_CANDIDATES, SamplingArrays, _top_p_keep, sample, top_k_by_blocks

@@ -1,7 +1,7 @@
 """The Mosaic GPU prompt-row GEMM (jaxinfer/pallas/hopper_gemm.py) against XLA's GEMM (cuBLAS) plus its
 epilogue in XLA, at a model's prefill projections, on the H200.
 
-    PYTHONPATH=. python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192
+    PYTHONPATH=. python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192
     (CPU dry run: --interpret --shape tiny --rows 128 --layers 2 --configs best)
 
 For each projection (QKV plain, o_proj and down with the residual add, gate/up with SwiGLU) and row count:
@@ -23,21 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench.ceilings import dense_gemm_rate
-from bench.kernel_timing import best_ms_per_call, log, rel_err
-from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, reference, supported
+from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
+from jaxinfer.ops.twins import hopper_gemm as reference
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, supported
 from bench.random_model import SHAPES
 
 CONFIGS = [HopperConfig(64, 128, 64, 4), HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3),
            HopperConfig(128, 128, 64, 3), HopperConfig(64, 64, 64, 6), HopperConfig(128, 256, 64, 2),
-           # twenty-first session: two swizzle atoms a k step (half the waits a FLOP), and 192-wide tiles (QKV at
+           # two swizzle atoms a k step (half the waits a FLOP), and 192-wide tiles (QKV at
            # 1k: 256 CTA tiles, 1.94 waves of 132 SMs, against 384 tiles' 2.91)
            HopperConfig(64, 128, 128, 2), HopperConfig(64, 192, 64, 4)]
 SWIGLU_CONFIGS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 64, 64, 5), HopperConfig(64, 64, 64, 4),
                   HopperConfig(128, 64, 64, 3), HopperConfig(128, 128, 64, 2),
                   # gate/up at 1k: 32-wide tiles make 2,432 CTA tiles (18.4 waves: the last 42% full, not 21%)
                   HopperConfig(64, 64, 128, 2), HopperConfig(64, 32, 64, 6, epi_n=32)]
-# --configs table: the table's 1k configs beside neighbours (snake width, stages, epilogue width; twenty-first
-# session, after 64x192/4 for QKV and 64x128/3 for gate/up were adopted)
+# --configs table: the table's 1k configs beside neighbours (snake width, stages, epilogue width)
 TABLE_NEIGHBOURS = [HopperConfig(64, 192, 64, 4), HopperConfig(64, 192, 64, 3),
                     HopperConfig(64, 192, 64, 4, snake_width=4), HopperConfig(64, 192, 64, 4, snake_width=16)]
 SWIGLU_TABLE_NEIGHBOURS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 128, 64, 4),
@@ -47,23 +48,21 @@ SWIGLU_TABLE_NEIGHBOURS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 128, 6
 BEST = [HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3), HopperConfig(128, 128, 64, 3)]
 SWIGLU_BEST = [HopperConfig(128, 64, 64, 3), HopperConfig(64, 128, 64, 3)]
 # A config counts only where it matches XLA: the kernel does bit for bit where it is right, and a race shows
-# as rel err ~1e-3 (H200, twenty-first session: a wgmma group left in flight, 4.9e-3 with 0.2% of elements off)
+# as rel err ~1e-3 (H200: a wgmma group left in flight gave 4.9e-3 with 0.2% of elements off)
 RIGHT = 1e-4
 # best_ms_per_call's options: ~0.2 s loops of each call on the GPU; one run of each in a CPU dry run (--interpret)
 TIMING: dict = dict(target_s=0.2)
 
 
 def patch_table(path: str) -> None:
-    """For the step's A/B: each product and row count that hopper_gemm's table holds takes the config that ran
+    """For the step's A/B: each product and row count that tables.HOPPER_GEMM holds takes the config that ran
     fastest (and right) in a run of this bench (its JSON), whether or not it beat XLA there."""
-    from jaxinfer.pallas import hopper_gemm
-
     fastest: dict = {}
     for r in json.load(open(path))["results"]:
         key = (r["N"], r["K"], r["epilogue"], r["M"])
         if r["rel_err"] < RIGHT and (key not in fastest or r["us"] < fastest[key]["us"]):
             fastest[key] = r
-    for (N, K, epilogue), rows in list(hopper_gemm.PREFILL_TABLE.items()):
+    for (N, K, epilogue), rows in list(tables.HOPPER_GEMM.items()):
         new_rows = []
         for first, last, config in rows:
             r = fastest.get((N, K, epilogue, first)) if first == last else None
@@ -71,7 +70,7 @@ def patch_table(path: str) -> None:
                 config = HopperConfig(**r["config"])
                 print(f"# hopper table: {N} x {K} {epilogue} at {first} rows: {config} ({r['us']:.1f} us)", flush=True)
             new_rows.append((first, last, config))
-        hopper_gemm.PREFILL_TABLE[(N, K, epilogue)] = tuple(new_rows)
+        tables.HOPPER_GEMM[(N, K, epilogue)] = tuple(new_rows)
 
 
 def projections(shape: str) -> list[tuple[str, int, int, str]]:
@@ -90,9 +89,8 @@ def xla_op(epilogue: str):
 
 def over_layers(op, layers: int):
     """A jit calling op once per weight matrix (each its own HBM read); it returns every output (so none
-    is dead code). ws is a tuple of separate arrays, as the engine's step holds its layers (until the
-    twenty-first session one stacked array, sliced here: suspected of a weight copy before each cuBLAS call
-    that the step does not make, as XLA ran ~50% slower here than in the step's trace)."""
+    is dead code). ws is a tuple of separate arrays, as the engine's step holds its layers (a stacked array
+    sliced here made XLA run ~50% slower than in the step's trace)."""
     def f(x, ws, r):
         return tuple(op(x, ws[layer], r) for layer in range(layers))
     return jax.jit(f)

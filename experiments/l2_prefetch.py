@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import rel_err
+from bench.kernels.kernel_timing import rel_err
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
 
 f32 = jnp.float32

@@ -31,8 +31,8 @@ def rel_err(y, ref) -> float:
 def best_ms_per_call(f, args: tuple, calls: int, repeats: int = 3, target_s: float | None = None):
     """(f(*args)'s outputs, best of `repeats` timed runs in ms per call) for a jitted f that runs an op on
     `calls` inputs in a row (device time >> dispatch); the first, untimed run compiles. target_s: each timed
-    run calls f back to back for about that long (runs of ~1 ms leave the GPU at idle clocks: the fifteenth
-    session's first kernels_fused_gemv run measured the plain GEMV at 4x its sweep's time)."""
+    run calls f back to back for about that long (runs of ~1 ms leave the GPU at idle clocks: a GEMV so timed
+    measured 4x its sweep's time)."""
     outs = jax.block_until_ready(f(*args))
     n = 1
     if target_s is not None:

@@ -42,7 +42,7 @@ servers() {
 case "${1:-1}" in
   skinny)    # the batched-decode GEMM: GPU parity, config sweep and kernel-vs-XLA table, engine check
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
-    step 330 python3 bench/kernels_skinny_gemm.py --sweep --budget 180
+    step 330 python3 bench/kernels/skinny_gemm.py --sweep --budget 180
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 --requests 30 --system 64 --out "$OUT"
     ;;
   batched)   # after the skinny table: prefill host split, TTFT, batched decode and offline throughput
@@ -77,7 +77,7 @@ case "${1:-1}" in
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
     step 240 python3 bench/decode.py --shapes qwen3-4b llama3-8b --paths ${PATHS:-pallas pallas-unfused-rope reference} \
          --long qwen3-4b:8192 --out "$OUT"
-    [ -n "$NO_TOPK" ] || step 60 python3 bench/kernels_top_k.py --out "$OUT"
+    [ -n "$NO_TOPK" ] || step 60 python3 bench/kernels/top_k.py --out "$OUT"
     ;;
   final)     # after the nested-jit layers: GPU parity, warm start of the server, serving, batch-1 decode
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py
@@ -140,8 +140,8 @@ case "${1:-1}" in
   gemm)      # the tensor-core GEMM tiled over prompt rows against XLA's (issue 4): GPU tests, sweep at 1k rows,
              # table at 128-8,192 rows; then the decode GEMM's table again (its grid gained an M axis)
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_skinny_gemm_gpu.py
-    step 330 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 200
-    step 120 python3 bench/kernels_skinny_gemm.py --models qwen3-4b
+    step 330 python3 bench/kernels/skinny_gemm.py --prefill --sweep --budget 200
+    step 120 python3 bench/kernels/skinny_gemm.py --models qwen3-4b
     ;;
   fp8)       # the float8 KV cache: GPU parity with the reference path, then batched decode with bf16 and with
              # float8 pages (issue 5: B64 <= 1.5 x B1 needs the KV bytes halved), then serving with float8 pages
@@ -158,14 +158,14 @@ case "${1:-1}" in
   regress)   # the seventh session: batched decode came back slower (B8 3.52 -> 5.32 ms) after the GEMM's row tiles
              # and norm prologue; the prologue against XLA's norm per kernel, traces of B8 and B64, and the
              # same at the commit before the prologue (PRE=.ab/pre_norm: that commit's jaxinfer/, carried)
-    step 150 python3 bench/kernels_skinny_gemm.py --norm --models qwen3-4b
+    step 150 python3 bench/kernels/skinny_gemm.py --norm --models qwen3-4b
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
     mkdir -p "$OUT/pre"; [ -z "${PRE:-}" ] || PYTHONPATH=$PRE:. step 120 python3 bench/throughput.py --shape qwen3-4b --batches 8 64 \
          --requests 30 --system 64 --out "$OUT/pre"
     ;;
   fp8b)      # after the prologue's revert: float8 decode attention swept (its first table doubles bf16's block_k),
              # then batched decode with bf16 and with float8 pages (issue 5: B64 <= 1.5 x B1)
-    step 200 python3 bench/kernels_decode_attention.py --kv-cache-dtype fp8 --sweep --no-table --budget ${SWEEP_S:-140} \
+    step 200 python3 bench/kernels/decode_attention.py --kv-cache-dtype fp8 --sweep --no-table --budget ${SWEEP_S:-140} \
          --points 64:1024 16:1024 1:8192 128:1024 1:1024 4:8192 64:8192
     for kv in auto fp8; do
       step 160 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 128 --requests 100 --system 64 \
@@ -176,7 +176,7 @@ case "${1:-1}" in
   fp8c)      # float8 decode attention with float16 queries (e4m3 -> f16 is one instruction; -> bf16 is not),
              # then the server traced (the trace round)
     for qd in bfloat16 float16; do
-      step 90 python3 bench/kernels_decode_attention.py --kv-cache-dtype fp8 --query-dtype $qd --sweep --no-table \
+      step 90 python3 bench/kernels/decode_attention.py --kv-cache-dtype fp8 --query-dtype $qd --sweep --no-table \
            --budget 45 --points 64:1024 128:1024 1:8192
       cp "$OUT/decode_attention.json" "$OUT/decode_attention-fp8-$qd.json"
     done
@@ -187,7 +187,7 @@ case "${1:-1}" in
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float8
     step 130 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 32 64 128 --requests 100 --system 64 \
          --kv-cache-dtype fp8 --out "$OUT"
-    step ${GEMM_S:-100} python3 bench/kernels_skinny_gemm.py --prefill --models qwen3-4b
+    step ${GEMM_S:-100} python3 bench/kernels/skinny_gemm.py --prefill --models qwen3-4b
     ;;
   gaps)      # the eighth session's first call: GPU parity (the greedy-only prompt step is on by default on GPUs,
              # not yet run there); where the server's device idles under load (a third of the time in run 4 of
@@ -236,7 +236,7 @@ case "${1:-1}" in
              # steps back late; the float8 test accepts partings at near ties), then the prefill GEMM's sweep
              # at 1k rows against XLA's (issue 4)
     step 330 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
-    step 200 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget ${SWEEP_S:-110} --models qwen3-4b
+    step 200 python3 bench/kernels/skinny_gemm.py --prefill --sweep --budget ${SWEEP_S:-110} --models qwen3-4b
     ;;
   ttft)      # the ninth session's first call: GPU parity (a newcomer's prompt step now goes behind the decode
              # dispatch in flight, with overlap_mixed, the GPU default), then the server with it and without it
@@ -257,7 +257,7 @@ case "${1:-1}" in
              # prefill up to 32k with and without the fresh op, and with the prefixed-chunk op at 32k
     step 190 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k on_cudnn_attention
     step 90 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
-    step 100 python3 bench/kernels_prefill_attention.py --fused
+    step 100 python3 bench/kernels/prefill_attention.py --fused
     step 130 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 32768 --paths pallas pallas-paged --out "$OUT"
     mkdir -p "$OUT/prefixed"
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas-prefixed --out "$OUT/prefixed"
@@ -267,7 +267,7 @@ case "${1:-1}" in
              # three bf16 paths parted), the prefixed op's crossover in prefix length (chunks of 1,024 and 2,048
              # after 1,024-2,048 tokens: its prefix is gathered at the page row's whole span), then round sampled
     step 190 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k on_cudnn_attention
-    step 120 python3 bench/kernels_prefill_attention.py --fused
+    step 120 python3 bench/kernels/prefill_attention.py --fused
     bash "$0" sampled
     ;;
   eleventh)  # the eleventh session's first call: the whole GPU parity file (10 tests; plain_sampling_step and the top-k
@@ -357,11 +357,11 @@ case "${1:-1}" in
   barrier)   # does a grid barrier order memory between Pallas Triton programs? (the persistent MLP block's outputs
              # were off at 256-512 programs): wrong values and the counter, by variant (fences, the last arriver)
              # and program count; ~1 min. What a persistent kernel or a merge by the last split needs first
-    step 150 python3 bench/kernels_barrier.py --programs 128 256 512 1024 --calls 200
+    step 150 python3 bench/kernels/barrier.py --programs 128 256 512 1024 --calls 200
     ;;
   skinny32)  # batch 17-32's projections: the tensor-core GEMM's table has M = 16 and 64 configs only, and B32's step runs
              # gate/up on XLA's GEMM at 32.7 us a layer (the M = 64 sweep found XLA faster there); a sweep at M = 32
-    step 330 python3 bench/kernels_skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 260
+    step 330 python3 bench/kernels/skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 260
     ;;
   table16)   # after batch 5-8's attention row (8 x 64): the batched decode table at batch 1-64 with the tables as
              # shipped, and Llama-3-8B's batch-1 decode with its QKV at 2 rows a program
@@ -369,21 +369,21 @@ case "${1:-1}" in
     step 200 python3 bench/decode.py --shapes llama3-8b --paths pallas --out "$OUT"
     ;;
   ropeattn)  # the engine's decode attention kernel (RoPE, norm, cache write fused) by split config at batch 1-32
-             # (bench/kernels_decode_attention.py sweeps the plain kernel, which the step no longer runs); batch 8's
+             # (bench/kernels/decode_attention.py sweeps the plain kernel, which the step no longer runs); batch 8's
              # attention took 17.6 us a layer in the thirteenth session's trace against ~7.5 at the read ceiling
-    step 420 python3 bench/kernels_decode_attention_rope.py --budget 330
+    step 420 python3 bench/kernels/decode_attention_rope.py --budget 330
     ;;
   swiglu)    # (the interleaved variant was removed in the seventeenth session: this round no longer runs as written) the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
              # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
              # batch-1 step (same greedy tokens expected)
-    step 150 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
+    step 150 python3 bench/kernels/fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
     mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-swiglu.json"
     # (pallas/mlp_block.py and --mlp-block were removed in the seventeenth session; at dae4e19)
     # the persistent MLP block (pallas/mlp_block.py: one kernel, a grid barrier between SwiGLU and down) against
     # the engine's two kernels; last, and under its own limit: a program count the GPU cannot keep resident
     # would spin forever (prediction in NOTES: 36-42 us against 39.5)
-    step 120 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --mlp-block 256 512 1024 --out "$OUT"
+    step 120 python3 bench/kernels/fused_gemv.py --shape qwen3-4b --mlp-block 256 512 1024 --out "$OUT"
     ;;
   b8redo)    # batch 8's attention row A/B again, each row compiled (the fourteenth session's second run loaded the
              # first run's executables: void); each engine start compiles ~125 s
@@ -403,15 +403,15 @@ case "${1:-1}" in
     ;;
   rows)      # the decode GEMVs by output rows per program: in isolation (each projection over 36 stacked layers,
              # against the no-prologue kernel and the plain GEMV), then the batch-1 step at 1 / 2 / 4 rows
-    step 200 python3 bench/kernels_fused_gemv.py --shape qwen3-4b --out "$OUT"
+    step 200 python3 bench/kernels/fused_gemv.py --shape qwen3-4b --out "$OUT"
     step 280 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy ${ROWS_VARIANTS:-rows2+greedy \
          rows4+greedy} --out "$OUT"
     ;;
   rows2)     # after Qwen3-4B's QKV took 2 rows a program (fused_gemv.ROWS): the other shapes' projections by rows,
              # the batch-1 decode table for Qwen3-4B, greedy parity in float32
-    step 150 python3 bench/kernels_fused_gemv.py --shape llama3-8b --rows 1 2 4 --repeats 3 --out "$OUT"
+    step 150 python3 bench/kernels/fused_gemv.py --shape llama3-8b --rows 1 2 4 --repeats 3 --out "$OUT"
     mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-llama3-8b.json"
-    step 100 python3 bench/kernels_fused_gemv.py --shape qwen3-0.6b --rows 1 2 4 --repeats 3 --out "$OUT"
+    step 100 python3 bench/kernels/fused_gemv.py --shape qwen3-0.6b --rows 1 2 4 --repeats 3 --out "$OUT"
     mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-qwen3-0.6b.json"
     step 120 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k float32
     step 120 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
@@ -453,15 +453,15 @@ case "${1:-1}" in
              # its GPU tests, then Qwen3-4B-shaped layers in one launch (grid barriers, static or ticketed tiles)
              # against the engine's fused_gemv chain
     step 240 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
-    step 330 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b --out "$OUT"
+    step 330 python3 bench/kernels/persistent_gemv.py --shapes qwen3-4b --out "$OUT"
     ;;
   persist1b) # after persist1 (call 1: the loop streamed at 66% without meetings): prefetch depth, CTAs an SM, a phase's
              # first weights loaded before its barrier; both shapes in one call
-    step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    step 560 python3 bench/kernels/persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     ;;
   persist1c) # after persist1b (deeper prefetch lost: registers): the input reloaded every tile (L1) so the registers go
              # to weights in flight; more warps an SM
-    step 560 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    step 560 python3 bench/kernels/persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     ;;
   jt1)       # official Triton through jax_triton (its wheel carried in .carry/jt): does it run on jax 0.11.2, and does a
              # persistent GEMV with a pipelined tile loop (tl.range num_stages) stream better than Pallas Triton's, and
@@ -469,7 +469,7 @@ case "${1:-1}" in
              # the pipeliner (num_stages 3-4); last the persistent_gemv GPU tests at calls 2-3's options
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/jt/*.whl
     step 260 env PYTHONPATH=.:/tmp/site python3 bench/jax_triton_probe.py
-    step 170 python3 bench/kernels_persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
+    step 170 python3 bench/kernels/persistent_gemv.py --shapes qwen3-4b qwen3-0.6b --out "$OUT"
     step 100 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
     ;;
   jt2)       # jt1's probe again with the TMA_TF32 shim (jax_triton 0.4.1 against triton 3.6.0), alone
@@ -495,9 +495,9 @@ case "${1:-1}" in
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_mosaic_gemv_gpu.py
-    step 150 python3 bench/kernels_mosaic_gemv.py --out "$OUT"
+    step 150 python3 bench/kernels/mosaic_gemv.py --out "$OUT"
     mv "$OUT/kernels_mosaic_gemv.json" "$OUT/kernels_mosaic_gemv-noflag.json"
-    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/kernels_mosaic_gemv.py --out "$OUT"
+    step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/kernels/mosaic_gemv.py --out "$OUT"
     ;;
   norm8)     # batch 8's QKV and gate/up GEMMs with the RMSNorm as their prologue, folded and exactly rounded (run 4 of
              # the seventeenth session, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh
@@ -513,7 +513,7 @@ case "${1:-1}" in
              # XLA at M = 32 in the same run), then batch 32 decode without and with them in the table
              # (throughput.py --skinny-table), engines compiled lazily (only the steps taken). B32's gate/up runs on
              # XLA's GEMM (32.7 us a layer, sixteenth session). Predicted in NOTES: 4.45 -> ~4.25 ms if gate/up wins
-    step 250 python3 bench/kernels_skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 150
+    step 250 python3 bench/kernels/skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 150
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b32-before.json"
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile \
@@ -575,14 +575,14 @@ case "${1:-1}" in
     ;;
   mgpu)      # the Mosaic GPU (wgmma/TMA) prompt GEMM with fused epilogues against XLA's GEMM + epilogue at Qwen3-4B's
              # prefill projections (twentieth session); then the GPU tests unrun since the nineteenth session
-    step 300 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --out "$OUT"
+    step 300 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --out "$OUT"
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_parity_gpu.py -k \
          "rope or float32"
     ;;
   mgpu2)     # after mgpu: the Mosaic GEMM at the other token buckets (128-4,096 rows), its GPU tests, then the 1k prompt
              # step with it against without (hopper_gemm's table emptied), alternating, each its own process, and
              # issue 4's TTFT table (twentieth session; predictions in NOTES)
-    step 200 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 128 256 512 2048 4096 --configs best --out "$OUT"
+    step 200 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 128 256 512 2048 4096 --configs best --out "$OUT"
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     prefill_ab 90 no-hopper default no-hopper default
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas reference --out "$OUT"
@@ -610,7 +610,7 @@ case "${1:-1}" in
              # (~8-9 min: a call's 10 minutes hold it only if the steps run short of their limits; mgpu6 is the
              # rest, with HOPPER_JSON=bench/results/<this call's kernels_hopper_gemm.json> once committed)
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 150 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --configs carry --out "$OUT"
+    step 150 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --configs carry --out "$OUT"
     prefill_ab 80 default hopper-fastest no-hopper
     step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-hopper-fastest \
          --out "$OUT"
@@ -623,7 +623,7 @@ case "${1:-1}" in
              # cuBLAS), with 128-deep k steps and wave-friendly widths; the 1k step traced (the Mosaic kernels
              # named by epilogue), then the table at this sweep's fastest configs against the table as committed
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 200 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 --out "$OUT"
+    step 200 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 --out "$OUT"
     step 80 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
          --out "$OUT"
     mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-profiled.json"
@@ -635,12 +635,12 @@ case "${1:-1}" in
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     prefill_ab 80 default no-hopper default no-hopper
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
-    step 80 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 8192 --only qkv --out "$OUT"
+    step 80 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 8192 --only qkv --out "$OUT"
     ;;
   mgpu9)     # the GPU tests at the mended tolerance; the table's 1k configs beside neighbours (snake width,
              # stages, epilogue width), then the 1k step at the fastest of them against the table, alternating (~6 min)
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 100 python3 bench/kernels_hopper_gemm.py --shape qwen3-4b --rows 1024 --only qkv gate_up --configs table \
+    step 100 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 --only qkv gate_up --configs table \
          --out "$OUT"
     prefill_ab 80 hopper-fastest default hopper-fastest default
     ;;
@@ -653,19 +653,19 @@ case "${1:-1}" in
              # and K split in ranges (split_k) on decode rows padded to 64: its GPU tests, then
              # kernels_hopper_skinny.py against the engine's skinny GEMM / XLA at 8-64 rows (~6 min; NOTES)
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
-    step 300 python3 bench/kernels_hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
+    step 300 python3 bench/kernels/hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
     ;;
   flash1)    # twenty-second session: the Mosaic GPU flash attention for a fresh prompt (pallas/hopper_attention.py): its
              # GPU tests beside cuDNN's error, the kernel against cuDNN / XLA at 1k-8k tokens, then the 1k step with
              # it in place of cuDNN against the default, alternating (~8 min)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
-    step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    step 120 python3 bench/kernels/hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash
     ;;
   flash2)    # flash1's kernel with its compute warpgroups in ping-pong (and without, as a config): GPU tests, the kernel
              # against cuDNN at 1k-8k, the 1k step against the default alternating twice (~7 min)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
-    step 120 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    step 120 python3 bench/kernels/hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash default
     ;;
   flash3)    # the flash kernel persistent (one CTA an SM walking items, its ring streaming the next item's loads under
@@ -677,7 +677,7 @@ import jax, jax.numpy as jnp
 from jaxinfer.pallas import hopper_attention as ha
 q = jnp.ones((1024, 32, 128), jnp.bfloat16); k = jnp.ones((1024, 8, 128), jnp.bfloat16)
 ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spill|registers|smem|stack" | head -20
-    step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    step 150 python3 bench/kernels/hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 hopper-flash default hopper-flash default
     ;;
   flash4)    # the flash kernel in hopper_attention.TABLE (1k-2k): the bf16 engine-level test of a fresh 1k prompt through
@@ -693,7 +693,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # its configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers
              # and cuDNN (~7 min; adopt a config only where both the kernel bench and the step show it)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
-    step 150 python3 bench/kernels_hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
+    step 150 python3 bench/kernels/hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 default hopper-flash-2q cudnn-attention default
     ;;
   trace1)    # twenty-third session: the 1k step's kernels traced as the step is now (flash attention for the prompt),
@@ -820,7 +820,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
   gateup)    # gate/up with its SwiGLU epilogue on the Pallas GEMM at 1k prompt rows (the eighth session's prefill sweep
              # reached QKV, 0.90x XLA, and o_proj, 0.77x, not gate/up): the sweep, then the 1k prompt step with the
              # sweep's best config in the prefill table (the SiLU-multiply kernel and cuBLAS's memset gap go)
-    step 200 python3 bench/kernels_skinny_gemm.py --prefill --sweep --budget 120 --models qwen3-4b --epilogues swiglu \
+    step 200 python3 bench/kernels/skinny_gemm.py --prefill --sweep --budget 120 --models qwen3-4b --epilogues swiglu \
          --ms 1024
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default prefill-table \
          --out "$OUT"
@@ -838,7 +838,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # counters, bit-equal outputs, exact counters), the kernel sweep with and without, the batch-1 step A/B,
              # batch 8 (lazy engines, XLA's autotuning shared). Predicted in NOTES (eighteenth session)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_decode_attention_rope_gpu.py
-    step 150 python3 bench/kernels_decode_attention_rope.py --merge-last --budget 100 --points 1:1024 8:1024 8:2048
+    step 150 python3 bench/kernels/decode_attention_rope.py --merge-last --budget 100 --points 1:1024 8:1024 8:2048
     step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy merge-last+greedy \
          --out "$OUT"
     for v in plain last; do
@@ -853,7 +853,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # norm/RoPE (SplitConfig.prefetch; outputs equal bit for bit in the interpret tests): the kernel sweep
              # with and without it, the batch-1 step A/B (same tokens expected), then batch 8 (engines compiled
              # lazily, XLA's autotuning pinned by a shared cache so that the tokens compare). Predicted in NOTES
-    step 200 python3 bench/kernels_decode_attention_rope.py --prefetch --budget 150 --points 1:1024 4:1024 8:1024 \
+    step 200 python3 bench/kernels/decode_attention_rope.py --prefetch --budget 150 --points 1:1024 4:1024 8:1024 \
          8:2048 32:1024
     step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy attn-prefetch+greedy \
          --out "$OUT"
@@ -889,7 +889,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # b8attn: 13.4 against the old row's 15.7 us at 1k) in the step, against the old row forced
              # (--attention-config 4/64), each its own process. Predicted: B8 step -0.08 ms (2.3 us x 36 layers).
              # First a sweep of batch 16 and 32 at 1-2k contexts (their rows were swept at 8k or not at all)
-    step 120 python3 bench/kernels_decode_attention.py --sweep --no-table --points 32:1024 32:2048 16:1024 16:2048 \
+    step 120 python3 bench/kernels/decode_attention.py --sweep --no-table --points 32:1024 32:2048 16:1024 16:2048 \
          --budget 90
     step 220 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-new-row.json"
@@ -920,7 +920,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # 33.6 MB of KV, ~7.5 us at the read ceiling). In the engine B8 x 8 KV heads with a span > 1,024 takes
              # the table's (128, any span) row, SplitConfig(4, 64), swept at batch 16 and 8k: sweep B8 (and B2, B4)
              # at 1k and 2k contexts for a row of its own
-    step 330 python3 bench/kernels_decode_attention.py --sweep --points 8:1024 8:2048 4:1024 2:1024 --budget 280
+    step 330 python3 bench/kernels/decode_attention.py --sweep --points 8:1024 8:2048 4:1024 2:1024 --budget 280
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 8 --requests 20 --system 64 --out "$OUT"
     ;;
   kernels)   # per-kernel tables for the open issues' notes, traced with command buffers on (the benches set the flag):
@@ -930,7 +930,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 270 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
     ;;
   vminor)    # the sampler table (thirteenth session, run 2: the search laid out [B, 16, V] lost; that variant is gone)
-    step 150 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
+    step 150 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests
              # at 1 and 2 req/s and all at once (with the PNG), and offline with the engine built as the server builds it
@@ -958,7 +958,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     ;;
   rows2)     # the third: the sampler table at 1, 8 and 64 rows (filter without the radix search; filter-p on top-k
              # rows = what the search costs; at 1 row, whether the sort still wins: SORT_MAX_ROWS)
-    step 300 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
+    step 300 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   twelfth)   # the twelfth session's first call: the whole GPU parity file again (one-sequence prompt steps now sample
              # one row: the cuDNN tests run them; the filter split: the sampling test), its engines compiling only
@@ -974,12 +974,12 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     ;;
   topk2)     # the eleventh session's fourth call: topk's sampler table reached only 1 row in its 80 s (each row count
              # compiles nine samplers); 8 and 64 rows
-    step 250 python3 bench/kernels_sampling.py --rows 8 64 --calls 8 --out "$OUT"
+    step 250 python3 bench/kernels/sampling.py --rows 8 64 --calls 8 --out "$OUT"
     ;;
   topk)      # the second: the sampler's variants alone (the filter one unmeasured), then sampled requests with Qwen3's
              # recommended filters (top-k 20, top-p 0.95: the "-filter" variant) through the server with and without
              # plain_sampling_step, then with Llama 3's (top-p 0.9 alone: the radix search) with it
-    step 80 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
+    step 80 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
     servers 140 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk plain-sampling-step no-plain-sampling-step
     servers 140 '{"temperature": 0.6, "top_p": 0.9}' topp ""
@@ -987,7 +987,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
   plain)     # the tenth session's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
              # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without.
              # (Its third call, `branch`, compared the flag plain_sampling_step replaced, --no-sampling-branch, at e817e44.)
-    step 100 python3 bench/kernels_sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
+    step 100 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     serve_setup
     servers 140 '{"temperature": 0.8}' sampled plain-sampling-step no-plain-sampling-step
     ;;
@@ -1000,7 +1000,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # defaults: GPU parity (with a fresh 1,000-token prompt on cuDNN against the paged kernel), the fresh op's
              # crossover (prompts 128-8,192), prefill 1k/8k with and without it, the server's defaults at 2 and 8 req/s
     step 300 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
-    step 120 python3 bench/kernels_prefill_attention.py --fused
+    step 120 python3 bench/kernels/prefill_attention.py --fused
     step 170 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas pallas-paged --out "$OUT"
     serve_setup
     step 120 python3 bench/serving.py --serve-model /tmp/jaxinfer-bench-models/qwen3-4b \
@@ -1024,7 +1024,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
              # bench beside the paged flash kernel, then the 1k prefill step with and without it
     step 120 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
-    step 240 python3 bench/kernels_prefill_attention.py --fused
+    step 240 python3 bench/kernels/prefill_attention.py --fused
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default fresh-attention \
          --out "$OUT"
     ;;

@@ -1,6 +1,6 @@
 """Paged decode attention on the GPU: the split-sequence Pallas kernels against the XLA reference op.
 
-    PYTHONPATH=. python3 bench/kernels_decode_attention.py [--sweep] [--budget 120] [--interpret]
+    PYTHONPATH=. python3 bench/kernels/decode_attention.py [--sweep] [--budget 120] [--interpret]
 
 Default mode: for Qwen3-4B and Llama-3-8B (H 32, KVH 8, hd 128: one attention shape) and Qwen3-0.6B
 (16/8/128), bf16, page size 16, contexts 1, 100, 1024, 8192, 32768 and batch 1 and 32, it times the
@@ -15,12 +15,12 @@ time, also as a share of the HBM read ceiling measured in the same run (jnp.sum 
 
 --sweep: first, at the 32/8/128 shape, a sweep of SplitConfigs at batch 1, 4, 16, 64 and contexts 100,
 1024, 8192, 32768 (phase A: num_splits x block_k; phase B: the best two with other num_warps /
-num_stages and the jnp merge), printing the best per point: what fills decode_attention._TABLE.
+num_stages and the jnp merge), printing the best per point: what fills tables.DECODE_ATTENTION.
 JSON of everything to $OUT/decode_attention.json when OUT is set.
 
 --kv-cache-dtype fp8: the caches in float8 e4m3 (as `--kv-cache-dtype fp8` stores them; half the bytes,
 the same kernels casting reads back to bf16), the bytes and bandwidth counted at 1 byte;
-what fills decode_attention._TABLE_FP8. --points B:ctx ... replaces the sweep's points.
+what fills tables.DECODE_ATTENTION_FP8. --points B:ctx ... replaces the sweep's points.
 --query-dtype float16: queries (and so the kernels' compute dtype, which pages are cast to) in float16
 (float8 e4m3 converts to float16 in one instruction; to bfloat16 it does not).
 """
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
+from bench.kernels.kernel_timing import (add_sweep_args, build_chain, log, rel_err, save_results, sweep_and_table_between_ceilings, time_chain)
 
 from jaxinfer.model.kv_cache import KV_CACHE_DTYPES, to_cache
 from jaxinfer.ops import reference

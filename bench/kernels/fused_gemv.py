@@ -1,15 +1,13 @@
 """The engine's batch-1 decode projections (pallas/fused_gemv.py) by output rows per program, on the GPU.
 
-    PYTHONPATH=. python3 bench/kernels_fused_gemv.py [--shape qwen3-4b] [--rows 1 2 4 8] [--out DIR]
+    PYTHONPATH=. python3 bench/kernels/fused_gemv.py [--shape qwen3-4b] [--rows 1 2 4 8] [--out DIR]
 
-In the batch-1 decode step the fused projections take 2.4-2.7 us longer than the plain GEMV's sweep measured
-at the same shapes (QKV with the norm prologue 11.4 against 8.7 us, o_proj with the residual 8.1 against 5.7,
-gate/up 26.4 against 24.0; down 13.6 against 13.4: thirteenth session). A one-row program loads x (and the
-norm's scale) once per weight tile: three loads where the plain GEMV has two. For each projection of a layer,
-this times one jit that runs it over every layer of a stacked [L, out, in] array (L x the bytes: every call
-reads HBM, as in the step): the engine's kernel (its norm prologue / epilogue) at 1, 2, 4, 8 rows per program,
-the same product without the prologue, and the plain GEMV at its table's config and at 2 rows; each output checked against the one-row
-kernel's. Prints one table: us per call and the share of the HBM read ceiling measured in the run.
+What fills tables.GEMV_ROWS. A one-row program loads x (and the norm's scale) once per weight tile; several rows
+a program share those loads. For each projection of a layer, this times one jit that runs it over every layer of a
+stacked [L, out, in] array (L x the bytes: every call reads HBM, as in the step): the engine's kernel (its norm
+prologue / epilogue) at 1, 2, 4, 8 rows per program and the same product without the prologue; each output checked
+against the one-row kernel's. Prints one table: us per call and the share of the HBM read ceiling measured in the
+run.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import hbm_read_ceiling
-from bench.kernel_timing import best_ms_per_call, log, rel_err
+from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
 from bench.table import print_table
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv
-from jaxinfer.pallas.gemv import choose_config, gemv
 from bench.random_model import SHAPES
 
 
@@ -75,18 +72,9 @@ def main() -> None:
                     if (n // 2 if epilogue == "swiglu" else n) % r == 0]
         if norm:
             variants.append(("engine without the norm prologue, 1 row", engine_kernel(1, prologue=False)))
-        g = choose_config(1, n, k, bf)
-
-        def plain(block_out, g=g):   # the layers as separate arrays: a slice of the stack would be copied first
-            return jax.jit(lambda x, ws, scale: [gemv(x, ws[i], block_out=block_out, block_in=g.block_in,
-                                                      num_warps=g.num_warps, interpret=ip) for i in range(L)])
-
-        variants += [(f"plain gemv {bo}/{g.block_in}/{g.num_warps}", plain(bo)) for bo in sorted({g.block_out, 2})]
         base = None
         for label, f in variants:
-            weights = [w[i] for i in range(L)] if label.startswith("plain") else w
-            outs, ms = best_ms_per_call(f, (x, weights, scale), L, args.repeats, target_s=0.25)
-            del weights
+            outs, ms = best_ms_per_call(f, (x, w, scale), L, args.repeats, target_s=0.25)
             err = None
             if label.startswith("engine, 1 row"):
                 base = outs
