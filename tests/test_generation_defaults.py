@@ -11,7 +11,7 @@ from jaxinfer.errors import ModelLoadError
 from jaxinfer.engine.generation_defaults import read_generation_defaults
 from jaxinfer.serve.params import ModelInfo, prepare_chat, prepare_completion
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest
-from jaxinfer.text import Tokenizer
+from jaxinfer.text import ChatTemplate, Tokenizer
 
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
                            "pad_token_id": 151643, "temperature": 0.6, "top_k": 20, "top_p": 0.95,
@@ -58,8 +58,8 @@ def test_requests_without_params_get_the_defaults(tmp_path):
     llm = LLM(d, max_num_seqs=2, progress=False)
     got = llm.generate(["Once upon a time"])[0]
     want = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=7))[0]
-    assert got.token_ids == want.token_ids and len(got.token_ids) == 7
-    assert len(llm.generate(["Once upon a time"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and len(got.outputs[0].token_ids) == 7
+    assert len(llm.generate(["Once upon a time"], SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].token_ids) == 3
     plain = LLM(d, max_num_seqs=2, progress=False, generation_config="none")
     assert plain.engine.default_sampling_params() == SamplingParams()
 
@@ -69,7 +69,8 @@ def test_the_server_fills_what_a_request_leaves_out():
     past the vocabulary is clipped either way; chat's max_tokens defaults to max_new_tokens within the
     room (completions keep OpenAI's 16 unless the request sends null, as vLLM's)."""
     info = ModelInfo(name="m", root="/m", tokenizer=Tokenizer.from_dir(STORIES), vocab_size=512, max_model_len=256,
-                     sampling_defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 40})
+                     sampling_defaults={"temperature": 0.6, "top_k": 20, "top_p": 0.95, "max_tokens": 40},
+                     chat=ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}"))
     p = prepare_completion(CompletionRequest(prompt="Once upon a time"), info).params[0]
     assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.6, 20, 0.95, 16)
     assert prepare_completion(CompletionRequest(prompt="Once", max_tokens=None), info).params[0].max_tokens == 40

@@ -1,9 +1,9 @@
 """The OpenAI-compatible server end to end on loopback, through the official `openai` client.
 
 Servers run in this process (uvicorn in a thread, the engine in its own thread) on free ports of
-127.0.0.1: stories260k (no chat template: chat is a plain continuation), a tiny random Qwen3 with
-the real Qwen3 tokenizer and chat template (behind an API key), and a stories260k with a short
-context for the schemathesis run.
+127.0.0.1: stories260k (which has no chat template; given PLAIN_TEMPLATE, chat is a plain
+continuation), a tiny random Qwen3 with the real Qwen3 tokenizer and chat template (behind an API
+key), and stories260k servers with a short context for the schemathesis run and without a template.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from jaxinfer.serve.gc_pauses import GCPauses, freeze_heap
 from jaxinfer.serve.server import ServerThread
 
 KEY = "sk-test-key"
+# BOS, then the messages' contents joined by newlines: the prompt a plain continuation of them would get
+PLAIN_TEMPLATE = "{{ bos_token }}{{ messages | map(attribute='content') | join('\\n') }}"
 
 
 def _serve(engine, **kw) -> ServerThread:
@@ -33,9 +35,11 @@ def _serve(engine, **kw) -> ServerThread:
 
 
 @pytest.fixture(scope="module")
-def stories():
+def stories(tmp_path_factory):
+    template = tmp_path_factory.mktemp("chat") / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
     engine = Engine(STORIES, max_num_seqs=16, max_num_batched_tokens=128, progress=False)
-    server = _serve(engine, max_waiting=128)
+    server = _serve(engine, max_waiting=128, chat_template=template)   # a file's path, as --chat-template gives
     yield server
     server.stop()
 
@@ -108,7 +112,26 @@ def test_completion_batch_of_prompts_and_default_max_tokens(stories):
     assert r.usage.completion_tokens == 32  # OpenAI's default max_tokens is 16, per prompt
 
 
-def test_chat_without_template_is_a_continuation(stories):
+def test_chat_without_a_template_is_400_and_a_given_one_is_used():
+    """A model without a chat template answers chat completions 400 (OpenAI-shaped, as vLLM), not a
+    silent continuation of the joined messages. A template that does not compile fails create_app."""
+    engine = Engine(STORIES, max_num_seqs=2, max_num_batched_tokens=32, max_model_len=64, progress=False)
+    with ServerThread(create_app(engine)) as server:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "chat_template_missing"
+        assert error["param"] == "messages" and "--chat-template" in error["message"]
+        with pytest.raises(openai.BadRequestError):
+            client(server).chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(ValueError, match="does not compile"):
+        create_app(engine, chat_template="{% for m in messages %}")
+
+
+def test_chat_with_the_plain_template_is_a_continuation(stories):
+    info = stories.app.state.jaxinfer.info
+    assert info.tokenizer.chat_template is None and info.chat.default == PLAIN_TEMPLATE
     r = client(stories).chat.completions.create(model="stories260k", messages=[{"role": "user", "content": "Once upon a time"}],
                                                 max_completion_tokens=12, temperature=0)
     assert r.object == "chat.completion"
@@ -621,32 +644,20 @@ def test_gc_pauses_and_heap_freeze():
         gc.unfreeze()
 
 
-def test_serve_freezes_the_heap_unless_told_not_to(monkeypatch):
+def test_serve_gets_its_settings_from_the_command_line(monkeypatch):
+    """`jaxinfer serve` hands serve() the ServerConfig (heap freeze on unless --no-freeze-gc, the chat
+    template) and the engine settings (every step compiled at start, --tuning's switches)."""
     import jaxinfer.serve.server as server
     from jaxinfer.cli import build_parser, cmd_serve
 
     got = []
-    monkeypatch.setattr(server, "serve", lambda model, **kw: got.append((kw["freeze_gc"], kw["overlap_mixed"])))
-    for extra in ([], ["--no-freeze-gc", "--overlap-mixed"], ["--no-overlap-mixed"]):
+    monkeypatch.setattr(server, "serve", lambda model, config, **settings: got.append((config, settings)))
+    for extra in ([], ["--no-freeze-gc", "--chat-template", "plain.jinja", "--tuning", "overlap_mixed=true"]):
         cmd_serve(build_parser().parse_args(["serve", "--model", str(STORIES)] + extra))
-    assert got == [(True, None), (False, True), (True, False)]
-    assert server.engine_options(overlap_mixed=True)["overlap_mixed"] is True
-    assert server.engine_options(overlap_mixed=False)["overlap_mixed"] is False
-    assert build_parser().parse_args(["bench", "--overlap-mixed"]).overlap_mixed
-    assert build_parser().parse_args(["bench", "--no-overlap-mixed"]).overlap_mixed is False
-    assert build_parser().parse_args(["serve", "--fresh-prompt-attention"]).fresh_prompt_attention
-    assert build_parser().parse_args(["serve", "--no-fresh-prompt-attention"]).fresh_prompt_attention is False
-    assert build_parser().parse_args(["serve"]).fresh_prompt_attention is None
-    assert build_parser().parse_args(["serve", "--prefixed-chunk-attention"]).prefixed_chunk_attention
-    assert build_parser().parse_args(["serve", "--no-prefixed-chunk-attention"]).prefixed_chunk_attention is False
-    assert build_parser().parse_args(["serve"]).prefixed_chunk_attention is None
-    assert build_parser().parse_args(["serve", "--no-plain-sampling-step"]).plain_sampling_step is False
-    assert build_parser().parse_args(["serve"]).generation_config == "auto"
-    assert build_parser().parse_args(["serve", "--generation-config", "none"]).generation_config == "none"
-    assert build_parser().parse_args(["serve", "--no-prefill-behind-decode"]).prefill_behind_decode is False
-    assert build_parser().parse_args(["serve"]).prompt_step_head_layers is None
-    assert build_parser().parse_args(["serve", "--prompt-step-head-layers", "0"]).prompt_step_head_layers == 0
-    assert server.engine_options(prompt_step_head_layers=3)["prompt_step_head_layers"] == 3
+    (plain, plain_settings), (told, told_settings) = got
+    assert plain.freeze_gc and plain.chat_template is None and "overlap_mixed" not in plain_settings
+    assert not told.freeze_gc and told.chat_template == "plain.jinja" and told_settings["overlap_mixed"] is True
+    assert plain_settings["compile_all_at_start"] and told_settings["compile_all_at_start"]
 
 
 def test_schemathesis_finds_no_server_errors():
@@ -734,19 +745,46 @@ def test_qwen_logprobs_bytes_and_n(qwen):
 # ----------------------------------------------------------------------------- the command
 
 
+def test_a_busy_port_fails_before_the_model_loads(tmp_path):
+    """check_port_free raises OSError naming the address; serve() calls it first, so a busy port fails in
+    a second with one line and exit code 2, not after loading and compiling (the model folder here does
+    not even exist: its error would come later)."""
+    import socket
+
+    from jaxinfer.cli import main
+    from jaxinfer.serve.server import check_port_free, free_port, serve
+    from jaxinfer.settings import ServerConfig
+
+    check_port_free("127.0.0.1", free_port())
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot serve on 127.0.0.1:{port}: .*in use") as e:
+            check_port_free("127.0.0.1", port)
+        assert e.value.errno is not None
+        with pytest.raises(OSError, match="in use"):
+            serve(str(tmp_path / "no-model"), ServerConfig(port=port))
+        err = tmp_path / "stderr"
+        with open(err, "w") as f, contextlib.redirect_stderr(f):
+            assert main(["serve", "--model", str(tmp_path / "no-model"), "--port", str(port)]) == 2
+        lines = err.read_text().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"jaxinfer: error: cannot serve on 127.0.0.1:{port}: "), lines
+
+
 def test_jaxinfer_serve_command():
     """`jaxinfer serve` end to end in a subprocess: loopback by default, API key, served model name."""
     import os
     import subprocess
     import sys
 
-    from jaxinfer.cli import build_parser
     from jaxinfer.serve.server import free_port
+    from jaxinfer.settings import ServerConfig
 
-    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
+    assert ServerConfig().host == "127.0.0.1"   # what serve binds without --host
     bad = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(STORIES), "--port", "70000"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--port" in bad.stderr
+    assert bad.returncode == 2 and "port" in bad.stderr and len(bad.stderr.splitlines()) == 1
     bad = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(STORIES), "--decode-steps", "0"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "decode_steps" in bad.stderr, bad.stderr

@@ -19,6 +19,7 @@ from jaxinfer.text import (
     StopStringMatcher,
     Tokenizer,
     TokenizerError,
+    load_chat_template,
 )
 
 FFFD = "\ufffd"
@@ -244,6 +245,25 @@ def test_named_templates(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ChatTemplateError, match=str(tmp_path)):
         ChatTemplate.from_tokenizer_config(tmp_path)
+
+
+
+def test_load_chat_template_takes_a_file_or_the_template(tmp_path):
+    """As vLLM's --chat-template: a file's path, or the template text itself (it has "{", "}" or a
+    newline); a path that cannot be read, or a template that does not compile, is a ChatTemplateError."""
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}<{{ m.content }}>{% endfor %}", encoding="utf-8")
+    assert load_chat_template(f) == load_chat_template(str(f)) == f.read_text(encoding="utf-8")
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ChatTemplateError, match="cannot read the chat template file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ChatTemplateError, match="cannot read the chat template file"):
+        load_chat_template(tmp_path / "missing{.jinja")   # a Path is always a path
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")
+    (tmp_path / "bad.jinja").write_text("{{ }")
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        load_chat_template(tmp_path / "bad.jinja")
 
 
 # ----------------------------------------------------------------------------- incremental detokenizer

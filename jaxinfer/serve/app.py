@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from jaxinfer.serve.protocol import (
     ModelList,
 )
 from jaxinfer.serve.state import ServerState
+from jaxinfer.text import ChatTemplate, load_chat_template
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -47,16 +49,25 @@ _SSE = {"text/event-stream": {"schema": {"type": "string", "description": "serve
 
 
 def create_app(engine, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int = 256) -> FastAPI:
-    """An app serving `engine` (a jaxinfer Engine, which the app's AsyncEngine thread then owns)."""
+               max_waiting: int = 256, chat_template: str | os.PathLike[str] | None = None) -> FastAPI:
+    """An app serving `engine` (a jaxinfer Engine, which the app's AsyncEngine thread then owns).
+
+    `chat_template` (a Jinja file's path or the template text) replaces the model's own for
+    /v1/chat/completions; a model with neither answers chat requests 400. A template that cannot be
+    read or does not compile raises ChatTemplateError (a ValueError) here, before anything starts."""
     if engine.tokenizer is None:
         raise ValueError("the server needs the model's tokenizer (skip_tokenizer_init=False)")
+    tok = engine.tokenizer
+    if chat_template is not None:
+        chat = ChatTemplate(load_chat_template(chat_template), tok.special_tokens_map, source="the server's chat template")
+    else:
+        chat = tok.chat if tok.chat.templates else None
     name = served_model_name or engine.model_dir.name
     info = ModelInfo(name=name, root=str(engine.model_dir), tokenizer=engine.tokenizer,
                      vocab_size=engine.cfg.vocab_size, max_model_len=engine.max_model_len,
                      max_logprobs=engine.config.max_logprobs,
                      prompt_logprobs=engine.config.enable_prompt_logprobs,
-                     sampling_defaults=dict(engine.sampling_defaults))
+                     sampling_defaults=dict(engine.sampling_defaults), chat=chat)
     metrics = Metrics(name)
     driver = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     metrics.bind(driver)

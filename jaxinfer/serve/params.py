@@ -14,7 +14,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from jaxinfer.text import Tokenizer, TokenizerError
+from jaxinfer.text import ChatTemplate, Tokenizer, TokenizerError
 
 
 @dataclasses.dataclass
@@ -30,6 +30,9 @@ class ModelInfo:
     prompt_logprobs: bool = False   # the engine scores prompt tokens (echo with logprobs)
     # SamplingParams fields a request leaves out take these (the model's generation_config.json, as vLLM)
     sampling_defaults: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # What /v1/chat/completions renders messages with: the server's --chat-template, else the model's own;
+    # None (a base model such as stories260k, and none given): chat requests are answered 400, as vLLM's.
+    chat: ChatTemplate | None = None
 
 
 @dataclasses.dataclass
@@ -177,19 +180,16 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-def chat_prompt_text(req: ChatCompletionRequest, info: ModelInfo) -> tuple[str, bool]:
-    """The conversation as prompt text, and whether it came from a chat template.
-
-    A model without a chat template (a base model such as stories260k) gets the contents of the
-    messages joined by newlines: a plain continuation, as `jaxinfer chat` does.
-    """
+def chat_prompt_text(req: ChatCompletionRequest, info: ModelInfo) -> str:
+    """The conversation rendered by the chat template, as prompt text (tokenized without adding
+    special tokens: templates write BOS themselves)."""
+    if info.chat is None:
+        raise bad_request("this model has no chat template: start the server with --chat-template FILE, or send "
+                          "the prompt text to /v1/completions", param="messages", code="chat_template_missing")
     messages = _message_dicts(req)
-    tok = info.tokenizer
-    if tok.chat_template is None:
-        return "\n".join(m["content"] for m in messages), False
     kwargs = dict(req.chat_template_kwargs or {})
     try:
-        return tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, **kwargs), True
+        return info.chat.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
     except TokenizerError as e:
         raise bad_request(str(e), param="messages", code="chat_template_error") from e
     except Exception as e:  # a template may raise anything on odd input; it is still the input's fault
@@ -210,8 +210,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("give max_completion_tokens or max_tokens, not both", param="max_tokens")
-    text, templated = chat_prompt_text(req, info)
-    ids = info.tokenizer.encode(text, add_special_tokens=not templated)
+    ids = info.tokenizer.encode(chat_prompt_text(req, info), add_special_tokens=False)
     if not ids:
         raise bad_request("messages: the conversation is empty", param="messages")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -37,6 +37,21 @@ def serve(model: str, server: ServerConfig | None = None, **engine_settings) -> 
                 access_log=server.log_level == "debug", timeout_graceful_shutdown=5)
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError naming the address when uvicorn could not bind (host, port): a busy port, an
+    address not on this machine. Binds as uvicorn does (SO_REUSEADDR, so a port in TIME_WAIT is free)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        error = OSError(f"cannot serve on {host}:{port}: {e.strerror or e}")   # one line, no "[Errno n]"
+        error.errno = e.errno
+        raise error from e
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
