@@ -176,12 +176,10 @@ def split_layers(params: dict) -> dict:
     """The stacked [L, ...] layer matrices as a list of per-layer trees ("layers"); the vectors (norm
     scales, biases) stay stacked ("layer_vectors"). With them the layer loop is straight-line code and
     XLA's own GEMMs (prefill, batched decode) read each layer's matrices where they lie: a slice of a
-    stack would be copied out first, every step (all the weights' bytes again; on the H200 the 1k prefill
-    took 18.1 ms over stacked arrays against 14.2). Vectors are read in place by the kernels and by XLA's
-    fusions, and every array is an argument of every step: a call costs ~2.2 us of host time per array
-    on the H200 (bench/dispatch_args.py): ~0.3 ms for Qwen3-4B's 144 vectors by arithmetic, though the 1k
-    prompt step's launch measured the same with them split (1.28 ms) as stacked (1.29). While it runs the device
-    holds the matrices twice."""
+    stack would be copied out first, every step (all the weights' bytes again). Vectors are read in place
+    by the kernels and by XLA's fusions, and stay stacked because every array is an argument of every step,
+    each costing host time at the call (bench/dispatch_args.py). While it runs the device holds the
+    matrices twice."""
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
     return {**params, "layers": [jax.tree.map(lambda a: a[i] if a.ndim >= 3 else None, stacked) for i in range(n)],

@@ -15,7 +15,7 @@ the newcomer, and the next step is its prefill (with `Engine.prefills_behind_dec
 newcomer at once and the engine launches the prefill behind N before reading N back). If nobody
 comes by N's expected end less the
 time a launch takes (`Engine.chain_at`, measured), the thread steps: N+1 is launched as N ends,
-so the device does not sit idle for the launch (~1 decode step on the H200). Skipped when the
+so the device does not sit idle for the launch (about a decode step's time). Skipped when the
 batch has no free slot (nobody could join).
 
 Because commands are handled in order, an abort always finds the request its add created, and
