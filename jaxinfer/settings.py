@@ -52,12 +52,15 @@ class Tuning:
     token_buckets: tuple[int, ...] | None = setting(
         help="prompt-step sizes to compile (default: powers of two up to the step budget)")
     compile_threads: int | None = setting(help="steps compiled side by side (GPU: half the cores, at most 8)")
+    executable_cache: bool | None = setting(
+        help="keep compiled steps whole in cache_dir/executables (GPU: on; XLA:CPU executables loaded back can miss "
+        "their kernels)")
     num_pages: int | None = setting(help="KV pages (default: from the device memory left after the weights)")
 
     def resolved(self, gpu: bool) -> Tuning:
         defaults = dict(unroll_layers=gpu, greedy_mixed_step=gpu, overlap_mixed=gpu, prefill_behind_decode=gpu,
                         fresh_prompt_attention=gpu, prefixed_chunk_attention=gpu, plain_sampling_step=gpu,
-                        prompt_step_head_layers=6 if gpu else 0,
+                        prompt_step_head_layers=6 if gpu else 0, executable_cache=gpu,
                         compile_threads=min(8, (os.cpu_count() or 2) // 2) if gpu else 1)
         return dataclasses.replace(self, **{k: v for k, v in defaults.items() if getattr(self, k) is None})
 

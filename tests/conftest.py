@@ -50,9 +50,10 @@ def no_compiles():
     assert events == []
 
 
-def record_steps(runner, what=lambda name, batch: name) -> list:
-    """The compiled steps the runner calls from now on, in order: what(name, batch) of each."""
+def record_steps(runner, what=lambda variant, batch: variant.name) -> list:
+    """The compiled steps the runner calls from now on, in order: what(variant, batch) of each (by default
+    the variant's name, e.g. "decode-greedy-8")."""
     ran = []
     call = runner._call
-    runner._call = lambda name, batch: (ran.append(what(name, batch)), call(name, batch))[1]
+    runner._call = lambda variant, batch: (ran.append(what(variant, batch)), call(variant, batch))[1]
     return ran

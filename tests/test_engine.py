@@ -8,8 +8,10 @@ import pytest
 
 from conftest import DATA, STORIES, no_compiles, record_steps
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.engine import stream
-from jaxinfer.runner.model_runner import SplitStep, bucket_of
+from jaxinfer.engine.llm import stream
+from jaxinfer.runner.model_runner import bucket_of
+from jaxinfer.runner.split_step import SplitStep
+from jaxinfer.runner.variants import StepVariant
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
@@ -17,16 +19,16 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def stories():
     # Small budgets so that several prompts need several mixed steps and decode buckets.
-    return LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
+    return LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False, compile_all_at_start=True)
 
 
 def test_stories_greedy_200_tokens_match_transformers(stories):
     golden = json.loads((DATA / "golden" / "stories260k.json").read_text())
     out = stories.generate(golden["prompt"], SamplingParams(max_tokens=200, temperature=0))[0]
     assert out.prompt_token_ids == golden["prompt_ids"]
-    assert out.token_ids == golden["greedy_ids"]
-    assert out.text == golden["greedy_text"]
-    assert out.finish_reason == "length"
+    assert out.outputs[0].token_ids == golden["greedy_ids"]
+    assert out.outputs[0].text == golden["greedy_text"]
+    assert out.outputs[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"])
@@ -37,7 +39,7 @@ def test_family_greedy_tokens_match_transformers(family):
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
     outs = llm.generate(prompts, GREEDY)
     for i, out in enumerate(outs):
-        assert out.token_ids == golden[f"greedy_{i}"].tolist(), f"{family} prompt {i}"
+        assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist(), f"{family} prompt {i}"
 
 
 PROMPTS = [
@@ -55,37 +57,37 @@ def test_batch_equals_alone_greedy(stories):
     together = stories.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, together):
         alone = stories.generate(prompt, params)[0]
-        assert out.token_ids == alone.token_ids, prompt
-        assert out.text == alone.text
+        assert out.outputs[0].token_ids == alone.outputs[0].token_ids, prompt
+        assert out.outputs[0].text == alone.outputs[0].text
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(stories):
     params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=1234)
     alone = stories.generate(PROMPTS[0], params)[0]
     again = stories.generate(PROMPTS[0], params)[0]
-    assert alone.token_ids == again.token_ids
+    assert alone.outputs[0].token_ids == again.outputs[0].token_ids
     others = [SamplingParams(max_tokens=30, temperature=0.7, seed=s) for s in range(len(PROMPTS) - 1)]
     batch = stories.generate(PROMPTS[1:] + PROMPTS[:1], others + [params])
-    assert batch[-1].token_ids == alone.token_ids
+    assert batch[-1].outputs[0].token_ids == alone.outputs[0].token_ids
     other_seed = stories.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=1.0, seed=99))[0]
-    assert other_seed.token_ids != alone.token_ids
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 def test_stop_strings_and_stop_tokens(stories):
     full = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0))[0]
-    assert "Lily" in full.text
+    assert "Lily" in full.outputs[0].text
     cut = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0, stop=["Lily"]))[0]
-    assert cut.finish_reason == "stop"
-    assert cut.text == full.text[: full.text.index("Lily")]
-    third = full.token_ids[2]
+    assert cut.outputs[0].finish_reason == "stop"
+    assert cut.outputs[0].text == full.outputs[0].text[: full.outputs[0].text.index("Lily")]
+    third = full.outputs[0].token_ids[2]
     by_id = stories.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[third]))[0]
-    assert by_id.finish_reason == "stop" and by_id.token_ids == full.token_ids[:3]
+    assert by_id.outputs[0].finish_reason == "stop" and by_id.outputs[0].token_ids == full.outputs[0].token_ids[:3]
 
 
 def test_streamed_text_equals_final_text(stories):
     params = SamplingParams(max_tokens=50, temperature=0)
     pieces = [d.text for d in stream(stories.engine, PROMPTS[2], params)]
-    assert "".join(pieces) == stories.generate(PROMPTS[2], params)[0].text
+    assert "".join(pieces) == stories.generate(PROMPTS[2], params)[0].outputs[0].text
     assert len(pieces) > 1
 
 
@@ -104,39 +106,51 @@ def test_short_dispatches_for_small_batches_give_the_same_tokens(stories):
     """Batches of up to 2 sequences decode 2 steps per dispatch, larger ones 8: as the batch of 4
     shrinks (different lengths) it crosses over; greedy and seeded tokens are those of 8 steps
     throughout, and nothing compiles after start-up."""
-    short = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, short_decode_max_batch=2, short_decode_steps=2,
+    short = LLM(STORIES, compile_all_at_start=True, max_num_seqs=4, max_num_batched_tokens=64, short_decode_max_batch=2, short_decode_steps=2,
                 progress=False)
     r = short.engine.runner
     assert [r.decode_steps_for(b) for b in r.batch_buckets] == [2, 2, 8]
     params = [SamplingParams(max_tokens=n, temperature=t, seed=7, ignore_eos=True)
               for n, t in zip((5, 17, 33, 50), (0, 0.8, 0, 1.0))]
     with no_compiles():
-        got = [o.token_ids for o in short.generate(PROMPTS[:4], params)]
-    assert got == [o.token_ids for o in stories.generate(PROMPTS[:4], params)]
+        got = [o.outputs[0].token_ids for o in short.generate(PROMPTS[:4], params)]
+    assert got == [o.outputs[0].token_ids for o in stories.generate(PROMPTS[:4], params)]
     assert [len(t) for t in got] == [5, 17, 33, 50]
 
 
 def test_gpu_defaults_read_prompt_steps_back_late_with_the_greedy_only_step():
     """On GPUs these are on by default (each measured there); on CPUs off; an explicit value stays."""
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.settings import EngineConfig
 
     names = ("overlap_mixed", "greedy_mixed_step", "prefill_behind_decode", "fresh_prompt_attention",
-             "prefixed_chunk_attention", "plain_sampling_step")
-    gpu, cpu = EngineConfig().for_backend("gpu"), EngineConfig().for_backend("cpu")
+             "prefixed_chunk_attention", "plain_sampling_step", "executable_cache")
+    gpu, cpu = EngineConfig().resolved("gpu", False).tuning, EngineConfig().resolved("cpu", False).tuning
     assert all(getattr(gpu, n) is True for n in names)
     assert all(getattr(cpu, n) is False for n in names)
-    assert EngineConfig(overlap_mixed=False).for_backend("gpu").overlap_mixed is False
-    assert EngineConfig(prefixed_chunk_attention=False).for_backend("gpu").prefixed_chunk_attention is False
+    resolved = lambda **kw: EngineConfig.from_options(**kw).resolved("gpu", False).tuning
+    assert resolved(overlap_mixed=False).overlap_mixed is False
+    assert resolved(prefixed_chunk_attention=False).prefixed_chunk_attention is False
     # the one-prompt step split after 6 layers on GPUs, one executable on CPUs; an explicit 0 stays
     assert (gpu.prompt_step_head_layers, cpu.prompt_step_head_layers) == (6, 0)
-    assert EngineConfig(prompt_step_head_layers=0).for_backend("gpu").prompt_step_head_layers == 0
+    assert resolved(prompt_step_head_layers=0).prompt_step_head_layers == 0
+
+
+def test_settings_are_checked_by_name():
+    """An engine setting is an EngineConfig or Tuning field; any other name is an error that names it."""
+    from jaxinfer.settings import EngineConfig
+
+    assert EngineConfig.from_options(max_num_seqs=3, overlap_mixed=False).tuning.overlap_mixed is False
+    with pytest.raises(ValueError, match="unknown engine setting: max_num_seq$"):
+        EngineConfig.from_options(max_num_seq=3)
+    with pytest.raises(ValueError, match="unknown engine settings: bogus, frobnicate"):
+        LLM(STORIES, frobnicate=1, bogus=2)
 
 
 def test_greedy_mixed_steps_give_the_same_tokens(stories):
     """With greedy_mixed_step (the GPU default) all-greedy prompt steps run the greedy-only mixed step;
     a step with a sampled row or a row wanting logprobs runs the sampling one. Greedy, seeded and
     logprob outputs equal the engine's without it, and nothing compiles after start-up."""
-    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
+    llm = LLM(STORIES, compile_all_at_start=True, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
     ran = record_steps(llm.engine.runner)
     cases = [
         [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 3,
@@ -153,10 +167,10 @@ def test_greedy_mixed_steps_give_the_same_tokens(stories):
             assert mixed == ({"mixed-greedy"} if params is cases[0] else {"mixed"})
     for params, outs in zip(cases, got):
         want = stories.generate(PROMPTS[:len(params)], params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-        np.testing.assert_allclose([lp for o in outs for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        np.testing.assert_allclose([lp for o in outs for lp in o.outputs[0].logprobs], [lp for o in want for lp in o.outputs[0].logprobs],
                                    rtol=1e-5, atol=1e-5)
-    tops, want_tops = got[2][0].top_logprobs, stories.generate(PROMPTS[:1], cases[2])[0].top_logprobs
+    tops, want_tops = got[2][0].outputs[0].top_logprobs, stories.generate(PROMPTS[:1], cases[2])[0].outputs[0].top_logprobs
     assert len(tops) == 6 and [[i for i, _ in t] for t in tops] == [[i for i, _ in t] for t in want_tops]
     np.testing.assert_allclose([v for t in tops for _, v in t], [v for t in want_tops for _, v in t], atol=1e-5)
 
@@ -169,7 +183,7 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
     decode dispatch where no row wants top logprobs runs "-plain-notop" (no top-k over the vocabulary).
     Greedy rows wanting logprobs, seeded sampled rows and batches of both give the tokens, logprobs and
     top logprobs of the engine without it; nothing compiles after start-up."""
-    llm = LLM(STORIES, plain_sampling_step=True, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+    llm = LLM(STORIES, compile_all_at_start=True, plain_sampling_step=True, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
               progress=False)
     ran = record_steps(llm.engine.runner)
     plain = SamplingParams(max_tokens=12, temperature=1.1, min_p=0.05, presence_penalty=0.5, seed=4, ignore_eos=True)
@@ -197,11 +211,11 @@ def test_sampling_steps_without_the_sort_give_the_same_tokens(stories):
             assert sampling == variant, ran
     for (params, _), outs in zip(cases, got):
         want = stories.generate(PROMPTS[:len(params)], params)
-        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
-        np.testing.assert_allclose([lp for o in outs for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+        np.testing.assert_allclose([lp for o in outs for lp in o.outputs[0].logprobs], [lp for o in want for lp in o.outputs[0].logprobs],
                                    rtol=1e-5, atol=1e-5)
         for o, w in zip(outs, want):
-            assert [[i for i, _ in t] for t in o.top_logprobs or []] == [[i for i, _ in t] for t in w.top_logprobs or []]
+            assert [[i for i, _ in t] for t in o.outputs[0].top_logprobs or []] == [[i for i, _ in t] for t in w.outputs[0].top_logprobs or []]
 
 
 @pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
@@ -213,9 +227,12 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     system = "once upon a time there was a little girl named lily. " * 3
     prompts = [system + "she", system + "he went", "one day", "the dog ran to the park and"]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    llm = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+    llm = LLM(STORIES, compile_all_at_start=True, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
               fresh_prompt_attention=True, fresh_prompt_min_tokens=16, progress=False)
-    want = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False)
+    # compiled at start too: its warm-up leaves the host-to-device copies of every bucket traced (interpret mode's
+    # many kernels can push them out of jit's cache before the engine under test runs)
+    want = LLM(STORIES, ops=ops, max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True, progress=False,
+               compile_all_at_start=True)
     ran = record_steps(llm.engine.runner)
     sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True, logprobs=2)
     with no_compiles():
@@ -225,12 +242,12 @@ def test_fresh_prompt_attention_gives_the_same_tokens(stories, ops):
     assert ran.count("mixed-greedy-fresh") == 3 and "mixed-greedy" in ran
     assert ran.count("mixed-fresh") == 2   # the short prompts: the long ones hit the cache by now
     expected = [want.generate([p], params)[0] for p in prompts] + want.generate(prompts, params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     want_sampled = [want.generate([p], sampled)[0] for p in prompts]
-    assert [o.token_ids for o in got_sampled] == [o.token_ids for o in want_sampled]
-    np.testing.assert_allclose([lp for o in got_sampled for lp in o.logprobs],
-                               [lp for o in want_sampled for lp in o.logprobs], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+    assert [o.outputs[0].token_ids for o in got_sampled] == [o.outputs[0].token_ids for o in want_sampled]
+    np.testing.assert_allclose([lp for o in got_sampled for lp in o.outputs[0].logprobs],
+                               [lp for o in want_sampled for lp in o.outputs[0].logprobs], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([lp for o in got for lp in o.outputs[0].logprobs], [lp for o in expected for lp in o.outputs[0].logprobs],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -244,8 +261,8 @@ def test_prefixed_chunk_attention_gives_the_same_tokens(stories, ops):
     prompts = [system + "one day she", system + "the dog ran to the park and", "one day"]
     opts = dict(ops=ops, max_num_seqs=4, max_num_batched_tokens=32, greedy_mixed_step=True, progress=False,
                 fresh_prompt_attention=True, fresh_prompt_min_tokens=16)
-    llm = LLM(STORIES, prefixed_chunk_attention=True, **opts)
-    want = LLM(STORIES, **opts)
+    llm = LLM(STORIES, prefixed_chunk_attention=True, compile_all_at_start=True, **opts)
+    want = LLM(STORIES, compile_all_at_start=True, **opts)
     ran = record_steps(llm.engine.runner)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2)
@@ -253,8 +270,8 @@ def test_prefixed_chunk_attention_gives_the_same_tokens(stories, ops):
         got = [llm.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
     assert "mixed-greedy-prefixed" in ran and "mixed-prefixed" in ran and "mixed-greedy-fresh" in ran
     expected = [want.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    np.testing.assert_allclose([lp for o in got for lp in o.outputs[0].logprobs], [lp for o in expected for lp in o.outputs[0].logprobs],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -266,9 +283,9 @@ def test_fresh_prompt_attention_only_from_its_smallest_bucket(stories):
     r = llm.engine.runner
     assert r.token_buckets == [16, 32, 64]
     assert [t for t in r.token_buckets if r.has_one_sequence_step(t)] == [32, 64]
-    assert {(name, bucket_of(batch)) for name, batch in r.bucket_calls() if name.endswith("-fresh")} == \
+    assert {(v.name, bucket_of(batch)) for v, batch in r.bucket_calls() if v.name.endswith("-fresh")} == \
         {(name, t) for name in ("mixed-fresh", "mixed-greedy-fresh") for t in (32, 64)}
-    ran = record_steps(r, lambda name, batch: (name, bucket_of(batch)))
+    ran = record_steps(r, lambda v, batch: (v.name, bucket_of(batch)))
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     llm.generate(["one day"], params)                                            # 16-token bucket
     llm.generate(["once upon a time there was a little girl named lily. " * 2], params)   # > 16 tokens
@@ -283,24 +300,24 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
     max_num_seqs rows a step with decodes in it has (the sampler's cost grows with its rows: the sort over
     152k ids 0.18 ms at 1 row, 2.3 at 64 on the H200), and so picks the sampler that is cheapest at one
     row (sampling.SORT_MAX_ROWS): the sort where a step of every row takes the radix search (top-p alone)."""
-    llm = LLM(STORIES, ops="reference", max_num_seqs=4, max_num_batched_tokens=32, progress=False,
+    llm = LLM(STORIES, compile_all_at_start=True, ops="reference", max_num_seqs=4, max_num_batched_tokens=32, progress=False,
               fresh_prompt_attention=True, fresh_prompt_min_tokens=16, prefixed_chunk_attention=True,
               plain_sampling_step=True)
     r = llm.engine.runner
     V = r.cfg.vocab_size
 
     def logits_rows(name: str) -> set[int]:
-        batch = next(b for n, b in r.bucket_calls() if n == name)
-        text = str(r.steps[name].trace(r.params, r.kv, r.state, batch).jaxpr)
+        v, batch = next((v, b) for v, b in r.bucket_calls() if v.name == name)
+        text = str(r.steps[v].trace(r.params, r.kv, r.state, batch).jaxpr)
         return {n for n in (1, 4) if f"f32[{n},{V}]" in text}
 
     for name in ("mixed-fresh", "mixed-plain-fresh", "mixed-prefixed"):
         assert logits_rows(name) == {1}, name
     assert 4 in logits_rows("mixed-filter") and logits_rows("mixed-filter-fresh") == {1}
     # the radix search's variants it would never run are not compiled: the one-row steps', decode's at 1-2 rows
-    assert "mixed-filter-p-fresh" not in r.steps and "mixed-filter-p-prefixed" not in r.steps
-    assert {bucket_of(b) for n, b in r.bucket_calls() if n.startswith("decode-filter-p")} == {4}
-    assert {bucket_of(b) for n, b in r.bucket_calls() if n.startswith("decode-filter-")} - {4}   # no search: all
+    assert not {v.name for v in r.steps} & {"mixed-filter-p-fresh", "mixed-filter-p-prefixed"}
+    assert {bucket_of(b) for v, b in r.bucket_calls() if v.name.startswith("decode-filter-p")} == {4}
+    assert {bucket_of(b) for v, b in r.bucket_calls() if v.name.startswith("decode-filter-")} - {4}   # no search: all
     ran = record_steps(r)
     prompt = "once upon a time there was a little girl named lily. she liked to play"
     top_p = SamplingParams(max_tokens=4, temperature=0.6, top_p=0.9, seed=3, ignore_eos=True)
@@ -316,14 +333,13 @@ def test_a_one_sequence_prompt_step_samples_its_one_row(stories):
 
 
 def test_without_compiling_at_start_only_the_steps_used_compile(stories):
-    """compile_at_start=False: start-up compiles no step; requests compile the steps they run, fewer
-    than warm-up's, and get the tokens and logprobs of the engine that compiled everything at start."""
+    """The default (compile_all_at_start=False): start-up compiles no step; requests compile the steps they run,
+    fewer than warm-up's, and get the tokens and logprobs of the engine that compiled everything at start."""
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: compiles.append(event) if event.endswith("backend_compile_duration") else None)
     try:
-        llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False, compile_at_start=False,
-                  compilation_cache=None)
+        llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False, cache_dir="")
         assert not llm.engine.runner._executables     # warm-up's executables: none
         at_start = len(compiles)
         params = [SamplingParams(max_tokens=10, temperature=t, seed=2, ignore_eos=True) for t in (0, 0.9)]
@@ -333,8 +349,8 @@ def test_without_compiling_at_start_only_the_steps_used_compile(stories):
         jax.monitoring.clear_event_listeners()
     assert 0 < used < len(llm.engine.runner.bucket_calls())
     want = stories.generate(PROMPTS[:2], params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    np.testing.assert_allclose([lp for o in got for lp in o.outputs[0].logprobs], [lp for o in want for lp in o.outputs[0].logprobs],
                                rtol=1e-5, atol=1e-5)
 
 
@@ -352,7 +368,7 @@ def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         llm = LLM(STORIES, max_num_seqs=8, max_num_batched_tokens=128, progress=False, compile_threads=2,
-                  compilation_cache=None)
+                  cache_dir="", compile_all_at_start=True)
         r = llm.engine.runner
         steps = len(r.token_buckets) + 2 * len(r.batch_buckets)
         assert compiles.count(False) == steps
@@ -364,7 +380,7 @@ def test_parallel_compilation_at_start_up_leaves_nothing_to_compile():
     finally:
         jax.monitoring.clear_event_listeners()
     alone = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=32, progress=False).generate(PROMPTS[0], params[0])
-    assert outs[0].token_ids == alone[0].token_ids
+    assert outs[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
 def test_a_failed_parallel_compilation_falls_back_to_the_main_thread(monkeypatch):
@@ -374,12 +390,12 @@ def test_a_failed_parallel_compilation_falls_back_to_the_main_thread(monkeypatch
     monkeypatch.setattr(jax.stages.Lowered, "compile", broken)
     with pytest.warns(UserWarning, match="parallel compilation of a step failed"):
         llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=32, progress=False, compile_threads=2,
-                  compilation_cache=None)
+                  cache_dir="", compile_all_at_start=True)
     monkeypatch.undo()
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0]
     alone = LLM(STORIES, max_num_seqs=1, max_num_batched_tokens=32, progress=False).generate(
         PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0]
-    assert out.token_ids == alone.token_ids
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids
 
 
 def test_chunked_prefill_equals_one_shot():
@@ -393,9 +409,9 @@ def test_chunked_prefill_equals_one_shot():
         outs.append(llm.generate(prompt, params)[0])
     chunked, one_shot = outs
     assert len(chunked.prompt_token_ids) > 100           # several 16-token chunks
-    assert chunked.token_ids == one_shot.token_ids
-    np.testing.assert_allclose(chunked.logprobs, one_shot.logprobs, atol=1e-5)
-    for a, b in zip(chunked.top_logprobs, one_shot.top_logprobs):
+    assert chunked.outputs[0].token_ids == one_shot.outputs[0].token_ids
+    np.testing.assert_allclose(chunked.outputs[0].logprobs, one_shot.outputs[0].logprobs, atol=1e-5)
+    for a, b in zip(chunked.outputs[0].top_logprobs, one_shot.outputs[0].top_logprobs):
         assert [i for i, _ in a] == [i for i, _ in b]
         np.testing.assert_allclose([v for _, v in a], [v for _, v in b], atol=1e-5)
 
@@ -469,33 +485,11 @@ def test_the_penalty_row_is_reset_only_for_requests_with_penalties(stories):
                  for kw in ({"repetition_penalty": 1.5}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0})]
     for params in penalised:
         starts.clear()
-        got = [llm.generate([prompt], p)[0].token_ids for prompt, p in zip(PROMPTS[2:5], (plain, params, plain))]
+        got = [llm.generate([prompt], p)[0].outputs[0].token_ids for prompt, p in zip(PROMPTS[2:5], (plain, params, plain))]
         assert len(starts) == 1   # the penalised request's reset alone
-        assert got[1] == stories.generate([PROMPTS[3]], params)[0].token_ids
-        assert got[1] != stories.generate([PROMPTS[3]], plain)[0].token_ids   # the penalty shows
-        assert got[2] == stories.generate([PROMPTS[4]], plain)[0].token_ids
-
-
-def test_mixed_outputs_on_host_give_the_same_outputs(stories):
-    """With mixed_outputs_on_host the mixed steps place their sampled tokens and logprobs in pinned host memory
-    themselves; greedy, seeded and logprob outputs equal the engine's without it."""
-    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, mixed_outputs_on_host=True, progress=False)
-    runner = llm.engine.runner
-    launch, kinds = runner.launch_mixed, []
-
-    def recording(*args, **kw):
-        outs = launch(*args, **kw)
-        kinds.extend(o.sharding.memory_kind for o in outs)
-        return outs
-
-    runner.launch_mixed = recording
-    params = [SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)]
-    got, want = llm.generate(PROMPTS[:2], params), stories.generate(PROMPTS[:2], params)
-    assert kinds and set(kinds) == {"pinned_host"}
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs],
-                               rtol=1e-5, atol=1e-5)
+        assert got[1] == stories.generate([PROMPTS[3]], params)[0].outputs[0].token_ids
+        assert got[1] != stories.generate([PROMPTS[3]], plain)[0].outputs[0].token_ids   # the penalty shows
+        assert got[2] == stories.generate([PROMPTS[4]], plain)[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("unroll_layers", [False, True])
@@ -510,12 +504,13 @@ def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
     opts = dict(max_num_seqs=4, max_num_batched_tokens=32, greedy_mixed_step=True, progress=False,
                 fresh_prompt_attention=True, fresh_prompt_min_tokens=16, prefixed_chunk_attention=True,
                 unroll_layers=unroll_layers)
-    llm = LLM(STORIES, prompt_step_head_layers=2, executable_cache=str(tmp_path), **opts)
+    llm = LLM(STORIES, prompt_step_head_layers=2, cache_dir=str(tmp_path), executable_cache=True,
+              compile_all_at_start=True, **opts)
     want = LLM(STORIES, **opts)
     runner = llm.engine.runner
-    split = runner.steps["mixed-greedy-fresh"]
-    assert isinstance(split, SplitStep) and isinstance(runner.steps["mixed-prefixed"], SplitStep)
-    assert not isinstance(runner.steps["mixed-greedy"], SplitStep)
+    split = runner.steps[StepVariant("mixed", "greedy", "fresh")]
+    assert isinstance(split, SplitStep) and isinstance(runner.steps[StepVariant("mixed", "branch", "prefixed")], SplitStep)
+    assert not isinstance(runner.steps[StepVariant("mixed", "greedy")], SplitStep)
     head, tail = split.split_params(runner.params)
     if unroll_layers:   # each part takes its own layers' matrices only
         assert [lp is None for lp in head["layers"]] == [False, False, True, True, True]
@@ -528,14 +523,15 @@ def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
         got = [llm.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
     assert {"mixed-greedy-prefixed", "mixed-prefixed", "mixed-greedy-fresh", "mixed-fresh"} <= set(ran)
     expected = [want.generate([p], params)[0] for params in (greedy, sampled) for p in prompts]
-    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
-    np.testing.assert_allclose([lp for o in got for lp in o.logprobs], [lp for o in expected for lp in o.logprobs],
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    np.testing.assert_allclose([lp for o in got for lp in o.outputs[0].logprobs], [lp for o in expected for lp in o.outputs[0].logprobs],
                                rtol=1e-5, atol=1e-5)
     # each part compiled and saved apart (loading is test_executable_cache's, in processes of their own)
-    parts = sorted({name for name, _ in runner._executables if name.startswith("mixed-greedy-fresh")})
+    parts = sorted({key.name for key in runner._executables if key.name.startswith("mixed-greedy-fresh")})
     assert parts == ["mixed-greedy-fresh/head", "mixed-greedy-fresh/tail"]
-    assert len(list(tmp_path.glob("*.exe"))) == len(runner._executables) == runner.executable_cache.misses
+    saved = list((tmp_path / "executables").glob("*.exe"))
+    assert len(saved) == len(runner._executables) == runner.executable_cache.misses
     # the benches' view of a step's executables (bench/step_memory.py): the two parts, warm-up's
-    batch = next(b for n, b in runner.bucket_calls() if n == "mixed-greedy-fresh")
-    compiled = runner.compiled("mixed-greedy-fresh", batch)
-    assert [n for n, _ in compiled] == parts and all(exe.memory_analysis() is not None for _, exe in compiled)
+    batch = next(b for v, b in runner.bucket_calls() if v.name == "mixed-greedy-fresh")
+    compiled = runner.compiled(StepVariant("mixed", "greedy", "fresh"), batch)
+    assert [k.name for k, _ in compiled] == parts and all(exe.memory_analysis() is not None for _, exe in compiled)

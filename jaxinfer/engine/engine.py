@@ -93,10 +93,8 @@ class Engine:
             params = split_layers(params)
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         num_pages = self._num_pages()
-        # XLA:CPU executables loaded back can miss their kernels ("Function wrapped_iota not found", jax
-        # 0.11.2): the executable cache is for GPUs.
         exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \
-            if config.cache_dir and backend == "gpu" else None
+            if config.cache_dir and t.executable_cache else None
         self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,
                                   kv_dtype=self.kv_dtype, executable_cache=exe_cache)
         self.pages = PageAllocator(num_pages)

@@ -261,7 +261,7 @@ class ModelRunner:
             n = self.decode_steps_for(b)
             calls += [(v, batch) for v in self.steps if v.phase == "decode" and v.steps == n
                       and (v.sampler != "filter-p" or filter_pays(b, "filter-p"))]   # choose_sampler sorts there
-        return sorted(calls, key=lambda c: (c[0], bucket_of(c[1])))
+        return calls
 
     def warmup(self, progress: bool = True, threads: int = 1, compile: bool = True) -> float:
         """Start the scratch row's sampler state; with `compile`, compile every bucket now and run each once
