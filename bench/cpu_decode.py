@@ -21,8 +21,8 @@ from jaxinfer.sampling import SamplingParams
 
 
 def measure(model: str, new_tokens: int, steps: int, overlap: bool = True, repeats: int = 5) -> tuple[float, float]:
-    engine = Engine(model, max_num_seqs=1, decode_steps=steps, max_num_batched_tokens=64, progress=False,
-                    overlap_decode=overlap)
+    engine = Engine(model, dtype="float32", ops="reference", max_num_seqs=1, decode_steps=steps,
+                    max_num_batched_tokens=64, progress=False, overlap_decode=overlap, compile_all_at_start=True)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     engine.add_request("Once upon a time", params)  # warm-up request: nothing left to compile after this
     while engine.has_unfinished():

@@ -55,8 +55,9 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     ops = path.removesuffix("-unroll").removesuffix("-scan")
     unroll = True if path.endswith("-unroll") else False if path.endswith("-scan") else None
     chunk = min(len(prompt), 2048)
+    # every step compiled at start-up (compile_s), none inside the timed requests
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, unroll_layers=unroll, max_num_seqs=1,
-                    max_model_len=len(prompt) + new + 16,
+                    compile_all_at_start=True, max_model_len=len(prompt) + new + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
                     skip_tokenizer_init=True, max_logprobs=0, kv_cache_dtype=kv_cache_dtype,  # max_logprobs 0: no top-k
                     num_pages=-(-(len(prompt) + new + 16) // 16) + 1)  # one sequence's pages, as measured

@@ -117,7 +117,7 @@ def child(args) -> None:
     cfg = load_config(model_dir, "bfloat16")
     t0 = time.perf_counter()
     options = {"fresh_prompt_attention": False} if args.workload == "no-cudnn" else {}
-    engine = engine_for(model_dir, args.ops, args.batch, args.context + args.tokens + 16, compile_at_start=False,
+    engine = engine_for(model_dir, args.ops, args.batch, args.context + args.tokens + 16, compile_all_at_start=False,
                         enable_prefix_caching=False, **options)
     print(f"# child: engine built in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.workload == "synthetic":
@@ -137,7 +137,7 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
     each with its own pages (the same kernels and bytes as after real prompts; no cuDNN or cuBLAS prompt kernels)."""
     import jax
 
-    from jaxinfer.runner.model_runner import DecodeBatch
+    from jaxinfer.runner.batch import DecodeBatch
     from jaxinfer.sampling.sample import SamplingArrays
     from jaxinfer.runner.transfer import to_device
 
@@ -153,9 +153,10 @@ def synthetic_decode(engine, B: int, context: int, dispatches: int) -> None:
         a["remaining"][b] = 1 << 20
         a["active"][b] = True
     batch = to_device(DecodeBatch(**a, sampling=SamplingArrays.from_params([], [], bucket)))
+    variant = r.decode_variant("greedy", bucket)
     out = None
     for _ in range(dispatches):
-        batch, out = r.launch_decode(batch, greedy=True)
+        batch, out = r.launch_decode(batch, variant)
     jax.block_until_ready(out)
     print(f"# child: rows now at positions {np.asarray(batch.positions)[:B].tolist()}", flush=True)
 

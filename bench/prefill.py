@@ -40,9 +40,9 @@ def prefill_flops(cfg, T: int) -> float:
 
 # Paths besides ops names: engine settings to compare side by side
 PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  # the paged kernel for a fresh prompt
-                # a long prompt's later chunks on cuDNN too (EngineConfig.prefixed_chunk_attention)
+                # a long prompt's later chunks on cuDNN too (Tuning.prefixed_chunk_attention)
                 "pallas-prefixed": ("pallas", {"prefixed_chunk_attention": True}),
-                # the prompt step as two executables, its first 6 layers apart (EngineConfig.prompt_step_head_layers)
+                # the prompt step as two executables, its first 6 layers apart (Tuning.prompt_step_head_layers)
                 "pallas-split6": ("pallas", {"prompt_step_head_layers": 6}),
                 # the prompt step as one executable (the former GPU default)
                 "pallas-one-step": ("pallas", {"prompt_step_head_layers": 0})}
@@ -53,6 +53,7 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
     chunk = min(chunk, len(prompt))
     ops, options = PATH_OPTIONS.get(path, (path, {}))
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
+                    compile_all_at_start=True,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
                     enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)

@@ -50,8 +50,10 @@ def tokens_fingerprint(token_ids) -> str:
 
 
 def engine_for(model_dir, ops, max_num_seqs, max_model_len, **kw) -> Engine:
+    """Every step compiled at start-up unless kw says otherwise: the timed runs never compile."""
     if _FORCED:   # the executable cache's key sees the kernel tables, not a patched function: compile afresh
-        kw = {**kw, "executable_cache": ""}
+        kw = {**kw, "executable_cache": False}
+    kw = {"compile_all_at_start": True, **kw}
     return Engine(model_dir, dtype="bfloat16", ops=ops, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                   max_num_batched_tokens=2048, progress=False, skip_tokenizer_init=True, max_logprobs=0, **kw)
 
@@ -102,22 +104,24 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
     """The device's decode step at batch B alone: back-to-back decode dispatches of B greedy rows at
     `context` tokens (pages taken from the idle engine's pool, their contents whatever they hold),
     launched from Python without reading anything back in between. greedy=False times the step
-    that can sample (its branch reads a predicate back). With trace_dir, the dispatches are run once
+    that can sample (the runner's sort, or its branch, which reads a predicate back). With trace_dir, the dispatches are run once
     more under the profiler: returns (ms, the trace's summary)."""
     import jax
 
-    from jaxinfer.runner.model_runner import DecodeBatch
+    from jaxinfer.runner.batch import DecodeBatch
     from jaxinfer.sampling.sample import SamplingArrays
 
     r = engine.runner
-    steps = engine.config.decode_steps
+    sampler = "greedy" if greedy else "sort" if engine.config.tuning.plain_sampling_step else "branch"
+    variant = r.decode_variant(sampler, r.batch_bucket(B))
+    steps = variant.steps
     per_seq = -(-(context + 2 * (dispatches + 2) * steps + 1) // engine.config.page_size)
     pages = engine.pages.allocate(B * per_seq)
 
     def run(batch):
         adv = batch
         for _ in range(dispatches):
-            adv, outs = r.launch_decode(adv, greedy=greedy)
+            adv, outs = r.launch_decode(adv, variant)
         jax.block_until_ready(outs)
 
     try:
@@ -129,7 +133,7 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
         params = SamplingParams(temperature=0, ignore_eos=True)
         batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params] * B, [0] * B,
                                                                                      len(a["tokens"]))))
-        jax.block_until_ready(r.launch_decode(batch, greedy=greedy)[1])
+        jax.block_until_ready(r.launch_decode(batch, variant)[1])
         t0 = time.perf_counter()
         run(batch)
         ms = 1e3 * (time.perf_counter() - t0) / (dispatches * steps)
@@ -184,7 +188,7 @@ def main() -> None:
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
-                    help="compile only the steps the run takes (engine compile_at_start=False; A/B runs)")
+                    help="compile only the steps the run takes (engine compile_all_at_start=False; A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -208,7 +212,7 @@ def main() -> None:
     max_len = max(args.context + 2 * args.steps + 32, 1024 + 512 + 16, args.system + 256)
     t0 = time.perf_counter()
     engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
-                        kv_cache_dtype=args.kv_cache_dtype, compile_at_start=not args.lazy_compile)
+                        kv_cache_dtype=args.kv_cache_dtype, compile_all_at_start=not args.lazy_compile)
     out["start_s"] = dict(total=time.perf_counter() - t0, compile=engine.compile_seconds)
     print(f"# engine start {out['start_s']['total']:.1f} s (compile {engine.compile_seconds:.1f} s)", flush=True)
 

@@ -76,7 +76,8 @@ def apply_bench_options(options: dict) -> dict:
     tables.ROPE_KV_WRITE_TILE),
     "unpacked_batch" (the prompt step takes its batch as ~20 arrays, split by a call of its own) and
     "weights": "stacked" (the layers unrolled over the stacked [L, ...] arrays: a dozen arrays a step) or
-    "split-every-array" (every per-layer array its own, vectors too). Returns the other options (the layers must be unrolled: unroll_layers)."""
+    "split-every-array" (every per-layer array its own, vectors too). Returns the other options (the layers must be unrolled: unroll_layers),
+    with the Tuning switch executable_cache=False where the step's code was patched."""
     options = dict(options)
     import jax
 
@@ -127,6 +128,6 @@ def apply_bench_options(options: dict) -> dict:
         jaxinfer.engine.engine.split_layers = {"stacked": lambda params: params,
                                         "split-every-array": split_every_array}[layout]
     if patched:
-        options["executable_cache"] = ""
+        options["executable_cache"] = False
     return options
 
