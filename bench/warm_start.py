@@ -1,15 +1,21 @@
-"""Cold and warm start: a fresh process from launch to its first generated token, twice.
+"""Start-up to the first token, cold and warm: a fresh process each run, as a user starts one.
 
     PYTHONPATH=. python3 bench/warm_start.py [--shape qwen3-4b] [--runs 2] [--out DIR]
-    PYTHONPATH=. python3 bench/warm_start.py --serve --max-num-seqs 256   # the server instead
+    PYTHONPATH=. python3 bench/warm_start.py --serve [--max-num-seqs N] [--max-model-len N]   # the server instead
 
-Each run is `jaxinfer generate --max-tokens 1` in a new process (imports, device start, weight
-loading, compiling or loading every step from JAX's persistent compilation cache, one prompt),
-timed from launch to exit. With --serve, each run starts `jaxinfer serve` and is timed from launch
-to the first completion token received over HTTP (a one-token request, retried until the server
-answers); the server is then stopped. HOME points at a fresh folder, so the first run starts with an empty
-compilation cache and the later ones find what it wrote. Prints the wall time and the loaded /
-compiled seconds the engine reports.
+generate: each run is `jaxinfer generate --model DIR "1 2 3 4 5"` and no other flag, so the defaults pick what a
+user gets (the checkpoint's dtype, the Pallas kernels on a GPU, steps compiled on first use). It is timed from
+launch to the first generated text on its stdout: imports, device start, weight loading, compiling (or loading
+from the caches) the steps the prompt takes, and the prompt step. The process then runs to its end (its steps
+land in the caches for the next run); launch to exit is reported beside.
+serve: each run starts `jaxinfer serve --model DIR --port P` (it compiles every step at start-up), timed from
+launch to the first completion token received over HTTP (a one-token request, retried until the server answers);
+the server is then stopped.
+Every run's HOME is one fresh folder, so the default cache dir (~/.cache/jaxinfer: JAX's compilation cache in
+jax/, whole executables in executables/) is empty for the first run (cold) and holds what the earlier runs wrote
+for the later ones (warm). The model folder is bench.random_model's bench_model(--models, --shape) (random bf16
+weights) with a Qwen3 tokenizer copied in. Prints a table (run, cold/warm, seconds to the first token, the
+engine's summary line) and writes warm_start.json (warm_start_serve.json with --serve) to --out.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import argparse
 import json
 import os
 import re
+import selectors
+import shlex
 import shutil
 import socket
 import subprocess
@@ -26,67 +34,70 @@ import tempfile
 import time
 from pathlib import Path
 
+PROMPT = "1 2 3 4 5"   # token ids below 4,096 in Qwen3's tokenizer: the tiny shape's vocabulary takes them
+TOKENIZERS = (".carry/qwen3", "shared/tokenizers/qwen3", "../shared/tokenizers/qwen3")
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--ops", default="pallas")
-    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=2, help="the first cold, the others warm")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (default: .carry/qwen3 or ../shared/tokenizers/qwen3)")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tokenizer", default=None, help=f"tokenizer folder (default: the first of {', '.join(TOKENIZERS)})")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds a run may take to its first token")
     ap.add_argument("--serve", action="store_true", help="time `jaxinfer serve` to its first served token")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="with --serve")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="with --serve (default: the server's)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="with --serve (default: the server's)")
     args = ap.parse_args()
     from bench.random_model import bench_model
 
     model_dir = bench_model(args.models, args.shape)
-    if not (model_dir / "tokenizer.json").is_file():   # `generate` takes text
-        tok = next(Path(d) for d in (args.tokenizer, ".carry/qwen3", "../shared/tokenizers/qwen3") if d and Path(d).is_dir())
-        for f in tok.glob("tokenizer*.json"):
+    if not (model_dir / "tokenizer.json").is_file():   # `generate` takes text; the server loads one too
+        found = [Path(d) for d in (args.tokenizer, *TOKENIZERS) if d and (Path(d) / "tokenizer.json").is_file()]
+        if not found:
+            raise SystemExit(f"no tokenizer.json in --tokenizer or {', '.join(TOKENIZERS)}")
+        for f in found[0].glob("tokenizer*.json"):
             shutil.copy(f, model_dir / f.name)
     home = tempfile.mkdtemp(prefix="jaxinfer-warm-")
     env = {**os.environ, "HOME": home}
-    cmd = [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(model_dir), "--dtype", args.dtype,
-           "--ops", args.ops, "--max-model-len", str(args.max_model_len), "--max-tokens", "1", "1 2 3 4 5"]
+    jaxinfer = [sys.executable, "-m", "jaxinfer.cli"]
     if args.serve:
         port = _free_port()
-        cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", str(model_dir), "--dtype", args.dtype,
-               "--ops", args.ops, "--max-model-len", str(args.max_model_len), "--port", str(port),
-               "--max-num-seqs", str(args.max_num_seqs)]
+        extra = [*(["--max-num-seqs", str(args.max_num_seqs)] if args.max_num_seqs else []),
+                 *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
+        cmd = ["serve", "--model", str(model_dir), "--port", str(port), *extra]
+    else:
+        cmd = ["generate", "--model", str(model_dir), PROMPT]
+    shown = "jaxinfer " + shlex.join(cmd)
+    print(f"# {shown}  (a fresh process each run, HOME={home})", flush=True)
     rows = []
     for i in range(args.runs):
-        t0 = time.perf_counter()
         if args.serve:
-            rc, text = _serve_to_first_token(cmd, env, port)
+            row = _serve_to_first_token(jaxinfer + cmd, env, port, args.timeout)
         else:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            rc, text = p.returncode, p.stderr + p.stdout
-        wall = time.perf_counter() - t0
-        m = re.search(r"loaded in ([\d.]+) s, compiled in ([\d.]+) s", text)
-        row = dict(run=i + 1, wall_s=wall, rc=rc, loaded_s=float(m[1]) if m else None,
-                   compiled_s=float(m[2]) if m else None)
-        # The engine's split of the compiled seconds: "(lower 1.0 s, compile 2.0 s, ...)".
-        parts = re.search(r"compiled in [\d.]+ s \(([^)]*)\)", text)
-        row["breakdown"] = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", parts[1])} if parts else {}
-        if rc:
-            row["error"] = text.strip().splitlines()[-1][:200] if text.strip() else "?"
+            row = _generate_to_first_token(jaxinfer + cmd, env, args.timeout)
+        log = row.pop("log")
+        summary = next((line.strip() for line in log.splitlines() if line.startswith("[jaxinfer:")), None)
+        loaded = re.search(r"loaded in ([\d.]+) s", summary or "")
+        compiled = re.search(r"compiled (\d+) steps in ([\d.]+) s", summary or "")
+        row = dict(run=i + 1, cache="cold" if i == 0 else "warm", **row, summary=summary,
+                   loaded_s=float(loaded[1]) if loaded else None,
+                   compiled_steps=int(compiled[1]) if compiled else None,
+                   compiled_s=float(compiled[2]) if compiled else None)
+        if row["rc"]:
+            row["error"] = log.strip().splitlines()[-1][:300] if log.strip() else "?"
         rows.append(row)
         print(f"# {json.dumps(row)}", flush=True)
-    what = f"jaxinfer serve --max-num-seqs {args.max_num_seqs}" if args.serve else "jaxinfer generate"
-    print(f"\n{what}: {args.shape}, {args.dtype}, ops {args.ops}, max_model_len {args.max_model_len}")
-    print("| run | cache | launch to first token s | weights loaded s | steps compiled s | of which: lower / "
-          "compile (summed over threads) / compile wall / first runs s | rest (imports, device, server) s |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\n{shown}: {args.shape}")
+    print("| run | cache | launch to first token s | engine summary |")
+    print("|---|---|---|---|")
     for r in rows:
-        b = r["breakdown"]
-        split = " / ".join(f"{b[k]:.1f}" for k in ("lower", "compile", "compile_wall", "first_runs") if k in b)
-        rest = r["wall_s"] - (r["loaded_s"] or 0) - (r["compiled_s"] or 0)
-        print(f"| {r['run']} | {'cold' if r['run'] == 1 else 'warm'} | {r['wall_s']:.1f} | {r['loaded_s']} | "
-              f"{r['compiled_s']} | {split} | {rest:.1f} |" + (f" failed: {r['error']}" if r.get("error") else ""))
-    Path(args.out, "warm_start_serve.json" if args.serve else "warm_start.json").write_text(json.dumps(rows, indent=1))
+        first = f"{r['first_token_s']:.1f}" if r["first_token_s"] is not None else "-"
+        print(f"| {r['run']} | {r['cache']} | {first} | {r['summary'] or '-'} |"
+              + (f" failed: {r['error']}" if r.get("error") else ""))
+    out = Path(args.out, "warm_start_serve.json" if args.serve else "warm_start.json")
+    out.write_text(json.dumps(dict(command=shown, shape=args.shape, home=home, rows=rows), indent=1))
     if any(r["rc"] for r in rows):
         sys.exit(1)
 
@@ -97,22 +108,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_to_first_token(cmd: list[str], env: dict, port: int, timeout: float = 400.0) -> tuple[int, str]:
-    """Start the server, send a one-token completion until one comes back; (0 or 1, the server's log)."""
+def _generate_to_first_token(cmd: list[str], env: dict, timeout: float) -> dict:
+    """Run `jaxinfer generate`; the first token is the first write to its stdout (the prompt and the first
+    token's text, flushed together). {rc, first_token_s, exit_s, log: its stderr}."""
+    log = tempfile.TemporaryFile(mode="w+")   # a file, not a pipe: a chatty stderr cannot block the child
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log)
+    first, out = None, b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while first is None and time.perf_counter() - t0 < timeout:
+            if not sel.select(timeout=1.0):
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:   # the process closed its stdout without a token
+                break
+            first, out = time.perf_counter() - t0, chunk
+    try:
+        rest, _ = proc.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rest, _ = proc.communicate()
+    exit_s = time.perf_counter() - t0
+    log.seek(0)
+    text = log.read()
+    rc = proc.returncode or (first is None)
+    if first is not None and not out.decode(errors="replace").startswith(PROMPT):
+        rc, text = 1, text + f"\nunexpected first output: {out[:200]!r}"
+    return dict(rc=int(rc), first_token_s=first, exit_s=exit_s, output=(out + rest).decode(errors="replace")[:200],
+                log=text)
+
+
+def _serve_to_first_token(cmd: list[str], env: dict, port: int, timeout: float) -> dict:
+    """Start the server, send a one-token completion until one comes back, stop it. {rc, first_token_s, log}."""
     import httpx
 
     log = tempfile.TemporaryFile(mode="w+")
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     body = {"model": "x", "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "temperature": 0}
-    rc, deadline = 1, time.perf_counter() + timeout
+    rc, first = 1, None
     try:
-        while time.perf_counter() < deadline and proc.poll() is None:
+        while time.perf_counter() - t0 < timeout and proc.poll() is None:
             try:
                 models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
                 body["model"] = models["data"][0]["id"]
                 r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
                 if r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1:
-                    rc = 0
+                    rc, first = 0, time.perf_counter() - t0
                     break
             except (httpx.TransportError, KeyError, ValueError):
                 pass
@@ -123,9 +168,10 @@ def _serve_to_first_token(cmd: list[str], env: dict, port: int, timeout: float =
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         log.seek(0)
         text = log.read()
-    return rc, text
+    return dict(rc=rc, first_token_s=first, log=text)
 
 
 if __name__ == "__main__":

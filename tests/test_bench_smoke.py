@@ -29,10 +29,9 @@ def _run(tmp_path, script, *args, timeout=300):
                        "--requests", "5", "--system", "64", "--kv-cache-dtype", "fp8"], "throughput.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "2", "--context", "40", "--steps", "4",
                        "--decode-only", "--attention-config", "2/16"], "throughput.json"),
-    ("warm_start.py", ["--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64"],
-     "warm_start.json"),
-    ("warm_start.py", ["--serve", "--shape", "tiny", "--ops", "reference", "--dtype", "float32", "--max-model-len", "64",
-                       "--max-num-seqs", "2", "--runs", "1"], "warm_start_serve.json"),
+    ("warm_start.py", ["--shape", "tiny"], "warm_start.json"),
+    ("warm_start.py", ["--serve", "--shape", "tiny", "--max-model-len", "64", "--max-num-seqs", "2", "--runs", "1"],
+     "warm_start_serve.json"),
     ("kernels/fused_gemv.py", ["--interpret", "--shape", "tiny", "--layers", "2", "--repeats", "1", "--rows", "1", "2"],
      "fused_gemv.json"),
     ("kernels/hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
@@ -51,6 +50,10 @@ def test_bench_runs(tmp_path, script, args, out):
     data = json.loads((tmp_path / out).read_text())
     assert data
     assert "failed" not in stdout and "error" not in json.dumps(data), stdout[-2000:]
+    if script == "warm_start.py":   # each run to its first token, cold then warm, with the engine's summary line
+        rows = data["rows"]
+        assert [r["cache"] for r in rows] == ["cold", "warm"][:len(rows)] and all(r["first_token_s"] > 0 for r in rows)
+        assert all(r["summary"].startswith("[jaxinfer: tiny") for r in rows), rows
     if script == "prefill.py":   # the machine, versions, date and command with the figures
         assert {"device", "jax", "date", "argv", "gemm"} <= set(data)
         assert data["argv"][:2] == ["--models", str(tmp_path / "models")]
@@ -66,6 +69,7 @@ def test_serving_bench_with_the_host_profile(tmp_path, client):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXINFER_HOST_PROFILE": str(tmp_path / "host.json")}
     r = subprocess.run([sys.executable, str(REPO / "bench" / "serving.py"), "--serve-model", str(STORIES),
                         "--request-rates", "inf", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
+                        "--serve-args=--max-num-seqs 16",   # the server's batch before its default became 256
                         "--out", str(out), "--device-trace", str(tmp_path / "traces"), "--device-trace-seconds", "0.3",
                         "--client", client],
                        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
@@ -110,7 +114,7 @@ def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     import jaxinfer.engine.engine
 
     monkeypatch.setattr(jaxinfer.engine.engine, "to_device_packed", jaxinfer.engine.engine.to_device_packed)   # restored after
-    assert apply_bench_options({"unpacked_batch": True}) == {"executable_cache": ""}
+    assert apply_bench_options({"unpacked_batch": True}) == {"executable_cache": False}
     assert tables.ROPE_KV_WRITE_TILE == 16
     apply_bench_options({"rope_write_tiled": 32})
     assert tables.ROPE_KV_WRITE_TILE == 32
