@@ -82,10 +82,13 @@ def llm():
 
 
 def test_prompt_longer_than_context(llm):
-    with pytest.raises(PromptTooLongError, match="context window is 512"):
+    with pytest.raises(PromptTooLongError, match="maximum context length is 512 tokens"):
         llm.generate("Once upon a time " * 200, SamplingParams(max_tokens=4))
+    # a prompt that fits but asks for more tokens than the context has room for: rejected, not cut short
+    with pytest.raises(PromptTooLongError, match="you asked for 605 tokens"):
+        llm.generate("Once upon a time", SamplingParams(max_tokens=600))
     # the engine keeps serving afterwards
-    assert llm.generate("Once", SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"
+    assert llm.generate("Once", SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].finish_reason == "length"
 
 
 def test_empty_prompt_and_bad_ids(llm):
@@ -145,7 +148,7 @@ def test_cli_bad_arguments_one_line_exit_2(args, message):
 def test_cli_prompt_too_long(tmp_path):
     r = _cli("generate", "--model", str(STORIES), "--max-model-len", "32", "--max-tokens", "4", "Once upon a time " * 20)
     assert r.returncode == 2
-    assert "context window is 32" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+    assert "maximum context length is 32 tokens" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
 
 
 def test_cli_generate_streams_and_reports_speed():

@@ -23,13 +23,14 @@ import json, sys
 from jaxinfer import LLM
 from jaxinfer.sampling import SamplingParams
 llm = LLM(sys.argv[1], dtype=sys.argv[3], max_num_seqs=2, max_model_len=128, max_num_batched_tokens=32,
-          progress=False, compilation_cache=None, executable_cache=sys.argv[2], skip_tokenizer_init=True,
+          progress=False, cache_dir=sys.argv[2], executable_cache=True, compile_all_at_start=True,
+          skip_tokenizer_init=True,
           **json.loads(sys.argv[4]))
 params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True)]
 r = llm.engine.runner
 ran, call = [], r._call
-r._call = lambda name, batch: (ran.append(name), call(name, batch))[1]
+r._call = lambda v, batch: (ran.append(v.name), call(v, batch))[1]
 out = [o.outputs[0].token_ids for o in llm.generate([[1, 403, 407, 261, 378], [1, 306, 102, 291]], params)]
 if json.loads(sys.argv[4]):   # and a 25-token prompt alone: a one-sequence prompt step
     out += [o.outputs[0].token_ids for o in llm.generate([[1, 403, 407, 261, 378] * 5], params[:1])]
@@ -55,7 +56,7 @@ def test_second_start_loads_every_step_and_generates_the_same(stories_dir, tmp_p
     first, _ = start_engine(stories_dir, tmp_path)
     n = first["steps"]
     assert (first["hits"], first["misses"]) == (0, n)
-    assert len(list(tmp_path.glob("*.exe"))) == n
+    assert len(list((tmp_path / "executables").glob("*.exe"))) == n
     second, _ = start_engine(stories_dir, tmp_path)
     assert (second["hits"], second["misses"]) == (n, 0)
     assert second["lower"] == 0.0                 # nothing traced or lowered
@@ -70,7 +71,7 @@ def test_a_split_prompt_step_loads_both_parts(stories_dir, tmp_path):
     options = dict(greedy_mixed_step=True, fresh_prompt_attention=True, fresh_prompt_min_tokens=16,
                    prompt_step_head_layers=2, unroll_layers=True)
     first, _ = start_engine(stories_dir, tmp_path, **options)
-    entries = len(list(tmp_path.glob("*.exe")))
+    entries = len(list((tmp_path / "executables").glob("*.exe")))
     assert first["hits"] == 0 and first["misses"] == entries > first["steps"]
     second, _ = start_engine(stories_dir, tmp_path, **options)
     assert (second["hits"], second["misses"], second["lower"]) == (entries, 0, 0.0)
@@ -79,7 +80,7 @@ def test_a_split_prompt_step_loads_both_parts(stories_dir, tmp_path):
 
 def test_a_corrupt_entry_is_a_miss(stories_dir, tmp_path):
     first, _ = start_engine(stories_dir, tmp_path)
-    victim = sorted(tmp_path.glob("*.exe"))[0]
+    victim = sorted((tmp_path / "executables").glob("*.exe"))[0]
     victim.write_bytes(b"not a pickle")
     second, log = start_engine(stories_dir, tmp_path)
     assert "dropping unreadable" in log
@@ -124,11 +125,11 @@ def test_a_kernel_table_changed_at_run_time_is_a_new_key(tmp_path, monkeypatch):
 
 
 def test_on_by_default_on_gpus_only():
-    from jaxinfer.engine.engine import EngineConfig
+    from jaxinfer.settings import EngineConfig
 
-    assert EngineConfig().for_backend("gpu").executable_cache.endswith("executables")
-    assert EngineConfig().for_backend("cpu").executable_cache == ""
-    assert EngineConfig(executable_cache="").for_backend("gpu").executable_cache == ""
+    assert EngineConfig().resolved("gpu", False).tuning.executable_cache is True
+    assert EngineConfig().resolved("cpu", False).tuning.executable_cache is False
+    assert EngineConfig.from_options(executable_cache=False).resolved("gpu", False).tuning.executable_cache is False
 
 
 def test_the_folder_is_kept_under_its_size_least_recently_used_first(tmp_path):

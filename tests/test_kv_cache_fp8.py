@@ -173,7 +173,7 @@ def test_a_fresh_prompt_reads_its_keys_back_from_a_float8_cache():
     unrounded = LLM(STORIES, fresh_prompt_attention=True, **{**opts, "kv_cache_dtype": "auto"})
     ran = []
     call = fresh.engine.runner._call
-    fresh.engine.runner._call = lambda name, *a: (ran.append(name), call(name, *a))[1]
+    fresh.engine.runner._call = lambda variant, *a: (ran.append(variant.name), call(variant, *a))[1]
     prompts = ["Lily and Ben went to the park. They saw a big red ball and"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     got, want, far = (llm.generate(prompts, [params])[0] for llm in (fresh, paged, unrounded))
@@ -184,13 +184,11 @@ def test_a_fresh_prompt_reads_its_keys_back_from_a_float8_cache():
 
 
 def test_the_commands_pass_the_option_on():
-    from jaxinfer.cli import build_parser
-    from jaxinfer.serve.server import engine_options
+    from jaxinfer.cli import build_parser, engine_settings
 
     for cmd in ("generate", "chat", "bench", "serve"):
-        assert build_parser().parse_args([cmd, "--kv-cache-dtype", "fp8"] + (["x"] if cmd == "generate" else [])
-                                         ).kv_cache_dtype == "fp8"
-    assert engine_options(kv_cache_dtype="fp8")["kv_cache_dtype"] == "fp8"
+        args = build_parser().parse_args([cmd, "--model", "m", "--kv-cache-dtype", "fp8"] + (["x"] if cmd == "generate" else []))
+        assert engine_settings(args)["kv_cache_dtype"] == "fp8"
 
 
 def test_prefix_hits_and_preemption_with_a_float8_cache():

@@ -29,7 +29,7 @@ def _run(engine, prompts, params):
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_unfinished():
         engine.step()
-    return [engine.take_finished(i).token_ids for i in ids]
+    return [engine.take_finished(i).outputs[0].token_ids for i in ids]
 
 
 def _engine(**kw):
@@ -56,11 +56,11 @@ def _equal_alone_up_to_near_ties(engine, out, prompts, params, gap=1e-4, most=2)
         while engine.has_unfinished():
             engine.step()
         alone = engine.take_finished(rid)
-        if got == alone.token_ids:
+        if got == alone.outputs[0].token_ids:
             continue
-        j = next(j for j, (a, b) in enumerate(zip(got, alone.token_ids)) if a != b)
-        (t0, l0), (t1, l1) = alone.top_logprobs[j][:2]
-        assert {t0, t1} == {got[j], alone.token_ids[j]} and l0 - l1 < gap, (j, alone.top_logprobs[j])
+        j = next(j for j, (a, b) in enumerate(zip(got, alone.outputs[0].token_ids)) if a != b)
+        (t0, l0), (t1, l1) = alone.outputs[0].top_logprobs[j][:2]
+        assert {t0, t1} == {got[j], alone.outputs[0].token_ids[j]} and l0 - l1 < gap, (j, alone.outputs[0].top_logprobs[j])
         ties += 1
     assert ties <= most
 
@@ -109,7 +109,7 @@ def test_preemption_gives_the_same_output(alone_engine, sampled):
 
 
 def test_no_compilation_under_random_workload():
-    engine = _engine(num_pages=20, max_model_len=256)
+    engine = _engine(num_pages=20, max_model_len=256, compile_all_at_start=True)
     with no_compiles():
         for round_ in range(3):
             _run(engine, _prompts(20, 10 + round_, prefix="lily " * round_), _params(20, 10 + round_, round_ == 1))
@@ -143,7 +143,7 @@ def _abort_then_finish(engine, ids, k, want):
     engine.abort(ids[k])
     while engine.has_unfinished():
         engine.step()
-    outs = {i: engine.take_finished(i).token_ids for i in ids if i != ids[k]}
+    outs = {i: engine.take_finished(i).outputs[0].token_ids for i in ids if i != ids[k]}
     assert [outs[i] for i in ids if i != ids[k]] == [w for j, w in enumerate(want) if j != k]
     assert engine.pages.num_free == engine.pages.capacity
     engine.pages.check()
@@ -208,7 +208,7 @@ def test_newcomers_prompt_steps_go_behind_the_decode_dispatch_in_flight(alone_en
                 if queue:
                     ids.append(engine.add_request(*queue.pop(0)))
             engine.step()
-        assert [engine.take_finished(i).token_ids for i in ids] == want
+        assert [engine.take_finished(i).outputs[0].token_ids for i in ids] == want
         # one step-time record per mixed step, overlapped ones counted once: they sum to the prefill time
         times = list(engine.mixed_step_times)
         assert len(times) == len(behind) and {b for b, _ in times} <= set(engine.runner.token_buckets)
@@ -306,7 +306,7 @@ def test_a_step_just_past_a_token_bucket_leaves_the_excess_for_the_next():
 def test_trimmed_steps_give_each_request_its_output_alone(monkeypatch):
     """With steps trimmed back to a token bucket (TRIM_FROM lowered so the small model gets there),
     concurrent greedy requests still give what each gives alone."""
-    from jaxinfer.serve import scheduler as S
+    from jaxinfer.engine import scheduler as S
 
     monkeypatch.setattr(S, "TRIM_FROM", 32)
     trims = []

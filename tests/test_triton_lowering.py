@@ -23,6 +23,7 @@ from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 from bench.random_model import LLAMA3_8B, QWEN3_0_6B, QWEN3_4B, write_random_model
 from jaxinfer.runner.model_runner import ModelRunner
+from jaxinfer.settings import EngineConfig
 from jaxinfer.model.weights import load_params
 
 
@@ -57,19 +58,25 @@ def small_model(request, tmp_path_factory):
 def test_engine_steps_lower(small_model, kv, unroll):
     cfg = load_config(small_model, "bfloat16")
     params = load_params(small_model, cfg, progress=False)
-    runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops("pallas"), num_pages=33, page_size=16,
-                         max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64, steps_per_decode=2,
-                         unroll_layers=unroll, kv_dtype=kv, greedy_mixed=True,
-                         # the one-sequence steps (the fresh one's K/V from the write, or read back from float8)
-                         fresh_prompt_min_tokens=32, prefixed_chunks=True)
+    # the one-sequence steps too (the fresh one's K/V from the write, or read back from float8)
+    runner = _runner(cfg, split_layers(params) if unroll else params, kv, unroll_layers=unroll, decode_steps=2,
+                     prefixed_chunk_attention=True)
     calls = runner.bucket_calls()
-    assert len(calls) >= 6 and "mixed-greedy" in {name for name, _ in calls}
-    assert {"mixed-fresh", "mixed-prefixed"} <= {name for name, _ in calls}
-    for name, batch in calls:
-        traced = runner.steps[name].trace(runner.params, runner.kv, runner.state, batch)
+    assert len(calls) >= 6 and "mixed-greedy" in {v.name for v, _ in calls}
+    assert {"mixed-fresh", "mixed-prefixed"} <= {v.name for v, _ in calls}
+    for variant, batch in calls:
+        traced = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch)
         text = traced.lower(lowering_platforms=("cuda",)).as_text()
         assert TRITON_CALL in text
-        assert not LAYER_PAIR.search(text), (name, LAYER_PAIR.search(text).group(0))
+        assert not LAYER_PAIR.search(text), (variant.name, LAYER_PAIR.search(text).group(0))
+
+
+def _runner(cfg, params, kv=None, **settings) -> ModelRunner:
+    """A runner with the Pallas ops, greedy-only prompt steps and the fresh-prompt steps from 32 tokens."""
+    config = EngineConfig.from_options(max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+                                       fresh_prompt_attention=True, fresh_prompt_min_tokens=32,
+                                       **settings).resolved("cpu", False)
+    return ModelRunner(cfg, params, get_ops("pallas"), config, num_pages=33, max_model_len=256, kv_dtype=kv)
 
 
 def test_split_prompt_step_parts_lower(small_model):
@@ -77,12 +84,10 @@ def test_split_prompt_step_parts_lower(small_model):
     Pallas ops over per-layer weights, the head taking the first layer's matrices only."""
     cfg = load_config(small_model, "bfloat16")
     params = split_layers(load_params(small_model, cfg, progress=False))
-    runner = ModelRunner(cfg, params, get_ops("pallas"), num_pages=33, page_size=16, max_num_seqs=4,
-                         max_model_len=256, max_num_batched_tokens=64, unroll_layers=True, greedy_mixed=True,
-                         fresh_prompt_min_tokens=32, prompt_head_layers=1)
-    name, batch = next((n, b) for n, b in runner.bucket_calls() if n == "mixed-greedy-fresh")
-    parts = runner.steps[name].parts(runner.params, runner.kv, runner.state, batch)
-    assert [suffix for suffix, _, _ in parts] == ["/head", "/tail"]
+    runner = _runner(cfg, params, unroll_layers=True, prompt_step_head_layers=1)
+    variant, batch = next((v, b) for v, b in runner.bucket_calls() if v.name == "mixed-greedy-fresh")
+    parts = runner.steps[variant].parts(runner.params, runner.kv, runner.state, batch)
+    assert [part for part, _, _ in parts] == ["head", "tail"]
     for _, fn, args in parts:
         assert TRITON_CALL in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     head_args = parts[0][2][0]
@@ -115,28 +120,6 @@ def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context, kv
         return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config)
 
     assert TRITON_CALL in _lower(plain, sd((batch, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows)
-
-
-@pytest.mark.parametrize("shape", [QWEN3_4B, LLAMA3_8B], ids=["qwen3-4b", "llama3-8b"])
-@pytest.mark.parametrize("M", [1000, 2048])
-def test_prefill_gemm_lowers_at_real_shapes(shape, M):
-    """The tensor-core GEMM tiled over prompt rows (skinny_gemm with block_m), each projection of a layer."""
-    from jaxinfer.pallas import skinny_gemm as SG
-
-    D, I = shape["hidden_size"], shape["intermediate_size"]
-    H, K = shape["num_attention_heads"], shape["num_key_value_heads"]
-    hd = shape.get("head_dim") or D // H
-    sd = jax.ShapeDtypeStruct
-    for n, k, epilogue in [((H + 2 * K) * hd, D, "none"), (D, H * hd, "residual"), (2 * I, D, "swiglu"),
-                           (D, I, "residual")]:
-        cfg = SG.choose_config(M, n, k, epilogue)
-        assert cfg.block_m
-        res = sd((M, n), jnp.bfloat16) if epilogue == "residual" else None
-
-        def gemm(x, w, r, epilogue=epilogue, cfg=cfg):
-            return SG.skinny_gemm(x, w, 1, residual=r, epilogue=epilogue, config=cfg)
-
-        assert TRITON_CALL in _lower(gemm, sd((M, k), jnp.bfloat16), sd((2, n, k), jnp.bfloat16), res)
 
 
 @pytest.mark.parametrize("rows", [2, 4])

@@ -76,7 +76,9 @@ class Engine:
         config.validate()
         self.config = config
         t = config.tuning
-        if config.cache_dir:
+        # JAX's own cache as well (keyed by the lowered module), except where XLA:CPU executables are also saved
+        # whole: one loaded from JAX's cache and saved again can lack its kernels ("Function ... not found")
+        if config.cache_dir and not (backend == "cpu" and t.executable_cache):
             jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "jax"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         t0 = time.perf_counter()

@@ -39,7 +39,7 @@ def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto", logprobs=No
     out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))[0]
     del llm
     gc.collect()
-    return out if logprobs else out.token_ids
+    return out if logprobs else out.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-unfused-rope")])
@@ -74,13 +74,13 @@ def test_pallas_greedy_equals_reference_with_a_float8_cache(which, qwen3_dir):
 def _assert_same_tokens_or_a_near_tie(ref, got, tolerance):
     """Chosen-token logprobs within `tolerance` (nats) up to where the greedy tokens part, if they do; a
     parting only where the reference's top two are within it, with `got`'s token its second choice."""
-    parts = next((i for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)) if a != b), len(ref.token_ids))
-    noise = max(abs(a - b) for a, b in zip(ref.logprobs[:parts], got.logprobs[:parts]))
+    parts = next((i for i, (a, b) in enumerate(zip(ref.outputs[0].token_ids, got.outputs[0].token_ids)) if a != b), len(ref.outputs[0].token_ids))
+    noise = max(abs(a - b) for a, b in zip(ref.outputs[0].logprobs[:parts], got.outputs[0].logprobs[:parts]))
     assert noise < tolerance, f"chosen-token logprobs differ by {noise:.2e} before token {parts}"
-    if parts < len(ref.token_ids):
-        top = sorted(ref.top_logprobs[parts], key=lambda t: -t[1])
+    if parts < len(ref.outputs[0].token_ids):
+        top = sorted(ref.outputs[0].top_logprobs[parts], key=lambda t: -t[1])
         margin = top[0][1] - top[1][1]
-        assert margin < tolerance and got.token_ids[parts] == top[1][0], \
+        assert margin < tolerance and got.outputs[0].token_ids[parts] == top[1][0], \
             f"parted at token {parts} where the reference's top two are {margin:.2e} apart: {top}"
 
 
@@ -123,16 +123,16 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
     ref = out.pop("float32")
 
     def parting(o):
-        return next((i for i, (a, b) in enumerate(zip(ref.token_ids, o.token_ids)) if a != b), len(ref.token_ids))
+        return next((i for i, (a, b) in enumerate(zip(ref.outputs[0].token_ids, o.outputs[0].token_ids)) if a != b), len(ref.outputs[0].token_ids))
 
     def first_token_deviation(o):
-        mine = dict(o.top_logprobs[0])
-        common = [(lp, mine[t]) for t, lp in ref.top_logprobs[0] if t in mine]
-        assert len(common) >= 10, (ref.top_logprobs[0], o.top_logprobs[0])
+        mine = dict(o.outputs[0].top_logprobs[0])
+        common = [(lp, mine[t]) for t, lp in ref.outputs[0].top_logprobs[0] if t in mine]
+        assert len(common) >= 10, (ref.outputs[0].top_logprobs[0], o.outputs[0].top_logprobs[0])
         return max(abs(a - b) for a, b in common)
 
     upto = min(parting(o) for o in out.values())
-    dev = {k: max([first_token_deviation(o)] + [abs(a - b) for a, b in zip(ref.logprobs[:upto], o.logprobs[:upto])])
+    dev = {k: max([first_token_deviation(o)] + [abs(a - b) for a, b in zip(ref.outputs[0].logprobs[:upto], o.outputs[0].logprobs[:upto])])
            for k, o in out.items()}
     partings = {k: parting(o) for k, o in out.items()}
     print(f"{kind}: bf16 paths against float32 (first token's top 20, then chosen tokens over {upto}): "
@@ -142,8 +142,8 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
         assert dev[name] <= bar, f"{name} {dev[name]:.2e} against the others' {dev}"
         got, i = out[name], partings[name]
         if i < min(partings["xla-bf16"], partings["paged-bf16"]):
-            top = sorted(ref.top_logprobs[i], key=lambda t: -t[1])
-            assert top[0][1] - top[1][1] < bar and got.token_ids[i] == top[1][0], (name, i, top, dev)
+            top = sorted(ref.outputs[0].top_logprobs[i], key=lambda t: -t[1])
+            assert top[0][1] - top[1][1] < bar and got.outputs[0].token_ids[i] == top[1][0], (name, i, top, dev)
 
 
 def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_dir):
@@ -160,7 +160,7 @@ def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_di
         ids = [engine.add_request(p, params) for p in batch]
         while engine.has_unfinished():
             engine.step()
-        return [engine.take_finished(i).token_ids for i in ids]
+        return [engine.take_finished(i).outputs[0].token_ids for i in ids]
 
     alone_engine = Engine(qwen3_dir, max_num_seqs=1, **opts)
     alone = [run(alone_engine, [p])[0] for p in prompts]
@@ -186,7 +186,7 @@ def test_newcomers_prompt_steps_behind_a_decode_dispatch_give_each_request_its_t
         rid = alone_engine.add_request(p, params)
         while alone_engine.has_unfinished():
             alone_engine.step()
-        alone.append(alone_engine.take_finished(rid).token_ids)
+        alone.append(alone_engine.take_finished(rid).outputs[0].token_ids)
     del alone_engine
     gc.collect()
     engine = Engine(qwen3_dir, max_num_seqs=16, overlap_mixed=True, prefill_behind_decode=True, **opts)
@@ -199,7 +199,7 @@ def test_newcomers_prompt_steps_behind_a_decode_dispatch_give_each_request_its_t
             if queue:
                 ids.append(engine.add_request(queue.pop(0), params))
         engine.step()
-    assert [engine.take_finished(i).token_ids for i in ids] == alone
+    assert [engine.take_finished(i).outputs[0].token_ids for i in ids] == alone
     assert sum(behind) >= 2
 
 
@@ -223,6 +223,6 @@ def test_sampling_steps_without_the_sort_draw_what_the_sorting_step_draws(qwen3_
         assert any("-filter" in n for n in ran) == plain and any("-plain" in n for n in ran) == plain
         del llm
         gc.collect()
-    assert [o.token_ids for o in out[True]] == [o.token_ids for o in out[False]]
-    np.testing.assert_allclose([lp for o in out[True] for lp in o.logprobs],
-                               [lp for o in out[False] for lp in o.logprobs], rtol=1e-4, atol=1e-4)
+    assert [o.outputs[0].token_ids for o in out[True]] == [o.outputs[0].token_ids for o in out[False]]
+    np.testing.assert_allclose([lp for o in out[True] for lp in o.outputs[0].logprobs],
+                               [lp for o in out[False] for lp in o.outputs[0].logprobs], rtol=1e-4, atol=1e-4)
