@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import record_steps
-from jaxinfer.engine.engine import LLM, Engine
-from jaxinfer.pallas import hopper_attention
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.llm import LLM
+from jaxinfer.pallas import tables
 from bench.random_model import QWEN3_0_6B, write_random_model
 from jaxinfer.sampling import SamplingParams
 
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 STORIES = next((p for p in (REPO / ".carry" / "stories260k", REPO.parent / "shared" / "models" / "stories260k")
                 if p.is_dir()), None)
 QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 2048}
-# Every engine here compiles only the steps it runs (compile_at_start=False): warm-up would compile ~50
+# Every engine here compiles only the steps it runs (compile_all_at_start=False, the default): warm-up would compile ~50
 # per engine (every bucket of every sampling variant), most of this file's ~950 s in the eleventh session.
 
 
@@ -34,7 +35,7 @@ def qwen3_dir(tmp_path_factory):
 def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto", logprobs=None):
     """The greedy token ids; with logprobs, the request's whole output (the top `logprobs` per token)."""
     llm = LLM(model_dir, dtype=dtype, ops=ops, max_num_seqs=2, max_model_len=512, max_num_batched_tokens=128,
-              progress=False, compile_at_start=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1,
+              progress=False, skip_tokenizer_init=True, num_pages=2 * 512 // 16 + 1,
               kv_cache_dtype=kv_cache_dtype)
     out = llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=logprobs))[0]
     del llm
@@ -42,7 +43,7 @@ def _greedy(model_dir, ops, dtype, prompt, n, kv_cache_dtype="auto", logprobs=No
     return out if logprobs else out.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas"), ("qwen3", "pallas-unfused-rope")])
+@pytest.mark.parametrize("which,ops", [("stories", "pallas"), ("qwen3", "pallas")])
 def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
     model_dir = STORIES if which == "stories" else qwen3_dir
     prompt = [1, 403, 407, 261, 378] if which == "stories" else list(range(1000, 1040))
@@ -105,13 +106,13 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
     # a fresh 1k prompt's attention runs the Mosaic GPU flash kernel where its table has the length (1,024 here),
     # cuDNN's with the table emptied: both against the same bar
     paths += [("flash-bf16", "bfloat16", "pallas", True)] if kind == "fresh" else []
-    flash_table = list(hopper_attention.TABLE)
+    flash_table = list(tables.FRESH_PROMPT_FLASH)
     for name, dtype, ops, cudnn in paths:
-        hopper_attention.TABLE[:] = flash_table if name == "flash-bf16" else []
+        tables.FRESH_PROMPT_FLASH[:] = flash_table if name == "flash-bf16" else []
         jax.clear_caches()     # the table is read when a step is traced: no step traced before may be reused
         llm = LLM(qwen3_dir, dtype=dtype, ops=ops, max_num_seqs=1, max_model_len=n + 24,
-                  max_num_batched_tokens=1024, token_buckets=[1024], progress=False, compile_at_start=False,
-                  skip_tokenizer_init=True, executable_cache="",   # each path compiled here, not loaded
+                  max_num_batched_tokens=1024, token_buckets=[1024], progress=False, 
+                  skip_tokenizer_init=True, executable_cache=False,   # each path compiled here, not loaded
                   fresh_prompt_attention=cudnn, prefixed_chunk_attention=cudnn)
         ran = record_steps(llm.engine.runner)
         out[name] = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=20))[0]
@@ -119,7 +120,7 @@ def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_pa
         assert any(n.startswith("mixed") and kind in n.split("-") for n in ran) == cudnn, ran
         del llm
         gc.collect()
-    hopper_attention.TABLE[:] = flash_table
+    tables.FRESH_PROMPT_FLASH[:] = flash_table
     ref = out.pop("float32")
 
     def parting(o):
@@ -151,7 +152,7 @@ def test_prompt_steps_read_back_late_give_each_request_its_tokens_alone(qwen3_di
     prompt chunks of 64 tokens, each step launched before the one in flight is read back, give each
     request the tokens it gets alone on the synchronous engine."""
     opts = dict(dtype="float32", ops="pallas", max_model_len=512, max_num_batched_tokens=64, progress=False,
-                compile_at_start=False,
+                
                 skip_tokenizer_init=True)
     prompts = [list(range(1000 + 7 * i, 1000 + 7 * i + 30 + 11 * i)) for i in range(12)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -176,7 +177,7 @@ def test_newcomers_prompt_steps_behind_a_decode_dispatch_give_each_request_its_t
     import random
 
     opts = dict(dtype="float32", ops="pallas", max_model_len=512, max_num_batched_tokens=64, progress=False,
-                compile_at_start=False,
+                
                 skip_tokenizer_init=True, decode_steps=4)
     prompts = [list(range(1000 + 5 * i, 1000 + 5 * i + 20 + 9 * i)) for i in range(12)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -209,7 +210,7 @@ def test_sampling_steps_without_the_sort_draw_what_the_sorting_step_draws(qwen3_
     logprobs, 8 at once, give the tokens and logprobs of the engine with one sampling variant behind its
     device-side branch (float32, Pallas)."""
     opts = dict(dtype="float32", ops="pallas", max_num_seqs=8, max_model_len=512, max_num_batched_tokens=128,
-                progress=False, compile_at_start=False, skip_tokenizer_init=True)
+                progress=False, skip_tokenizer_init=True)
     prompts = [list(range(1000 + 7 * i, 1000 + 7 * i + 20 + 5 * i)) for i in range(8)]
     kinds = [dict(temperature=0.8, min_p=0.05), dict(temperature=0.6, top_k=20, top_p=0.95),
              dict(temperature=0.7, top_p=0.9), dict(temperature=0, logprobs=2), dict(temperature=0.9, top_k=100)]
