@@ -5,10 +5,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
+import pytest
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from conftest import STORIES
+from conftest import DATA, STORIES
 from jaxinfer.model.config import load_config
 from jaxinfer.model.weights import RULES, CheckpointReader, _assemble, load_params
 
@@ -70,3 +71,22 @@ def test_bench_model_writes_the_weights_whole_or_not_at_all(tmp_path):
     (d / "model.safetensors.partial").write_bytes(b"truncated")   # what a killed writer leaves
     bench_model(tmp_path, "tiny")
     assert (d / "model.safetensors").stat().st_size > 1000 and not (d / "model.safetensors.partial").exists()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_per_layer_loading_equals_the_stacked_tree_split(family, dtype):
+    """load_params(per_layer=True) (matrices sent per layer, joined and cast on the device) gives exactly
+    split_layers of the stacked tree: the same tree, shapes, dtypes and values."""
+    import jax
+
+    from jaxinfer.model.transformer import split_layers
+
+    d = DATA / "models" / family
+    cfg = load_config(d, dtype)
+    want = split_layers(load_params(d, cfg, progress=False))
+    got = load_params(d, cfg, progress=False, per_layer=True)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -30,7 +30,6 @@ from jaxinfer.engine.dispatch_timing import DispatchTiming
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.errors import JaxinferError, PromptTooLongError
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
-from jaxinfer.model.transformer import split_layers
 from jaxinfer.ops import get_ops
 from jaxinfer.engine.paging import PageAllocator
 from jaxinfer.runner.transfer import to_device, to_device_packed
@@ -90,9 +89,7 @@ class Engine:
         self.sampling_defaults = read_generation_defaults(config.generation_config, model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
-        params = load_params(model_dir, self.cfg, progress=config.progress)
-        if t.unroll_layers:
-            params = split_layers(params)
+        params = load_params(model_dir, self.cfg, progress=config.progress, per_layer=t.unroll_layers)
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         num_pages = self._num_pages()
         exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \

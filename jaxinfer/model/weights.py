@@ -14,6 +14,7 @@ group. Q/K/V and gate/up are concatenated at load time so each is one projection
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
@@ -182,8 +184,12 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True) -> dict:
-    """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device."""
+def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, per_layer: bool = False) -> dict:
+    """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device.
+
+    per_layer: the layer matrices as one array per layer (transformer.split_layers' layout, which unrolled
+    layers read), sent to the device straight from the mapped files and joined there: no stacked copy on the
+    host, none to slice on the device."""
     model_dir = Path(model_dir)
     reader = CheckpointReader(model_dir)
     prefixes = PREFIXES[cfg.family]
@@ -217,12 +223,35 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True) 
     with tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar, \
             ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(threads) as layer_pool:
         def build(rule: Rule):
+            if per_layer and rule.per_layer and len(rule.shapes(cfg)[0]) == 2:
+                return rule, list(layer_pool.map(lambda i: _layer_matrix(rule, cfg, read, i), range(cfg.num_layers)))
             return rule, jax.device_put(_assemble(rule, cfg, read, np_dtype, layer_pool.map))
 
         for rule, value in pool.map(build, rules):
             _set(tree, rule.dest, value)
             bar.update(1)
+    if per_layer:   # as transformer.split_layers lays them out: per-layer matrices, stacked vectors
+        is_list = lambda x: isinstance(x, list)
+        layers = tree["layers"]
+        tree["layers"] = [jax.tree.map(lambda a, i=i: a[i] if is_list(a) else None, layers, is_leaf=is_list)
+                          for i in range(cfg.num_layers)]
+        tree["layer_vectors"] = jax.tree.map(lambda a: None if is_list(a) else a, layers, is_leaf=is_list)
     return tree
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _joined(parts: tuple[jax.Array, ...], dtype) -> jax.Array:
+    return jnp.concatenate([p.astype(dtype) for p in parts])
+
+
+def _layer_matrix(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool], np.ndarray], i: int) -> jax.Array:
+    """Layer i's matrix of a per-layer rule on the device: its sources sent as they lie in the mapped files,
+    joined (and cast to the model's dtype) there."""
+    parts = tuple(jax.device_put(np.ascontiguousarray(read(src.format(i=i), shape, rule.transpose)))
+                  for src, shape in zip(rule.sources, rule.shapes(cfg)))
+    if len(parts) == 1 and parts[0].dtype == cfg.jnp_dtype:
+        return parts[0]
+    return _joined(parts, cfg.jnp_dtype)
 
 
 def _assemble(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool], np.ndarray], dtype,
