@@ -79,7 +79,7 @@ class Engine:
         # whole: one loaded from JAX's cache and saved again can lack its kernels ("Function ... not found")
         if config.cache_dir and not (backend == "cpu" and t.executable_cache):
             jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "jax"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # small programs too: a warm start compiles nothing
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
