@@ -535,3 +535,19 @@ def test_split_prompt_steps_give_the_same_outputs(unroll_layers, tmp_path):
     batch = next(b for v, b in runner.bucket_calls() if v.name == "mixed-greedy-fresh")
     compiled = runner.compiled(StepVariant("mixed", "greedy", "fresh"), batch)
     assert [k.name for k, _ in compiled] == parts and all(exe.memory_analysis() is not None for _, exe in compiled)
+
+
+def test_outputs_have_vllms_shape_and_n_completions(stories):
+    """LLM.generate returns one RequestOutput per prompt whose `outputs` holds n completions (vLLM's shape); a
+    seeded request's i-th completion is the one its seed + i gives alone."""
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=11, n=3)
+    out = stories.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert [len(o.outputs) for o in out] == [3, 3] and [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert out[0].prompt == PROMPTS[0] and out[0].finished and out[0].prompt_token_ids
+    for i, c in enumerate(out[1].outputs):
+        alone = stories.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0.9, seed=11 + i))[0]
+        assert c.token_ids == alone.outputs[0].token_ids and c.text == alone.outputs[0].text
+        assert c.cumulative_logprob == pytest.approx(sum(alone.outputs[0].logprobs))
+    assert len({tuple(c.token_ids) for c in out[1].outputs}) > 1
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingParams(n=0)

@@ -1,7 +1,7 @@
 """When to launch the next decode dispatch: running estimates of a dispatch's device time and of the
-host's launch time (bench/NOTES.md, fourth session: a launch holds the host ~1 ms plus ~0.2 ms a step
-on the H200, so a server that waits for each dispatch to end before launching the next idles the
-device for it; `Engine.chain_at` says when to stop waiting for newcomers instead)."""
+host's launch time. A launch holds the host for about a millisecond, so a server that waits for each
+dispatch to end before launching the next idles the device for it; `Engine.chain_at` says when to stop
+waiting for newcomers instead."""
 
 from __future__ import annotations
 

@@ -126,9 +126,8 @@ class Engine:
     def _num_pages(self) -> int:
         """Pages for the KV pool: as configured; else a fraction of the device memory left after the
         weights (on devices that report it), at most twice what max_num_seqs full-length sequences
-        use (the rest keeps prefix-cached pages; more would only take memory the steps need: a
-        one-sequence engine on the H200 took 90% of the card and its 2,048-token step then could not
-        get its 42.5 GiB of temporaries); else enough for max_num_seqs full-length sequences."""
+        use (the rest keeps prefix-cached pages; more would only take the memory the steps' temporaries
+        need); else enough for max_num_seqs full-length sequences."""
         c = self.config
         pages_per_seq = -(-self.max_model_len // c.page_size)
         num_pages = c.tuning.num_pages
@@ -167,8 +166,7 @@ class Engine:
     def _on_start(self, seq: Sequence) -> None:
         # The sampler row's prompt mask and output counts matter only to a request with a penalty: without
         # one, apply_penalties returns the logits unchanged whatever the row holds (left by the row's last
-        # sequence). Skipping the reset saves its copy and dispatch: start_sequence took 0.58 ms of host
-        # time per request on the H200 host (bench/host_prompt_step.py, twelfth session).
+        # sequence). Skipping the reset saves a copy and a dispatch of host time per request.
         if seq.params.has_penalties:
             self.runner.start_sequence(seq.row, seq.prompt_ids, seq.output_ids)
 
@@ -195,6 +193,8 @@ class Engine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> int:
         params = params or self.default_sampling_params()
+        if params.n != 1:
+            raise ValueError(f"an engine request is one completion (n=1), got n={params.n}: LLM.generate runs n")
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -242,7 +242,7 @@ class Engine:
         """When (time.perf_counter) the host should start launching the in-flight decode dispatch's
         successor for the device not to idle: its expected end less the time a launch takes. None with
         no dispatch in flight or none of its batch size timed yet. A server waits for newcomers until
-        then (bench/NOTES.md: a launch blocks the host ~1 step, which a wait-then-launch loop exposes)."""
+        then: a launch blocks the host for about a step, which a wait-then-launch loop would expose."""
         if self._inflight is None:
             return None
         return self._timing.chain_at(self.runner.batch_bucket(len(self._inflight[0])),

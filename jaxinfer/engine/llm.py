@@ -50,10 +50,10 @@ class LLM:
 
 def _samples(params: SamplingParams) -> list[SamplingParams]:
     """A request's n samples as n requests: a seeded request's i-th sample is seeded seed + i."""
-    n = getattr(params, "n", 1)
-    if n == 1:
+    if params.n == 1:
         return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 def _merged(outs: list[RequestOutput]) -> RequestOutput:

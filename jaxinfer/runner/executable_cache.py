@@ -1,8 +1,8 @@
 """Compiled steps saved whole on disk, so that a warm start skips tracing and lowering.
 
 JAX's persistent compilation cache is keyed by the lowered module: every start must still trace and
-lower each step before it can look the executable up. On the H200 that was 16 s of a 34 s warm
-server start (26 steps; the Pallas kernels' Triton lowering is most of it). This cache is keyed by
+lower each step before it can look the executable up, and the Pallas kernels' Triton lowering is most of
+a warm start's time then. This cache is keyed by
 what the module is made from instead: the engine's own source, the versions of jax and jaxlib, the
 device and its runtime, the XLA flags, the kernels' measured tables, the step's name and settings, and
 the tree, shapes and dtypes of its arguments. It holds the executable serialized by `jax.experimental.serialize_executable`.

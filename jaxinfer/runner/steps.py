@@ -58,7 +58,7 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     attention: "paged", or for a step that is one sequence's prompt, "fresh" (from position 0) or
     "prefixed" (a chunk after its cached prefix): model.hidden_states. Such a step carries one sequence, so
     it samples its first row alone (the outputs padded back to B): the sampler's cost grows with its rows
-    (the sort over 152k ids: 0.18 ms at 1 row, 2.3 ms at 64 on the H200). The engine hands it a one-row
+    (the sort over the vocabulary above all). The engine hands it a one-row
     batch (Runner.sampled_rows), whose page table is one row. batch: a StepBatch, or one packed
     into a single buffer (transfer.to_device_packed: split here, one argument instead of ~20)."""
     batch = unpacked(batch)

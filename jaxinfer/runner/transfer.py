@@ -1,18 +1,16 @@
 """Host arrays go to the device in one copy.
 
 A step's batch is ~20 small numpy arrays; `jax.device_put` of the pytree makes one transfer per
-array, each with its own fixed cost. Measured: the host time before a 1k-token prefill step on the
-H200 went from 2.6 to 1.55 ms with this; on the 2-core CPU the batch's transfer went from 0.31 to
-0.18 ms. `to_device` packs every leaf into one int32 buffer (floats and unsigned ints bit for bit,
+array, each with its own fixed cost (about a millisecond of host time before a 1k-token prompt step,
+docs/engine.md). `to_device` packs every leaf into one int32 buffer (floats and unsigned ints bit for bit,
 bools as 0/1), copies that, and splits it on the device in one small compiled function per layout
 (compiled at warm-up with the steps, since the engine's batches come in a fixed set of shapes).
 
 `to_device_packed` leaves the split to the step that takes the batch: it returns a `Packed` (the
 buffer, with its layout as static pytree data), which a jitted function unpacks inside (`unpacked`),
 where the slices fuse into their consumers. That saves the split's own dispatch and hands the step one
-array instead of ~20 (a plain jitted call costs ~44 us plus ~2.2 us per array of host time on the H200,
-bench/dispatch_args.py). Measured end to end (H200, 1k prompt, one run): host + launch 2.33 ms packed against
-2.20 unpacked, the same within noise. The engine's prompt steps take their batch so.
+array instead of ~20 (a call's host time grows with its arguments). The engine's prompt steps take their
+batch so.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return; 0..20
     prompt_logprobs: int | None = None  # logprob of each prompt token (and this many top ones); 0..20
+    n: int = 1  # completions of the prompt (LLM.generate's outputs list); a seeded request's i-th uses seed + i
 
     @property
     def has_penalties(self) -> bool:
@@ -77,6 +78,9 @@ class SamplingParams:
         self.max_tokens = check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.n = check_int("n", self.n)
+        if self.n < 1:
+            raise SamplingParamsError(f"n must be >= 1, got {self.n}")
 
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
