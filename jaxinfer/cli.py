@@ -187,7 +187,8 @@ def cmd_generate(args) -> None:
     prefill = s["prefill_tokens"] / max(s["prefill_seconds"], 1e-9)
     decode = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
     print(f"[prefill {s['prefill_tokens']} tokens at {prefill:.0f} tok/s; "
-          f"decode {s['decode_tokens']} tokens at {decode:.0f} tok/s]", file=sys.stderr)
+          f"decode {s['decode_tokens']} tokens at {decode:.0f} tok/s; "
+          f"steps compiled or loaded on first use in {engine.runner.first_call_seconds:.1f} s]", file=sys.stderr)
 
 
 def cmd_chat(args) -> None:

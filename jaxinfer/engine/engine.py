@@ -401,8 +401,11 @@ class Engine:
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         B = batch.tokens.shape[0]
+        compiling = self.runner.first_call_seconds
         out = self.runner.launch_decode(batch, self.runner.decode_variant(self._sampler(seqs, B, decode=True), B))
-        self._timing.launched(time.perf_counter() - t0)
+        compiled = self.runner.first_call_seconds - compiling   # a step compiled on first use: not decode time
+        self._decode_started += compiled
+        self._timing.launched(time.perf_counter() - t0 - compiled)
         return out
 
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
@@ -466,7 +469,9 @@ class Engine:
         t1 = time.perf_counter()
         variant = StepVariant("prompt-logprobs") if scored else \
             StepVariant("mixed", self._sampler([s for s, _ in chunks], rows, decode=False), attention)
+        compiling = r.first_call_seconds
         outs = r.launch_mixed(batch, variant)
+        t0 += r.first_call_seconds - compiling   # a step compiled on first use: not prefill time
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build

@@ -99,6 +99,8 @@ class ModelRunner:
                                t.plain_sampling_step, t.prompt_step_head_layers))
         self.executable_cache = executable_cache
         self._executables: dict[StepKey, Any] = {}   # loaded or compiled, by variant, bucket and part
+        self._called: set[tuple[StepVariant, int]] = set()
+        self.first_call_seconds = 0.0   # first calls of a step at a bucket after warm-up: compiling or loading it
 
     def decode_steps_for(self, batch_bucket: int) -> int:
         """Decode steps in one dispatch of a batch of this bucket."""
@@ -168,7 +170,19 @@ class ModelRunner:
 
     def _call(self, variant: StepVariant, batch: StepBatch | DecodeBatch):
         """Run a step on (params, kv, state, batch) with its executable for the batch's bucket: warm-up's, the
-        executable cache's, or compiled now. Without an executable cache a new shape goes through the jit."""
+        executable cache's, or compiled now. Without an executable cache a new shape goes through the jit. The
+        first call of each (variant, bucket) after warm-up is timed into `first_call_seconds` (it compiles or
+        loads the step)."""
+        key = (variant, bucket_of(batch))
+        if key in self._called:
+            return self._run(variant, batch)
+        t0 = time.perf_counter()
+        out = self._run(variant, batch)
+        self._called.add(key)
+        self.first_call_seconds += time.perf_counter() - t0
+        return out
+
+    def _run(self, variant: StepVariant, batch: StepBatch | DecodeBatch):
         step = self.steps[variant]
         if self.executable_cache is not None:
             self._ensure_compiled(variant, batch)
@@ -315,6 +329,7 @@ class ModelRunner:
             self.kv, self.state, *out = self._call(variant, batch)
             jax.block_until_ready(out)
         spent["first_runs"] = time.perf_counter() - t1
+        self.first_call_seconds = 0.0
         bar.close()
         self.warmup_breakdown = spent
         return time.perf_counter() - t0
