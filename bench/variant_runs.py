@@ -82,6 +82,7 @@ def apply_bench_options(options: dict) -> dict:
     import jax
 
     import jaxinfer.engine.engine
+    import jaxinfer.model.weights
     from jaxinfer.pallas import tables
 
     # These patch the step's code, not a table. The executable cache's key sees the source, the flags, the
@@ -125,8 +126,13 @@ def apply_bench_options(options: dict) -> dict:
             return {**params, "layers": [jax.tree.map(lambda a: a[i], stacked) for i in range(n)],
                     "layer_vectors": None}
 
-        jaxinfer.engine.engine.split_layers = {"stacked": lambda params: params,
-                                        "split-every-array": split_every_array}[layout]
+        arrange = {"stacked": lambda params: params, "split-every-array": split_every_array}[layout]
+        load_params = jaxinfer.model.weights.load_params
+
+        def load_arranged(model_dir, cfg, progress=True, per_layer=False):   # the stacked tree, then the layout
+            return arrange(load_params(model_dir, cfg, progress=progress))
+
+        jaxinfer.engine.engine.load_params = load_arranged
     if patched:
         options["executable_cache"] = False
     return options
