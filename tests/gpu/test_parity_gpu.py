@@ -24,7 +24,7 @@ STORIES = next((p for p in (REPO / ".carry" / "stories260k", REPO.parent / "shar
                 if p.is_dir()), None)
 QWEN3_SMALL = {**QWEN3_0_6B, "num_hidden_layers": 4, "max_position_embeddings": 2048}
 # Every engine here compiles only the steps it runs (compile_all_at_start=False, the default): warm-up would compile ~50
-# per engine (every bucket of every sampling variant), most of this file's ~950 s in the eleventh session.
+# per engine (every bucket of every sampling variant), most of this file's time (~950 s, 2026-11-30).
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +54,8 @@ def test_pallas_greedy_equals_reference_float32(which, ops, qwen3_dir):
 
 # Float8 K/V: where the two paths' float32 K/V straddle a rounding point of e4m3 (steps of 2^-3 relative),
 # they store neighbouring values, which moves the logprobs by ~1e-3 (at most 1.6e-3 over 128 tokens of the
-# random Qwen3 in run 3 of the eighth session, bench/parity_margin.py). Greedy tokens may then part where
-# the top two are that close (its run 2 parted at token 109; XLA's autotuned GEMMs differ between
+# random Qwen3, 2026-11-29, experiments/parity_margin.py). Greedy tokens may then part where
+# the top two are that close (one run parted at token 109; XLA's autotuned GEMMs differ between
 # processes): a parting is accepted only at a near tie, with the Pallas token the reference's second
 # choice. A wrong kernel moves logprobs far more than the tolerance.
 FLOAT8_TOLERANCE = 1e-2   # nats
@@ -89,13 +89,13 @@ def _assert_same_tokens_or_a_near_tie(ref, got, tolerance):
 def test_a_prompt_on_cudnn_attention_is_as_close_to_float32_as_the_other_bf16_paths(kind, qwen3_dir):
     """fresh_prompt_attention: a 1,000-token prompt in bf16 whose prompt step runs cuDNN's flash attention;
     prefixed_chunk_attention: a 2,000-token prompt in steps of 1,024 whose second chunk runs two cuDNN
-    attentions merged by log-sum-exp. bf16 paths differ from each other by rounding (ninth session, run 3:
+    attentions merged by log-sum-exp. bf16 paths differ from each other by rounding (2026-11-29:
     cuDNN against the paged kernel, 4.9e-2 nats within 8 tokens on this random Qwen3), so the bar is the
     float32 reference. The cuDNN attention runs only in the prompt step, whose output is the first token's
     distribution: there its top-20 logprobs stay as close to float32's as those of the bf16 paged kernel and
     the bf16 XLA path do (within 1.5x the larger), and so do the chosen-token logprobs of the tokens after,
     up to where any bf16 path parts from float32. The random model's distributions are flat, so near ties
-    are common (tenth session, run 1: float32's top two 0.028 nats apart at the first token, where all three
+    are common (2026-11-30: float32's top two 0.028 nats apart at the first token, where all three
     bf16 paths took the second): the cuDNN path may part from float32 where another bf16 path parts too, or
     at a near tie of the bar's size, with float32's second choice."""
     n = 1000 if kind == "fresh" else 2000
