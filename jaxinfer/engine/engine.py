@@ -19,7 +19,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Iterable, Sequence as Seq
+from typing import Sequence as Seq
 
 import jax
 import numpy as np
@@ -28,7 +28,7 @@ from jaxinfer.runner.batch import StepBatch
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.dispatch_timing import DispatchTiming
 from jaxinfer.runner.executable_cache import ExecutableCache
-from jaxinfer.errors import JaxinferError, PromptTooLongError
+from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.ops import get_ops
 from jaxinfer.engine.paging import PageAllocator

@@ -22,7 +22,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas.blocks import layer_operands, pow2_at_least
-from jaxinfer.pallas.skinny_gemm import finish_partials
 
 f32 = jnp.float32
 i32 = jnp.int32

@@ -10,7 +10,7 @@ import jax
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import KVCache
-from jaxinfer.runner.batch import SamplerState, StepBatch
+from jaxinfer.runner.batch import SamplerState
 from jaxinfer.runner.steps import mixed_head, mixed_tail
 
 
