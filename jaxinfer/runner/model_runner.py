@@ -288,7 +288,9 @@ class ModelRunner:
         included) and `first_runs`."""
         t0 = time.perf_counter()
         self.start_sequence(self.scratch_row, [0], [])
-        if not compile:
+        if not compile:   # the decode batches' host-to-device copies (one small program each) at least
+            for b in self.batch_buckets:
+                to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
             return time.perf_counter() - t0
         calls = self.bucket_calls()
         units = [unit for variant, batch in calls for unit in self._units(variant, batch)]
