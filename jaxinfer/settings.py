@@ -132,7 +132,8 @@ class EngineConfig:
         gpu = backend == "gpu"
         return dataclasses.replace(
             self, tuning=self.tuning.resolved(gpu),
-            max_num_batched_tokens=self.max_num_batched_tokens or (2048 if gpu else 512),
+            max_num_batched_tokens=(2048 if gpu else 512) if self.max_num_batched_tokens is None
+            else self.max_num_batched_tokens,
             progress=is_terminal if self.progress is None else self.progress)
 
     def validate(self) -> None:

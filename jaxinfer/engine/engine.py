@@ -24,26 +24,25 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
-from jaxinfer.runner.batch import StepBatch
-from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.engine.dispatch_timing import DispatchTiming
-from jaxinfer.runner.executable_cache import ExecutableCache
-from jaxinfer.errors import PromptTooLongError
-from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
-from jaxinfer.ops import get_ops
-from jaxinfer.engine.paging import PageAllocator
-from jaxinfer.runner.transfer import to_device, to_device_packed
-from jaxinfer.engine.scheduler import Scheduler, Sequence
-from jaxinfer.runner.batch import DecodeBatch
-from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.engine.generation_defaults import describe, read_generation_defaults
 from jaxinfer.engine.outputs import RequestOutput, StreamDelta, output_of
+from jaxinfer.engine.paging import PageAllocator
+from jaxinfer.engine.scheduler import Scheduler, Sequence
+from jaxinfer.errors import PromptTooLongError
+from jaxinfer.model.config import ModelConfig, load_config
+from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
+from jaxinfer.model.weights import load_params
+from jaxinfer.ops import get_ops
+from jaxinfer.runner.batch import DecodeBatch, StepBatch
+from jaxinfer.runner.executable_cache import ExecutableCache
+from jaxinfer.runner.model_runner import ModelRunner
+from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.sample import SamplingArrays
 from jaxinfer.settings import EngineConfig
 from jaxinfer.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-from jaxinfer.model.weights import load_params
 
 MAX_STOP_IDS = 8
 # Engine.phase_seconds: schedule (the scheduler's plan), build (a mixed step's arrays and their copy to
@@ -79,7 +78,8 @@ class Engine:
         # whole: one loaded from JAX's cache and saved again can lack its kernels ("Function ... not found")
         if config.cache_dir and not (backend == "cpu" and t.executable_cache):
             jax.config.update("jax_compilation_cache_dir", os.path.join(config.cache_dir, "jax"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)   # small programs too: a warm start compiles nothing
+            # small programs too: a warm start compiles nothing
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         t0 = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
@@ -101,7 +101,7 @@ class Engine:
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = self.runner.warmup(progress=config.progress, threads=t.compile_threads,
                                                   compile=config.compile_all_at_start)
-        self.summary = self._summary(config.dtype, config.ops, backend, num_pages)
+        self.summary = self._summary(backend, num_pages)
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,
@@ -150,7 +150,7 @@ class Engine:
                              f"max_model_len={self.max_model_len}")
         return num_pages
 
-    def _summary(self, dtype: str, ops: str, backend: str, num_pages: int) -> str:
+    def _summary(self, backend: str, num_pages: int) -> str:
         """The one-line start-up summary: what was picked, how long loading and compiling took."""
         c = self.config
         picked = lambda value, asked, why: f"{value} ({why})" if asked == "auto" else value
@@ -158,8 +158,8 @@ class Engine:
                     if c.compile_all_at_start else "steps compile on first use")
         defaults = f"; sampling defaults {describe(self.sampling_defaults)}" if self.sampling_defaults else ""
         return (f"[jaxinfer: {self.model_dir.name}, {self.cfg.family}, "
-                f"{picked(self.cfg.dtype, dtype, 'the checkpoint' + chr(39) + 's')}, "
-                f"ops {picked(self.ops_name, ops, backend)}; KV cache {(num_pages - 1) * c.page_size:,} tokens "
+                f"{picked(self.cfg.dtype, c.dtype, 'the checkpoint' + chr(39) + 's')}, "
+                f"ops {picked(self.ops_name, c.ops, backend)}; KV cache {(num_pages - 1) * c.page_size:,} tokens "
                 f"({self.kv_bytes / 2**20:,.1f} MiB {jax.numpy.dtype(self.kv_dtype).name}); "
                 f"loaded in {self.load_seconds:.1f} s; {compiled}{defaults}]")
 

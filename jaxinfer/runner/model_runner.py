@@ -173,23 +173,23 @@ class ModelRunner:
         executable cache's, or compiled now. Without an executable cache a new shape goes through the jit. The
         first call of each (variant, bucket) after warm-up is timed into `first_call_seconds` (it compiles or
         loads the step)."""
-        key = (variant, bucket_of(batch))
-        if key in self._called:
-            return self._run(variant, batch)
+        bucket = bucket_of(batch)
+        if (variant, bucket) in self._called:
+            return self._run(variant, batch, bucket)
         t0 = time.perf_counter()
-        out = self._run(variant, batch)
-        self._called.add(key)
+        if self.executable_cache is not None:
+            self._ensure_compiled(variant, batch)
+        out = self._run(variant, batch, bucket)
+        self._called.add((variant, bucket))
         self.first_call_seconds += time.perf_counter() - t0
         return out
 
-    def _run(self, variant: StepVariant, batch: StepBatch | DecodeBatch):
+    def _run(self, variant: StepVariant, batch: StepBatch | DecodeBatch, bucket: int):
         step = self.steps[variant]
-        if self.executable_cache is not None:
-            self._ensure_compiled(variant, batch)
         if isinstance(step, SplitStep):
             return step(self.params, self.kv, self.state, batch,
-                        *(self._executables.get(StepKey(variant, bucket_of(batch), part)) for part in SplitStep.PARTS))
-        key = StepKey(variant, bucket_of(batch))
+                        *(self._executables.get(StepKey(variant, bucket, part)) for part in SplitStep.PARTS))
+        key = StepKey(variant, bucket)
         exe = self._executables.get(key)
         if exe is not None:
             try:
@@ -259,6 +259,10 @@ class ModelRunner:
             active=np.zeros(B, bool),
         )
 
+    def inert_decode(self, B: int) -> DecodeBatch:
+        """A decode batch of B rows on the device that touches only the scratch page and row."""
+        return to_device(DecodeBatch(**self.empty_decode(B), sampling=SamplingArrays.from_params([], [], B)))
+
     def bucket_calls(self) -> list[tuple[StepVariant, StepBatch | DecodeBatch]]:
         """Every step a serving engine may call, with an inert batch of each of its buckets."""
         calls = []
@@ -271,7 +275,7 @@ class ModelRunner:
                                                    sampling=SamplingArrays.from_params([], [], rows)))
                 calls += [(v, batch) for v in self.steps if v.phase != "decode" and v.one_sequence == one]
         for b in self.batch_buckets:
-            batch = to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
+            batch = self.inert_decode(b)
             n = self.decode_steps_for(b)
             calls += [(v, batch) for v in self.steps if v.phase == "decode" and v.steps == n
                       and (v.sampler != "filter-p" or filter_pays(b, "filter-p"))]   # choose_sampler sorts there
@@ -290,7 +294,7 @@ class ModelRunner:
         self.start_sequence(self.scratch_row, [0], [])
         if not compile:   # the decode batches' host-to-device copies (one small program each) at least
             for b in self.batch_buckets:
-                to_device(DecodeBatch(**self.empty_decode(b), sampling=SamplingArrays.from_params([], [], b)))
+                self.inert_decode(b)
             return time.perf_counter() - t0
         calls = self.bucket_calls()
         units = [unit for variant, batch in calls for unit in self._units(variant, batch)]
