@@ -244,7 +244,7 @@ def cmd_serve(args) -> None:
     server.validate()
     from jaxinfer.serve.server import serve
 
-    serve(args.model, server, **engine_settings(args))   # serve() compiles every step at start-up
+    serve(args.model, server, **engine_settings(args, SERVING))
 
 
 def cmd_bench(args) -> None:
