@@ -23,9 +23,6 @@ class CompletionOutput:
     def cumulative_logprob(self) -> float:
         return float(sum(self.logprobs))
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclasses.dataclass
 class RequestOutput:
