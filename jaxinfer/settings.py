@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 CACHE_DIR = os.path.expanduser("~/.cache/jaxinfer")
+MAX_SPECULATIVE_TOKENS = 15   # a verify step scores at most 16 rows of a sequence
 
 
 def setting(default: Any = None, help: str = "", choices: tuple[str, ...] | None = None,
@@ -92,6 +93,14 @@ class EngineConfig:
     page_size: int = setting(16, "tokens per KV cache page")
     kv_cache_dtype: str = setting("auto", "KV cache storage: auto is the model's dtype; fp8 (e4m3) halves it",
                                   ("auto", "fp8", "fp8_e4m3"))
+    quantization: str | None = setting(
+        None, "weights quantized at load: int8 (weight-only, one scale per output channel) or fp8 (e4m3); a "
+        "pre-quantized checkpoint is read as published", ("int8", "fp8"))
+    speculative: str | None = setting(
+        None, "speculative decoding: ngram (prompt lookup), draft:DIR (a smaller model of the same tokenizer) or "
+        "dflash:DIR (a DFlash block drafter)")
+    num_speculative_tokens: int | None = setting(
+        None, "the most tokens drafted a step (default: 4; a DFlash drafter's block size less one)")
     gpu_memory_fraction: float = setting(0.9, "share of device memory for weights and KV cache")
     decode_steps: int = setting(8, "decode steps per device dispatch; fewer let a new request start sooner")
     max_logprobs: int = setting(20, "the most top logprobs a request may ask for")
@@ -139,13 +148,19 @@ class EngineConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
         for name in ("max_num_seqs", "page_size", "decode_steps"):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_model_len", self.max_model_len, 2)
         _at_least("max_logprobs", self.max_logprobs, 0)
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got "
+                             f"{self.num_speculative_tokens}")
+        if self.speculative is not None and not (self.speculative == "ngram" or
+                                                 self.speculative.startswith(("draft:", "dflash:"))):
+            raise ValueError(f"speculative must be ngram, draft:DIR or dflash:DIR, got {self.speculative!r}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         t = self.tuning
