@@ -303,3 +303,17 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     B = q.shape[0]
     return paged_attention(q, k_cache, v_cache, layer, page_table, jnp.arange(B, dtype=jnp.int32),
                            context_lens - 1, page_size, scale)
+
+
+def verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                     page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float) -> jax.Array:
+    """Q query rows per sequence (q [B, Q, H, hd]: a speculative verify step's last token and Q - 1 drafts), their
+    K/V already in the cache: row j of sequence b sees positions 0..context_lens[b] - Q + j (context_lens[b]: the
+    last row's position + 1). Returns [B, Q, H, hd]."""
+    B, Q, H, hd = q.shape
+    rows = jnp.arange(Q, dtype=jnp.int32)
+    positions = (context_lens[:, None] - Q + rows[None, :]).reshape(B * Q)
+    token_seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), Q)
+    out = paged_attention(q.reshape(B * Q, H, hd), k_cache, v_cache, layer, page_table, token_seq,
+                          jnp.maximum(positions, 0), page_size, scale)
+    return out.reshape(B, Q, H, hd)
