@@ -110,6 +110,12 @@ def _row_keys(seed: jax.Array, step_index: jax.Array) -> jax.Array:
     )
 
 
+def gumbel_noise(seed: jax.Array, step_index: jax.Array, vocab: int) -> jax.Array:
+    """The Gumbel noise `sample` adds to row b's kept logits, by token id: [B, vocab] f32, row b drawn
+    from fold_in(key(seed[b]), step_index[b])."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (vocab,)))(_row_keys(seed, step_index))
+
+
 def _tempered(logits: jax.Array, row_max: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """(logits - row_max [B, 1]) / temperature (1 for greedy rows). Shifting by the max before dividing
     keeps a tiny temperature from overflowing to +inf: the top entry is exactly 0, the rest <= 0."""
@@ -143,6 +149,35 @@ def _filtered_sorted_logits(sorted_logits: jax.Array, row_max: jax.Array, arrays
     keep &= _min_p_keep(scaled, arrays)
 
     keep |= rank == 0  # the most probable token always survives
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def filtered_logits(penalised: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The tempered logits a sampled row draws from, by token id: ``(penalised - row max) / temperature``
+    where temperature, top-k, top-p and min-p keep the token, -inf where they drop it. A row's softmax is
+    the distribution `sample` draws from when the row's temperature is > 0 (a greedy row comes out at
+    temperature 1 with its filters applied; the caller handles greedy rows).
+
+    Every filter keeps a prefix of the sorted order (descending, ties by lower id) and the top token, so
+    the kept tokens are those at or above the last kept one (value, then id): the filters run on the
+    sorted logits as in `sample` and map back by that comparison, without a scatter. The sort sits behind
+    a device-side conditional, skipped when no sampled row uses top-k or top-p (min-p alone is a
+    threshold on the tempered logits)."""
+    B, V = penalised.shape
+    scaled = _tempered(penalised, jnp.max(penalised, axis=-1, keepdims=True), arrays)
+    ids = jax.lax.broadcasted_iota(jnp.int32, (B, V), 1)
+
+    def sorted_keep() -> jax.Array:
+        neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
+        masked = _filtered_sorted_logits(-neg_sorted, -neg_sorted[:, :1], arrays)
+        last = jnp.maximum(jnp.sum(masked > -jnp.inf, axis=-1, keepdims=True), 1) - 1     # [B, 1]
+        cut_value = -jnp.take_along_axis(neg_sorted, last, axis=-1)
+        cut_id = jnp.take_along_axis(sorted_ids, last, axis=-1)
+        return (penalised > cut_value) | ((penalised == cut_value) & (ids <= cut_id))
+
+    needs_sort = jnp.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1.0)))
+    keep = jax.lax.cond(needs_sort, sorted_keep, lambda: jnp.ones((B, V), bool))
+    keep &= _min_p_keep(scaled, arrays)   # the top token always passes: exp(0) = 1 >= min_p
     return jnp.where(keep, scaled, -jnp.inf)
 
 
@@ -180,7 +215,7 @@ def sample(
     # Gumbel-max: the argmax of the kept tempered logits plus Gumbel noise is a draw from their softmax
     # (jax.random.categorical). The noise is drawn per token id, whichever order the logits are in.
     def noise() -> jax.Array:
-        return jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(_row_keys(arrays.seed, step_index))
+        return gumbel_noise(arrays.seed, step_index, V)
 
     def sampled() -> jax.Array:
         # One stable descending sort per row: ties keep the lower token id first.
