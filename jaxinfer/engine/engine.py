@@ -5,7 +5,9 @@ plan into padded step arrays, runs the compiled step on the ModelRunner, and tur
 into text (incremental detokenization, stop tokens and strings, finish reasons):
 - a *mixed* step carries prompt chunks (under a token budget) together with one decode token for
   each sequence already generating;
-- a *decode* dispatch runs several decode steps on the device at once.
+- a *decode* dispatch runs several decode steps on the device at once;
+- with speculative decoding, a *verify* step scores each generating sequence's drafted tokens in one pass
+  (beside prompt chunks, or alone in place of a decode dispatch) and keeps those the target accepts.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from jaxinfer.engine.generation_defaults import describe, read_generation_defaul
 from jaxinfer.engine.outputs import RequestOutput, StreamDelta, output_of
 from jaxinfer.engine.paging import PageAllocator
 from jaxinfer.engine.scheduler import Scheduler, Sequence
+from jaxinfer.engine.speculation import Speculator, make_proposer, resolve_speculative
 from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
-from jaxinfer.runner.batch import DecodeBatch, StepBatch
+from jaxinfer.runner.batch import DecodeBatch, StepBatch, VerifyBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.transfer import to_device, to_device_packed
@@ -72,6 +75,7 @@ class Engine:
         backend = jax.default_backend()
         config = EngineConfig.from_options(config, **settings).resolved(backend, sys.stderr.isatty())
         config.validate()
+        config = resolve_speculative(config)
         self.config = config
         t = config.tuning
         # JAX's own cache as well (keyed by the lowered module), except where XLA:CPU executables are also saved
@@ -97,6 +101,8 @@ class Engine:
         self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,
                                   kv_dtype=self.kv_dtype, executable_cache=exe_cache)
         self.pages = PageAllocator(num_pages)
+        self.speculator = Speculator(make_proposer(config, self), config.num_speculative_tokens) \
+            if config.speculative else None
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = self.runner.warmup(progress=config.progress, threads=t.compile_threads,
@@ -315,6 +321,13 @@ class Engine:
         ph["schedule"] += t1 - t0
         if plan is None:
             return []
+        drafts = self._drafts(plan) if self.speculator is not None else {}
+        if drafts:
+            deltas = self._verify(plan.chunks, drafts, dense=plan.kind == "decode")
+            t2 = time.perf_counter()
+            self._settle([s for s, _ in plan.chunks])
+            ph["settle"] += time.perf_counter() - t2
+            return deltas
         if plan.kind == "mixed" and self.config.tuning.overlap_mixed:   # read back one step late
             self._inflight_mixed = self._launch_mixed(plan.chunks)
             return []
@@ -348,6 +361,8 @@ class Engine:
                 self.scheduler.register_blocks(seq)   # finished ones too: their blocks stay cached
             if seq.finish_reason is not None:
                 self.scheduler.release(seq)
+                if self.speculator is not None:
+                    self.speculator.forget(seq)
 
     def _chain(self, seqs: list[Sequence], advanced: DecodeBatch):
         """Start the next decode dispatch from `advanced` if the batch can stay as it is."""
@@ -355,6 +370,8 @@ class Engine:
         if not self.config.tuning.overlap_decode or s.waiting and s.free_rows or len(s.running) != len(seqs):
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
+            return None
+        if self.speculator is not None and self.speculator.may_draft(seqs):   # the next step may verify drafts
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}
@@ -518,6 +535,96 @@ class Engine:
         t2 = time.perf_counter()
         self._settle([s for s, _ in step.chunks])
         ph["settle"] += time.perf_counter() - t2
+        return deltas
+
+    # ---- speculative decoding ----
+    def _drafts(self, plan) -> dict[Sequence, list[int]]:
+        """The drafts the planned step verifies, by generating sequence, each within what the sequence may still
+        emit and holding pages for its drafts' K/V (no drafts where the free pool is short)."""
+        generating = [seq for seq, _ in plan.chunks if not seq.prefilling]
+        room = None
+        if plan.kind == "mixed":
+            room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
+        drafts = self.speculator.drafts(generating, room)
+        out = {}
+        for seq, d in drafts.items():
+            d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
+            if d and self.scheduler.hold(seq, len(seq.tokens) + len(d)):
+                out[seq] = d
+        return out
+
+    def _verify(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]],
+                dense: bool) -> list[StreamDelta]:
+        """One verify step: each chunk's tokens, a generating sequence's drafts after its last token, all scored
+        in one pass; the accepted drafts and the target's next token are appended, the rest rolled back (their
+        K/V slots are overwritten later; the pages that held them are returned). dense: every chunk is a
+        sequence's decode (a step in place of a decode dispatch), laid out Q rows a sequence for
+        ops.verify_attention; otherwise the ragged layout of a mixed step."""
+        r, ps = self.runner, self.config.page_size
+        t_build = time.perf_counter()
+        longest = 1 + max(len(d) for d in drafts.values())
+        width = min(w for w in r.verify_widths if w >= longest) if dense else max(r.verify_widths)
+        total = sum(n + len(drafts.get(seq, ())) for seq, n in chunks)
+        rows = r.batch_bucket(len(chunks)) if dense else r.max_num_seqs
+        a = r.empty_verify(rows * width if dense else r.token_bucket(total), rows, width)
+        s = a["step"]
+        t = 0
+        for b, (seq, n) in enumerate(chunks):
+            d = drafts.get(seq, [])
+            start = seq.num_computed
+            m = n + len(d)
+            span = width if dense else m
+            s["tokens"][t:t + m] = seq.tokens[start:start + n] + d
+            s["positions"][t:t + span] = np.arange(start, start + span)
+            s["slot_mapping"][t:t + m] = slots_for(seq.pages, start, start + m, ps)
+            s["token_seq"][t:t + span] = b
+            s["page_table"][b, :len(seq.pages)] = seq.pages
+            s["emits"][b] = start + n >= len(seq.tokens)
+            s["state_row"][b] = seq.row
+            s["step_index"][b] = len(seq.output_ids)
+            a["score_rows"][b] = t + n - 1 + np.minimum(np.arange(width), len(d))
+            a["drafts"][b, :len(d)] = d
+            a["num_drafts"][b] = len(d)
+            t += span
+            s["query_start"][b + 1:] = t
+        params = [seq.params for seq, _ in chunks]
+        sampling = SamplingArrays.from_params(params, [seq.seed for seq, _ in chunks], rows)
+        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=sampling), **{k: a[k] for k in (
+            "score_rows", "drafts", "num_drafts")}))
+        greedy = all(p.temperature == 0 and not p.logprobs for p in params)
+        variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
+        t0 = time.perf_counter()
+        compiling = r.first_call_seconds
+        accepted, tokens, logprobs, top_v, top_i = r.fetch(r.launch_verify(batch, variant))
+        t1 = time.perf_counter()
+        seconds = t1 - t0 - (r.first_call_seconds - compiling)   # a step compiled on first use: not its time
+        self.phase_seconds["build"] += t0 - t_build
+        self.phase_seconds["run"] += t1 - t0
+        stats = self.speculator.stats
+        stats.verify_steps += 1
+        deltas, emitted = [], 0
+        for b, (seq, n) in enumerate(chunks):
+            if not s["emits"][b]:
+                seq.num_computed += n
+                continue
+            d = drafts.get(seq, [])
+            acc = int(accepted[b])
+            if d:
+                self.speculator.record(seq, len(d), acc)
+            seq.num_computed += n + acc
+            deltas.append(self._append(seq, tokens[b, :acc + 1], logprobs[b, :acc + 1], top_v[b, :acc + 1],
+                                       top_i[b, :acc + 1]))
+            emitted += acc + 1
+            seq.num_computed = min(seq.num_computed, len(seq.tokens))   # a stop among the accepted drafts
+            if seq.finish_reason is not None:
+                self._finished[seq.request_id] = seq
+            else:
+                self.scheduler.trim(seq)
+        stats.emitted += emitted
+        key = "decode" if dense else "prefill"   # a ragged step counts as a mixed step does: its rows
+        self.stats[f"{key}_tokens"] += emitted if dense else sum(n for _, n in chunks)
+        self.stats[f"{key}_seconds"] += seconds
+        self.phase_seconds["append"] += time.perf_counter() - t1
         return deltas
 
     @staticmethod

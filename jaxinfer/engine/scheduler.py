@@ -147,6 +147,19 @@ class Scheduler:
             seq.pages += self.pages.allocate(need)
         return True
 
+    def hold(self, seq: Sequence, n_tokens: int) -> bool:
+        """Pages for the sequence's first n_tokens (drafted tokens to verify) if the free pool has them, without
+        preempting anyone."""
+        return self._reserve(seq, n_tokens, preempt=False)
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the pages beyond what the sequence's next decode dispatch needs (those that held drafts)."""
+        last = min(len(seq.tokens) - 1 + self.decode_steps, len(seq.prompt_ids) + seq.max_new)
+        keep = max(-(-last // self.page_size), -(-seq.num_computed // self.page_size))
+        if len(seq.pages) > keep:
+            self.pages.release(seq.pages[keep:])
+            del seq.pages[keep:]
+
     def register_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly completed full blocks in the prefix cache."""
         full = seq.num_computed // self.page_size

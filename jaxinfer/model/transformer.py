@@ -18,12 +18,18 @@ import numpy as np
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import KVCache
 from jaxinfer.ops import LayerWeight
+from jaxinfer.ops.quantized import QuantizedWeight
 
 
 def _layer_params(layers: dict, layer: jax.Array) -> dict:
     """One layer's parameters, each left in its stacked [L, ...] array with the layer index
     (LayerWeight), so that kernels read them in place instead of XLA copying out a slice."""
-    return jax.tree.map(lambda a: LayerWeight(a, layer), layers)
+    return jax.tree.map(lambda a: LayerWeight(a, layer), layers, is_leaf=_is_quantized)
+
+
+def _is_quantized(a) -> bool:
+    """A QuantizedWeight is one weight to the layer trees (its values and scale go together)."""
+    return isinstance(a, QuantizedWeight)
 
 
 def _norm(ops: ModuleType, cfg: ModelConfig, x: jax.Array, p: dict) -> jax.Array:
@@ -51,6 +57,12 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
         if attention == "fresh":   # the step is one prompt from position 0: attention over its own rows
             k, v = kv if with_kv else ops.gather_kv(kv_k, kv_v, layer, slot_mapping, q.dtype)
             attn = ops.fresh_prompt_attention(q, k, v, cfg.head_dim ** -0.5)
+        elif attention == "verify":   # B sequences of Q rows each, in order (a speculative verify step)
+            B = page_table.shape[0]
+            qb = q.reshape(B, T // B, *q.shape[1:])
+            context_lens = positions.reshape(B, T // B)[:, -1] + 1
+            attn = ops.verify_attention(qb, kv_k, kv_v, layer, page_table, context_lens, page_size,
+                                        cfg.head_dim ** -0.5)
         elif attention == "prefixed":   # one sequence's chunk after its cached prefix (row 0 of the page table)
             attn = ops.prefixed_chunk_attention(q, kv_k, kv_v, layer, page_table[0], positions[0], slot_mapping,
                                                 page_size, cfg.head_dim ** -0.5)
@@ -100,7 +112,7 @@ def _split_layer(cfg, ops, page_size, decode, carry, matrices, vectors, index, c
     the start-up cost of each compiled step), and XLA inlines the calls back into straight-line code.
     matrices: this layer's own arrays; vectors: the stacked [L, ...] ones, read at `index`."""
     # each matrix reaches the ops as a one-layer stack (a free reshape)
-    lp = _merge_holes(jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), matrices),
+    lp = _merge_holes(jax.tree.map(lambda a: LayerWeight(a[None], jnp.int32(0)), matrices, is_leaf=_is_quantized),
                       _layer_params(vectors, index))
     return _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention)
 
@@ -125,7 +137,8 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     unroll: unroll the layer loop (no while loop on the device; longer compile).
     attention (prompt tokens): "paged" (ops.paged_attention); "fresh": the tokens are one prompt from
     position 0 (then padding), ops.fresh_prompt_attention; "prefixed": they are one sequence's chunk after
-    its cached prefix (page table row 0), ops.prefixed_chunk_attention.
+    its cached prefix (page table row 0), ops.prefixed_chunk_attention; "verify": T = B * Q rows, Q a sequence
+    in order, the last of them at the sequence's end (ops.verify_attention).
     """
     x = embed(cfg, params, tokens, positions)
     kv, x = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0, cfg.num_layers,
@@ -182,13 +195,14 @@ def split_layers(params: dict) -> dict:
     matrices twice."""
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
-    return {**params, "layers": [jax.tree.map(lambda a: a[i] if a.ndim >= 3 else None, stacked) for i in range(n)],
-            "layer_vectors": jax.tree.map(lambda a: a if a.ndim < 3 else None, stacked)}
+    return {**params, "layers": [jax.tree.map(lambda a: a[i] if a.ndim >= 3 else None, stacked, is_leaf=_is_quantized)
+                                 for i in range(n)],
+            "layer_vectors": jax.tree.map(lambda a: a if a.ndim < 3 else None, stacked, is_leaf=_is_quantized)}
 
 
 def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> jax.Array:
-    """float32 logits [R, V] for the rows h [R, D]."""
-    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    """float32 logits [R, V] for the rows h [R, D]. (Quantized tied embeddings keep a quantized copy as lm_head.)"""
+    w = params["lm_head"] if "lm_head" in params else params["embed"]
     return ops.logits(h, w)
 
 

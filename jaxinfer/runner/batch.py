@@ -1,5 +1,5 @@
-"""The pytrees a step consumes: StepBatch (a mixed step's ragged tokens), DecodeBatch (a decode dispatch's
-sequences) and SamplerState (per-sequence penalty state on the device), in the layout of DESIGN.md.
+"""The pytrees a step consumes: StepBatch (a mixed step's ragged tokens), VerifyBatch (one whose sequences
+also verify drafted tokens), DecodeBatch (a decode dispatch's sequences) and SamplerState (per-sequence penalty state on the device), in the layout of DESIGN.md.
 
 T (tokens) and B (sequences) are padded to compiled buckets; padding tokens write to the scratch
 page and padding sequences are never sampled from.
@@ -32,6 +32,23 @@ class StepBatch:
     state_row: jax.Array       # int32, row of the sequence in the sampler state
     step_index: jax.Array      # int32, index of the token being generated (for the seeded PRNG)
     sampling: SamplingArrays
+
+
+@flax.struct.dataclass
+class VerifyBatch:
+    """A speculative verify step: a mixed step's ragged tokens in which a verifying sequence's chunk is its last
+    token followed by its drafts, so that one target pass scores all of them. Q (static: the arrays' width) is
+    the most rows a sequence scores, one more than the most drafts."""
+
+    step: StepBatch            # its sample_index is unused: score_rows[:, 0] takes its place
+    score_rows: jax.Array      # int32 [B, Q]: the token row whose logits follow draft j (j = 0: the last token)
+    drafts: jax.Array          # int32 [B, Q - 1]: the drafted tokens (the chunk's rows after the last token)
+    num_drafts: jax.Array      # int32 [B]: how many of them count (0: a plain decode or prompt chunk)
+
+    @property
+    def tokens(self) -> jax.Array:
+        """The step's token rows (its bucket)."""
+        return self.step.tokens
 
 
 @flax.struct.dataclass

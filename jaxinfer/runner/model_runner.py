@@ -22,10 +22,10 @@ from tqdm import tqdm
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache
-from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch
+from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.split_step import SplitStep
-from jaxinfer.runner.steps import decode_steps, init_row, mixed_step, mixed_step_prompt_logprobs
+from jaxinfer.runner.steps import decode_steps, init_row, mixed_step, mixed_step_prompt_logprobs, verify_step
 from jaxinfer.runner.transfer import Packed, to_device, to_device_packed
 from jaxinfer.runner.variants import StepKey, StepVariant, samplers_built
 from jaxinfer.sampling.choose import filter_pays
@@ -33,7 +33,15 @@ from jaxinfer.sampling.sample import SamplingArrays
 from jaxinfer.settings import EngineConfig
 
 
-def bucket_of(batch: StepBatch | DecodeBatch | Packed) -> int:
+def verify_widths(num_speculative_tokens: int | None) -> tuple[int, ...]:
+    """The rows a sequence scores (Q) in the compiled verify steps: k + 1 for the most drafts k, and 2 (one
+    draft) for batches too large to verify more at no cost. Empty without speculative decoding."""
+    if not num_speculative_tokens:
+        return ()
+    return tuple(sorted({2, num_speculative_tokens + 1}))
+
+
+def bucket_of(batch: StepBatch | DecodeBatch | VerifyBatch | Packed) -> int:
     """A batch's bucket: its leading size (tokens of a mixed step, rows of a decode dispatch)."""
     return batch.field_shape("tokens")[0] if isinstance(batch, Packed) else batch.tokens.shape[0]
 
@@ -90,6 +98,14 @@ class ModelRunner:
                 step = functools.partial(mixed_step, cfg, ops, v.n_top(n_top), greedy=v.greedy, attention=attention,
                                          method=v.method)
                 self.steps[v] = jax.jit(step, donate_argnums=(1, 2))
+        self.verify_widths = verify_widths(config.num_speculative_tokens if config.speculative else None)
+        for width in self.verify_widths:
+            for sampler in ("greedy", "sort"):
+                attentions = ("paged", "verify") if width == max(self.verify_widths) else ("verify",)
+                for attention in attentions:
+                    v = StepVariant("verify", sampler, attention, steps=width)
+                    self.steps[v] = jax.jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
+                                                              attention=attention), donate_argnums=(1, 2))
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
@@ -138,6 +154,14 @@ class ModelRunner:
         """Start a mixed step: its outputs on the device, not yet read back: tokens [B], logprobs [B], top
         logprob values [B, K], top ids [B, K]; a prompt-logprobs step also next-token logprobs [T] and top
         values, ids [T, K] of every row. A "branch" sampler blocks until its branch is chosen (GPU)."""
+        t0 = time.perf_counter()
+        self.kv, self.state, *out = self._call(variant, batch)
+        self.device_wait_seconds += time.perf_counter() - t0
+        return tuple(out)
+
+    def launch_verify(self, batch: VerifyBatch, variant: StepVariant) -> tuple:
+        """Start a verify step: its outputs on the device: accepted drafts [B], tokens [B, Q], logprobs [B, Q],
+        top values and ids [B, Q, K]."""
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(variant, batch)
         self.device_wait_seconds += time.perf_counter() - t0
@@ -247,6 +271,12 @@ class ModelRunner:
             step_index=np.zeros(B, np.int32),
         )
 
+    def empty_verify(self, T: int, rows: int, width: int) -> dict[str, np.ndarray]:
+        """A verify step's host arrays: a mixed step's for T tokens and `rows` sequences, and the verify fields
+        for `width` rows scored a sequence."""
+        return dict(step=self.empty_mixed(T, rows), score_rows=np.zeros((rows, width), np.int32),
+                    drafts=np.zeros((rows, width - 1), np.int32), num_drafts=np.zeros(rows, np.int32))
+
     def empty_page_table(self, B: int) -> np.ndarray:
         return np.full((B, self.pages_per_seq), SCRATCH_PAGE, np.int32)
 
@@ -273,7 +303,17 @@ class ModelRunner:
                 rows = 1 if one else self.max_num_seqs
                 batch = to_device_packed(StepBatch(**self.empty_mixed(t, rows),
                                                    sampling=SamplingArrays.from_params([], [], rows)))
-                calls += [(v, batch) for v in self.steps if v.phase != "decode" and v.one_sequence == one]
+                calls += [(v, batch) for v in self.steps if v.phase in ("mixed", "prompt-logprobs")
+                          and v.one_sequence == one]
+        for v in [v for v in self.steps if v.phase == "verify"]:
+            if v.attention == "paged":
+                shapes = [(t, self.max_num_seqs) for t in self.token_buckets]
+            else:
+                shapes = [(b * v.steps, b) for b in self.batch_buckets]
+            for T, rows in shapes:
+                a = self.empty_verify(T, rows, v.steps)
+                step = StepBatch(**a.pop("step"), sampling=SamplingArrays.from_params([], [], rows))
+                calls.append((v, to_device_packed(VerifyBatch(step=step, **a))))
         for b in self.batch_buckets:
             batch = self.inert_decode(b)
             n = self.decode_steps_for(b)

@@ -4,6 +4,7 @@
 - `decode_steps`: n decode steps for B sequences in one dispatch (a `lax.scan`), so the host is off the
   critical path.
 - `mixed_head` / `mixed_tail`: a one-sequence prompt step in two parts (split_step.py).
+- `verify_step`: a mixed step whose sequences may also verify drafted tokens (speculative decoding).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import jax.numpy as jnp
 from jaxinfer.model import transformer as model
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache, slot_of
-from jaxinfer.runner.batch import CARRIED, DecodeBatch, SamplerState, StepBatch
+from jaxinfer.runner.batch import CARRIED, DecodeBatch, SamplerState, StepBatch, VerifyBatch
 from jaxinfer.runner.transfer import unpacked
+from jaxinfer.sampling.rejection import verify
 from jaxinfer.sampling.sample import sample, top_logprobs
 
 
@@ -171,3 +173,29 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
     (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps)
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
 
+
+
+def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
+                batch: VerifyBatch, greedy: bool = False, attention: str = "paged"):
+    """A mixed step in which each sequence scores Q rows: its last token's and those after each of its drafts
+    (num_drafts of them; a sequence without drafts, a plain decode or a prompt chunk, scores one row as
+    mixed_step samples it). The drafts are accepted or rejected on the device (sampling.rejection.verify:
+    greedy rows keep the drafts equal to the target's argmax; sampled rows by rejection sampling, so the output
+    follows the target's distribution), and the tokens they lead to are counted into the penalty state.
+    attention: "paged" (ragged rows), or "verify" (every sequence Q rows in order: ops.verify_attention).
+    Returns (kv, state, accepted drafts [B], tokens [B, Q] (the first accepted + 1 are emitted), logprobs [B, Q],
+    top values [B, Q, n_top], top ids [B, Q, n_top])."""
+    batch = unpacked(batch)
+    sb = batch.step
+    B, Q = batch.score_rows.shape
+    kv, h = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, sb), sb.positions, sb.slot_mapping,
+                                sb.token_seq, sb.page_table, attention=attention)
+    logits = model.lm_head(cfg, ops, params, h[batch.score_rows.reshape(B * Q)])
+    pm, oc = _gather_rows(state, sb.state_row)
+    accepted, tokens, logprobs = verify(logits.reshape(B, Q, -1), batch.drafts, batch.num_drafts, sb.sampling,
+                                        sb.step_index, pm, oc, greedy_only=greedy)
+    emitted = sb.emits[:, None] & (jnp.arange(Q)[None, :] <= accepted[:, None])
+    rows = jnp.where(emitted, sb.state_row[:, None], state.output_counts.shape[0] - 1)   # the rest: scratch row
+    state = state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
+    top_v, top_i = top_logprobs(logits, n_top)
+    return (kv, state, accepted, tokens, logprobs, top_v.reshape(B, Q, n_top), top_i.reshape(B, Q, n_top))

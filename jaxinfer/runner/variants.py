@@ -15,14 +15,15 @@ from jaxinfer.sampling import SamplingParams
 
 from jaxinfer.sampling.choose import filter_pays, sampler_for
 
-PHASES = ("mixed", "decode", "prompt-logprobs")
+PHASES = ("mixed", "decode", "prompt-logprobs", "verify")
 # greedy: argmax only, no top logprobs; branch: one sampling step that skips the sort behind a device-side
 # conditional; sort / plain / plain-notop (plain without top logprobs) / filter / filter-p: sampling.sample's
 # methods, no conditional.
 SAMPLERS = ("greedy", "branch", "sort", "plain", "plain-notop", "filter", "filter-p")
 # paged: the paged attention kernel; fresh: one prompt from position 0 on flash attention; prefixed: one
 # sequence's chunk after its cached prefix, two flash attentions merged by their log-sum-exps.
-ATTENTIONS = ("paged", "fresh", "prefixed")
+# verify: a verify step whose sequences each have Q rows in a [B, Q] layout (ops.verify_attention).
+ATTENTIONS = ("paged", "fresh", "prefixed", "verify")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -30,7 +31,7 @@ class StepVariant:
     phase: str
     sampler: str = "branch"
     attention: str = "paged"
-    steps: int = 1             # decode steps per dispatch (decode only)
+    steps: int = 1             # decode steps per dispatch (decode); rows scored a sequence, Q (verify)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES or self.sampler not in SAMPLERS or self.attention not in ATTENTIONS:
@@ -52,14 +53,14 @@ class StepVariant:
     @property
     def one_sequence(self) -> bool:
         """The step carries one sequence's prompt (and samples its one row)."""
-        return self.attention != "paged"
+        return self.attention in ("fresh", "prefixed")
 
     @property
     def name(self) -> str:
         """As in traces and the executable cache: e.g. "decode-greedy-8", "mixed-plain-fresh"."""
         parts = [self.phase] + ([] if self.sampler in ("branch", "sort") else [self.sampler])
         parts += [] if self.attention == "paged" else [self.attention]
-        return "-".join(parts + ([str(self.steps)] if self.phase == "decode" else []))
+        return "-".join(parts + ([str(self.steps)] if self.phase in ("decode", "verify") else []))
 
 
 @dataclasses.dataclass(frozen=True, order=True)

@@ -1,0 +1,119 @@
+"""The engine's side of speculative decoding: which drafts each step verifies, and the counts behind the
+acceptance figures (`/metrics`, `generate`'s summary).
+
+A `Speculator` asks its proposer (spec/: n-gram, draft model, DFlash) for up to k_max tokens per generating
+sequence, keeps each sequence's acceptance estimate (spec.adaptive), and cuts the proposals to the k that
+pays for this batch (0: a plain decode dispatch instead of a verify step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxinfer.settings import MAX_SPECULATIVE_TOKENS, EngineConfig
+from jaxinfer.spec.adaptive import Acceptance, choose_drafts
+from jaxinfer.spec.ngram import NgramProposer
+
+
+@dataclasses.dataclass
+class SpeculationStats:
+    verify_steps: int = 0      # verify steps with at least one draft
+    drafted: int = 0           # drafted tokens verified
+    accepted: int = 0          # of them accepted
+    emitted: int = 0           # tokens the verify steps emitted (accepted drafts and the target's own)
+    sequence_verifies: int = 0   # (sequence, verify step) pairs with drafts
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a sequence gains per verify that carried its drafts (accepted drafts + the target's token)."""
+        return (self.accepted + self.sequence_verifies) / self.sequence_verifies if self.sequence_verifies else 0.0
+
+
+class Speculator:
+    def __init__(self, proposer, k_max: int, adaptive: bool = True):
+        self.proposer, self.k_max, self.adaptive = proposer, k_max, adaptive
+        self._acceptance: dict[int, Acceptance] = {}
+        self.stats = SpeculationStats()
+
+    def drafts(self, seqs: list, room: int | None = None) -> dict:
+        """{sequence: its drafts} for the generating `seqs` of the next step (empty: decode without drafts).
+        room: the most drafted tokens the step can take in all."""
+        if not seqs:
+            return {}
+        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
+        # Would drafting pay even if every sequence had k_max drafts? If not, skip proposing.
+        if choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) == 0:
+            self.idle(seqs)
+            return {}
+        proposals = self.proposer.propose(seqs, self.k_max)
+        k = choose_drafts(rates, [len(p) for p in proposals], self.k_max, self.adaptive)
+        out = {}
+        for seq, p in zip(seqs, proposals):
+            p = p[:k]
+            if room is not None:
+                p = p[:max(room, 0)]
+                room -= len(p)
+            if p:
+                out[seq] = p
+        if not out:
+            self.idle(seqs)
+        return out
+
+    def may_draft(self, seqs: list) -> bool:
+        """Whether the next step over `seqs` might verify drafts (asked before their proposals exist)."""
+        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
+        return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
+
+    def record(self, seq, drafted: int, accepted: int) -> None:
+        self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)
+        self.stats.drafted += drafted
+        self.stats.accepted += accepted
+        self.stats.sequence_verifies += drafted > 0
+
+    def idle(self, seqs: list) -> None:
+        """A step without drafts: the sequences' old evidence fades, so speculation is tried again later."""
+        for seq in seqs:
+            self._acceptance.setdefault(seq.request_id, Acceptance()).record(0, 0)
+
+    def forget(self, seq) -> None:
+        self._acceptance.pop(seq.request_id, None)
+        if hasattr(self.proposer, "forget"):
+            self.proposer.forget(seq)
+
+
+DEFAULT_SPECULATIVE_TOKENS = 4
+
+
+def resolve_speculative(config: EngineConfig) -> EngineConfig:
+    """The config with speculative decoding's defaults filled in: the number of drafted tokens (4; a DFlash
+    drafter's block size less one), and prompt steps read back at once (the next step's drafts need them)."""
+    if not config.speculative:
+        if config.num_speculative_tokens is not None:
+            raise ValueError("num_speculative_tokens needs speculative (ngram, draft:DIR or dflash:DIR)")
+        return config
+    k = config.num_speculative_tokens
+    if k is None:
+        k = DEFAULT_SPECULATIVE_TOKENS
+        if config.speculative.startswith("dflash:"):
+            from jaxinfer.spec.dflash import DFlashConfig
+            k = min(DFlashConfig.load(config.speculative.partition(":")[2]).block_size - 1, MAX_SPECULATIVE_TOKENS)
+    tuning = dataclasses.replace(config.tuning, overlap_mixed=False, prefill_behind_decode=False)
+    return dataclasses.replace(config, num_speculative_tokens=k, tuning=tuning)
+
+
+def make_proposer(config: EngineConfig, engine):
+    """The proposer `config.speculative` names, for the engine's target model."""
+    kind, _, path = config.speculative.partition(":")
+    if kind == "ngram":
+        return NgramProposer()
+    if kind == "draft":
+        from jaxinfer.spec.draft_model import DraftModelProposer
+        return DraftModelProposer(path, engine.cfg, engine.tokenizer, config, engine.runner)
+    if kind == "dflash":
+        from jaxinfer.spec.dflash_proposer import DFlashProposer
+        return DFlashProposer(path, engine.cfg, config, engine.runner)
+    raise ValueError(f"speculative must be ngram, draft:DIR or dflash:DIR, got {config.speculative!r}")
