@@ -28,6 +28,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from jaxinfer.model import quantize
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 
@@ -184,13 +185,17 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, per_layer: bool = False) -> dict:
+def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, per_layer: bool = False,
+                quantization: str | None = None) -> dict:
     """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device.
 
     per_layer: the layer matrices as one array per layer (transformer.split_layers' layout, which unrolled
     layers read), sent to the device straight from the mapped files and joined there: no stacked copy on the
-    host, none to slice on the device."""
+    host, none to slice on the device.
+    quantization: "int8" or "fp8": the linear matrices quantized at load, a layer at a time (model.quantize); a
+    pre-quantized checkpoint's are read with their scales whatever it is (it must name their format if set)."""
     model_dir = Path(model_dir)
+    quant = quantize.plan(model_dir, quantization)
     reader = CheckpointReader(model_dir)
     prefixes = PREFIXES[cfg.family]
     np_dtype = np.dtype(cfg.jnp_dtype)
@@ -212,8 +217,30 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
             raise ModelLoadError(f"{model_dir}: tensor {full!r} has shape {tuple(got)}, expected {tuple(want)}")
         return arr
 
+    def find(name: str) -> np.ndarray | None:
+        return next((reader.get(p + name) for p in prefixes if p + name in reader), None)
+
     rules = [r for r in RULES[cfg.family] if r.when(cfg)]
+    if quant.at_load and cfg.tie_embeddings:   # the head reads a quantized copy; the lookup keeps the embedding
+        rules.append(dataclasses.replace(next(r for r in rules if r.dest == "embed"), dest="lm_head"))
     tree: dict = {}
+
+    def quantized(rule: Rule) -> bool:   # held in 8 bits: quantized now, or by the checkpoint (its scales)
+        if rule.dest not in quantize.LINEAR_DESTS or not (quant.at_load or quant.checkpoint):
+            return False
+        if quant.at_load:
+            return True
+        first = rule.sources[0].format(i=0)
+        if rule.transpose and find(first) is not None and find(first.removesuffix("weight") +
+                                                             quant.checkpoint.scale_suffix) is not None:
+            raise quantize.QuantizationError(f"{model_dir}: quantized {first!r} of a transposed (Conv1D) layer")
+        return find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None or \
+            (find(first) is not None and find(first).dtype.itemsize == 1)
+
+    def quantized_layer(rule: Rule, i: int | None):
+        parts = [(resolve(src.format(i=i)), read(src.format(i=i), shape, rule.transpose))
+                 for src, shape in zip(rule.sources, rule.shapes(cfg))]
+        return quantize.quantized_matrix(parts, quant, find)
 
     threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
 
@@ -223,6 +250,12 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     with tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar, \
             ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(threads) as layer_pool:
         def build(rule: Rule):
+            if quantized(rule):   # a layer at a time: only the 8-bit stack stays on the device
+                if not rule.per_layer:
+                    return rule, quantized_layer(rule, None)
+                if per_layer:
+                    return rule, [quantized_layer(rule, i) for i in range(cfg.num_layers)]
+                return rule, quantize.stack_layers(lambda i: quantized_layer(rule, i), cfg.num_layers)
             if per_layer and rule.per_layer and len(rule.shapes(cfg)[0]) == 2:
                 return rule, list(layer_pool.map(lambda i: _layer_matrix(rule, cfg, read, i), range(cfg.num_layers)))
             return rule, jax.device_put(_assemble(rule, cfg, read, np_dtype, layer_pool.map))

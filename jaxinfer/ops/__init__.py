@@ -15,7 +15,7 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class LayerWeight:
-    stacked: jax.Array   # [L, out, in]
+    stacked: jax.Array   # [L, out, in], or a stacked ops.quantized.QuantizedWeight (get() gives its layer's)
     layer: jax.Array     # int32 scalar
 
     def get(self) -> jax.Array:
@@ -31,7 +31,7 @@ class LayerWeight:
 
 
 def weight(w) -> jax.Array:
-    """The [out, in] matrix of a LayerWeight, or w itself."""
+    """The [out, in] matrix of a LayerWeight (a QuantizedWeight where it holds one), or w itself."""
     return w.get() if isinstance(w, LayerWeight) else w
 
 

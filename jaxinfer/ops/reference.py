@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxinfer.numerics import to_cache
 from jaxinfer.ops import weight
+from jaxinfer.ops.quantized import QuantizedWeight
 
 f32 = jnp.float32
 # float32 products in full float32 (XLA on GPUs would otherwise use TF32); no effect on bf16 inputs.
@@ -32,8 +33,12 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [T, in] @ w[out, in].T (+ b) with float32 accumulation; w may be a LayerWeight."""
+    """x [T, in] @ w[out, in].T (+ b) with float32 accumulation; w may be a LayerWeight, and either may hold a
+    QuantizedWeight (quantized_product)."""
     dims = (((1,), (1,)), ((), ()))
+    if isinstance(weight(w), QuantizedWeight):
+        y = quantized_product(x, weight(w))
+        return (y if b is None else y + weight(b).astype(f32)).astype(x.dtype)
     if b is None:
         # The GEMM accumulates in float32 and rounds once to x.dtype either way; asking for x.dtype
         # lets cuBLAS write bf16 itself (a float32 [T, out] output and a convert kernel cost 10-15%
@@ -69,8 +74,22 @@ def linear_residual_norm_swiglu(x: jax.Array, w: jax.Array, b: jax.Array | None,
 
 
 def logits(x: jax.Array, w: jax.Array) -> jax.Array:
-    """The lm_head product, kept in float32 for sampling."""
-    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
+    """The lm_head product, kept in float32 for sampling; w may be a QuantizedWeight (or a LayerWeight)."""
+    if isinstance(weight(w), QuantizedWeight):
+        return quantized_product(x, weight(w))
+    return jax.lax.dot_general(x, weight(w), (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=f32)
+
+
+def quantized_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x [T, in] @ (w.values * w.scale).T in float32 [T, out]. Per-channel scales: the 8-bit values in x's dtype
+    (exact: int8 and e4m3 fit bfloat16), the product accumulated in float32, then each output channel times its
+    scale, once. Block scales: the float32 dequantized matrix (a scale per block cannot leave the sum)."""
+    dims = (((1,), (1,)), ((), ()))
+    if w.block is not None:
+        return jax.lax.dot_general(x.astype(f32), w.dequantize(f32), dims, precision=HIGHEST,
+                                   preferred_element_type=f32)
+    y = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, precision=HIGHEST, preferred_element_type=f32)
+    return y * w.scale.astype(f32)
 
 
 def swiglu(gate_up: jax.Array) -> jax.Array:
