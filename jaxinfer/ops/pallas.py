@@ -11,7 +11,9 @@ tables.HOPPER_GEMM (Qwen3-4B's QKV and gate/up + SwiGLU) go to the Mosaic GPU wg
 fused; other prompt rows to XLA's GEMM. Decode attention is the split-sequence kernel with the new token's
 norm, RoPE and cache write folded in (pallas/decode_attention_rope.py); prompt attention the flash kernel of
 pallas/prefill_attention.py. A step that is one fresh prompt runs its attention on the Mosaic GPU flash kernel
-(pallas/hopper_attention.py) at the lengths of its measured table, else cuDNN's.
+(pallas/hopper_attention.py) at the lengths of its measured table, else cuDNN's. A speculative verify step's
+attention (Q rows a sequence) is the split-sequence kernel with the Q rows of a KV head's query heads in one tile
+(pallas/verify_attention.py), the reference op where the tile would pass its limit.
 
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
@@ -28,6 +30,8 @@ from jaxinfer.ops import LayerWeight, reference
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
+from jaxinfer.pallas.verify_attention import paged_verify_attention
+from jaxinfer.pallas.verify_attention import supports as verify_supports
 
 
 class OpSet(SimpleNamespace):
@@ -213,6 +217,16 @@ def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, la
         norm_layer=norm_layer, interpret=interpret)
 
 
+def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *, interpret=False):
+    """Q query rows a sequence (a speculative verify step): the split-sequence kernel where its tile takes the Q x
+    group rows and the head dim (verify_attention.supports: up to 128 rows), else the reference op."""
+    _, Q, H, hd = q.shape
+    if not verify_supports(Q * (H // k_cache.shape[1]), hd):
+        return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
+    return paged_verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
+                                  interpret=interpret)
+
+
 def fresh_prompt_attention(q, k, v, scale, *, interpret=False):
     """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): the Mosaic GPU flash attention at the
     lengths of its measured table (on a Hopper GPU, or in interpret mode), else cuDNN's flash attention on GPUs
@@ -252,7 +266,7 @@ def cudnn_flash_attention_available() -> bool:
 # The ops this module overrides, each bound to `interpret` by `make`.
 KERNEL_OPS = (linear, rms_norm_linear, rms_norm_swiglu, linear_residual, linear_residual_norm_swiglu, logits,
               qkv_rope_write, decode_qkv_attention, fresh_prompt_attention, prefixed_chunk_attention,
-              decode_attention.paged_decode_attention, prefill_attention.paged_attention)
+              decode_attention.paged_decode_attention, prefill_attention.paged_attention, verify_attention)
 
 
 def make(interpret: bool = False) -> OpSet:

@@ -69,6 +69,32 @@ DECODE_ATTENTION_FP8: list[tuple[int, int, SplitConfig]] = [
 ]
 
 
+# --- speculative verify attention (verify_attention.py) ---------------------------------------------------------
+
+# NOT MEASURED: initial values by reasoning, until bench/kernels/verify_attention.py --sweep runs on the H200. Rows
+# (max tile rows M = Q x group padded to a power of two >= 16, max sequence-heads = batch x KVH, max span, config),
+# first match wins. A verify tile reads the same K/V as a decode tile, so the splits follow DECODE_ATTENTION's rule
+# (about 256-512 programs); block_k stays 64 (a [64, 128] float32 score tile at M = 64 would crowd the registers);
+# M = 128 (an [128, hd] accumulator) takes eight warps.
+_VERIFY_SPLITS: list[tuple[int, int, SplitConfig]] = [
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(16, 64)),
+    (8, _BIG, SplitConfig(64, 64)),
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(16, 64)),
+    (32, _BIG, SplitConfig(8, 64)),
+    (64, _BIG, SplitConfig(8, 64)),
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(8, 64)),
+    (128, _BIG, SplitConfig(4, 64)),
+    (256, _BIG, SplitConfig(2, 64)),
+    (_BIG, _BIG, SplitConfig(1, 64)),
+]
+VERIFY_ATTENTION: list[tuple[int, int, int, SplitConfig]] = (
+    [(64, sh, span, c) for sh, span, c in _VERIFY_SPLITS]
+    + [(128, sh, span, dataclasses.replace(c, num_warps=8)) for sh, span, c in _VERIFY_SPLITS])
+
+
 # --- batch-1 decode GEMVs (fused_gemv.py) -----------------------------------------------------------------------
 
 # Columns a program's tile spans, by (out, in) of a 2-byte matrix (4-byte weights: 128; absent: the default).

@@ -1,0 +1,207 @@
+"""Paged attention for Q query rows a sequence (a speculative verify step), split-sequence, as Pallas Triton kernels.
+
+`paged_verify_attention(q [B, Q, H, hd], k_cache, v_cache [L, KVH, slots, hd], layer, page_table [B, P],
+context_lens [B], page_size, scale) -> [B, Q, H, hd]`: the signature of `reference.verify_attention`. Row j of
+sequence b sees positions 0..context_lens[b] - Q + j (the K/V of all Q rows are already in the cache; at least
+position 0, as the reference clamps).
+
+The split kernel of pallas/decode_attention.py with more rows a tile. Grid (B, KVH, num_splits): a program owns one
+sequence, one KV head and one split of that sequence's positions, and holds the Q rows of the `group` query heads
+of its KV head as one [M, hd] tile, tile row r = j * group + g (query row j, head g of the group), M = Q * group
+padded to a power of two >= 16. Every K/V block is read once for all Q * group rows, so a verify step reads what a
+decode step reads; the tile's extra rows cost tensor-core work and exp2s, not bytes. Each tile row is masked at its
+own limit (context_lens[b] - Q + 1 + j positions); the program walks its split up to the last row's limit. A row
+can be masked out of a whole block, or a whole split (its limit ends before the split begins): its running max
+starts at M_INIT, above the masked score NEG, so masked entries weigh exp2(NEG - M_INIT) = 0 and such a row keeps
+l = 0 (lse = NEG, zeros), never the mean of masked values.
+
+With several splits the partials are laid out as [B, Q * H, S, hd] (row j, head h at j * H + h) and merged by
+decode_attention's merge kernel (grid (B, Q * H); split 0 always holds position 0, which every row sees); the
+output [B, Q * H, hd] is [B, Q, H, hd] by a free reshape. With one split kernel 1 writes the output.
+
+num_splits, block_k and num_warps (static: the grid and the tile) come from `choose_config`, tables.VERIFY_ATTENTION,
+keyed by tile rows, sequence-heads (batch x KVH) and the page table's span. Float8 pages multiply in float16 as in
+the decode kernel (blocks.page_compute_dtype). Every block dimension is a power of two with masked tails; masked
+scores are a large finite negative, never -inf. `supports(rows, head_dim)`: the tiles this kernel takes (the op set
+falls back to the reference op elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
+                                     pow2_at_least, split_range, to_compute)
+from jaxinfer.pallas.decode_attention import LOG2E, NEG, merge_splits
+from jaxinfer.pallas.tables import SplitConfig
+
+f32 = jnp.float32
+M_INIT = NEG / 2   # a row's running max before its first visible score: above NEG, so masked scores weigh 0
+MAX_ROWS = 128     # Q x group rows a tile (an [M, hd] float32 accumulator a program)
+MAX_TILE = 128 * 128   # M x padded hd: hd 256 takes up to 64 rows
+
+
+def supports(rows: int, head_dim: int) -> bool:
+    """Whether the kernel takes Q x group = `rows` tile rows of `head_dim`."""
+    return 1 <= rows <= MAX_ROWS and pow2_at_least(rows, 16) * pow2_at_least(head_dim, 16) <= MAX_TILE
+
+
+def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, Q, H, group, M, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale):
+    b = pl.program_id(0)
+    h = pl.program_id(1)
+    s = pl.program_id(2)
+    layer = plgpu.load(layer_ref.at[jnp.int32(0)])
+    span = n_pages * page_size
+    ctx = plgpu.load(cl_ref.at[b])
+
+    rows = jnp.arange(M, dtype=jnp.int32)
+    cols = jnp.arange(D, dtype=jnp.int32)
+    row_mask = rows < Q * group
+    col_mask = cols < hd
+    # Query row and head of each tile row. Padding rows (j >= Q) are masked; their indices stay past the end, never
+    # on a real row: interpret mode stores a masked row by writing back what it read, and a duplicate would race.
+    j = rows // group
+    head = h * group + rows % group
+    # Positions row j sees: ctx - Q + 1 + j, at least 1 (position 0, as the reference clamps) and at most the span.
+    last = jnp.clip(ctx, 1, span)                 # the last row's limit: the program walks up to it
+    limit = jnp.clip(ctx - Q + 1 + j, 1, last)
+    tile_mask = row_mask[:, None] & col_mask[None, :]
+    q = plgpu.load(q_ref.at[b, j[:, None], head[:, None], cols[None, :]], mask=tile_mask, other=0)
+
+    start, stop = split_range(pl.cdiv(last, block_k), s, num_splits)
+    offs = jnp.arange(block_k, dtype=jnp.int32)
+    cdt = page_compute_dtype(k_ref.dtype, q.dtype)   # float8 pages: float16 products
+    q = to_compute(q, cdt)
+    prec = dot_precision(cdt)
+    ragged_cols = D != hd
+
+    def slots_of(i):
+        """Cache slots of block i's positions, gathered from the page table (slot 0 past the last row's limit)."""
+        return page_slots(pt_ref, b, i * block_k + offs, last, page_size, n_pages)
+
+    def body(i, carry):
+        acc, m, l, slot = carry
+        pos = i * block_k + offs
+        nxt = slots_of(i + 1)   # the next block's page-table entries, off the loop's latency chain
+        valid = pos < last
+        kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
+        if k.dtype != cdt:   # a float8 cache: to the compute dtype
+            k, v = k.astype(cdt), v.astype(cdt)
+        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+        sc = jnp.where(pos[None, :] < limit[:, None], sc * qk_scale, NEG)      # [M, block_k], causal per row
+        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+
+    init = (jnp.zeros((M, D), f32), jnp.full((M,), M_INIT, f32), jnp.zeros((M,), f32), slots_of(start))
+    acc, m, l, _ = jax.lax.fori_loop(start, stop, body, init)
+
+    nonempty = l > 0
+    out = acc / jnp.where(nonempty, l, 1.0)[:, None]
+    if num_splits == 1:
+        (o_ref,) = out_refs   # [B, Q, H, hd]
+        plgpu.store(o_ref.at[b, j[:, None], head[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=tile_mask)
+    else:
+        o_ref, lse_ref = out_refs   # [B, Q * H, S, hd] f32, [B, Q * H, S] f32
+        qh = j * H + head
+        plgpu.store(o_ref.at[b, qh[:, None], s, cols[None, :]], out, mask=tile_mask)
+        lse = jnp.where(nonempty, m + jnp.log2(jnp.where(nonempty, l, 1.0)), NEG)
+        plgpu.store(lse_ref.at[b, qh, s], lse, mask=row_mask)
+
+
+def _check_shapes(q, k_cache, v_cache, page_table, context_lens) -> None:
+    if q.ndim != 4 or k_cache.ndim != 4:
+        raise ValueError(f"verify_attention: q {q.shape} is not [B, Q, H, hd] or k {k_cache.shape} not [L, KVH, "
+                         f"slots, hd]")
+    B, Q, H, hd = q.shape
+    KVH = k_cache.shape[1]
+    if v_cache.shape != k_cache.shape or k_cache.shape[3] != hd:
+        raise ValueError(f"verify_attention: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    if H % KVH:
+        raise ValueError(f"verify_attention: {H} query heads over {KVH} KV heads")
+    if page_table.ndim != 2 or page_table.shape[0] != B or context_lens.shape != (B,):
+        raise ValueError(f"verify_attention: page_table {page_table.shape}, context_lens {context_lens.shape}, "
+                         f"batch {B}")
+    if not supports(Q * (H // KVH), hd):
+        raise ValueError(f"verify_attention: {Q} rows x group {H // KVH} at head_dim {hd} exceed the kernel's tile "
+                         f"(supports: rows <= {MAX_ROWS}, rows x head_dim <= {MAX_TILE}, both padded)")
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "block_k", "num_warps",
+                                             "num_stages", "merge", "interpret"))
+def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
+                                 scale: float, *, num_splits: int = 1, block_k: int = 64, num_warps: int = 4,
+                                 num_stages: int = 2, merge: str = "pallas", interpret: bool = False):
+    """The kernels with an explicit configuration (see SplitConfig)."""
+    _check_shapes(q, k_cache, v_cache, page_table, context_lens)
+    B, Q, H, hd = q.shape
+    KVH = k_cache.shape[1]
+    group = H // KVH
+    if not (is_pow2(num_splits) and is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"num_splits={num_splits} and block_k={block_k} must be powers of two (block_k >= 16)")
+    if merge not in ("pallas", "jnp"):
+        raise ValueError(f"merge={merge!r}")
+    M = pow2_at_least(Q * group, 16)
+    D = pow2_at_least(hd, 16)
+    n_pages = page_table.shape[1]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    page_table = page_table.astype(jnp.int32)
+    context_lens = context_lens.astype(jnp.int32)
+
+    kernel = functools.partial(
+        _split_kernel, Q=Q, H=H, group=group, M=M, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
+        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E)
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((B, Q, H, hd), q.dtype)
+    else:
+        out_shape = (jax.ShapeDtypeStruct((B, Q * H, num_splits, hd), f32),
+                     jax.ShapeDtypeStruct((B, Q * H, num_splits), f32))
+    res = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret, name="verify_attention_split",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+    )(layer, page_table, context_lens, q, k_cache, v_cache)
+    if num_splits == 1:
+        return res
+    # Split 0 holds position 0 for every row (context_lens <= 0 included: the merge then reads split 0 alone).
+    out = merge_splits(*res, q.dtype, hd, merge, interpret, context_lens=context_lens, block_k=block_k,
+                       max_ctx=n_pages * page_size)
+    return out.reshape(B, Q, H, hd)
+
+
+def choose_config(rows: int, batch: int, kv_heads: int, span: int) -> SplitConfig:
+    """The split configuration for tiles of `rows` (Q x group) rows, `batch` sequences, `kv_heads` KV heads and
+    page tables spanning `span` positions (tables.VERIFY_ATTENTION)."""
+    seq_heads = batch * kv_heads
+    cfg = next(c for max_rows, max_sh, max_span, c in tables.VERIFY_ATTENTION
+               if rows <= max_rows and seq_heads <= max_sh and span <= max_span)
+    s = cfg.num_splits   # never more splits than blocks in the span (the extra ones would be empty programs)
+    while s > 1 and s * cfg.block_k >= 2 * span:
+        s //= 2
+    return dataclasses.replace(cfg, num_splits=s)
+
+
+def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
+                           page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float, *,
+                           config: SplitConfig | None = None, interpret: bool = False) -> jax.Array:
+    """`reference.verify_attention` with the split-sequence Pallas kernels.
+
+    q [B, Q, H, hd]; k_cache, v_cache [L, KVH, slots, hd] (bf16, f32 or float8); layer int32 scalar; page_table
+    [B, P] int32; context_lens [B] int32 (the last row's position + 1). Returns [B, Q, H, hd] in q's dtype. `config`
+    overrides the table (tests and benchmarks). Needs supports(Q * H / KVH, hd).
+    """
+    _check_shapes(q, k_cache, v_cache, page_table, context_lens)
+    if config is None:
+        B, Q, H, _ = q.shape
+        config = choose_config(Q * (H // k_cache.shape[1]), B, k_cache.shape[1], page_table.shape[1] * page_size)
+    return paged_verify_attention_split(
+        q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
+        num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, merge=config.merge, interpret=interpret)
