@@ -35,6 +35,7 @@ from jaxinfer.engine.speculation import Speculator, make_proposer, resolve_specu
 from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
+from jaxinfer.model.quantize import describe as describe_weights
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
 from jaxinfer.runner.batch import DecodeBatch, StepBatch, VerifyBatch
@@ -93,16 +94,21 @@ class Engine:
         self.sampling_defaults = read_generation_defaults(config.generation_config, model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
-        params = load_params(model_dir, self.cfg, progress=config.progress, per_layer=t.unroll_layers)
+        params = load_params(model_dir, self.cfg, progress=config.progress, per_layer=t.unroll_layers,
+                             quantization=config.quantization)
+        self.weights_summary = describe_weights(params, self.cfg.tie_embeddings)   # dtype and bytes held
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
+        proposer = make_proposer(config, self) if config.speculative else None   # a draft model loads here
+        self._draft_page_bytes = proposer.page_bytes(config.page_size) if hasattr(proposer, "page_bytes") else 0
         num_pages = self._num_pages()
         exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \
             if config.cache_dir and t.executable_cache else None
         self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,
                                   kv_dtype=self.kv_dtype, executable_cache=exe_cache)
         self.pages = PageAllocator(num_pages)
-        self.speculator = Speculator(make_proposer(config, self), config.num_speculative_tokens) \
-            if config.speculative else None
+        if hasattr(proposer, "attach"):   # its own pool, indexed by the target's page tables
+            proposer.attach(num_pages, self.max_model_len, ops)
+        self.speculator = Speculator(proposer, config.num_speculative_tokens) if proposer else None
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
         self.compile_seconds = self.runner.warmup(progress=config.progress, threads=t.compile_threads,
@@ -142,7 +148,8 @@ class Engine:
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
             # Leave room for the activations of the largest step.
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
-            num_pages = min(int(free // bytes_per_page(self.cfg, c.page_size, self.kv_dtype)),
+            page_bytes = bytes_per_page(self.cfg, c.page_size, self.kv_dtype) + self._draft_page_bytes
+            num_pages = min(int(free // page_bytes),
                             2 * c.max_num_seqs * pages_per_seq + 1)
             if num_pages - 1 < pages_per_seq:
                 raise ValueError(
@@ -165,7 +172,8 @@ class Engine:
         defaults = f"; sampling defaults {describe(self.sampling_defaults)}" if self.sampling_defaults else ""
         return (f"[jaxinfer: {self.model_dir.name}, {self.cfg.family}, "
                 f"{picked(self.cfg.dtype, c.dtype, 'the checkpoint' + chr(39) + 's')}, "
-                f"ops {picked(self.ops_name, c.ops, backend)}; KV cache {(num_pages - 1) * c.page_size:,} tokens "
+                f"ops {picked(self.ops_name, c.ops, backend)}; {self.weights_summary}; "
+                f"KV cache {(num_pages - 1) * c.page_size:,} tokens "
                 f"({self.kv_bytes / 2**20:,.1f} MiB {jax.numpy.dtype(self.kv_dtype).name}); "
                 f"loaded in {self.load_seconds:.1f} s; {compiled}{defaults}]")
 
@@ -545,6 +553,8 @@ class Engine:
         room = None
         if plan.kind == "mixed":
             room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
+        for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
+            self.scheduler.hold(seq, min(len(seq.tokens) + self.speculator.k_max, len(seq.prompt_ids) + seq.max_new))
         drafts = self.speculator.drafts(generating, room)
         out = {}
         for seq, d in drafts.items():

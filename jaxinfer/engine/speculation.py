@@ -112,8 +112,8 @@ def make_proposer(config: EngineConfig, engine):
         return NgramProposer()
     if kind == "draft":
         from jaxinfer.spec.draft_model import DraftModelProposer
-        return DraftModelProposer(path, engine.cfg, engine.tokenizer, config, engine.runner)
+        return DraftModelProposer(path, engine.cfg, engine.tokenizer, config)
     if kind == "dflash":
         from jaxinfer.spec.dflash_proposer import DFlashProposer
-        return DFlashProposer(path, engine.cfg, config, engine.runner)
+        return DFlashProposer(path, engine.cfg, config)
     raise ValueError(f"speculative must be ngram, draft:DIR or dflash:DIR, got {config.speculative!r}")
