@@ -142,8 +142,7 @@ def test_choose_config_shapes():
                     assert VA.is_pow2(c.block_k) and c.block_k >= 16
                     assert c.num_splits * c.block_k < 2 * span or c.num_splits == 1
     assert VA.choose_config(64, 1, 8, 32768).num_splits >= 16     # batch 1, long context: many splits
-    assert VA.choose_config(128, 1, 8, 8192).num_warps == 8
-    assert len({max_rows for max_rows, *_ in tables.VERIFY_ATTENTION}) == 2
+    assert max(max_rows for max_rows, *_ in tables.VERIFY_ATTENTION) >= VA.MAX_ROWS   # every tile has a row
 
 
 def test_rejects_bad_input():

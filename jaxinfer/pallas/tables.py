@@ -74,8 +74,10 @@ DECODE_ATTENTION_FP8: list[tuple[int, int, SplitConfig]] = [
 # NOT MEASURED: initial values by reasoning, until bench/kernels/verify_attention.py --sweep runs on the H200. Rows
 # (max tile rows M = Q x group padded to a power of two >= 16, max sequence-heads = batch x KVH, max span, config),
 # first match wins. A verify tile reads the same K/V as a decode tile, so the splits follow DECODE_ATTENTION's rule
-# (about 256-512 programs); block_k stays 64 (a [64, 128] float32 score tile at M = 64 would crowd the registers);
-# M = 128 (an [128, hd] accumulator) takes eight warps.
+# (about 256-512 programs); block_k stays 64. Tiles of 64 and 128 rows take eight warps: ptxas for sm_90 (triton 3.6
+# on the CPU, bench/kernel_registers.py's way; hd 128, 64-key blocks, no spills anywhere) gives 64 registers a thread
+# at M = 16 and 96 at M = 32 with four warps; at M = 64 144 with four, 74 with eight; at M = 128 254 with four, 128
+# with eight (shared memory, 82 KB at M = 64, holds an SM to two programs either way).
 _VERIFY_SPLITS: list[tuple[int, int, SplitConfig]] = [
     (8, 128, SplitConfig(1, 64)),
     (8, 1024, SplitConfig(16, 64)),
@@ -91,7 +93,7 @@ _VERIFY_SPLITS: list[tuple[int, int, SplitConfig]] = [
     (_BIG, _BIG, SplitConfig(1, 64)),
 ]
 VERIFY_ATTENTION: list[tuple[int, int, int, SplitConfig]] = (
-    [(64, sh, span, c) for sh, span, c in _VERIFY_SPLITS]
+    [(32, sh, span, c) for sh, span, c in _VERIFY_SPLITS]
     + [(128, sh, span, dataclasses.replace(c, num_warps=8)) for sh, span, c in _VERIFY_SPLITS])
 
 

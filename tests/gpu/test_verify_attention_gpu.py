@@ -9,7 +9,8 @@ random inputs; Q 4, 8, 16 rows a sequence; batch 1 and 8; contexts 1k and 8k.
   ends mid-page, one shorter than Q);
 - test_wide_page_table: the engine's layout, a page table spanning 32,768 positions, and padding sequences of
   context 0 on the scratch page;
-- test_table_config: every distinct configuration of tables.VERIFY_ATTENTION, forced, at 64 and 128 rows;
+- test_table_config: every distinct configuration of tables.VERIFY_ATTENTION, forced, at its band's tile rows
+  (32: Q 8; 128: Q 16 over groups of 8);
 - test_float8_pages: float8 e4m3 caches (float16 products).
 Tolerance: relative Frobenius error per (sequence, row) 2e-2 in bf16 (the output's own rounding is ~2e-3; the
 probabilities are rounded to bf16 before p @ v here and, normalised, in the reference).
@@ -102,7 +103,7 @@ TABLE_CONFIGS = _table_configs()
                          ids=[f"M{r}-S{c.num_splits}-bk{c.block_k}-w{c.num_warps}-s{c.num_stages}" for r, c in TABLE_CONFIGS])
 def test_table_config(rows, cfg):
     heads = (H, KVH) if rows <= 64 else (H, 4)          # 128 rows: Q 16 over groups of 8
-    q, k, v, pt = _problem(rows + cfg.num_splits, 4, 16, 8192 // PS, heads=heads)
+    q, k, v, pt = _problem(rows + cfg.num_splits, 4, min(16, rows * heads[1] // H), 8192 // PS, heads=heads)
     lens = [8192, 1, 3000, 777]
     _run(q, k, v, 1, pt, lens, config=cfg)
     if cfg.num_splits > 1:
