@@ -15,6 +15,11 @@ pallas/prefill_attention.py. A step that is one fresh prompt runs its attention 
 attention (Q rows a sequence) is the split-sequence kernel with the Q rows of a KV head's query heads in one tile
 (pallas/verify_attention.py), the reference op where the tile would pass its limit.
 
+8-bit weights (ops.quantized.QuantizedWeight, bare or in a LayerWeight) take the same kernels' 8-bit variants:
+batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no more kernels a layer), batched
+decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
+interpret mode always); everything else (prompt rows, shapes not in the table) the reference op's XLA product.
+
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
 
@@ -27,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference
+from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for
@@ -66,6 +72,18 @@ def _one_matrix(w):
     return w.stacked[0] if isinstance(w, LayerWeight) else w
 
 
+def _matrix(stacked) -> tuple[jax.Array, dict]:
+    """(the array a kernel streams, the keywords that go with it): an 8-bit stack's values with w_scale and w_block;
+    else the stack itself."""
+    if isinstance(stacked, QuantizedWeight):
+        return stacked.values, dict(w_scale=stacked.scale, w_block=stacked.block)
+    return stacked, {}
+
+
+def _quantized(w) -> bool:
+    return isinstance(w.stacked if isinstance(w, LayerWeight) else w, QuantizedWeight)
+
+
 def _norm_weights(q_norm, k_norm):
     """(q_norm stack, k_norm stack, their layer) of the per-head norms (None when the model has none)."""
     if q_norm is None:
@@ -86,8 +104,9 @@ def _skinny_config(x, w, epilogue, interpret):
     if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
         return None
     n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
-    choose = skinny_gemm.choose_config if interpret else skinny_gemm.table_config
-    return choose(x.shape[0], n, k, epilogue)
+    if interpret:
+        return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
+    return skinny_gemm.table_config(x.shape[0], n, k, epilogue, eight_bit=_quantized(w))
 
 
 def _hopper_config(x, w, epilogue, interpret):
@@ -95,7 +114,7 @@ def _hopper_config(x, w, epilogue, interpret):
     (on a Hopper GPU, or in interpret mode); else None."""
     if not (interpret or hopper_gemm.available()):
         return None
-    if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T and _is_one_matrix(w)):
+    if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T and _is_one_matrix(w)) or _quantized(w):
         return None
     return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
 
@@ -104,16 +123,21 @@ def _hopper_config(x, w, epilogue, interpret):
 
 def _gemv(x, w, scale=None, b=None, *, interpret, **kw):
     stacked, layer, vector_layer, (scale, b) = _stacked(w, scale, b)
-    n_out, n_in = stacked.shape[-2:]
+    values, quant = _matrix(stacked)
+    n_out, n_in = values.shape[-2:]
     if kw.get("epilogue") == "swiglu":
         n_out //= 2
-    return fused_gemv(x, stacked, layer, scale=scale, b=b, block_in=block_in_for(n_out, n_in, stacked.dtype),
-                      rows=rows_for(n_out, n_in), vector_layer=vector_layer, interpret=interpret, **kw)
+    return fused_gemv(x, values, layer, scale=scale, b=b,
+                      block_in=block_in_for(n_out, n_in, values.dtype, quant.get("w_block")),
+                      rows=rows_for(n_out, n_in, values.dtype), vector_layer=vector_layer, interpret=interpret,
+                      **quant, **kw)
 
 
 def _skinny(x, w, b=None, *, interpret, **kw):
     stacked, layer, vector_layer, (b,) = _stacked(w, b)
-    return skinny_gemm.skinny_gemm(x, stacked, layer, b=b, vector_layer=vector_layer, interpret=interpret, **kw)
+    values, quant = _matrix(stacked)
+    return skinny_gemm.skinny_gemm(x, values, layer, b=b, vector_layer=vector_layer, interpret=interpret, **quant,
+                                   **kw)
 
 
 def _hopper(x, w, config, residual=None, *, interpret, **kw):
@@ -175,7 +199,8 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
         r = linear_residual(x, w, b, residual, interpret=interpret)
         return r, rms_norm_swiglu(r, scale, eps, w_gate_up, interpret=interpret)
     stacked, layer, vector_layer, (scale_stack,) = _stacked(w, scale)
-    partials = skinny_gemm.skinny_gemm(x, stacked, layer, config=cfg, finish=False, interpret=interpret)
+    values, quant = _matrix(stacked)
+    partials = skinny_gemm.skinny_gemm(x, values, layer, config=cfg, finish=False, interpret=interpret, **quant)
     r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale_stack, eps,
                                                    layer if vector_layer is None else vector_layer,
                                                    interpret=interpret)
@@ -186,8 +211,9 @@ def logits(x, w, *, interpret=False):
     """The lm_head: at batch 1 the GEMV with float32 outputs (H200, Qwen3-4B's 778 MB matrix: 175 us a call
     against XLA's reduce fusions' 184); else XLA's float32 GEMM."""
     if _small(x):
-        return fused_gemv(x, w[None], 0, block_in=block_in_for(*w.shape, w.dtype), out_dtype=jnp.float32,
-                          interpret=interpret)
+        values, quant = _matrix(w[None])
+        return fused_gemv(x, values, 0, block_in=block_in_for(*w.shape, w.dtype, quant.get("w_block")),
+                          out_dtype=jnp.float32, interpret=interpret, **quant)
     return reference.logits(x, w)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops import reference
+from jaxinfer.ops import reference, weight
 from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.skinny_gemm import finish_partials
 
@@ -28,3 +28,32 @@ def split_k_residual_rms_norm(partials: jax.Array, residual: jax.Array, scale: j
     scale = scale if scale.ndim == 1 else scale[vector_layer]
     r = finish_partials(partials, None, residual, "residual", residual.dtype)
     return r, reference.rms_norm(r, scale, eps)
+
+
+def dequantized(w) -> jax.Array:
+    """The float32 [out, in] matrix an 8-bit weight (a QuantizedWeight, or a LayerWeight holding one) stands for,
+    built apart from QuantizedWeight.dequantize: each value times the scale of its row, or of its (bo, bi) block."""
+    q = weight(w)
+    v = q.values.astype(jnp.float32)
+    if q.block is None:
+        return v * q.scale[:, None]
+    bo, bi = q.block
+    rows, cols = jnp.arange(v.shape[0]) // bo, jnp.arange(v.shape[1]) // bi
+    return v * q.scale[rows[:, None], cols[None, :]]
+
+
+def linear_8bit(x: jax.Array, w, b: jax.Array | None = None, *, scale: jax.Array | None = None, eps: float = 1e-6,
+                residual: jax.Array | None = None, epilogue: str = "none", out_dtype=None) -> jax.Array:
+    """The 8-bit variants' twin (fused_gemv, skinny_gemm with w_scale): the reference ops on the float32 dequantized
+    matrix and x in float32 (the RMSNorm prologue rounded to x.dtype as reference.rms_norm rounds), the product
+    rounded to x.dtype (out_dtype float32: not rounded), then the epilogue as the kernels round it."""
+    h = x if scale is None else reference.rms_norm(x, scale, eps)
+    y = reference.linear(h.astype(jnp.float32), dequantized(w), None if b is None else b.astype(jnp.float32))
+    if out_dtype is not None:
+        return y.astype(out_dtype)
+    y = y.astype(x.dtype)
+    if epilogue == "residual":
+        return residual + y
+    if epilogue == "swiglu":
+        return silu_mul(*jnp.split(y, 2, axis=-1))
+    return y

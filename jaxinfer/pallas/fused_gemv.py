@@ -16,6 +16,12 @@ What is fused:
 - the residual add (round the projection to x.dtype, then add, as transformers does);
 - SwiGLU: the program for row r also reads row r + I of the fused [2I, D] gate/up matrix and
   writes silu(gate) * up.
+
+8-bit weights (int8 or float8_e4m3fn, `w_scale`): the same kernel streams the 1-byte values (half the bytes of
+a bf16 step; every int8 and e4m3 value is exact in float32) and sums value * x in float32. A scale per output
+channel multiplies each row's sum once, after the reduction; block scales ((bo, bi) blocks, the official FP8
+checkpoints' format) multiply each tile of the row, a tile lying inside one bi-column block. The fusions stay:
+a quantized layer runs as many kernels as a bf16 one.
 """
 
 from __future__ import annotations
@@ -34,10 +40,18 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
 
 
+def _to_f32(w):
+    """Weights to float32: e4m3 through float16 (one instruction on Hopper, exact)."""
+    if w.dtype == jnp.float8_e4m3fn:
+        w = w.astype(jnp.float16)
+    return w.astype(f32)
+
+
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows):
+            rows, w_scaled, w_block):
     refs = list(refs)
     o_ref = refs.pop()
+    ws_ref = refs.pop(0) if w_scaled else None
     scale_ref = refs.pop(0) if has_scale else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
@@ -50,13 +64,16 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     w_rows = out_rows + [r + half for r in out_rows] if epilogue == "swiglu" else out_rows
     accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
-    for idx, cmask in row_tiles(n_in, block_in):
+    for k0, (idx, cmask) in zip(range(0, n_in, block_in), row_tiles(n_in, block_in)):
         def load(ref_win, cmask=cmask):
             if cmask is not None:
                 return plgpu.load(ref_win, mask=cmask, other=0)
             return plgpu.load(ref_win)
 
-        ws = [load(w_ref.at[layer, r, idx]).astype(f32) for r in w_rows]
+        ws = [_to_f32(load(w_ref.at[layer, r, idx])) for r in w_rows]
+        if w_block is not None:   # this tile's block scale, one a row
+            bo, bi = w_block
+            ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
         scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
@@ -67,6 +84,8 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     dtype = o_ref.dtype
     for t in range(T):
         ys = [jnp.sum(a) for a in accs[t]]
+        if w_scaled and w_block is None:   # the output channel's scale, once
+            ys = [y * ws_ref[layer, r] for y, r in zip(ys, w_rows)]
         if has_scale:
             inv = jax.lax.rsqrt(jnp.sum(sumsq[t]) / n_in + eps)
             ys = [y * inv for y in ys]
@@ -83,20 +102,33 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
             o_ref[jnp.int32(t), row] = out.astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "w_block",
+                                             "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
-               vector_layer: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
+               vector_layer: jax.Array | int | None = None, w_scale: jax.Array | None = None,
+               w_block: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
     [T, out]; "swiglu" treats w as [2I, in] (gate rows, then up) and returns [T, I].
     T <= a few tokens; block_in a power of two; `rows` output rows per program (a power of two that divides
     the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
-    float32 keeps the float32 sums unrounded (the lm_head's logits)."""
+    float32 keeps the float32 sums unrounded (the lm_head's logits).
+    8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
+    [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in must divide bi)."""
     if w.ndim == 2:
         w = w[None]
+        w_scale = None if w_scale is None else w_scale[None]
+    if (w.dtype.itemsize == 1) != (w_scale is not None):
+        raise ValueError(f"fused_gemv: 8-bit weights go with their w_scale, and only they ({w.dtype})")
+    if w_scale is not None:
+        want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
+        if w_scale.shape != want:
+            raise ValueError(f"fused_gemv: w_scale {w_scale.shape} for w {w.shape} (block {w_block}) should be {want}")
+        if w_block is not None and w_block[1] % block_in:
+            raise ValueError(f"fused_gemv: block_in {block_in} must divide the scale blocks' {w_block[1]} columns")
     vectors = [a for a in (scale, b) if a is not None]
     if any(a.ndim == 1 for a in vectors):   # one layer's vectors: a one-layer stack
         if not all(a.ndim == 1 for a in vectors):
@@ -116,28 +148,40 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     grid_rows = half if epilogue == "swiglu" else n_out
     if rows < 1 or rows & (rows - 1) or grid_rows % rows:
         raise ValueError(f"fused_gemv: rows per program ({rows}) must be a power of two dividing {grid_rows}")
-    args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (scale, b, residual) if a is not None]
+    args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (w_scale, scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
-                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows)
+                               has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
+                               w_scaled=w_scale is not None, w_block=w_block)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
         grid=(grid_rows // rows,),
         interpret=interpret,
-        name=f"gemv_{epilogue}" + ("_norm" if scale is not None else ""),
+        name=f"gemv_{epilogue}" + ("_norm" if scale is not None else "") + ("_8bit" if w_scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
     )(*args)
 
 
-def rows_for(n_out: int, n_in: int) -> int:
-    """Rows per program for an [n_out, in] product (n_out: the SwiGLU kernel's gate rows)."""
-    rows = tables.GEMV_ROWS.get((n_out, n_in), tables.GEMV_DEFAULT_ROWS)
+def rows_for(n_out: int, n_in: int, dtype=None) -> int:
+    """Rows per program for an [n_out, in] product (n_out: the SwiGLU kernel's gate rows); 1-byte weights (dtype)
+    have a table of their own."""
+    eight_bit = dtype is not None and jnp.dtype(dtype).itemsize == 1
+    rows = (tables.GEMV_ROWS_8BIT if eight_bit else tables.GEMV_ROWS).get((n_out, n_in), tables.GEMV_DEFAULT_ROWS)
     return rows if n_out % rows == 0 else 1
 
 
-def block_in_for(n_out: int, n_in: int, dtype) -> int:
+def block_in_for(n_out: int, n_in: int, dtype, w_block: tuple[int, int] | None = None) -> int:
     """The measured table for 2-byte weights; 128 for 4-byte weights (the same 16-byte lanes hold half the
-    elements)."""
-    if jnp.dtype(dtype).itemsize != 2:
+    elements); tables.GEMV_BLOCK_IN_8BIT for 1-byte weights, never past a scale block's columns (w_block)."""
+    size = jnp.dtype(dtype).itemsize
+    if size == 1:
+        block_in = tables.GEMV_BLOCK_IN_8BIT.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN_8BIT)
+        return block_in if w_block is None else min(block_in, pow2_divisor(w_block[1]))
+    if size != 2:
         return 128
     return tables.GEMV_BLOCK_IN.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN)
+
+
+def pow2_divisor(n: int) -> int:
+    """The largest power of two dividing n."""
+    return n & -n

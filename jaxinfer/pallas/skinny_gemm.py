@@ -14,6 +14,11 @@ W is the stacked [L, N, K] array read in place at `layer` (no per-layer copy).
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "residual": round, then add
 residual [M, N]; "swiglu": W is the fused [2I, K] gate/up matrix, the program for columns n also
 reads rows I + n, and writes silu(gate) * up [M, I].
+
+8-bit weights (int8 or float8_e4m3fn, `w_scale`): tiles of 1-byte values are converted to x's dtype in registers
+(exact: every int8 and e4m3 value is a bf16) before the tensor-core product; a scale per output channel multiplies
+the float32 sums once (split K: each partial, so the finish is unchanged); block scales multiply each tile's
+product by its rows' scales, a tile lying inside one column block.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ EPILOGUES = ("none", "residual", "swiglu")
 SMEM_BYTES = 200 * 1024   # of the H200's 227 KB per block: what the pipeline's stages may take
 
 
-def table_config(M: int, N: int, K: int, epilogue: str = "none") -> SkinnyConfig | None:
+def table_config(M: int, N: int, K: int, epilogue: str = "none", eight_bit: bool = False) -> SkinnyConfig | None:
     """The measured config for this product, or None where XLA's GEMM measured as fast or faster. Rows
-    17..32 take an M = 32 row where the table has one, else the M = 64 row."""
+    17..32 take an M = 32 row where the table has one, else the M = 64 row. eight_bit: 1-byte weights' table."""
     if M > MAX_T:
         return None
-    table = tables.SKINNY_GEMM
+    table = tables.SKINNY_GEMM_8BIT if eight_bit else tables.SKINNY_GEMM
     if M <= 16:
         return table.get((N, K, epilogue, 16))
     if M <= 32 and (N, K, epilogue, 32) in table:
@@ -90,9 +95,10 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
-            tiles_per_split):
+            tiles_per_split, w_scaled=False, w_block=None):
     refs = list(refs)
     o_ref = refs.pop()
+    ws_ref = refs.pop(0) if w_scaled else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
@@ -131,11 +137,18 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
                 w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
             else:
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
-            out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
-                                                 preferred_element_type=f32))
+            if w_scaled:
+                w = w.astype(x.dtype)
+            y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+            if w_block is not None:   # the tile's block scales, one a row of W
+                bo, bi = w_block
+                y = y * plgpu.load(ws_ref.at[layer, (base + n_ld) // bo, k0 // bi])[None, :]
+            out.append(acc + y)
         return tuple(out)
 
     accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+    if w_scaled and w_block is None:   # the output channels' scales, once
+        accs = tuple(acc * plgpu.load(ws_ref.at[layer, base + n_ld])[None, :] for base, acc in zip(bases, accs))
     mask = row_ok[:, None] & n_ok[None, :]
     if partial:   # [S, M, N_full]
         s = pl.program_id(2)
@@ -170,19 +183,29 @@ def finish_partials(partial, b, residual, epilogue, dtype):
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "finish", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "finish", "w_block", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
                 vector_layer: jax.Array | int | None = None, finish: bool = True,
+                w_scale: jax.Array | None = None, w_block: tuple[int, int] | None = None,
                 interpret: bool = False) -> jax.Array:
     """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [Lb, N] read at
     `vector_layer` (default `layer`);
     epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
     returns [M, I]. config: None picks `choose_config`. finish=False (epilogue "none", no bias): a
     split-K config's float32 partial sums [S, M, N] as they are, for a fused finish elsewhere
-    (residual_norm.py); the rounded product where the config does not split."""
+    (residual_norm.py); the rounded product where the config does not split.
+    8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, N] per output channel, or
+    [L, ceil(N / bo), ceil(K / bi)] with w_block = (bo, bi) (block_k is then cut to divide bi)."""
     if w.ndim == 2:
         w = w[None]
+        w_scale = None if w_scale is None else w_scale[None]
+    if (w.dtype.itemsize == 1) != (w_scale is not None):
+        raise ValueError(f"skinny_gemm: 8-bit weights go with their w_scale, and only they ({w.dtype})")
+    if w_scale is not None:
+        want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
+        if w_scale.shape != want:
+            raise ValueError(f"skinny_gemm: w_scale {w_scale.shape} for w {w.shape} (block {w_block}) should be {want}")
     if b is not None and b.ndim == 1:
         b, vector_layer = b[None], 0
     M, K = x.shape
@@ -199,7 +222,12 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         raise ValueError("skinny_gemm: finish=False returns the bare partial sums (epilogue 'none', no bias)")
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"skinny_gemm: swiglu needs an even number of rows, got {N}")
-    cfg = fit_stages(config or choose_config(M, N, K, epilogue), M, x.dtype.itemsize, epilogue)
+    cfg = config or choose_config(M, N, K, epilogue)
+    if w_block is not None:
+        cfg = dataclasses.replace(cfg, block_k=max(16, min(cfg.block_k, w_block[1] & -w_block[1])))
+        if w_block[1] % cfg.block_k:
+            raise ValueError(f"skinny_gemm: scale blocks of {w_block[1]} columns need a multiple of 16")
+    cfg = fit_stages(cfg, M, x.dtype.itemsize, epilogue)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
             and cfg.split_k >= 1):
         raise ValueError(f"skinny_gemm: bad config {cfg}")
@@ -212,18 +240,19 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
     layers = layer_operands(layer, vector_layer)
+    quant = [] if w_scale is None else [w_scale]
     if partial:
-        args, out_shape = [*layers, x, w], jax.ShapeDtypeStruct((S, M, N), f32)
+        args, out_shape = [*layers, x, w, *quant], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
-        args = [*layers, x, w] + [a for a in (b, residual) if a is not None]
+        args = [*layers, x, w, *quant] + [a for a in (b, residual) if a is not None]
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
     kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
                                epilogue="none" if partial else epilogue, half=half,
-                               tiles_per_split=tiles_per_split)
+                               tiles_per_split=tiles_per_split, w_scaled=w_scale is not None, w_block=w_block)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(M, BM), pl.cdiv(N if partial else cols, cfg.block_n), S),
         interpret=interpret,
-        name=f"skinny_gemm_{epilogue}",
+        name=f"skinny_gemm_{epilogue}" + ("_8bit" if w_scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial and finish:

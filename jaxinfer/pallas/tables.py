@@ -120,6 +120,14 @@ GEMV_ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2,    # Qwen3-4B's QKV
                                          (6144, 4096): 2}    # Llama-3-8B's QKV
 GEMV_DEFAULT_ROWS = 1
 
+# The same for 1-byte weights (int8, float8_e4m3fn: fused_gemv's w_scale). Not yet measured: filled from
+# bench/kernels/quantized_gemv.py --sweep on the H200. The default of 512 columns gives each lane of the warp one
+# 16-byte load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the
+# scale block's columns.
+GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {}
+GEMV_DEFAULT_BLOCK_IN_8BIT = 512
+GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {}
+
 
 # --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
 
@@ -144,6 +152,11 @@ SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
     (2560, 9728, "residual", 16): SkinnyConfig(32, 64, 4, 4, 8),    # 16.21 vs 16.49
     (2560, 9728, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 17.94 vs 19.27
 }
+
+# The same for 1-byte weights (skinny_gemm's w_scale), kept where the kernel beat XLA's GEMM on the converted
+# values (reference.quantized_product). Not yet measured: bench/kernels/quantized_gemv.py --sweep on the H200 prints
+# its rows; until then batched decode steps with 8-bit weights take XLA's GEMM.
+SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 
 
 # --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------

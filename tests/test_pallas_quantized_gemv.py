@@ -1,0 +1,191 @@
+"""The 8-bit weight variants of the decode GEMV (fused_gemv) and the batched-decode GEMM (skinny_gemm), in interpret
+mode, against their twin (twins.linear_8bit: the reference ops on the float32 dequantized matrix), at shapes that
+are not multiples of the tiles nor of the scale blocks: int8 and float8_e4m3fn values, one scale per output channel
+and (bo, bi) block scales, each prologue and epilogue; then ops.pallas's dispatch of every linear op.
+
+Tolerances as tests/test_pallas_fused_gemv.py's: float32 1e-5 relative; bfloat16 2e-2 (the twin rounds the normed
+x to bf16 before the product, the GEMV does not; outputs are bf16).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from jaxinfer.ops import LayerWeight, get_ops, twins
+from jaxinfer.ops.quantized import QuantizedWeight
+from jaxinfer.pallas.fused_gemv import fused_gemv
+from jaxinfer.pallas.skinny_gemm import skinny_gemm
+from jaxinfer.pallas.tables import SkinnyConfig
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+TOL = {f32: 1e-5, bf16: 2e-2}
+KINDS = ["plain", "norm", "norm_bias", "residual", "swiglu"]
+
+
+def random_weight(key, L, n_out, n_in, fmt, block) -> QuantizedWeight:
+    """Random 8-bit values over their whole range and positive scales (per channel, or per block)."""
+    kv, ks = jax.random.split(key)
+    if fmt == "int8":
+        values = jax.random.randint(kv, (L, n_out, n_in), -127, 128).astype(jnp.int8)
+        top = 127.0
+    else:
+        values = jnp.clip(jax.random.normal(kv, (L, n_out, n_in)) * 150, -448, 448).astype(jnp.float8_e4m3fn)
+        top = 448.0
+    shape = (L, n_out) if block is None else (L, -(-n_out // block[0]), -(-n_in // block[1]))
+    scale = jax.random.uniform(ks, shape, f32, 0.5, 2.0) / (top * np.sqrt(n_in))
+    return QuantizedWeight(values, scale, block)
+
+
+def case(kind, n_out, n_in, dtype, fmt, block, T=1, seed=0):
+    """(x, the quantized stack, its layer, keyword arguments of the kernels and of the twin)."""
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    L, layer = 3, 1
+    x = jax.random.normal(keys[0], (T, n_in), f32).astype(dtype)
+    qw = random_weight(keys[1], L, n_out, n_in, fmt, block)
+    norm = (1 + 0.2 * jax.random.normal(keys[2], (L, n_in), f32)).astype(dtype)
+    b = jax.random.normal(keys[3], (L, n_out), f32).astype(dtype)
+    res = jax.random.normal(keys[4], (T, n_out), f32).astype(dtype)
+    kernel_kw = dict(plain={}, norm=dict(scale=norm, eps=1e-6), norm_bias=dict(scale=norm, eps=1e-5, b=b),
+                     residual=dict(b=b, residual=res, epilogue="residual"),
+                     swiglu=dict(scale=norm, eps=1e-6, epilogue="swiglu"))[kind]
+    twin_kw = {k: (v[layer] if k in ("scale", "b") else v) for k, v in kernel_kw.items()}
+    return x, qw, layer, kernel_kw, twin_kw
+
+
+GEMV_SHAPES = [(100, 72, 32), (96, 200, 64)]   # (out, in, block_in)
+
+
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "block"])
+@pytest.mark.parametrize("shape,fmt", [(0, "int8"), (1, "fp8")])
+@pytest.mark.parametrize("kind", KINDS)
+def test_gemv_8bit_matches_twin(kind, shape, fmt, block):
+    """The second shape runs 2 output rows a program."""
+    n_out, n_in, block_in = GEMV_SHAPES[shape]
+    x, qw, layer, kw, twin_kw = case(kind, n_out, n_in, bf16, fmt, block, seed=hash((kind, shape, fmt)) % 2**31)
+    rows = 2 if shape == 1 else 1
+    y = fused_gemv(x, qw.values, layer, w_scale=qw.scale, w_block=block, block_in=block_in, rows=rows,
+                   interpret=True, **kw)
+    ref = twins.linear_8bit(x, qw[layer], **twin_kw)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert rel_err(y, ref) <= TOL[bf16]
+
+
+@pytest.mark.parametrize("block", [None, (16, 32)], ids=["channel", "block"])
+def test_gemv_8bit_float32_is_exact_to_the_sum_order(block):
+    """float32 x: every product of an 8-bit value and x is exact in float32, so the GEMV and its twin differ only in
+    the order of float32 sums and where the scale multiplies."""
+    x, qw, layer, kw, twin_kw = case("norm_bias", 96, 130, f32, "int8", block, seed=5)
+    y = fused_gemv(x, qw.values, layer, w_scale=qw.scale, w_block=block, block_in=32, interpret=True, **kw)
+    assert rel_err(y, twins.linear_8bit(x, qw[layer], **twin_kw)) <= TOL[f32]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_gemv_8bit_lm_head_float32_logits(fmt):
+    x, qw, _, _, _ = case("plain", 200, 72, bf16, fmt, None, seed=9)
+    w = qw[0]
+    y = fused_gemv(x, w.values, w_scale=w.scale, block_in=64, out_dtype=f32, interpret=True)
+    ref = twins.linear_8bit(x, w, out_dtype=f32)
+    assert y.dtype == f32 and rel_err(y, ref) <= 1e-5
+
+
+SKINNY_CONFIGS = [SkinnyConfig(32, 64, 4, 2, 1), SkinnyConfig(64, 32, 4, 2, 2)]   # split-K in the second
+
+
+@pytest.mark.parametrize("block,config", [(None, 0), ((32, 64), 1)], ids=["channel", "block-split-k"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["plain", "bias", "residual", "swiglu"])
+def test_skinny_gemm_8bit_matches_twin(kind, fmt, block, config):
+    """Batched decode rows (5 of them) on tensor cores, the 8-bit tiles converted to bf16 in registers."""
+    base = dict(plain="plain", bias="norm_bias", residual="residual", swiglu="swiglu")[kind]
+    x, qw, layer, kw, twin_kw = case(base, 100, 200, bf16, fmt, block, T=5, seed=hash((kind, fmt, config)) % 2**31)
+    kw = {k: v for k, v in kw.items() if k not in ("scale", "eps")}        # the norm runs in XLA before this kernel
+    twin_kw = {k: v for k, v in twin_kw.items() if k not in ("scale", "eps")}
+    y = skinny_gemm(x, qw.values, layer, w_scale=qw.scale, w_block=block, config=SKINNY_CONFIGS[config],
+                    interpret=True, **kw)
+    ref = twins.linear_8bit(x, qw[layer], **twin_kw)
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    assert rel_err(y, ref) <= TOL[bf16]
+
+
+def test_8bit_weights_need_their_scales():
+    x = jnp.ones((1, 64), bf16)
+    v = jnp.ones((2, 32, 64), jnp.int8)
+    with pytest.raises(ValueError, match="w_scale"):
+        fused_gemv(x, v, 0, interpret=True)
+    with pytest.raises(ValueError, match="w_scale"):
+        fused_gemv(x, v, 0, w_scale=jnp.ones((2, 31)), interpret=True)
+    with pytest.raises(ValueError, match="block_in"):
+        fused_gemv(x, v, 0, w_scale=jnp.ones((2, 1, 2)), w_block=(32, 32), block_in=64, interpret=True)
+    with pytest.raises(ValueError, match="w_scale"):
+        skinny_gemm(jnp.ones((4, 64), bf16), v, 0, interpret=True)
+
+
+# --- ops.pallas: every linear op routes a quantized weight to these kernels (or to the reference op) ---------------
+
+OPS = get_ops("pallas-interpret")
+
+
+@pytest.mark.parametrize("T", [1, 5], ids=["gemv", "skinny"])
+@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "block"])
+@pytest.mark.parametrize("op", ["linear", "rms_norm_linear", "rms_norm_swiglu", "linear_residual",
+                                "linear_residual_norm_swiglu", "logits"])
+def test_ops_route_quantized_weights(op, block, T):
+    """Each op with a LayerWeight over a stacked QuantizedWeight (logits: a bare one), against the twin."""
+    x, qw, layer, kw, _ = case("norm_bias", 96, 256, bf16, "int8", block, T=T, seed=hash((op, T)) % 2**31)
+    lw = LayerWeight(qw, jnp.int32(layer))
+    norm = LayerWeight(kw["scale"], jnp.int32(layer))
+    b = LayerWeight(kw["b"], jnp.int32(layer))
+    s, bl = kw["scale"][layer], kw["b"][layer]
+    res = jax.random.normal(jax.random.PRNGKey(1), (T, 96), f32).astype(bf16)
+    tw = twins.linear_8bit
+    if op == "linear":
+        got, ref = [OPS.linear(x, lw, b)], [tw(x, qw[layer], bl)]
+    elif op == "rms_norm_linear":
+        got, ref = [OPS.rms_norm_linear(x, norm, 1e-6, lw)], [tw(x, qw[layer], scale=s)]
+    elif op == "rms_norm_swiglu":
+        got, ref = [OPS.rms_norm_swiglu(x, norm, 1e-6, lw)], [tw(x, qw[layer], scale=s, epilogue="swiglu")]
+    elif op == "linear_residual":
+        got = [OPS.linear_residual(x, lw, None, res)]
+        ref = [tw(x, qw[layer], residual=res, epilogue="residual")]
+    elif op == "linear_residual_norm_swiglu":
+        # o_proj [96, 256] into the residual, then the MLP's norm and a [2 x 48, 96] gate/up of its own
+        gu = random_weight(jax.random.PRNGKey(4), 3, 96, 96, "int8", block)
+        nscale = LayerWeight(jnp.ones((3, 96), bf16), jnp.int32(layer))
+        got = OPS.linear_residual_norm_swiglu(x, lw, None, res, nscale, 1e-6, LayerWeight(gu, jnp.int32(layer)))
+        r = tw(x, qw[layer], residual=res, epilogue="residual")
+        ref = [r, tw(r, gu[layer], scale=jnp.ones(96, bf16), epilogue="swiglu")]
+    else:
+        got, ref = [OPS.logits(x, qw[layer])], [tw(x, qw[layer], out_dtype=f32)]
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape and g.dtype == r.dtype
+        assert rel_err(g, r) <= TOL[bf16]
+
+
+def test_ops_send_prompt_rows_of_quantized_weights_to_the_reference_product():
+    """Rows past the batched-decode kernel's: the reference op's XLA product (values converted, scale after)."""
+    x, qw, layer, kw, _ = case("plain", 96, 256, bf16, "fp8", None, T=70, seed=2)
+    got = OPS.linear(x, LayerWeight(qw, jnp.int32(layer)))
+    assert rel_err(got, twins.linear_8bit(x, qw[layer])) <= TOL[bf16]
+
+
+def test_ops_with_quantized_weights_keep_the_kernel_count():
+    """A batch-1 projection with an 8-bit weight is one Pallas kernel, as with a bf16 one: nothing dequantized
+    beside it."""
+    x, qw, layer, kw, _ = case("norm", 96, 256, bf16, "int8", None, seed=3)
+    f = lambda x, qw, s: OPS.rms_norm_linear(x, LayerWeight(s, jnp.int32(1)), 1e-6, LayerWeight(qw, jnp.int32(1)))
+    kernels, eight_bit_reads = 0, 0
+
+    def walk(jaxpr):
+        nonlocal kernels, eight_bit_reads
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernels += 1
+            elif "jaxpr" in eqn.params:   # a nested jit
+                walk(eqn.params["jaxpr"].jaxpr)
+            else:
+                eight_bit_reads += any(getattr(v.aval, "dtype", None) == jnp.int8 for v in eqn.invars)
+
+    walk(jax.make_jaxpr(f)(x, qw, kw["scale"]).jaxpr)
+    assert kernels == 1 and eight_bit_reads == 0
