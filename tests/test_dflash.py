@@ -17,8 +17,8 @@ from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
 from jaxinfer.spec.dflash import (DraftContext, draft_logits, draft_logits_from_states, extend_context,
                                   target_embedding_and_head, target_layer_states)
-from jaxinfer.spec.dflash_config import (authors_target_layer_ids, check_drafter_fits, load_dflash_config,
-                                         load_dflash_params)
+from jaxinfer.spec.dflash_config import (authors_target_layer_ids, check_drafter_fits, dflash_config_from_hf,
+                                         load_dflash_config, load_dflash_params)
 
 DRAFTER = DATA / "models" / "dflash-tiny"
 TARGET = DATA / "models" / "qwen3"
@@ -125,3 +125,42 @@ def test_a_drafter_for_another_target_is_refused(setup):
         check_drafter_fits(dcfg, dataclasses.replace(tcfg, vocab_size=512))
     with pytest.raises(ModelLoadError, match="made for 3 target layers"):
         check_drafter_fits(dcfg, dataclasses.replace(tcfg, num_layers=2))
+
+
+def _trainer():
+    pytest.importorskip("optax")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_dflash", DATA.parents[1] / "tools" / "train_dflash.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trainer_saves_the_published_format(tmp_path, setup):
+    """tools/train_dflash.py's drafter reads back through the loader, tensor for tensor."""
+    _, tcfg, _, _, _ = setup
+    trainer = _trainer()
+    args = type("Args", (), dict(target_layers=[0, 2], layers=2, block_size=5, mask_token_id=7, heads=4, kv_heads=2,
+                                 head_dim=16, intermediate=48))()
+    hf = trainer.drafter_hf_config(tcfg, args)
+    dcfg = dflash_config_from_hf(hf)
+    params = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(1), a.shape), trainer.init_params(dcfg, 0))
+    trainer.save_drafter(hf, dcfg, params, tmp_path / "d")
+    back_cfg = load_dflash_config(tmp_path / "d")
+    assert back_cfg == dcfg and dcfg.target_layer_ids == (0, 2) and dcfg.num_drafts == 4
+    check_drafter_fits(back_cfg, tcfg)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 load_dflash_params(tmp_path / "d", back_cfg), params)
+
+
+def test_prompt_lookup_and_accepted_lengths():
+    trainer = _trainer()
+    seq = np.array([5, 6, 7, 8, 9, 5, 6, 7, 8, 4, 5, 6, 1, 2])
+    assert trainer.ngram_proposal(seq, 7, 3) == [8, 9, 5]          # "5 6 7" seen at 0..2: what followed
+    assert trainer.ngram_proposal(seq, 11, 3) == [7, 8, 4]         # "4 5 6" unseen, "5 6" last at 5..6
+    assert trainer.ngram_proposal(seq, 12, 3) == []                # token 1 never seen before
+    assert trainer.ngram_proposal(seq, 6, 9) == [7, 8, 9, 5, 6]    # only committed tokens are proposed
+    # drafts all right, then one wrong, then none
+    drafts = {2: [3, 4], 5: [6, 0], 7: [], 8: [9, 10]}
+    assert trainer.accepted_lengths(np.arange(11), 2, 2, lambda c: drafts[c]) == [3, 2, 1, 3]
