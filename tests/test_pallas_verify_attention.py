@@ -2,7 +2,7 @@
 reference.verify_attention; its Triton lowering at real shapes (an H200 described to the CPU).
 
 Fresh random q, K, V and page tables per case (pages in random order, never contiguous); Q 2-16 rows a sequence,
-groups of 1-8 query heads a KV head (tiles of 16-128 rows), head dims 48 (masked columns), 64 and 128; ragged
+groups of 1-8 query heads a KV head (7 too; tiles of 16-128 rows), head dims 48 (masked columns), 64 and 128; ragged
 contexts: shorter than a page, ending mid-page, exactly a page, shorter than Q (rows clamped to position 0), rows
 masked out of whole splits; padding sequences of context 0 on the scratch page. Tolerance (max abs error; outputs
 are O(0.1-1)): float32 2e-5; bfloat16 and float8 pages 2e-2 (the kernel rounds the unnormalised probabilities to
@@ -59,6 +59,7 @@ CASES = [
     (2, 16, 4, 2, 64, 16, [20, 33], 2, 16, jnp.float32, None),       # rows 0-11 of sequence 0 see no split-1 block
     (1, 16, 8, 1, 64, 16, [300], 16, 16, jnp.float32, None),         # group 8, Q 16: 128 rows; empty splits
     (2, 4, 16, 2, 48, 16, [50, 21], 1, 32, jnp.float32, None),       # group 8, hd 48 (masked columns), one split
+    (2, 5, 14, 2, 64, 16, [45, 70], 4, 16, jnp.float32, None),       # group 7 (Qwen2.5-7B's): 35 rows in 64
     (3, 4, 8, 2, 128, 16, [90, 1, 40], 4, 16, jnp.bfloat16, F8),     # float8 pages (f16 products)
     (2, 8, 8, 4, 64, 16, [64, 150], 1, 64, jnp.bfloat16, F8),        # float8 pages, one split
 ]
