@@ -257,3 +257,23 @@ def test_quantized_stories_generates_close_to_float():
         prefix = next((i for i, (a, b) in enumerate(zip(w, g)) if a != b), len(w))
         print(f"int8 greedy: first {prefix} of {len(w)} tokens equal the float model's")
         assert prefix >= 8, (w, g)
+
+
+def test_cli_bad_quantization_one_line_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    folder = tmp_path / "stories-awq"
+    shutil.copytree(STORIES, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(folder), "--max-tokens", "2",
+                        "Once"], capture_output=True, text=True, timeout=300)
+    lines = [line.split("\r")[-1] for line in r.stderr.splitlines()]
+    errors = [line for line in lines if line.startswith("jaxinfer: error:")]
+    assert r.returncode == 2 and len(errors) == 1 and "quant_method 'awq'" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(STORIES), "--quantization",
+                        "int4", "Once"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
