@@ -212,6 +212,10 @@ def _broken(tmp_path, kind):
         t = load_file(folder / "model.safetensors")
         del t["model.layers.1.mlp.down_proj.weight_scale_inv"]
         save_file(t, folder / "model.safetensors")
+    elif kind == "quantized embedding":
+        t = load_file(folder / "model.safetensors")
+        t["model.embed_tokens.weight_scale_inv"] = np.ones((9, 1), np.float32)
+        save_file(t, folder / "model.safetensors")
     elif kind == "4-bit compressed-tensors":
         ct = json.loads((DATA / "models" / "qwen3-w8a8-int8" / "config.json").read_text())["quantization_config"]
         ct["config_groups"]["group_0"]["weights"]["num_bits"] = 4
@@ -225,6 +229,7 @@ def _broken(tmp_path, kind):
     ("bad block size", "with block size [32, 32] needs scales of shape"),
     ("missing scales", "model.layers.1.mlp.down_proj.weight_scale_inv' are missing"),
     ("4-bit compressed-tensors", "4-bit int weights are not supported"),
+    ("quantized embedding", "not 'model.embed_tokens.weight'"),
 ])
 def test_bad_quantized_checkpoint_one_clear_error(tmp_path, kind, message):
     folder = _broken(tmp_path, kind)

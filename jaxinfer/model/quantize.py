@@ -177,6 +177,16 @@ def read_quantized(name: str, values: np.ndarray, find: Callable[[str], np.ndarr
     return QuantizedWeight(values, scale)
 
 
+def check_scaled(names: list[str], linear: list[str], ckpt: CheckpointQuantization) -> None:
+    """Every scale tensor of the checkpoint (among `names`) belongs to one of the `linear` matrices' tensors: an
+    embedding or norm stored quantized would otherwise be read without its scales."""
+    linear = set(linear)
+    for name in names:
+        if name.endswith("." + ckpt.scale_suffix) and name.removesuffix(ckpt.scale_suffix) + "weight" not in linear:
+            raise QuantizationError(f"{name!r}: only linear layers' matrices are read quantized, not "
+                                    f"{name.removesuffix(ckpt.scale_suffix) + 'weight'!r}")
+
+
 @functools.partial(jax.jit, static_argnames="fmt")
 def _quantize_joined(parts: tuple[jax.Array, ...], fmt: str) -> QuantizedWeight:
     return quantize(jnp.concatenate(parts), fmt)

@@ -221,6 +221,10 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         return next((reader.get(p + name) for p in prefixes if p + name in reader), None)
 
     rules = [r for r in RULES[cfg.family] if r.when(cfg)]
+    if quant.checkpoint:   # scales only beside the linear matrices' tensors (a quantized embedding: an error)
+        quantize.check_scaled(reader.keys(), [p + src.format(i=i) for r in rules if r.dest in quantize.LINEAR_DESTS
+                                              for src in r.sources for i in range(cfg.num_layers) for p in prefixes],
+                              quant.checkpoint)
     if quant.at_load and cfg.tie_embeddings:   # the head reads a quantized copy; the lookup keeps the embedding
         rules.append(dataclasses.replace(next(r for r in rules if r.dest == "embed"), dest="lm_head"))
     tree: dict = {}
