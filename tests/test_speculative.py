@@ -1,0 +1,197 @@
+"""Speculative decoding in the engine: n-gram and draft-model proposals verified by the target give the very
+tokens decoding without speculation gives (greedy), batched and alone, with the prefix cache, chunked prefill and
+preemption; seeded sampling reproduces; drafts' pages return; bad settings fail clearly."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import DATA, SHARED, STORIES, record_steps
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.errors import ModelLoadError
+from jaxinfer.spec.adaptive import choose_drafts, expected_tokens
+from jaxinfer.spec.ngram import ngram_proposal
+
+XS = SHARED / "models" / "llama2xs-260k"
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+# copy-heavy prompts (n-gram proposals find matches) and open ones
+PROMPTS = [
+    "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom had a red",
+    "Once upon a time, there was a little girl named Lily. She loved to play. One day, Lily",
+    "The cat sat",
+    "Lily and Tom went to the park. Lily and Tom went to the park. Lily and Tom went to",
+]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=64, progress=False, cache_dir="")
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def _tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _no_pages_held(llm):
+    pages = llm.engine.pages
+    assert pages.num_in_use == 0, "pages left held after every request finished"
+
+
+# ---- proposals and the draft count ----
+
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert ngram_proposal([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]          # 3-gram 1 2 3
+    assert ngram_proposal([1, 2, 3, 9, 2, 3, 8, 2, 3], 2) == [8, 2]          # the latest 2-gram 2 3
+    assert ngram_proposal([1, 2, 3, 4, 5, 9, 8, 3], 3) == []                 # only a 1-gram: below min_n
+    assert ngram_proposal([1, 2, 3, 4, 5, 9, 8, 3], 3, min_n=1) == [4, 5, 9]
+    assert ngram_proposal([5, 6, 5, 6], 4) == [5, 6]                         # only what follows exists
+    assert ngram_proposal([7], 4) == [] and ngram_proposal([1, 2, 1, 2], 0) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):                                                      # against a brute-force search
+        t = rng.integers(0, 4, rng.integers(2, 40)).tolist()
+        want = []
+        for n in range(4, 1, -1):
+            hits = [i for i in range(len(t) - n) if t[i:i + n] == t[len(t) - n:]]
+            if hits:
+                want = t[hits[-1] + n: hits[-1] + n + 5]
+                break
+        assert ngram_proposal(t, 5) == want, t
+
+
+def test_the_draft_count_follows_acceptance_and_batch_size():
+    assert choose_drafts([0.9], [0], 4) == 0                      # nothing proposed
+    assert choose_drafts([0.9], [4], 4) == 4                      # batch 1, good acceptance: all
+    assert choose_drafts([0.02], [4], 4) == 0                     # drafts that fail cost more than they give
+    assert choose_drafts([0.9] * 256, [4] * 256, 4) < 4           # a large batch is compute-bound: fewer
+    assert choose_drafts([0.02], [4], 4, adaptive=False) == 4
+    assert expected_tokens(0.5, 2) == 1.75
+
+
+# ---- greedy: the same tokens with speculation on ----
+
+@pytest.mark.parametrize("speculative", ["ngram", f"draft:{XS}"])
+def test_greedy_tokens_are_unchanged_batched_and_alone(speculative, reference):
+    llm = LLM(STORIES, speculative=speculative, num_speculative_tokens=4, max_num_seqs=4,
+              max_num_batched_tokens=64, progress=False, cache_dir="")
+    ran = record_steps(llm.engine.runner)
+    assert _tokens(llm, PROMPTS) == reference
+    for prompt, ref in zip(PROMPTS[:2], reference):
+        assert _tokens(llm, [prompt]) == [ref]
+    stats = llm.engine.speculator.stats
+    assert stats.drafted > 0 and 0 < stats.accepted <= stats.drafted
+    assert any(name.startswith("verify-greedy") for name in ran)
+    _no_pages_held(llm)
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted():
+    """The target as its own draft: every draft accepted, each verify emits k + 1 tokens (the bonus path)."""
+    model = DATA / "models" / "qwen3"
+    params = SamplingParams(max_tokens=25, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(model, progress=False, cache_dir="", skip_tokenizer_init=True), [[1, 2, 3, 4, 5]], params)
+    llm = LLM(model, speculative=f"draft:{model}", num_speculative_tokens=3, progress=False, cache_dir="",
+              skip_tokenizer_init=True)
+    assert _tokens(llm, [[1, 2, 3, 4, 5]], params) == want
+    stats = llm.engine.speculator.stats
+    assert stats.accepted == stats.drafted > 0
+    assert stats.mean_accepted_length == 4.0
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3", "gpt2", "mistral"])
+def test_greedy_tokens_are_unchanged_for_every_family(family):
+    model = DATA / "models" / family
+    prompt = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(model, progress=False, cache_dir="", skip_tokenizer_init=True), prompt, params)
+    for speculative in ("ngram", f"draft:{model}"):   # a random model rarely repeats; itself as a draft always drafts
+        llm = LLM(model, speculative=speculative, progress=False, cache_dir="", skip_tokenizer_init=True)
+        assert _tokens(llm, prompt, params) == want
+    assert llm.engine.speculator.stats.drafted > 0
+
+
+def test_drafts_ride_in_ragged_steps_beside_prompt_chunks_and_the_prefix_cache(reference):
+    """A small token budget: a newcomer's prompt runs in chunks while the others verify drafts in the same
+    step; the repeated prompt takes cached pages."""
+    llm = LLM(STORIES, speculative="ngram", max_num_seqs=4, max_num_batched_tokens=16, progress=False,
+              cache_dir="")
+    ran = record_steps(llm.engine.runner)
+    assert _tokens(llm, PROMPTS + PROMPTS[:1]) == reference + reference[:1]
+    assert "verify-greedy-5" in ran            # the ragged verify step (a dense one is "verify-greedy-verify-5")
+    assert llm.engine.prefix_cache_hit_rate > 0
+    _no_pages_held(llm)
+
+
+def test_preemption_gives_the_same_tokens(reference):
+    """A pool too small for every sequence at once: sequences are preempted and recomputed (the draft model's
+    own K/V as well) and still end with the same tokens."""
+    for speculative in ("ngram", f"draft:{XS}"):
+        llm = LLM(STORIES, speculative=speculative, max_num_seqs=4, max_num_batched_tokens=64, num_pages=20,
+                  max_model_len=96, page_size=8, enable_prefix_caching=False, progress=False, cache_dir="")
+        assert _tokens(llm, PROMPTS) == reference
+        assert llm.engine.scheduler.num_preemptions > 0
+        _no_pages_held(llm)
+
+
+def test_stop_tokens_inside_accepted_drafts_end_the_text_there(plain):
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    want = plain.generate(PROMPTS[0], params)[0].outputs[0]
+    llm = LLM(STORIES, speculative="ngram", progress=False, cache_dir="")
+    got = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+# ---- sampling ----
+
+def test_seeded_sampling_reproduces_with_speculation():
+    llm = LLM(STORIES, speculative="ngram", max_num_seqs=4, progress=False, cache_dir="")
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=s, ignore_eos=True) for s in (1, 1, 2)]
+    outs = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]] * 3, params)]
+    assert outs[0] == outs[1] != outs[2]
+    again = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]], params[:1])]
+    assert again[0] == outs[0]
+    assert llm.engine.speculator.stats.drafted > 0
+
+
+def test_logprobs_of_accepted_drafts_are_the_targets(plain):
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].outputs[0]
+    llm = LLM(STORIES, speculative="ngram", progress=False, cache_dir="")
+    got = llm.generate(PROMPTS[0], params)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+    assert [[i for i, _ in t] for t in got.top_logprobs] == [[i for i, _ in t] for t in want.top_logprobs]
+
+
+# ---- bad input ----
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative="ngram", num_speculative_tokens=16), "num_speculative_tokens"),
+    (dict(speculative="eagle"), "speculative must be"),
+    (dict(num_speculative_tokens=3), "needs speculative"),
+    (dict(speculative="draft:"), "draft model's folder"),
+])
+def test_bad_speculative_settings_fail_clearly(settings, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(STORIES, progress=False, cache_dir="", **settings)
+
+
+def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        LLM(STORIES, speculative=f"draft:{DATA / 'models' / 'qwen3'}", progress=False, cache_dir="")
+    other = tmp_path / "xs"
+    shutil.copytree(XS, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["en"], vocab["an"] = vocab["an"], vocab["en"]          # two ids swapped: same size, other text
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ModelLoadError, match="different tokenizer"):
+        LLM(STORIES, speculative=f"draft:{other}", progress=False, cache_dir="")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(STORIES, speculative=f"draft:{tmp_path / 'missing'}", progress=False, cache_dir="")
