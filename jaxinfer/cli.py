@@ -186,8 +186,11 @@ def cmd_generate(args) -> None:
     s = engine.stats
     prefill = s["prefill_tokens"] / max(s["prefill_seconds"], 1e-9)
     decode = s["decode_tokens"] / max(s["decode_seconds"], 1e-9)
+    spec = engine.speculator.stats if engine.speculator is not None else None
+    accepted = (f" ({engine.config.speculative.partition(':')[0]}: {spec.accepted}/{spec.drafted} drafts accepted, "
+                f"{spec.mean_accepted_length:.2f} tokens a verify)") if spec is not None else ""
     print(f"[prefill {s['prefill_tokens']} tokens at {prefill:.0f} tok/s; "
-          f"decode {s['decode_tokens']} tokens at {decode:.0f} tok/s; "
+          f"decode {s['decode_tokens']} tokens at {decode:.0f} tok/s{accepted}; "
           f"steps compiled or loaded on first use in {engine.runner.first_call_seconds:.1f} s]", file=sys.stderr)
 
 

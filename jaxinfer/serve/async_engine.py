@@ -232,6 +232,10 @@ class AsyncEngine:
             "engine_device_wait_seconds": e.runner.device_wait_seconds,
             "phases": {**e.phase_seconds, **self._phases},
         }
+        if e.speculator is not None:
+            spec = e.speculator.stats
+            self.snapshot.update(spec_drafted=spec.drafted, spec_accepted=spec.accepted,
+                                 spec_mean_accepted_length=spec.mean_accepted_length)
 
     def _run(self) -> None:
         try:

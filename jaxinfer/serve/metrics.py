@@ -84,6 +84,12 @@ class Metrics:
         gauge("jaxinfer_engine_device_wait_seconds_total",
               "Seconds of that the engine thread spent blocked on the device (the rest is host work).",
               "engine_device_wait_seconds")
+        # speculative decoding (0 without it); vLLM's spec_decode_num_draft_tokens / num_accepted_tokens
+        gauge("jaxinfer_spec_decode_num_draft_tokens_total", "Drafted tokens verified.", "spec_drafted")
+        gauge("jaxinfer_spec_decode_num_accepted_tokens_total", "Drafted tokens accepted.", "spec_accepted")
+        gauge("jaxinfer_spec_decode_mean_accepted_length",
+              "Tokens a sequence gains per verify step that carried its drafts (accepted drafts + the target's).",
+              "spec_mean_accepted_length")
         phases = Gauge("jaxinfer_engine_phase_seconds_total",
                        "Seconds the engine thread spent in each phase of its loop (engine.STEP_PHASES, "
                        "async_engine.THREAD_PHASES): the host's work between device steps, and the waits.",
