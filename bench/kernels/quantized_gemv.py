@@ -11,8 +11,8 @@ own matrix (the engine's split layers: one array a layer, L x the bytes, so ever
 at its table's config, then each 8-bit format at its table's config (--sweep: every block_in x rows). Each output is
 checked against twins.linear_8bit (bf16 rounding: 2e-2 relative). Prints us per call, the bytes a call reads (values
 and scales), the share of the HBM read ceiling measured in the run (ceiling time = bytes / bandwidth), and the
-speed-up over bf16; then the best 8-bit config per shape and format (rows for tables.GEMV_BLOCK_IN_8BIT and
-GEMV_ROWS_8BIT) and the layer's sum.
+speed-up over bf16; then the best 8-bit config per shape and format (rows for tables.GEMV_BLOCK_IN_8BIT,
+GEMV_ROWS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT) and the layer's sum.
 
 --batched M...: the same projections at M rows (a batched decode step): XLA's product (reference.linear on the
 QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized) against the
@@ -40,6 +40,7 @@ from bench.table import print_table
 from jaxinfer.ops import reference, twins
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import skinny_gemm as SG
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
 
 f32, bf16 = jnp.float32, jnp.bfloat16
@@ -76,7 +77,7 @@ def nbytes(w) -> int:
     return w.values.nbytes + w.scale.nbytes if isinstance(w, QuantizedWeight) else w.nbytes
 
 
-def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int):
+def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str | None = None):
     """f(x, ws, scale, res) running the engine's GEMV over every layer's matrix in ws (8-bit or bf16)."""
     def f(x, ws, scale, res):
         outs = []
@@ -86,6 +87,8 @@ def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int):
             kw = dict(out_dtype=f32) if epilogue == "logits" else dict(epilogue=epilogue)
             if epilogue == "residual":
                 kw["residual"] = res
+            if convert is not None:
+                kw["int8_convert"] = convert
             outs.append(fused_gemv(x, values[None], 0, scale=scale if norm else None, block_in=block_in, rows=rows,
                                    interpret=INTERPRET, **quant, **kw))
         return outs
@@ -99,14 +102,16 @@ def twin(x, w, epilogue, norm, scale, res):
     return twins.linear_8bit(x, w, scale=scale if norm else None, **kw)
 
 
-def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int]]:
-    """(block_in, rows) to time: the table's, or with --sweep every block_in x rows the format allows."""
-    block = FORMATS[fmt][1]
-    table = (block_in_for(n, k, FORMATS[fmt][0], block), rows_for(n, k, FORMATS[fmt][0]))
+def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None]]:
+    """(block_in, rows, int8 conversion) to time: the table's, or with --sweep every block_in x rows the format allows
+    (int8: with each conversion)."""
+    dtype, block = FORMATS[fmt]
+    converts = ["bits", "cvt"] if dtype == jnp.int8 else [None]
+    table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None)
     if not sweep:
         return [table]
     block_ins = [b for b in (128, 256, 512, 1024) if block is None or block[1] % b == 0]
-    cfgs = [(b, r) for b in block_ins for r in (1, 2, 4) if n % r == 0]
+    cfgs = [(b, r, c) for b in block_ins for r in (1, 2, 4) if n % r == 0 for c in converts]
     return [table] + [c for c in cfgs if c != table]
 
 
@@ -127,10 +132,10 @@ def time_gemv(shape: str, cfg: dict, formats: list[str], sweep: bool, L: int, ce
         for fmt in formats:
             ws = [random_8bit(kk, n, k, fmt) for kk in jax.random.split(keys[0], layers)]
             ref = twin(x, ws[0], epilogue, norm, scale, res)
-            for block_in, rows in gemv_configs(rows_n, k, fmt, sweep):
-                label = f"block_in {block_in}, rows {rows}"
+            for block_in, rows, convert in gemv_configs(rows_n, k, fmt, sweep):
+                label = f"block_in {block_in}, rows {rows}" + (f", {convert}" if convert else "")
                 try:
-                    f = gemv_call(epilogue, norm, block_in, rows)
+                    f = gemv_call(epilogue, norm, block_in, rows, convert)
                     outs, ms = best_ms_per_call(f, (x, ws, scale, res), layers, 3, target_s=0.25)
                     err = rel_err(outs[0], ref)
                     record(out, shape, name, n, k, fmt, label, 1e3 * ms, nbytes(ws[0]), ceiling, base_us,

@@ -40,15 +40,21 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
 
 
-def _to_f32(w):
-    """Weights to float32: e4m3 through float16 (one instruction on Hopper, exact)."""
+def _to_f32(w, int8_convert: str = "cvt"):
+    """Weights to float32, exactly. e4m3 through float16 (on Hopper two values an instruction). int8 "cvt": the
+    conversion instruction (I2F runs at a quarter of the FMA rate: near 4.5 TB/s of int8 that is the GEMV's limit);
+    "bits": the byte placed in the mantissa of 2^23 + 128, which is then subtracted: v ^ 0x80 = v + 128 as an unsigned
+    byte, so float(bits(2^23) | (u ^ 0x80)) - (2^23 + 128) = v, in integer logic and one float add."""
     if w.dtype == jnp.float8_e4m3fn:
         w = w.astype(jnp.float16)
+    elif w.dtype == jnp.int8 and int8_convert == "bits":
+        u = jax.lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.int32)
+        return jax.lax.bitcast_convert_type(u ^ 0x4B000080, f32) - 8388736.0
     return w.astype(f32)
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows, w_scaled, w_block):
+            rows, w_scaled, w_block, int8_convert):
     refs = list(refs)
     o_ref = refs.pop()
     ws_ref = refs.pop(0) if w_scaled else None
@@ -70,7 +76,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
                 return plgpu.load(ref_win, mask=cmask, other=0)
             return plgpu.load(ref_win)
 
-        ws = [_to_f32(load(w_ref.at[layer, r, idx])) for r in w_rows]
+        ws = [_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
         if w_block is not None:   # this tile's block scale, one a row
             bo, bi = w_block
             ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
@@ -103,12 +109,13 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "w_block",
-                                             "interpret"))
+                                             "int8_convert", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
                vector_layer: jax.Array | int | None = None, w_scale: jax.Array | None = None,
-               w_block: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
+               w_block: tuple[int, int] | None = None, int8_convert: str | None = None,
+               interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
@@ -117,12 +124,15 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
     float32 keeps the float32 sums unrounded (the lm_head's logits).
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
-    [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in must divide bi)."""
+    [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in must divide bi). int8_convert: how
+    int8 values become float32 ("cvt" or "bits", _to_f32; None: tables.GEMV_INT8_CONVERT)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
     if (w.dtype.itemsize == 1) != (w_scale is not None):
         raise ValueError(f"fused_gemv: 8-bit weights go with their w_scale, and only they ({w.dtype})")
+    if int8_convert not in (None, "cvt", "bits"):
+        raise ValueError(f"fused_gemv: int8_convert is 'cvt' or 'bits', not {int8_convert!r}")
     if w_scale is not None:
         want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
         if w_scale.shape != want:
@@ -151,7 +161,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     args = [*layer_operands(layer, vector_layer), x, w] + [a for a in (w_scale, scale, b, residual) if a is not None]
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
-                               w_scaled=w_scale is not None, w_block=w_block)
+                               w_scaled=w_scale is not None, w_block=w_block,
+                               int8_convert=int8_convert or tables.GEMV_INT8_CONVERT)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
