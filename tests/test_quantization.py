@@ -282,3 +282,14 @@ def test_cli_bad_quantization_one_line_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(STORIES), "--quantization",
                         "int4", "Once"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize("name", sorted(PREQUANTIZED))
+def test_prequantized_checkpoint_matches_transformers(name):
+    """Logits against Hugging Face transformers reading the same checkpoint (tools/make_quantized_goldens.py: the FP8
+    block format dequantized on the CPU, compressed-tensors decompressed; activations unquantized, as here)."""
+    golden = np.load(DATA / "golden" / "quantized.npz")
+    folder = DATA / "models" / name
+    cfg = load_config(folder, "auto")
+    got = np.asarray(prompt_logits(cfg, reference, load_params(folder, cfg, progress=False), golden["ids"]))
+    np.testing.assert_allclose(got, golden[name], atol=1e-4, rtol=0)
