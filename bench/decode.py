@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf hf-compile]
                                          [--prompt 1024] [--new 128] [--long qwen3-4b:8192] [--out DIR]
+                                         [--quantization int8 fp8]
 
 Random bf16 weights at real shapes are written as safetensors (bench.random_model) and loaded
 through our own loader (and by transformers for the peer: `hf` is eager with a dynamic cache,
@@ -9,6 +10,12 @@ through our own loader (and by transformers for the peer: `hf` is eager with a d
 random prompt of `--prompt` tokens. The roofline is the bytes a step must read (every weight but
 the input embedding table, plus the KV rows at the step's context) over the HBM read bandwidth
 measured in this run by a large reduction. Prints one table; writes decode.json and decode.png.
+
+--quantization int8 (fp8): each of our paths runs again with its weights quantized at load (a path "pallas+int8";
+"pallas+int8-fp8" with a float8 KV cache too). A quantized row's roofline counts the bytes its loaded parameters
+hold (8-bit values and their scales; the input embedding, kept in bf16, one row), its speed-up is over the same path
+in bf16 in this run, and its greedy tokens are compared with the quantized reference path's, where that ran.
+--profile PATHS traces those paths: kernels a step, and a layer (the step's count over the layers).
 """
 
 from __future__ import annotations
@@ -37,8 +44,24 @@ def step_bytes(cfg, context: float, kv_item: int = 2) -> float:
     """Bytes one batch-1 decode step must read: bf16 weights (the input embedding is one row) + KV at
     `context` (kv_item bytes a value: 1 with a float8 cache)."""
     weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
-    kv = 2 * cfg.num_layers * context * cfg.kv_size
-    return 2 * weights + kv_item * kv
+    return 2 * weights + kv_step_bytes(cfg, context, kv_item)
+
+
+def kv_step_bytes(cfg, context: float, kv_item: int = 2) -> float:
+    """Bytes of the KV rows one batch-1 decode step reads at `context`."""
+    return kv_item * 2 * cfg.num_layers * context * cfg.kv_size
+
+
+def quantization_of(path: str) -> str | None:
+    """A path's weight quantization: "pallas+int8" -> "int8" (a final "-fp8" names the KV cache's dtype)."""
+    return path.removesuffix("-fp8").partition("+")[2] or None
+
+
+def param_step_bytes(params) -> int:
+    """Bytes of the loaded parameters a decode step reads: all of them, less the input embedding where the lm_head is
+    a matrix of its own (the embedding is read one row a token)."""
+    total = sum(a.nbytes for a in jax.tree.leaves(params))
+    return total - (params["embed"].nbytes if "lm_head" in params else 0)
 
 
 def kv_of(path: str) -> str:
@@ -51,7 +74,8 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     """path: an ops backend ("pallas", "reference"); "-unroll" / "-scan" force the layer loop's form
     (default: the engine's, unrolled on GPUs); a final "-fp8" keeps the KV cache in float8."""
     kv_cache_dtype = kv_of(path)
-    path = path.removesuffix("-fp8")
+    quantization = quantization_of(path)
+    path = path.removesuffix("-fp8").partition("+")[0]
     ops = path.removesuffix("-unroll").removesuffix("-scan")
     unroll = True if path.endswith("-unroll") else False if path.endswith("-scan") else None
     chunk = min(len(prompt), 2048)
@@ -60,7 +84,9 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
                     compile_all_at_start=True, max_model_len=len(prompt) + new + 16,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
                     skip_tokenizer_init=True, max_logprobs=0, kv_cache_dtype=kv_cache_dtype,  # max_logprobs 0: no top-k
-                    num_pages=-(-(len(prompt) + new + 16) // 16) + 1)  # one sequence's pages, as measured
+                    num_pages=-(-(len(prompt) + new + 16) // 16) + 1,  # one sequence's pages, as measured
+                    **(dict(quantization=quantization) if quantization else {}))
+    weight_bytes = param_step_bytes(engine.runner.params)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
     out = None
     for _ in range(2):  # the first request warms up whatever compilation did not
@@ -81,9 +107,10 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
     # figure also counts dispatches that ran past the request's end.
     res = dict(profile=prof, step_ms=1e3 * (done - first) / (len(out.outputs[0].token_ids) - 1), ttft_ms=1e3 * first,
                engine_step_ms=1e3 * s["decode_seconds"] / s["decode_tokens"],
-               tokens=out.outputs[0].token_ids, compile_s=engine.compile_seconds)
+               tokens=out.outputs[0].token_ids, compile_s=engine.compile_seconds, weight_bytes=weight_bytes)
     if prof and "kernels_per_step" in prof:   # counted in the trace (the compiled HLO's count misleads)
         res.update(kernels_per_step=round(prof["kernels_per_step"], 1),
+                   kernels_per_layer=round(prof["kernels_per_step"] / engine.cfg.num_layers, 1),
                    kernel_us_per_step=round(prof["kernel_us_per_step"], 1))
     del engine
     gc.collect()
@@ -119,15 +146,16 @@ def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
-          "kernels per step (traced) | greedy tokens equal to reference |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "kernels per step (traced) | kernels a layer | x bf16 path | greedy tokens equal to reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | |")
+            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | | | |")
             continue
         print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
               f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
-              f"{r.get('kernels_per_step', '-')} | {r.get('greedy_match_vs_reference', '-')} |")
+              f"{r.get('kernels_per_step', '-')} | {r.get('kernels_per_layer', '-')} | {r.get('speedup_vs_bf16', '-')} | "
+              f"{r.get('greedy_match_vs_reference', '-')} |")
 
 
 def write_json(rows: list[dict], bw: float, out: Path) -> None:
@@ -171,10 +199,14 @@ def main() -> None:
     ap.add_argument("--hf-for", nargs="*", default=None, help="shapes to run the transformers peer on (default all)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps per dispatch")
     ap.add_argument("--profile", nargs="*", default=[], help="paths to trace (kernel time against step time)")
+    ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
+                    help="run each of our paths again with its weights quantized at load (path+int8)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
+    args.paths += [p.removesuffix("-fp8") + f"+{q}" + ("-fp8" if kv_of(p) == "fp8" else "")
+                   for q in args.quantization for p in args.paths if not p.startswith("hf")]
 
     bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)  # small on a CPU smoke run
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -206,13 +238,19 @@ def main() -> None:
             r = results[path]
             if kv_of(path) == "fp8":   # its own roofline: the KV bytes are half
                 r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=1) / bw)
+            if quantization_of(path) and "weight_bytes" in r:   # the bytes its parameters hold
+                r.update(roofline_ms=1e3 * (r["weight_bytes"] + kv_step_bytes(
+                    cfg, ctx + args.new / 2, kv_item=1 if kv_of(path) == "fp8" else 2)) / bw)
             if "step_ms" in r:
                 r.update(tok_s=1e3 / r["step_ms"], roofline_share=r.get("roofline_ms", roof_ms) / r["step_ms"])
+                base = results.get(path.replace("+" + str(quantization_of(path)), ""), {})
+                if quantization_of(path) and "step_ms" in base:
+                    r.update(speedup_vs_bf16=round(base["step_ms"] / r["step_ms"], 3))
             print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k not in ('tokens', 'profile')})}",
                   flush=True)
-        ref_tokens = next((r["tokens"] for p, r in results.items() if p.startswith("reference") and "tokens" in r),
-                          None)
         for path, r in results.items():
+            ref_tokens = next((o["tokens"] for p, o in results.items() if p.startswith("reference") and "tokens" in o
+                               and quantization_of(p) == quantization_of(path)), None)
             if ref_tokens and "tokens" in r:
                 r["greedy_match_vs_reference"] = int(np.argmin(np.array(r["tokens"]) == np.array(ref_tokens))) \
                     if r["tokens"] != ref_tokens else len(ref_tokens)
