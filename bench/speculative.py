@@ -1,0 +1,247 @@
+"""Speculative decoding on the GPU: what a verify step costs, the speed the engine reaches when every draft is
+accepted, and batched throughput with adaptive speculation on and off.
+
+    PYTHONPATH=. python3 bench/speculative.py [--shape qwen3-4b] [--prompt 1024] [--new 128] [--out DIR]
+
+Random bf16 weights at a real shape (bench.random_model), loaded through our loader; one engine at a time.
+1. Cost of one verify step (Q = k + 1 rows of one sequence, the "verify" attention layout) against one decode
+   step (a 16-step decode dispatch's time per step), at contexts 1k and 8k, Q = 4, 8, 16: each a jitted step
+   on the engine's own weights and cache, timed over repeated calls.
+2. The bound: random weights accept nothing real, so an oracle proposer replays the target's own greedy tokens
+   (recorded in a first run without speculation) at no drafting cost; every draft is accepted. Batch 1, decode
+   tok/s as a user sees it (first token to last), k = 7 and 15, against plain decode in the same run.
+3. A DFlash drafter's own cost at the shape of the published Qwen3-4B drafter (random weights; --dflash-config
+   for another), and the tok/s it projects at the published accepted lengths, next to the measured bound.
+4. Batched: 64 concurrent requests of random prompts, output tok/s with adaptive n-gram speculation on and off.
+Prints one table; writes speculative.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.ceilings import hbm_read_ceiling
+from bench.random_model import bench_model
+from jaxinfer.engine.engine import Engine
+from jaxinfer.model.kv_cache import slots_for
+from jaxinfer.runner.batch import StepBatch, VerifyBatch
+from jaxinfer.runner.steps import verify_step
+from jaxinfer.runner.transfer import to_device_packed
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.sample import SamplingArrays
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+class OracleProposer:
+    """Drafts the tokens a first run without speculation produced: every draft is accepted."""
+
+    name = "oracle"
+
+    def __init__(self, outputs: list[int]):
+        self.outputs = outputs
+
+    def propose(self, seqs, k: int) -> list[list[int]]:
+        return [self.outputs[len(s.output_ids): len(s.output_ids) + k] for s in seqs]
+
+
+def _engine(model_dir: Path, context: int, new: int, batch: int = 1, **kw) -> Engine:
+    chunk = min(context, 2048)
+    return Engine(model_dir, dtype="bfloat16", max_num_seqs=batch, compile_all_at_start=True,
+                  max_model_len=context + new + 32, max_num_batched_tokens=chunk, token_buckets=[chunk],
+                  progress=False, skip_tokenizer_init=True, max_logprobs=0,
+                  cache_dir="/tmp/jaxinfer-bench-cache", **kw)
+
+
+def _timed_request(engine: Engine, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """(tokens, ms a token from the first to the last), the second of two runs."""
+    params = SamplingParams(max_tokens=new, **GREEDY)
+    for _ in range(2):
+        rid = engine.add_request(prompt, params)
+        t0, first, done = time.perf_counter(), None, None
+        while engine.has_unfinished():
+            for d in engine.step():
+                if d.request_id == rid and d.token_ids and first is None:
+                    first = time.perf_counter()
+                if d.request_id == rid and d.finished:
+                    done = time.perf_counter()
+        out = engine.take_finished(rid).outputs[0].token_ids
+    return out, 1e3 * (done - first) / (len(out) - 1)
+
+
+def _time(fn, calls: int = 20) -> float:
+    """ms a call (after two warm-up calls)."""
+    for _ in range(2):
+        jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        out = fn()
+    jax.block_until_ready(out)
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
+def verify_cost(model_dir: Path, contexts: list[int], widths: list[int]) -> list[dict]:
+    """Section 1: a verify step of Q rows against a decode step, per context."""
+    rows = []
+    for ctx in contexts:
+        engine = _engine(model_dir, ctx, 64, decode_steps=16)
+        r = engine.runner
+        prompt = np.random.default_rng(0).integers(100, engine.cfg.vocab_size - 100, ctx).tolist()
+        _, decode_ms = _timed_request(engine, prompt, 64)
+        pages = engine.pages.allocate(-(-(ctx + 16) // r.page_size))
+        for width in widths:
+            step = jax.jit(functools.partial(verify_step, engine.cfg, r.ops, 0, greedy=True, attention="verify"),
+                           donate_argnums=(1, 2))
+            a = r.empty_verify(width, 1, width)
+            s = a["step"]
+            start = ctx - 1
+            s["tokens"][:] = 1000
+            s["positions"][:] = np.arange(start, start + width)
+            s["slot_mapping"][:] = slots_for(pages, start, start + width, r.page_size)
+            s["page_table"][0, :len(pages)] = pages
+            s["emits"][0], s["state_row"][0] = True, 0
+            a["score_rows"][0] = np.arange(width)
+            a["num_drafts"][0] = width - 1
+            batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=SamplingArrays.from_params([], [], 1)),
+                                                 **{k: a[k] for k in ("score_rows", "drafts", "num_drafts")}))
+
+            def call():
+                r.kv, r.state, *out = step(r.params, r.kv, r.state, batch)
+                return out
+            ms = _time(call)
+            rows.append(dict(context=ctx, Q=width, verify_ms=ms, decode_ms=decode_ms, ratio=ms / decode_ms))
+            print(f"# verify ctx {ctx} Q {width}: {ms:.3f} ms, decode step {decode_ms:.3f} ms, x{ms / decode_ms:.2f}",
+                  flush=True)
+        del engine, r
+        gc.collect()
+    return rows
+
+
+def oracle_bound(model_dir: Path, context: int, new: int, ks: list[int]) -> list[dict]:
+    """Section 2: plain decode, then the oracle proposer at each k."""
+    engine = _engine(model_dir, context, new, decode_steps=16)
+    prompt = np.random.default_rng(1).integers(100, engine.cfg.vocab_size - 100, context).tolist()
+    tokens, plain_ms = _timed_request(engine, prompt, new)
+    del engine
+    gc.collect()
+    rows = [dict(case="decode", k=0, step_ms=plain_ms, tok_s=1e3 / plain_ms, speedup=1.0, equal=True)]
+    print(f"# plain decode: {1e3 / plain_ms:.0f} tok/s", flush=True)
+    for k in ks:
+        engine = _engine(model_dir, context, new, decode_steps=16, speculative="ngram", num_speculative_tokens=k)
+        engine.speculator.proposer = OracleProposer(tokens)
+        engine.speculator.adaptive = False
+        out, ms = _timed_request(engine, prompt, new)
+        st = engine.speculator.stats
+        rows.append(dict(case=f"oracle k={k}", k=k, step_ms=ms, tok_s=1e3 / ms, speedup=plain_ms / ms,
+                         equal=out == tokens, mean_accepted_length=st.mean_accepted_length))
+        print(f"# oracle k={k}: {1e3 / ms:.0f} tok/s, x{plain_ms / ms:.2f}, accepted length "
+              f"{st.mean_accepted_length:.2f}, tokens equal: {out == tokens}", flush=True)
+        del engine
+        gc.collect()
+    return rows
+
+
+def dflash_cost(model_dir: Path, context: int, config_path: str | None, verify_ms: float | None) -> list[dict]:
+    """Section 3: the drafter's forward at the published Qwen3-4B drafter's shape, random weights."""
+    from jaxinfer.spec import dflash
+
+    if not hasattr(dflash, "bench_drafter_ms"):
+        return [dict(case="dflash", error="spec.dflash has no bench_drafter_ms")]
+    ms = dflash.bench_drafter_ms(model_dir, context, config_path)
+    rows = []
+    for label, accepted in (("math (published ~6.3)", 6.3), ("chat (published ~3.4)", 3.4)):
+        step = (verify_ms or 0) + ms
+        rows.append(dict(case=f"dflash projected, {label}", drafter_ms=ms, step_ms=step,
+                         tok_s=1e3 * accepted / step if step else None))
+    return rows
+
+
+def batched(model_dir: Path, n: int, prompt_len: int, new: int) -> list[dict]:
+    """Section 4: n concurrent requests, adaptive n-gram speculation off and on."""
+    rows = []
+    rng = np.random.default_rng(2)
+    for spec in (None, "ngram"):
+        engine = _engine(model_dir, prompt_len, new, batch=n, speculative=spec)
+        vocab = engine.cfg.vocab_size
+        prompts = [rng.integers(100, vocab - 100, prompt_len).tolist() for _ in range(n)]
+        params = SamplingParams(max_tokens=new, **GREEDY)
+        for rep in range(2):
+            t0 = time.perf_counter()
+            for p in prompts:
+                engine.add_request(p, params)
+            tokens = 0
+            while engine.has_unfinished():
+                tokens += sum(len(d.token_ids) for d in engine.step())
+            wall = time.perf_counter() - t0
+        st = engine.speculator.stats if engine.speculator else None
+        rows.append(dict(case=f"batch {n}, speculation {spec or 'off'}", tok_s=tokens / wall, wall_s=wall,
+                         verify_steps=st.verify_steps if st else 0, drafted=st.drafted if st else 0))
+        print(f"# batch {n} {spec}: {tokens / wall:.0f} output tok/s", flush=True)
+        del engine
+        gc.collect()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-4b")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
+    ap.add_argument("--widths", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[7, 15])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch-prompt", type=int, default=256)
+    ap.add_argument("--sections", nargs="+", default=["verify", "oracle", "dflash", "batched"])
+    ap.add_argument("--dflash-config", default=None)
+    ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    model_dir = bench_model(args.models, args.shape)
+    out: dict = dict(device=jax.devices()[0].device_kind, shape=args.shape, bandwidth=bw)
+    if "verify" in args.sections:
+        out["verify"] = verify_cost(model_dir, args.contexts, args.widths)
+    if "oracle" in args.sections:
+        out["oracle"] = oracle_bound(model_dir, args.prompt, args.new, args.ks)
+    if "dflash" in args.sections:
+        v16 = next((r["verify_ms"] for r in out.get("verify", []) if r["Q"] == 16 and r["context"] == args.prompt), None)
+        try:
+            out["dflash"] = dflash_cost(model_dir, args.prompt, args.dflash_config, v16)
+        except Exception as e:
+            out["dflash"] = [dict(case="dflash", error=f"{type(e).__name__}: {e}")]
+    if "batched" in args.sections:
+        out["batched"] = batched(model_dir, args.batch, args.batch_prompt, args.new)
+    Path(args.out, "speculative.json").write_text(json.dumps(out, indent=1, default=str))
+
+    print(f"\n{args.shape}, bf16, batch 1 after a {args.prompt}-token prompt unless said; {out['device']}")
+    if "verify" in out:
+        print("\n| context | Q (k + 1) | verify step ms | decode step ms | verify / decode |\n|---|---|---|---|---|")
+        for r in out["verify"]:
+            print(f"| {r['context']} | {r['Q']} | {r['verify_ms']:.3f} | {r['decode_ms']:.3f} | {r['ratio']:.2f} |")
+    rest = out.get("oracle", []) + out.get("dflash", []) + out.get("batched", [])
+    if rest:
+        print("\n| case | tok/s | ms a token or step | vs decode | accepted length | tokens equal |\n|---|---|---|---|---|---|")
+        for r in rest:
+            if "error" in r:
+                print(f"| {r['case']} | failed: {r['error'][:100]} | | | | |")
+                continue
+            tok_s = f"{r['tok_s']:.0f}" if r.get("tok_s") else "-"
+            ms = f"{r['step_ms']:.3f}" if r.get("step_ms") else f"{r.get('wall_s', 0):.1f} s wall"
+            print(f"| {r['case']} | {tok_s} | {ms} | {r.get('speedup', 0):.2f}x | "
+                  f"{r.get('mean_accepted_length', '-')} | {r.get('equal', '-')} |")
+
+
+if __name__ == "__main__":
+    main()
