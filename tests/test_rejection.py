@@ -1,6 +1,7 @@
 """Tests for jaxinfer.sampling.rejection: the target distributions, verify's agreement with sequential
 `sample` (greedy and seeded), and a chi-square test that speculative sampling is lossless."""
 
+import functools
 import itertools
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from scipy.stats import chi2   # scipy comes with jax (a dependency of it)
 
 from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling.choose import sampler_for
 from jaxinfer.sampling.rejection import target_probs, verify
 from jaxinfer.sampling.sample import SamplingArrays, sample
 
@@ -235,6 +237,49 @@ def test_no_drafts_gives_sample_token_and_logprob(jsample, jverify, Q, with_draf
     assert np.all(np.asarray(tokens)[:, 1:] == 0) and np.all(np.asarray(logprobs)[:, 1:] == 0)
     sampled = np.array([p.temperature > 0 for p in params])
     assert np.any((np.asarray(tokens)[:, 0] != np.argmax(logits[:, 0], axis=-1))[sampled])   # not all argmax
+
+
+@functools.cache
+def verify_by(method):
+    return jax.jit(functools.partial(verify, method=method))
+
+
+@functools.cache
+def target_by(method):
+    return jax.jit(functools.partial(target_probs, method=method))
+
+
+@pytest.mark.parametrize("method", ["plain", "filter", "filter-p"])
+def test_methods_without_the_sort_give_the_same_tokens(method):
+    """verify's and target_probs' methods without the sort give what the sort gives, for the rows
+    sampler_for gives them (V = 20,000: top_k_by_blocks cuts the rows into blocks); ties among the logits
+    across the top-k and nucleus boundaries."""
+    rng = np.random.default_rng(5)
+    B, Q, V = 8, 3, 20_000
+    logits = rng.normal(size=(B, Q, V)).astype(np.float32) * 2
+    logits[::3, :, 10:40] = logits[::3, :, 10:11]
+    logits[1::4] = np.round(logits[1::4])
+
+    def filters(i):
+        if method == "plain" or i % 4 == 0:
+            return {}
+        if i % 4 == 3 and method == "filter-p":
+            return {"top_p": [0.9, 0.5][i // 4 % 2]}
+        return {"top_k": [1, 7, 20, 64][i % 4], "top_p": [1.0, 0.9, 0.5][i % 3]}
+
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3], min_p=[0.0, 0.05][i // 2 % 2],
+                             repetition_penalty=1.2, frequency_penalty=0.4, **filters(i)) for i in range(B)]
+    assert sampler_for(params) == method
+    arrays = arrays_for(params, list(range(B)))
+    prompt_mask = rng.random((B, V)) < 0.1
+    counts = (rng.integers(0, 3, (B, V)) * (rng.random((B, V)) < 0.1)).astype(np.int32)
+    drafts = np.argmax(logits[:, :-1], axis=-1).astype(np.int32)      # likely accepted: rows past 0 matter
+    args = (logits, drafts, np.full(B, Q - 1, np.int32), arrays, np.zeros(B, np.int32), prompt_mask, counts)
+    for w, g in zip(verify_by(method="sort")(*args), verify_by(method=method)(*args)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    flat = (logits[:, 0], arrays, prompt_mask, counts)   # the filters' output, which draft_probs' path uses too
+    np.testing.assert_array_equal(np.asarray(target_by(method=method)(*flat)),
+                                  np.asarray(target_by(method="sort")(*flat)))
 
 
 # --------------------------------------------------------------------------- seeds

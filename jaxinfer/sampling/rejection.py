@@ -35,29 +35,35 @@ from jaxinfer.sampling.sample import (
     gumbel_noise,
 )
 
+METHODS = ("branch", "sort", "plain", "filter", "filter-p")   # sample's
 _UNIFORM_FOLD = 0xFFFFFFFF  # folded into a row's key for its acceptance uniform (see the module docstring)
 
 
-def _target_logits(penalised: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def _target_logits(penalised: jax.Array, arrays: SamplingArrays, method: str) -> jax.Array:
     """Logits [N, V] whose softmax is each row's target distribution: the kept tempered logits (-inf
     where dropped) for sampled rows, 0 at the argmax and -inf elsewhere for greedy rows."""
     ids = jax.lax.broadcasted_iota(jnp.int32, penalised.shape, 1)
     greedy_tokens = jnp.argmax(penalised, axis=-1).astype(jnp.int32)[:, None]
     one_hot = jnp.where(ids == greedy_tokens, 0.0, -jnp.inf)
-    return jnp.where((arrays.temperature == 0)[:, None], one_hot, filtered_logits(penalised, arrays))
+    return jnp.where((arrays.temperature == 0)[:, None], one_hot, filtered_logits(penalised, arrays, method))
 
 
 def target_probs(
-    logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, output_counts: jax.Array
+    logits: jax.Array,
+    arrays: SamplingArrays,
+    prompt_mask: jax.Array,
+    output_counts: jax.Array,
+    method: str = "branch",
 ) -> jax.Array:
     """The distribution `sample` draws each row from: [N, V] f32.
 
     logits [N, V] f32, arrays [N], prompt_mask [N, V] bool, output_counts [N, V] i32. Penalties on the
     raw logits, then temperature, top-k, top-p, min-p (the top token always kept); greedy rows
-    (temperature 0) are one-hot at the argmax of the penalised logits (ties -> lowest id).
+    (temperature 0) are one-hot at the argmax of the penalised logits (ties -> lowest id). ``method``
+    (static): `sample`'s, for the rows `sampler_for` gives it.
     """
     penalised = apply_penalties(logits.astype(jnp.float32), arrays, prompt_mask, output_counts)
-    return jax.nn.softmax(_target_logits(penalised, arrays), axis=-1)
+    return jax.nn.softmax(_target_logits(penalised, arrays, method), axis=-1)
 
 
 def _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs):
@@ -90,6 +96,7 @@ def verify(
     output_counts: jax.Array,
     draft_probs: jax.Array | None = None,
     greedy_only: bool = False,
+    method: str = "branch",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Accept or reject each sequence's drafts: (num_accepted [B] i32, tokens [B, Q] i32, logprobs [B, Q] f32).
 
@@ -99,12 +106,16 @@ def verify(
     [B, V] i32: counts of the committed output (row j adds drafts[b, :j]). draft_probs [B, Q-1, V] f32:
     the draft model's distribution q_j each draft was drawn from, or None for one-hot drafts.
     ``greedy_only`` (static): the argmax alone, no sort and no noise, for batches of greedy rows only.
+    ``method`` (static): `sample`'s ("branch", "sort", "plain", "filter", "filter-p"), for the rows
+    `sampler_for` gives it; it picks how the filters find their kept tokens, not which.
 
     With a = num_accepted[b]: tokens[b, :a] are the accepted drafts, tokens[b, a] the correction (or the
     bonus when a == num_drafts[b]); tokens[b, a+1:] are 0. logprobs[b, j] is log_softmax of the raw
     logits at row j at tokens[b, j] (as `sample` returns), 0 past a.
     """
     _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs)
+    if method not in METHODS:
+        raise ValueError(f"unknown sampling method {method!r}; one of {METHODS}")
     B, Q, V = logits.shape
     N = B * Q
     f32, i32 = jnp.float32, jnp.int32
@@ -132,7 +143,7 @@ def verify(
         emit = picked
     else:
         greedy = (arrays.temperature == 0)[:, None]                                        # [B, 1]
-        target = _target_logits(penalised, row_arrays)                                     # [N, V]
+        target = _target_logits(penalised, row_arrays, method)                                     # [N, V]
         noise = gumbel_noise(row_arrays.seed, row_step, V)
         # the token `sample` takes at each row (the same noise by token id; greedy rows: the argmax)
         picked = jnp.argmax(target + noise, axis=-1).astype(i32).reshape(B, Q)

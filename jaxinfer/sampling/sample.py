@@ -152,7 +152,7 @@ def _filtered_sorted_logits(sorted_logits: jax.Array, row_max: jax.Array, arrays
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def filtered_logits(penalised: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def filtered_logits(penalised: jax.Array, arrays: SamplingArrays, method: str = "branch") -> jax.Array:
     """The tempered logits a sampled row draws from, by token id: ``(penalised - row max) / temperature``
     where temperature, top-k, top-p and min-p keep the token, -inf where they drop it. A row's softmax is
     the distribution `sample` draws from when the row's temperature is > 0 (a greedy row comes out at
@@ -160,24 +160,42 @@ def filtered_logits(penalised: jax.Array, arrays: SamplingArrays) -> jax.Array:
 
     Every filter keeps a prefix of the sorted order (descending, ties by lower id) and the top token, so
     the kept tokens are those at or above the last kept one (value, then id): the filters run on the
-    sorted logits as in `sample` and map back by that comparison, without a scatter. The sort sits behind
-    a device-side conditional, skipped when no sampled row uses top-k or top-p (min-p alone is a
-    threshold on the tempered logits)."""
+    sorted logits as in `sample` and map back by that comparison, without a scatter. ``method`` (static)
+    as `sample`'s, for the rows `sampler_for` gives each: "branch" sorts behind a device-side conditional
+    that skips the sort when no sampled row uses top-k or top-p; "sort" always sorts; "plain" applies
+    min-p alone (a threshold on the tempered logits); "filter" runs the filters of rows with a top-k on
+    their TOP_K_CANDIDATES largest logits; "filter-p" also keeps top-p-alone rows' nucleus by the radix
+    search."""
     B, V = penalised.shape
+    penalised = penalised + 0.0   # no -0.0: equal logits compare equal in the sorts' total order
     scaled = _tempered(penalised, jnp.max(penalised, axis=-1, keepdims=True), arrays)
     ids = jax.lax.broadcasted_iota(jnp.int32, (B, V), 1)
 
-    def sorted_keep() -> jax.Array:
-        neg_sorted, sorted_ids = jax.lax.sort((-penalised + 0.0, ids), dimension=-1, is_stable=True, num_keys=1)
-        masked = _filtered_sorted_logits(-neg_sorted, -neg_sorted[:, :1], arrays)
+    def keep_prefix(values: jax.Array, value_ids: jax.Array) -> jax.Array:
+        """The filters on candidates sorted descending (values, value_ids [B, C]), as a mask over the vocabulary."""
+        masked = _filtered_sorted_logits(values, jnp.max(values, axis=-1, keepdims=True), arrays)
         last = jnp.maximum(jnp.sum(masked > -jnp.inf, axis=-1, keepdims=True), 1) - 1     # [B, 1]
-        cut_value = -jnp.take_along_axis(neg_sorted, last, axis=-1)
-        cut_id = jnp.take_along_axis(sorted_ids, last, axis=-1)
+        cut_value = jnp.take_along_axis(values, last, axis=-1)
+        cut_id = jnp.take_along_axis(value_ids, last, axis=-1)
         return (penalised > cut_value) | ((penalised == cut_value) & (ids <= cut_id))
 
-    needs_sort = jnp.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1.0)))
-    keep = jax.lax.cond(needs_sort, sorted_keep, lambda: jnp.ones((B, V), bool))
-    keep &= _min_p_keep(scaled, arrays)   # the top token always passes: exp(0) = 1 >= min_p
+    def sorted_keep() -> jax.Array:
+        neg_sorted, sorted_ids = jax.lax.sort((-penalised, ids), dimension=-1, is_stable=True, num_keys=1)
+        return keep_prefix(-neg_sorted, sorted_ids)
+
+    keep = _min_p_keep(scaled, arrays)   # the top token always passes: exp(0) = 1 >= min_p
+    if method == "branch":
+        needs_sort = jnp.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1.0)))
+        keep &= jax.lax.cond(needs_sort, sorted_keep, lambda: jnp.ones((B, V), bool))
+    elif method == "sort":
+        keep &= sorted_keep()
+    elif method in ("filter", "filter-p"):
+        if method == "filter-p":   # rows with top-p and no top-k
+            keep &= (arrays.top_p[:, None] >= 1.0) | _top_p_keep(scaled, arrays.top_p.astype(jnp.float32))
+        values, value_ids = top_k_by_blocks(penalised, min(TOP_K_CANDIDATES, V))
+        keep = jnp.where(arrays.top_k[:, None] > 0, keep_prefix(values, value_ids), keep)
+    elif method != "plain":
+        raise ValueError(f"unknown sampling method {method!r}")
     return jnp.where(keep, scaled, -jnp.inf)
 
 
