@@ -143,7 +143,7 @@ def verify(
         emit = picked
     else:
         greedy = (arrays.temperature == 0)[:, None]                                        # [B, 1]
-        target = _target_logits(penalised, row_arrays, method)                                     # [N, V]
+        target = _target_logits(penalised, row_arrays, method)                             # [N, V]
         noise = gumbel_noise(row_arrays.seed, row_step, V)
         # the token `sample` takes at each row (the same noise by token id; greedy rows: the argmax)
         picked = jnp.argmax(target + noise, axis=-1).astype(i32).reshape(B, Q)
