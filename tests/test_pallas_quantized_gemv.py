@@ -202,3 +202,39 @@ def test_int8_conversions_agree_bit_for_bit():
     outs = [fused_gemv(x, qw.values, layer, w_scale=qw.scale, block_in=32, int8_convert=c, interpret=True, **kw)
             for c in ("bits", "cvt")]
     np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+def w8a8_twin(x, w: QuantizedWeight):
+    """x quantized a row at a time to e4m3 (its max |x| onto 448), then the float32 product with the dequantized
+    matrix."""
+    xf = np.asarray(x.astype(f32))                                      # float32, as the product rounds x
+    amax = np.maximum(np.abs(xf).max(axis=1, keepdims=True), np.float32(1e-30))
+    xq = np.asarray(jnp.asarray(xf * (np.float32(448) / amax)).astype(jnp.float8_e4m3fn).astype(f32), np.float64)
+    xq = xq * (amax / np.float32(448))
+    return xq @ np.asarray(twins.dequantized(w), np.float64).T
+
+
+def test_w8a8_product_matches_its_twin():
+    from jaxinfer.ops.pallas import w8a8_product
+
+    x, qw, layer, _, _ = case("plain", 96, 256, bf16, "fp8", None, T=20, seed=6)
+    y = w8a8_product(x, qw[layer])
+    assert y.dtype == f32
+    assert rel_err(y, w8a8_twin(x, qw[layer])) <= 1e-5
+    # against the unquantized activations: the e4m3 rounding of x (3 mantissa bits) and no more
+    assert rel_err(y, twins.linear_8bit(x, qw[layer], out_dtype=f32)) <= 6e-2
+
+
+def test_prompt_rows_of_fp8_weights_take_w8a8_from_the_tables_rows(monkeypatch):
+    from jaxinfer.pallas import tables
+
+    x, qw, layer, _, _ = case("plain", 96, 256, bf16, "fp8", None, T=70, seed=8)
+    lw = LayerWeight(qw, jnp.int32(layer))
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 64)
+    jax.clear_caches()
+    got = OPS.linear(x, lw)
+    assert rel_err(got, w8a8_twin(x, qw[layer])) <= TOL[bf16]
+    assert rel_err(got, twins.linear_8bit(x, qw[layer])) > 1e-3     # it did quantize the activations
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 128)
+    jax.clear_caches()
+    assert rel_err(OPS.linear(x, lw), twins.linear_8bit(x, qw[layer])) <= TOL[bf16]

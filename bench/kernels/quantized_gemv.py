@@ -3,7 +3,7 @@ on the GPU: the batch-1 fused GEMV (pallas/fused_gemv.py with w_scale) and, with
 tensor-core GEMM (pallas/skinny_gemm.py with w_scale) against XLA's product on the converted values.
 
     PYTHONPATH=. python3 bench/kernels/quantized_gemv.py [--shapes qwen3-4b llama3-8b] [--formats int8 fp8 fp8-block]
-        [--sweep] [--batched 16 64] [--batched-sweep] [--budget 240] [--out DIR]
+        [--sweep] [--batched 16 64] [--batched-sweep] [--budget 240] [--prompt 1024 8192] [--out DIR]
 
 For each projection of a layer (QKV with its RMSNorm prologue, o_proj + residual, gate/up with the norm and SwiGLU,
 down + residual; and the lm_head with float32 logits) it times one jit that runs the projection over every layer's
@@ -18,6 +18,11 @@ GEMV_ROWS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT) and the layer's sum.
 QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized) against the
 skinny kernel at skinny_gemm.choose_config (--batched-sweep: phase A of bench/kernels/skinny_gemm.py's configs);
 prints rows for tables.SKINNY_GEMM_8BIT where the kernel beat XLA by 3%.
+
+--prompt M...: prompt rows (XLA's GEMMs, 4 layers' matrices a call): bf16 weights (reference.linear) against each
+format's XLA product as ops.pallas runs it (ops.pallas._xla_product: converted values, or block-scaled ones
+dequantized) and, for fp8 per channel, W8A8 on fp8 tensor cores (ops.pallas.w8a8_product): what sets
+tables.FP8_W8A8_ROWS.
 """
 
 from __future__ import annotations
@@ -259,6 +264,42 @@ def batched_winners(rows: list[dict], margin: float = 0.97) -> list[dict]:
     return out
 
 
+def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: list) -> None:
+    from jaxinfer.ops import pallas as P
+
+    L = 2 if INTERPRET else 4
+    for name, n, k, epilogue, _ in projections(cfg):
+        if epilogue == "logits":
+            continue
+        keys = jax.random.split(jax.random.PRNGKey(n + k), 2)
+        bf_ws = [(0.02 * jax.random.normal(kk, (n, k), f32)).astype(bf16) for kk in jax.random.split(keys[0], L)]
+        q_ws = {fmt: [random_8bit(kk, n, k, fmt) for kk in jax.random.split(keys[0], L)] for fmt in formats}
+        for M in Ms:
+            x = jax.random.normal(keys[1], (M, k), bf16)
+            cands = [("bf16", "xla", lambda x, w: reference.linear(x, w), bf_ws, None)]
+            for fmt in formats:
+                ref = twins.linear_8bit(x, q_ws[fmt][0], out_dtype=f32)
+                cands.append((fmt, "xla", lambda x, w: P._xla_product(x, w).astype(bf16), q_ws[fmt], ref))
+                if fmt == "fp8":
+                    cands.append((fmt, "w8a8", lambda x, w: P.w8a8_product(x, w).astype(bf16), q_ws[fmt], ref))
+            base = None
+            for fmt, how, fn, ws, ref in cands:
+                try:
+                    outs, ms = best_ms_per_call(jax.jit(lambda x, ws, fn=fn: [fn(x, w) for w in ws]), (x, ws), L, 3,
+                                                target_s=0.15)
+                except Exception as e:
+                    log(f"# {shape} {name} {fmt} {how} M={M}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                us = 1e3 * ms
+                base = us if fmt == "bf16" else base
+                err = "" if ref is None else f"{rel_err(outs[0], ref):.1e}"
+                row = dict(shape=shape, projection=name, dims=f"{n}x{k}", M=M, format=fmt, product=how, us=us,
+                           tflops=2 * M * n * k / (us * 1e-6) / 1e12, speedup=(base or us) / us, err=err)
+                out.append(row)
+                log(json.dumps(row))
+        del bf_ws, q_ws
+
+
 def main() -> None:
     global INTERPRET
     ap = argparse.ArgumentParser()
@@ -268,6 +309,7 @@ def main() -> None:
     ap.add_argument("--batched", type=int, nargs="*", default=[], help="M rows of batched decode to time")
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the batched sweep")
+    ap.add_argument("--prompt", type=int, nargs="*", default=[], help="prompt rows to time XLA's products at")
     ap.add_argument("--layers", type=int, default=0, help="layers (0: the model's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shapes tiny)")
@@ -276,7 +318,7 @@ def main() -> None:
     t0 = time.time()
     ceiling = 1e11 if INTERPRET else hbm_read_ceiling()
     log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read ceiling {ceiling / 1e12:.2f} TB/s")
-    gemv_rows, batched_rows = [], []
+    gemv_rows, batched_rows, prompt_rows = [], [], []
     for shape in args.shapes:
         cfg = SHAPES[shape]
         L = args.layers or cfg["num_hidden_layers"]
@@ -286,6 +328,8 @@ def main() -> None:
         cfg = SHAPES[shape]
         L = args.layers or cfg["num_hidden_layers"]
         time_batched(shape, cfg, args.formats, args.batched, args.batched_sweep, L, ceiling, deadline, batched_rows)
+    for shape in args.shapes if args.prompt else []:
+        time_prompt(shape, SHAPES[shape], args.formats, args.prompt, prompt_rows)
 
     print(f"\nbatch-1 decode GEMVs, HBM read ceiling {ceiling / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)")
     print_table(gemv_rows, [("shape", "shape", ""), ("projection", "projection", ""), ("out x in", "dims", ""),
@@ -307,8 +351,15 @@ def main() -> None:
                                                     ("weights", "format", ""), ("M", "M", ""), ("XLA us", "xla_us", ".2f"),
                                                     ("kernel us", "us", ".2f"), ("config", "config", ""),
                                                     ("keep", "keep", "")])
+    if prompt_rows:
+        print("\nprompt rows: XLA's products (rel. err: against the twin without activation quantization)")
+        print_table(prompt_rows, [("shape", "shape", ""), ("projection", "projection", ""), ("out x in", "dims", ""),
+                                  ("M", "M", ""), ("weights", "format", ""), ("product", "product", ""),
+                                  ("us", "us", ".1f"), ("TFLOP/s", "tflops", ".0f"), ("x bf16", "speedup", ".2f"),
+                                  ("rel. err", "err", "")])
     Path(args.out, "quantized_gemv.json").write_text(json.dumps(dict(ceiling=ceiling, gemv=gemv_rows,
-                                                                     batched=batched_rows), indent=1, default=str))
+                                                                     batched=batched_rows, prompt=prompt_rows),
+                                                                indent=1, default=str))
 
 
 if __name__ == "__main__":

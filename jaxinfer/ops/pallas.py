@@ -18,7 +18,10 @@ attention (Q rows a sequence) is the split-sequence kernel with the Q rows of a 
 8-bit weights (ops.quantized.QuantizedWeight, bare or in a LayerWeight) take the same kernels' 8-bit variants:
 batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no more kernels a layer), batched
 decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
-interpret mode always); everything else (prompt rows, shapes not in the table) the reference op's XLA product.
+interpret mode always); everything else (prompt rows, shapes not in the table) XLA's product (_xla_product): the
+values converted in the GEMM's fusion and the channel scales after (reference.quantized_product), block-scaled ones
+dequantized to x's dtype first, and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
+cores (each row quantized to e4m3 with a scale of its own).
 
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
@@ -31,7 +34,7 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.ops import LayerWeight, reference
+from jaxinfer.ops import LayerWeight, reference, weight
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
@@ -82,6 +85,36 @@ def _matrix(stacked) -> tuple[jax.Array, dict]:
 
 def _quantized(w) -> bool:
     return isinstance(w.stacked if isinstance(w, LayerWeight) else w, QuantizedWeight)
+
+
+def _xla_product(x, w) -> jax.Array:
+    """x [T, in] @ the 8-bit w (a QuantizedWeight, or a LayerWeight holding one) in float32 [T, out], through XLA."""
+    q = weight(w)
+    if q.block is not None:   # a scale per block cannot leave the sum: the bf16 matrix, made once a call
+        return jax.lax.dot_general(x, q.dequantize(x.dtype), (((1,), (1,)), ((), ())), precision=reference.HIGHEST,
+                                   preferred_element_type=jnp.float32)
+    rows = tables.FP8_W8A8_ROWS
+    if q.dtype == jnp.float8_e4m3fn and rows is not None and x.shape[0] >= rows:
+        return w8a8_product(x, q)
+    return reference.quantized_product(x, q)
+
+
+def w8a8_product(x, q) -> jax.Array:
+    """x @ q.T on fp8 tensor cores, float32 [T, out]: each row of x quantized to e4m3 with its own scale (its max |x|
+    onto 448), the fp8 product summed in float32, then times the row's and the output channel's scales."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-30)
+    xq = jnp.clip(xf * (448.0 / amax), -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return y * (amax / 448.0) * q.scale
+
+
+def _xla_linear(x, w, b=None) -> jax.Array:
+    """Rows no kernel takes: reference.linear, or for 8-bit weights _xla_product, rounded as reference.linear rounds."""
+    if not _quantized(w):
+        return reference.linear(x, w, b)
+    y = _xla_product(x, w)
+    return (y if b is None else y + weight(b).astype(jnp.float32)).astype(x.dtype)
 
 
 def _norm_weights(q_norm, k_norm):
@@ -150,7 +183,7 @@ def _swiglu_of_normed(h, w_gate_up, *, interpret):
         return _hopper(h, w_gate_up, cfg, epilogue="swiglu", interpret=interpret)
     if (cfg := _skinny_config(h, w_gate_up, "swiglu", interpret)) is not None:
         return _skinny(h, w_gate_up, epilogue="swiglu", config=cfg, interpret=interpret)
-    return reference.swiglu(reference.linear(h, w_gate_up))
+    return reference.swiglu(_xla_linear(h, w_gate_up))
 
 
 # --- the ops ----------------------------------------------------------------------------------------------------
@@ -160,7 +193,7 @@ def linear(x, w, b=None, *, interpret=False):
         return _gemv(x, w, b=b, interpret=interpret)
     if (cfg := _skinny_config(x, w, "none", interpret)) is not None:
         return _skinny(x, w, b, config=cfg, interpret=interpret)
-    return reference.linear(x, w, b)
+    return _xla_linear(x, w, b)
 
 
 def rms_norm_linear(x, scale, eps, w, b=None, *, interpret=False):
@@ -170,7 +203,7 @@ def rms_norm_linear(x, scale, eps, w, b=None, *, interpret=False):
         return _hopper(reference.rms_norm(x, scale, eps), w, cfg, interpret=interpret)
     if (cfg := _skinny_config(x, w, "none", interpret)) is not None:
         return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg, interpret=interpret)
-    return reference.rms_norm_linear(x, scale, eps, w, b)
+    return _xla_linear(reference.rms_norm(x, scale, eps), w, b)   # reference.rms_norm_linear
 
 
 def rms_norm_swiglu(x, scale, eps, w_gate_up, *, interpret=False):
@@ -186,7 +219,7 @@ def linear_residual(x, w, b, residual, *, interpret=False):
         return _hopper(x, w, cfg, residual=residual, epilogue="residual", interpret=interpret)
     if (cfg := _skinny_config(x, w, "residual", interpret)) is not None:
         return _skinny(x, w, b, residual=residual, epilogue="residual", config=cfg, interpret=interpret)
-    return reference.linear_residual(x, w, b, residual)
+    return residual + _xla_linear(x, w, b)   # reference.linear_residual
 
 
 def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, interpret=False):
@@ -214,7 +247,7 @@ def logits(x, w, *, interpret=False):
         values, quant = _matrix(w[None])
         return fused_gemv(x, values, 0, block_in=block_in_for(*w.shape, w.dtype, quant.get("w_block")),
                           out_dtype=jnp.float32, interpret=interpret, **quant)
-    return reference.logits(x, w)
+    return _xla_product(x, w) if _quantized(w) else reference.logits(x, w)
 
 
 def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,

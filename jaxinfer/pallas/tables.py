@@ -162,6 +162,11 @@ SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
 # its rows; until then batched decode steps with 8-bit weights take XLA's GEMM.
 SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 
+# Rows from which XLA's product with fp8 per-channel weights runs as W8A8 on fp8 tensor cores (ops.pallas.w8a8_product:
+# each row of x quantized to e4m3 with its own scale), None: never (the values converted to bf16 instead). Not yet
+# measured: bench/kernels/quantized_gemv.py --prompt times both at prompt rows.
+FP8_W8A8_ROWS: int | None = None
+
 
 # --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------
 
