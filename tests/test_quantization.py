@@ -136,6 +136,15 @@ def test_quantized_at_load(stories, fmt):
             np.testing.assert_array_equal(np.asarray(a.scale), np.asarray(b.scale))
 
 
+def test_large_matrices_quantize_in_chunks_of_rows_alike(stories, monkeypatch):
+    cfg, _ = stories
+    whole = load_params(STORIES, cfg, progress=False, quantization="int8")
+    monkeypatch.setattr(mq, "CHUNK_ELEMENTS", 3000)   # every matrix in chunks, the last one short
+    chunked = load_params(STORIES, cfg, progress=False, quantization="int8")
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_quantized_bytes_about_half_of_bf16():
     """Measured on the CPU with the arrays' nbytes: the linear matrices take half their bf16 bytes (plus one float32
     scale a row); the whole model more than half here, as its tied embedding stays bf16 beside the int8 head."""

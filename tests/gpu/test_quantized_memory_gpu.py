@@ -4,6 +4,7 @@ copy of it beside the 8-bit one), and the engine gives the freed memory to KV pa
 Run on the H200: PYTHONPATH=. python3 -m pytest -q tests/gpu/test_quantized_memory_gpu.py
 """
 
+import functools
 import gc
 import json
 import os
@@ -45,6 +46,7 @@ def model_dir(tmp_path_factory):
     return write_random_model(tmp_path_factory.mktemp("q") / "qwen3", UNTIED, dtype="bfloat16", std=0.05)
 
 
+@functools.cache
 def _measure(folder, quantization, per_layer):
     r = subprocess.run([sys.executable, "-c", MEASURE, str(folder), quantization or "", "1" if per_layer else "0"],
                        capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -63,7 +65,7 @@ def test_quantized_load_holds_its_quantized_bytes(model_dir, quantization, per_l
     assert q["unquantized"] == bf16["held"]
     assert abs(q["in_use"] - q["held"]) < 0.02 * q["held"]                 # nothing else left behind
     assert q["in_use"] < 0.62 * bf16["in_use"]                            # untied: bf16 embedding, 8-bit rest
-    assert q["peak"] < q["held"] + 0.15 * bf16["held"]                   # a few layers' temporaries, no bf16 copy
+    assert q["peak"] < q["held"] + 0.15 * bf16["held"]   # a few layers' (or lm_head chunks') temporaries, no bf16 copy
 
 
 def test_engine_gives_the_freed_memory_to_kv_pages(model_dir):
