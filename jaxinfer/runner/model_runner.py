@@ -105,7 +105,8 @@ class ModelRunner:
                 for attention in attentions:
                     v = StepVariant("verify", sampler, attention, steps=width)
                     self.steps[v] = jax.jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
-                                                              attention=attention), donate_argnums=(1, 2))
+                                                              attention=attention, method=v.method),
+                                            donate_argnums=(1, 2))
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))

@@ -176,13 +176,14 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
 
 
 def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-                batch: VerifyBatch, greedy: bool = False, attention: str = "paged"):
+                batch: VerifyBatch, greedy: bool = False, attention: str = "paged", method: str = "sort"):
     """A mixed step in which each sequence scores Q rows: its last token's and those after each of its drafts
     (num_drafts of them; a sequence without drafts, a plain decode or a prompt chunk, scores one row as
     mixed_step samples it). The drafts are accepted or rejected on the device (sampling.rejection.verify:
     greedy rows keep the drafts equal to the target's argmax; sampled rows by rejection sampling, so the output
     follows the target's distribution), and the tokens they lead to are counted into the penalty state.
     attention: "paged" (ragged rows), or "verify" (every sequence Q rows in order: ops.verify_attention).
+    method: sampling.sample's, for the sampled rows.
     Returns (kv, state, accepted drafts [B], tokens [B, Q] (the first accepted + 1 are emitted), logprobs [B, Q],
     top values [B, Q, n_top], top ids [B, Q, n_top])."""
     batch = unpacked(batch)
@@ -193,7 +194,7 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
     logits = model.lm_head(cfg, ops, params, h[batch.score_rows.reshape(B * Q)])
     pm, oc = _gather_rows(state, sb.state_row)
     accepted, tokens, logprobs = verify(logits.reshape(B, Q, -1), batch.drafts, batch.num_drafts, sb.sampling,
-                                        sb.step_index, pm, oc, greedy_only=greedy)
+                                        sb.step_index, pm, oc, greedy_only=greedy, method=method)
     emitted = sb.emits[:, None] & (jnp.arange(Q)[None, :] <= accepted[:, None])
     rows = jnp.where(emitted, sb.state_row[:, None], state.output_counts.shape[0] - 1)   # the rest: scratch row
     state = state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
