@@ -53,8 +53,8 @@ def test_stories_greedy_tokens_unchanged(speculative):
 
 
 def test_random_qwen3_greedy_tokens_unchanged_with_its_own_draft(tmp_path):
-    """The model as its own draft: every draft accepted, Q = 8 rows a verify through the kernel (8 query heads
-    a KV head: 64 rows a tile)."""
+    """The model as its own draft: every draft accepted, Q = 8 rows a verify through the kernel (2 query heads
+    a KV head: 16 rows a tile)."""
     model = write_random_model(tmp_path / "q", {**QWEN3_0_6B, "num_hidden_layers": 2, "max_position_embeddings": 2048},
                                dtype="float32", std=0.05)
     prompt = [[11, 12, 13, 14, 15, 16] * 20]
