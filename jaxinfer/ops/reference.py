@@ -83,11 +83,11 @@ def logits(x: jax.Array, w: jax.Array) -> jax.Array:
 def quantized_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [T, in] @ (w.values * w.scale).T in float32 [T, out]. Per-channel scales: the 8-bit values in x's dtype
     (exact: int8 and e4m3 fit bfloat16), the product accumulated in float32, then each output channel times its
-    scale, once. Block scales: the float32 dequantized matrix (a scale per block cannot leave the sum)."""
+    scale, once. Block scales: the matrix dequantized in float32 and rounded to x's dtype, as transformers dequantizes
+    such checkpoints (a scale per block cannot leave the sum); in float32 that is values * scale exactly."""
     dims = (((1,), (1,)), ((), ()))
     if w.block is not None:
-        return jax.lax.dot_general(x.astype(f32), w.dequantize(f32), dims, precision=HIGHEST,
-                                   preferred_element_type=f32)
+        return jax.lax.dot_general(x, w.dequantize(x.dtype), dims, precision=HIGHEST, preferred_element_type=f32)
     y = jax.lax.dot_general(x, w.values.astype(x.dtype), dims, precision=HIGHEST, preferred_element_type=f32)
     return y * w.scale.astype(f32)
 
