@@ -238,3 +238,57 @@ def test_prompt_rows_of_fp8_weights_take_w8a8_from_the_tables_rows(monkeypatch):
     monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 128)
     jax.clear_caches()
     assert rel_err(OPS.linear(x, lw), twins.linear_8bit(x, qw[layer])) <= TOL[bf16]
+
+
+# --- the Triton lowering for an H200 (tests/test_triton_lowering.py's way: on the CPU, the GPU stubbed in) ---------
+
+@pytest.fixture
+def h200(monkeypatch):
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+
+def _lowers(fn, *args) -> bool:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return "custom_call @__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.parametrize("fmt,block,convert", [("int8", None, "bits"), ("int8", None, "cvt"), ("fp8", None, None),
+                                               ("fp8", (128, 128), None)])
+def test_8bit_kernels_lower_to_triton(h200, fmt, block, convert):
+    x, qw, _, kw, _ = case("norm_bias", 256, 200, bf16, fmt, block, seed=10)   # ragged: masked tail tiles
+    xm = jnp.ones((16, 200), bf16)
+    assert _lowers(lambda x, v, s, n: fused_gemv(x, v, 1, w_scale=s, w_block=block, scale=n, block_in=128, rows=2,
+                                                 int8_convert=convert), x, qw.values, qw.scale, kw["scale"])
+    assert _lowers(lambda x, v, s: fused_gemv(x, v, 0, w_scale=s, w_block=block, block_in=128, epilogue="swiglu",
+                                              int8_convert=convert), x, qw.values, qw.scale)
+    for cfg in SKINNY_CONFIGS:
+        assert _lowers(lambda x, v, s: skinny_gemm(x, v, 1, w_scale=s, w_block=block, config=cfg, epilogue="swiglu"),
+                       xm, qw.values, qw.scale)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_engine_steps_lower(h200, tmp_path, quantization):
+    """Every compiled step of a small Qwen3 with weights quantized at load, through ops.pallas, lowers for an H200:
+    the decode steps' GEMVs and the batched and prompt rows' products."""
+    from bench.random_model import QWEN3_0_6B, write_random_model
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.transformer import split_layers
+    from jaxinfer.model.weights import load_params
+    from jaxinfer.runner.model_runner import ModelRunner
+    from jaxinfer.settings import EngineConfig
+
+    small = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 512, "max_position_embeddings": 1024}
+    model = write_random_model(tmp_path / "m", {**QWEN3_0_6B, **small}, dtype="bfloat16")
+    cfg = load_config(model, "bfloat16")
+    params = split_layers(load_params(model, cfg, progress=False, quantization=quantization))
+    config = EngineConfig.from_options(max_num_seqs=4, max_num_batched_tokens=64, unroll_layers=True,
+                                       decode_steps=2).resolved("cpu", False)
+    runner = ModelRunner(cfg, params, get_ops("pallas"), config, num_pages=33, max_model_len=256)
+    calls = runner.bucket_calls()
+    assert calls
+    for variant, batch in calls:
+        traced = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch)
+        assert "custom_call @__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -43,13 +43,12 @@ MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row
 def _to_f32(w, int8_convert: str = "cvt"):
     """Weights to float32, exactly. e4m3 through float16 (on Hopper two values an instruction). int8 "cvt": the
     conversion instruction (I2F runs at a quarter of the FMA rate: near 4.5 TB/s of int8 that is the GEMV's limit);
-    "bits": the byte placed in the mantissa of 2^23 + 128, which is then subtracted: v ^ 0x80 = v + 128 as an unsigned
-    byte, so float(bits(2^23) | (u ^ 0x80)) - (2^23 + 128) = v, in integer logic and one float add."""
+    "bits": v + 128 (0..255) placed in the low mantissa bits of 2^23, which is then subtracted with the 128:
+    float(bits(2^23) + v + 128) - (2^23 + 128) = v, in integer adds and one float add."""
     if w.dtype == jnp.float8_e4m3fn:
         w = w.astype(jnp.float16)
     elif w.dtype == jnp.int8 and int8_convert == "bits":
-        u = jax.lax.bitcast_convert_type(w, jnp.uint8).astype(jnp.int32)
-        return jax.lax.bitcast_convert_type(u ^ 0x4B000080, f32) - 8388736.0
+        return jax.lax.bitcast_convert_type(w.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
     return w.astype(f32)
 
 
@@ -73,7 +72,8 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     for k0, (idx, cmask) in zip(range(0, n_in, block_in), row_tiles(n_in, block_in)):
         def load(ref_win, cmask=cmask):
             if cmask is not None:
-                return plgpu.load(ref_win, mask=cmask, other=0)
+                # float8 refs take a float fill (the lowering casts no integer to float8)
+                return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
             return plgpu.load(ref_win)
 
         ws = [_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]

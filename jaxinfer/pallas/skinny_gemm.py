@@ -136,7 +136,8 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
             if w_mask is None:
                 w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
             else:
-                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
+                fill = 0.0 if w_ref.dtype == jnp.float8_e4m3fn else 0   # the lowering casts no integer to float8
+                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=fill)
             if w_scaled:
                 w = w.astype(x.dtype)
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
