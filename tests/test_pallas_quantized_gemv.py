@@ -150,11 +150,15 @@ def test_ops_route_quantized_weights(op, block, T):
         got = [OPS.linear_residual(x, lw, None, res)]
         ref = [tw(x, qw[layer], residual=res, epilogue="residual")]
     elif op == "linear_residual_norm_swiglu":
-        # o_proj [96, 256] into the residual, then the MLP's norm and a [2 x 48, 96] gate/up of its own
+        # o_proj [96, 1024] into the residual (at 5 rows a split-K product: its finish fused with the norm,
+        # pallas/residual_norm.py), then the MLP's norm and a [2 x 48, 96] gate/up of its own
+        x = jax.random.normal(jax.random.PRNGKey(5), (T, 1024), f32).astype(bf16)
+        wo = random_weight(jax.random.PRNGKey(6), 3, 96, 1024, "int8", block)
         gu = random_weight(jax.random.PRNGKey(4), 3, 96, 96, "int8", block)
         nscale = LayerWeight(jnp.ones((3, 96), bf16), jnp.int32(layer))
-        got = OPS.linear_residual_norm_swiglu(x, lw, None, res, nscale, 1e-6, LayerWeight(gu, jnp.int32(layer)))
-        r = tw(x, qw[layer], residual=res, epilogue="residual")
+        got = OPS.linear_residual_norm_swiglu(x, LayerWeight(wo, jnp.int32(layer)), None, res, nscale, 1e-6,
+                                              LayerWeight(gu, jnp.int32(layer)))
+        r = tw(x, wo[layer], residual=res, epilogue="residual")
         ref = [r, tw(r, gu[layer], scale=jnp.ones(96, bf16), epilogue="swiglu")]
     else:
         got, ref = [OPS.logits(x, qw[layer])], [tw(x, qw[layer], out_dtype=f32)]
