@@ -195,3 +195,41 @@ def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
         LLM(STORIES, speculative=f"draft:{other}", progress=False, cache_dir="")
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(STORIES, speculative=f"draft:{tmp_path / 'missing'}", progress=False, cache_dir="")
+
+
+# ---- DFlash ----
+
+DFLASH = DATA / "models" / "dflash-tiny"   # a random drafter for the tiny Qwen3 (tools/make_dflash_golden.py)
+
+
+def test_dflash_drafts_equal_the_drafter_forward_and_keep_greedy_tokens():
+    """In the engine the drafter's context comes from the target's own steps (captured layer states written into
+    its paged pool); its drafts equal the reference forward on the target's states of the whole sequence."""
+    import jax.numpy as jnp
+    from jaxinfer.ops import get_ops
+    from jaxinfer.spec import dflash
+
+    target = DATA / "models" / "qwen3"
+    prompt = [[5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = _tokens(LLM(target, progress=False, cache_dir="", skip_tokenizer_init=True), prompt, params)
+    llm = LLM(target, speculative=f"dflash:{DFLASH}", progress=False, cache_dir="", skip_tokenizer_init=True)
+    proposer = llm.engine.speculator.proposer
+    seen, propose = [], proposer.propose
+    proposer.propose = lambda seqs, k: seen.append((list(seqs[0].tokens), propose(seqs, k)[0])) or [seen[-1][1]]
+    assert _tokens(llm, prompt, params) == want
+    assert llm.engine.config.num_speculative_tokens == proposer.dcfg.block_size - 1
+    ops, e = get_ops("reference"), llm.engine
+    embed, head = dflash.target_embedding_and_head(e.cfg, e.runner.params)
+    for tokens, drafts in seen[::5]:
+        states = dflash.target_layer_states(e.cfg, ops, e.runner.params, np.array(tokens[:-1]),
+                                            proposer.dcfg.target_layer_ids)
+        logits = dflash.draft_logits_from_states(proposer.dcfg, ops, proposer.params, states, tokens[-1], embed, head)
+        assert drafts == np.asarray(jnp.argmax(logits, -1)).tolist()[:len(drafts)]
+    # every decode step verifies (but the last, whose one token leaves no room for a draft)
+    assert e.speculator.stats.verify_steps >= len(seen) - 1 > 0
+
+
+def test_a_dflash_drafter_for_another_target_is_refused():
+    with pytest.raises(ModelLoadError, match="does not fit the target"):
+        LLM(STORIES, speculative=f"dflash:{DFLASH}", progress=False, cache_dir="")

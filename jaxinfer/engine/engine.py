@@ -104,10 +104,11 @@ class Engine:
         exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \
             if config.cache_dir and t.executable_cache else None
         self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,
-                                  kv_dtype=self.kv_dtype, executable_cache=exe_cache)
+                                  kv_dtype=self.kv_dtype, executable_cache=exe_cache,
+                                  capture_layers=getattr(proposer, "capture_layers", ()))
         self.pages = PageAllocator(num_pages)
         if hasattr(proposer, "attach"):   # its own pool, indexed by the target's page tables
-            proposer.attach(num_pages, self.max_model_len, ops)
+            proposer.attach(num_pages, self.max_model_len, ops, self.runner)
         self.speculator = Speculator(proposer, config.num_speculative_tokens) if proposer else None
         self.kv_bytes = num_pages * bytes_per_page(self.cfg, config.page_size, self.kv_dtype)
         self.load_seconds = time.perf_counter() - t0
@@ -497,6 +498,7 @@ class Engine:
         compiling = r.first_call_seconds
         outs = r.launch_mixed(batch, variant)
         t0 += r.first_call_seconds - compiling   # a step compiled on first use: not prefill time
+        self._observe(a)
         for seq, n in chunks:
             seq.num_computed += n
         self.phase_seconds["build"] += t1 - t_build
@@ -546,6 +548,12 @@ class Engine:
         return deltas
 
     # ---- speculative decoding ----
+    def _observe(self, a: dict) -> None:
+        """Hand the step's captured layer states (a DFlash drafter's context) to the proposer, with the step's
+        positions and slots (host arrays `a`)."""
+        if self.runner.captured is not None:
+            self.speculator.proposer.observe(self.runner.captured, a["positions"], a["slot_mapping"])
+            self.runner.captured = None
     def _drafts(self, plan) -> dict[Sequence, list[int]]:
         """The drafts the planned step verifies, by generating sequence, each within what the sequence may still
         emit and holding pages for its drafts' K/V (no drafts where the free pool is short)."""
@@ -605,7 +613,9 @@ class Engine:
         variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
         t0 = time.perf_counter()
         compiling = r.first_call_seconds
-        accepted, tokens, logprobs, top_v, top_i = r.fetch(r.launch_verify(batch, variant))
+        outs = r.launch_verify(batch, variant)
+        self._observe(s)
+        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs)
         t1 = time.perf_counter()
         seconds = t1 - t0 - (r.first_call_seconds - compiling)   # a step compiled on first use: not its time
         self.phase_seconds["build"] += t0 - t_build

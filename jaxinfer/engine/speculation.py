@@ -36,6 +36,8 @@ class SpeculationStats:
 class Speculator:
     def __init__(self, proposer, k_max: int, adaptive: bool = True):
         self.proposer, self.k_max, self.adaptive = proposer, k_max, adaptive
+        # a proposer whose state comes from the target's verify steps (DFlash) drafts at every decode step
+        self.min_drafts = 1 if getattr(proposer, "needs_every_step", False) else 0
         self._acceptance: dict[int, Acceptance] = {}
         self.stats = SpeculationStats()
 
@@ -46,11 +48,11 @@ class Speculator:
             return {}
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         # Would drafting pay even if every sequence had k_max drafts? If not, skip proposing.
-        if choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) == 0:
+        if not self.may_draft(seqs):
             self.idle(seqs)
             return {}
         proposals = self.proposer.propose(seqs, self.k_max)
-        k = choose_drafts(rates, [len(p) for p in proposals], self.k_max, self.adaptive)
+        k = max(choose_drafts(rates, [len(p) for p in proposals], self.k_max, self.adaptive), self.min_drafts)
         out = {}
         for seq, p in zip(seqs, proposals):
             p = p[:k]
@@ -66,7 +68,7 @@ class Speculator:
     def may_draft(self, seqs: list) -> bool:
         """Whether the next step over `seqs` might verify drafts (asked before their proposals exist)."""
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
-        return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
+        return self.min_drafts > 0 or choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)
@@ -99,8 +101,8 @@ def resolve_speculative(config: EngineConfig) -> EngineConfig:
     if k is None:
         k = DEFAULT_SPECULATIVE_TOKENS
         if config.speculative.startswith("dflash:"):
-            from jaxinfer.spec.dflash import DFlashConfig
-            k = min(DFlashConfig.load(config.speculative.partition(":")[2]).block_size - 1, MAX_SPECULATIVE_TOKENS)
+            from jaxinfer.spec.dflash_config import load_dflash_config
+            k = min(load_dflash_config(config.speculative.partition(":")[2]).block_size - 1, MAX_SPECULATIVE_TOKENS)
     tuning = dataclasses.replace(config.tuning, overlap_mixed=False, prefill_behind_decode=False)
     return dataclasses.replace(config, num_speculative_tokens=k, tuning=tuning)
 

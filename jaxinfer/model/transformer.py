@@ -130,8 +130,9 @@ def _merge_holes(a, b):
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
                   positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
                   page_table: jax.Array, decode: bool = False, unroll: bool = False,
-                  attention: str = "paged") -> tuple[KVCache, jax.Array]:
-    """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D].
+                  attention: str = "paged", capture: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array]:
+    """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D] (and with
+    `capture`, the outputs of those layers [len(capture), T, D], as transformers' hidden_states[l + 1]).
 
     decode: token t is the single new token of sequence t (T == B), at position `positions[t]`.
     unroll: unroll the layer loop (no while loop on the device; longer compile).
@@ -141,9 +142,15 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     in order, the last of them at the sequence's end (ops.verify_attention).
     """
     x = embed(cfg, params, tokens, positions)
-    kv, x = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0, cfg.num_layers,
-                       decode, unroll, attention)
-    return kv, final_norm(cfg, ops, params, x)
+    kv, x, *states = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0,
+                                cfg.num_layers, decode, unroll, attention, capture)
+    h = final_norm(cfg, ops, params, x)
+    if capture:   # transformers' hidden_states[L] (the last layer's output) is the final-normed one
+        states = states[0]
+        if cfg.num_layers - 1 in capture:
+            states = states.at[capture.index(cfg.num_layers - 1)].set(h)
+        return kv, h, states
+    return kv, h
 
 
 def embed(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -160,10 +167,13 @@ def final_norm(cfg: ModelConfig, ops: ModuleType, params: dict, x: jax.Array) ->
 
 def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: jax.Array, positions: jax.Array,
                slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array, first: int, last: int,
-               decode: bool = False, unroll: bool = False, attention: str = "paged") -> tuple[KVCache, jax.Array]:
+               decode: bool = False, unroll: bool = False, attention: str = "paged",
+               capture: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array]:
     """Layers first..last-1 on the residual stream x [T, D] (arguments as hidden_states'): (kv, x). With split
     layers, params["layers"][i] is layer i's (entries outside the range may be None: a step that runs part of
-    the model takes only its part's matrices as arguments)."""
+    the model takes only its part's matrices as arguments). capture: layers (within first..last-1) whose
+    outputs are also returned, (kv, x, their outputs [len(capture), T, D]) (a DFlash drafter reads them)."""
+    captured = {}
     cos_sin = None
     if cfg.position_kind == "rope":
         cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
@@ -177,11 +187,19 @@ def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: 
         for i in range(first, last):
             carry = _split_layer(cfg, ops, kv.page_size, decode, carry, params["layers"][i], params["layer_vectors"],
                                  jnp.int32(i), cos_sin, token_arrays, attention)
-    else:
-        indices = jnp.arange(first, last, dtype=jnp.int32)
-        carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
-                                indices, unroll=unroll)
+            captured[i] = carry[0]
+    else:   # a scan a stretch between captured layers
+        ends = sorted({i + 1 for i in capture if first <= i < last} | {last})
+        start = first
+        for end in ends:
+            indices = jnp.arange(start, end, dtype=jnp.int32)
+            carry, _ = jax.lax.scan(lambda c, i: (layer(c, _layer_params(params["layers"], i), i), None), carry,
+                                    indices, unroll=unroll)
+            captured[end - 1] = carry[0]
+            start = end
     x, k, v = carry
+    if capture:
+        return kv.replace(k=k, v=v), x, jnp.stack([captured[i] for i in capture])
     return kv.replace(k=k, v=v), x
 
 

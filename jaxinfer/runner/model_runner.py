@@ -58,8 +58,11 @@ class ModelRunner:
     """Owns the device state (params, KV cache, sampler state) and the compiled steps."""
 
     def __init__(self, cfg: ModelConfig, params: dict, ops: ModuleType, config: EngineConfig, *, num_pages: int,
-                 max_model_len: int, kv_dtype=None, executable_cache: ExecutableCache | None = None):
-        """config: resolved (EngineConfig.resolved). kv_dtype: the KV cache's (default the model's)."""
+                 max_model_len: int, kv_dtype=None, executable_cache: ExecutableCache | None = None,
+                 capture_layers: tuple[int, ...] = ()):
+        """config: resolved (EngineConfig.resolved). kv_dtype: the KV cache's (default the model's). capture_layers:
+        target layers whose outputs the prompt and verify steps also return (for a DFlash drafter), left on the
+        device in `captured` after each such step."""
         t = config.tuning
         self.cfg, self.params, self.ops, self.tuning = cfg, params, ops, t
         self.page_size = config.page_size
@@ -79,6 +82,8 @@ class ModelRunner:
         self.warmup_breakdown: dict[str, float] = {}
         self.fresh_prompt_min_tokens = t.fresh_prompt_min_tokens if t.fresh_prompt_attention else 0
         self.steps: dict[StepVariant, Any] = {}   # each called as steps[v](params, kv, state, batch)
+        self.capture_layers = tuple(capture_layers)
+        self.captured: jax.Array | None = None   # [len(capture_layers), T, D] of the last prompt or verify step
         unroll, n_top = t.unroll_layers, config.max_logprobs
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for sampler in samplers_built(t.plain_sampling_step, None, decode=True):
@@ -91,12 +96,12 @@ class ModelRunner:
             rows = self.sampled_rows(attention)
             for sampler in samplers_built(t.plain_sampling_step, rows, decode=False, greedy_step=t.greedy_mixed_step):
                 v = StepVariant("mixed", sampler, attention)
-                if v.one_sequence and 0 < t.prompt_step_head_layers < cfg.num_layers:
+                if v.one_sequence and 0 < t.prompt_step_head_layers < cfg.num_layers and not capture_layers:
                     self.steps[v] = SplitStep(cfg, ops, v.n_top(n_top), t.prompt_step_head_layers, v.greedy,
                                               attention, v.method)
                     continue
                 step = functools.partial(mixed_step, cfg, ops, v.n_top(n_top), greedy=v.greedy, attention=attention,
-                                         method=v.method)
+                                         method=v.method, capture=self.capture_layers)
                 self.steps[v] = jax.jit(step, donate_argnums=(1, 2))
         self.verify_widths = verify_widths(config.num_speculative_tokens if config.speculative else None)
         for width in self.verify_widths:
@@ -105,7 +110,8 @@ class ModelRunner:
                 for attention in attentions:
                     v = StepVariant("verify", sampler, attention, steps=width)
                     self.steps[v] = jax.jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
-                                                              attention=attention, method=v.method),
+                                                              attention=attention, method=v.method,
+                                                              capture=self.capture_layers),
                                             donate_argnums=(1, 2))
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jax.jit(
@@ -158,6 +164,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(variant, batch)
         self.device_wait_seconds += time.perf_counter() - t0
+        return self._keep_captured(out, variant)
+
+    def _keep_captured(self, out: list, variant: StepVariant) -> tuple:
+        """A step's outputs less the captured layer states, which stay on the device in `captured`."""
+        if self.capture_layers and variant.phase in ("mixed", "verify"):
+            self.captured = out.pop()
         return tuple(out)
 
     def launch_verify(self, batch: VerifyBatch, variant: StepVariant) -> tuple:
@@ -166,7 +178,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.kv, self.state, *out = self._call(variant, batch)
         self.device_wait_seconds += time.perf_counter() - t0
-        return tuple(out)
+        return self._keep_captured(out, variant)
 
     def launch_decode(self, batch: DecodeBatch, variant: StepVariant) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs, on

@@ -52,7 +52,8 @@ def init_row(state: SamplerState, row: jax.Array, token_ids: jax.Array, n_prompt
 
 
 def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-               batch: StepBatch, greedy: bool = False, attention: str = "paged", method: str = "branch"):
+               batch: StepBatch, greedy: bool = False, attention: str = "paged", method: str = "branch",
+               capture: tuple[int, ...] = ()):
     """Prompt chunks and decode tokens together.
     Returns (kv, state, tokens [B], logprobs [B], top values [B, n_top], top ids [B, n_top]).
     greedy: every sampled row is greedy (argmax only: no branch whose predicate the GPU runtime must
@@ -65,6 +66,12 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     into a single buffer (transfer.to_device_packed: split here, one argument instead of ~20)."""
     batch = unpacked(batch)
     rows = _sampled_batch(batch, attention)
+    if capture:   # also the outputs of the layers a DFlash drafter reads, [len(capture), T, D], last
+        kv, h, states = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions,
+                                            batch.slot_mapping, batch.token_seq, batch.page_table, attention=attention,
+                                            capture=capture)
+        logits = model.lm_head(cfg, ops, params, h[rows.sample_index])
+        return (*_sampled(kv, state, batch, rows, logits, n_top, greedy, method), states)
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
                                batch.token_seq, batch.page_table, rows.sample_index, attention=attention)
     return _sampled(kv, state, batch, rows, logits, n_top, greedy, method)
@@ -176,7 +183,8 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
 
 
 def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: KVCache, state: SamplerState,
-                batch: VerifyBatch, greedy: bool = False, attention: str = "paged", method: str = "sort"):
+                batch: VerifyBatch, greedy: bool = False, attention: str = "paged", method: str = "sort",
+                capture: tuple[int, ...] = ()):
     """A mixed step in which each sequence scores Q rows: its last token's and those after each of its drafts
     (num_drafts of them; a sequence without drafts, a plain decode or a prompt chunk, scores one row as
     mixed_step samples it). The drafts are accepted or rejected on the device (sampling.rejection.verify:
@@ -185,12 +193,12 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
     attention: "paged" (ragged rows), or "verify" (every sequence Q rows in order: ops.verify_attention).
     method: sampling.sample's, for the sampled rows.
     Returns (kv, state, accepted drafts [B], tokens [B, Q] (the first accepted + 1 are emitted), logprobs [B, Q],
-    top values [B, Q, n_top], top ids [B, Q, n_top])."""
+    top values [B, Q, n_top], top ids [B, Q, n_top]; with `capture`, the captured layers' outputs, as mixed_step)."""
     batch = unpacked(batch)
     sb = batch.step
     B, Q = batch.score_rows.shape
-    kv, h = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, sb), sb.positions, sb.slot_mapping,
-                                sb.token_seq, sb.page_table, attention=attention)
+    kv, h, *states = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, sb), sb.positions, sb.slot_mapping,
+                                         sb.token_seq, sb.page_table, attention=attention, capture=capture)
     logits = model.lm_head(cfg, ops, params, h[batch.score_rows.reshape(B * Q)])
     pm, oc = _gather_rows(state, sb.state_row)
     accepted, tokens, logprobs = verify(logits.reshape(B, Q, -1), batch.drafts, batch.num_drafts, sb.sampling,
@@ -199,4 +207,4 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
     rows = jnp.where(emitted, sb.state_row[:, None], state.output_counts.shape[0] - 1)   # the rest: scratch row
     state = state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))
     top_v, top_i = top_logprobs(logits, n_top)
-    return (kv, state, accepted, tokens, logprobs, top_v.reshape(B, Q, n_top), top_i.reshape(B, Q, n_top))
+    return (kv, state, accepted, tokens, logprobs, top_v.reshape(B, Q, n_top), top_i.reshape(B, Q, n_top), *states)

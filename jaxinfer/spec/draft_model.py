@@ -66,7 +66,7 @@ class DraftModelProposer:
         """Device bytes of one page of the draft's pool (the engine sizes the target's pool net of them)."""
         return bytes_per_page(self.cfg, page_size, self.kv_dtype)
 
-    def attach(self, num_pages: int, max_model_len: int, ops) -> None:
+    def attach(self, num_pages: int, max_model_len: int, ops, target_runner=None) -> None:
         self.runner = ModelRunner(self.cfg, self.params, ops, self.config, num_pages=num_pages,
                                   max_model_len=max_model_len, kv_dtype=self.kv_dtype)
         self.runner.warmup(progress=False, compile=False)
