@@ -296,3 +296,17 @@ def test_quantized_engine_steps_lower(h200, tmp_path, quantization):
     for variant, batch in calls:
         traced = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch)
         assert "custom_call @__gpu$xla.gpu.triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_batched_rows_pick_the_kernel_by_the_8bit_table_and_block_scales_always():
+    """On the GPU (not interpret mode): per-channel 8-bit weights take the skinny kernel only where
+    tables.SKINNY_GEMM_8BIT has the shape; block-scaled ones at every shape (XLA would dequantize the matrix)."""
+    from jaxinfer.ops.pallas import _skinny_config
+    from jaxinfer.pallas import tables
+
+    x = jnp.ones((16, 256), bf16)
+    channel = LayerWeight(random_weight(jax.random.PRNGKey(0), 2, 96, 256, "int8", None), jnp.int32(0))
+    blocked = LayerWeight(random_weight(jax.random.PRNGKey(0), 2, 96, 256, "fp8", (128, 128)), jnp.int32(0))
+    if (96, 256, "none", 16) not in tables.SKINNY_GEMM_8BIT:
+        assert _skinny_config(x, channel, "none", interpret=False) is None
+    assert _skinny_config(x, blocked, "none", interpret=False) is not None

@@ -18,7 +18,7 @@ attention (Q rows a sequence) is the split-sequence kernel with the Q rows of a 
 8-bit weights (ops.quantized.QuantizedWeight, bare or in a LayerWeight) take the same kernels' 8-bit variants:
 batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no more kernels a layer), batched
 decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
-interpret mode always); everything else (prompt rows, shapes not in the table) XLA's product (_xla_product): the
+interpret mode always; block-scaled weights always); everything else (prompt rows, shapes not in the table) XLA's product (_xla_product): the
 values converted in the GEMM's fusion and the channel scales after (reference.quantized_product), block-scaled ones
 dequantized to x's dtype first, and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
 cores (each row quantized to e4m3 with a scale of its own).
@@ -133,13 +133,18 @@ def _small(x) -> bool:
 
 def _skinny_config(x, w, epilogue, interpret):
     """The tensor-core kernel's config for a batched decode step's rows at a shape where its measured table beat
-    XLA (in interpret mode at every shape, so the CPU tests cover it); else None (XLA's GEMM)."""
+    XLA (in interpret mode at every shape, so the CPU tests cover it); else None (XLA's GEMM). Block-scaled 8-bit
+    weights take the kernel at every shape (choose_config where the table has none): XLA's product writes and
+    re-reads a bf16 copy of the matrix, 5 bytes a weight against the kernel's 1."""
     if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
         return None
     n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
     if interpret:
         return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
-    return skinny_gemm.table_config(x.shape[0], n, k, epilogue, eight_bit=_quantized(w))
+    cfg = skinny_gemm.table_config(x.shape[0], n, k, epilogue, eight_bit=_quantized(w))
+    if cfg is None and _quantized(w) and (w.stacked if isinstance(w, LayerWeight) else w).block is not None:
+        return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
+    return cfg
 
 
 def _hopper_config(x, w, epilogue, interpret):
