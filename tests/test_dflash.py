@@ -107,6 +107,8 @@ def test_missing_fields_are_named(tmp_path):
         load_dflash_config(_edited_drafter(tmp_path / "a", lambda c: c["dflash_config"].pop("mask_token_id")))
     with pytest.raises(ModelLoadError, match="lacks its 'dflash_config'"):
         load_dflash_config(_edited_drafter(tmp_path / "b", lambda c: c.pop("dflash_config")))
+    with pytest.raises(ModelLoadError, match="DFlash drafter: config.json lacks the field 'vocab_size'"):
+        load_dflash_config(_edited_drafter(tmp_path / "d", lambda c: c.pop("vocab_size")))
     with pytest.raises(ModelLoadError, match="sliding-window"):
         load_dflash_config(_edited_drafter(tmp_path / "c", lambda c: c.update(use_sliding_window=True)))
 

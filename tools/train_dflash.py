@@ -111,7 +111,8 @@ def save_drafter(hf: dict, dcfg: DFlashConfig, params: dict, out: Path) -> None:
             pre + "self_attn.v_proj.weight": wqkv[q + k:], pre + "self_attn.o_proj.weight": lay["wo"][i],
             pre + "self_attn.q_norm.weight": lay["q_norm"][i], pre + "self_attn.k_norm.weight": lay["k_norm"][i],
             pre + "mlp.gate_proj.weight": gate_up[:cfg.intermediate_size],
-            pre + "mlp.up_proj.weight": gate_up[cfg.intermediate_size:], pre + "mlp.down_proj.weight": lay["w_down"][i]})
+            pre + "mlp.up_proj.weight": gate_up[cfg.intermediate_size:],
+            pre + "mlp.down_proj.weight": lay["w_down"][i]})
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(out / "model.safetensors"),

@@ -70,7 +70,10 @@ def dflash_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> DFlashConf
         missing.append("dflash_config.target_layer_ids (or num_target_layers)")
     if missing:
         raise ModelLoadError(f"DFlash drafter config.json lacks {', '.join(missing)}")
-    model = config_from_hf({**hf, "architectures": ["Qwen3ForCausalLM"]}, dtype)
+    try:
+        model = config_from_hf({**hf, "architectures": ["Qwen3ForCausalLM"]}, dtype)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"DFlash drafter: {e}") from None
     # the authors' attention takes attention_bias for all four projections (a Qwen3 target's o_proj has none)
     model = dataclasses.replace(model, o_bias=model.qkv_bias)
     num_target = int(hf.get("num_target_layers") or 1 + max(layer_ids))
