@@ -10,9 +10,12 @@ Random bf16 weights at a real shape (bench.random_model), loaded through our loa
 2. The bound: random weights accept nothing real, so an oracle proposer replays the target's own greedy tokens
    (recorded in a first run without speculation) at no drafting cost; every draft is accepted. Batch 1, decode
    tok/s as a user sees it (first token to last), k = 7 and 15, against plain decode in the same run.
-3. A DFlash drafter's own cost at the shape of the published Qwen3-4B drafter (random weights; --dflash-config
-   for another), and the tok/s it projects at the published accepted lengths, next to the measured bound.
+3. A DFlash drafter's own cost at the shape of the published Qwen3-4B drafter (random weights), and the tok/s it
+   projects at the published accepted lengths (a verify step, the drafter, the host's time a step), next to the
+   measured bound.
 4. Batched: 64 concurrent requests of random prompts, output tok/s with adaptive n-gram speculation on and off.
+5. `--sections real` (the CPU): real acceptance on stories260k's weights: n-gram, the draft model llama2xs-260k
+   and a trained DFlash drafter (--dflash-drafter, tools/train_dflash.py) on a copy-heavy prompt and open text.
 Prints one table; writes speculative.json.
 """
 
@@ -161,18 +164,71 @@ def oracle_bound(model_dir: Path, context: int, new: int, ks: list[int]) -> list
     return rows
 
 
-def dflash_cost(model_dir: Path, context: int, config_path: str | None, verify_ms: float | None) -> list[dict]:
-    """Section 3: the drafter's forward at the published Qwen3-4B drafter's shape, random weights."""
-    from jaxinfer.spec import dflash
+# The published Qwen3-4B DFlash drafter's shape (z-lab/Qwen3-4B-DFlash-b16): five Qwen3 layers of the target's
+# width, blocks of 16, reading five target layers.
+DFLASH_QWEN3_4B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", block_size=16, num_target_layers=36,
+                       dflash_config=dict(mask_token_id=151669), hidden_size=2560, num_hidden_layers=5,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=9728,
+                       vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
+                       rope_parameters=dict(rope_type="default", rope_theta=1000000.0), hidden_act="silu")
 
-    if not hasattr(dflash, "bench_drafter_ms"):
-        return [dict(case="dflash", error="spec.dflash has no bench_drafter_ms")]
-    ms = dflash.bench_drafter_ms(model_dir, context, config_path)
-    rows = []
-    for label, accepted in (("math (published ~6.3)", 6.3), ("chat (published ~3.4)", 3.4)):
-        step = (verify_ms or 0) + ms
-        rows.append(dict(case=f"dflash projected, {label}", drafter_ms=ms, step_ms=step,
-                         tok_s=1e3 * accepted / step if step else None))
+
+def random_drafter(dcfg, seed: int = 0, std: float = 0.02) -> dict:
+    """Random weights in spec.dflash's tree at dcfg's shape, in its dtype."""
+    cfg, n = dcfg.model, len(dcfg.target_layer_ids)
+    d, L, i = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(cfg.jnp_dtype)
+    ones = lambda shape: jnp.ones(shape, cfg.jnp_dtype)
+    return {"fc": normal((d, n * d)), "hidden_norm": ones((d,)), "norm": ones((d,)), "layers": {
+        "attn_norm": {"scale": ones((L, d))}, "mlp_norm": {"scale": ones((L, d))},
+        "wqkv": normal((L, cfg.q_size + 2 * cfg.kv_size, d)), "q_norm": ones((L, cfg.head_dim)),
+        "k_norm": ones((L, cfg.head_dim)), "wo": normal((L, d, cfg.q_size)),
+        "w_gate_up": normal((L, 2 * i, d)), "w_down": normal((L, d, i))}}
+
+
+def dflash_cost(model_dir: Path, context: int, verify_ms: float | None, bound_ms: float | None) -> list[dict]:
+    """Section 3: the drafter's own work a verify step at the published Qwen3-4B drafter's shape (random weights,
+    bf16, batch 1): writing the step's 16 rows of context, and one block pass over a context of `context`."""
+    from jaxinfer.model.kv_cache import KVCache
+    from jaxinfer.ops import get_ops
+    from jaxinfer.spec.dflash_config import dflash_config_from_hf
+    from jaxinfer.spec.dflash_proposer import draft_block, write_context
+
+    dcfg = dflash_config_from_hf(DFLASH_QWEN3_4B, "bfloat16")
+    ops = get_ops("pallas" if jax.devices()[0].platform == "gpu" else "reference")
+    params = random_drafter(dcfg)
+    cfg, bs, ps = dcfg.model, dcfg.block_size, 16
+    n_pages = -(-(context + 2 * bs) // ps) + 1
+    pool = KVCache.allocate(cfg, n_pages, ps)
+    pages = np.arange(1, n_pages, dtype=np.int32)
+    embed = jax.random.normal(jax.random.key(1), (cfg.vocab_size, cfg.hidden_size), cfg.jnp_dtype) * 0.02
+    states = jax.random.normal(jax.random.key(2), (len(dcfg.target_layer_ids), bs, cfg.hidden_size), cfg.jnp_dtype)
+    write = jax.jit(functools.partial(write_context, dcfg, ops), donate_argnums=(1,))
+    draft = jax.jit(functools.partial(draft_block, dcfg, ops), donate_argnums=(1,))
+    box = {"pool": pool}
+    positions = jnp.arange(context - bs, context, dtype=jnp.int32)
+    slots = jnp.asarray(slots_for(pages.tolist(), context - bs, context, ps))
+    block_slots = jnp.asarray(slots_for(pages.tolist(), context - 1, context - 1 + bs, ps))[None]
+
+    def do_write():
+        box["pool"] = write(params, box["pool"], states, positions, slots)
+        return box["pool"].k
+
+    def do_draft():
+        box["pool"], d = draft(params, box["pool"], embed, embed, jnp.array([7], jnp.int32),
+                               jnp.array([context - 1], jnp.int32), jnp.asarray(pages)[None], block_slots)
+        return d
+    write_ms, draft_ms = _time(do_write), _time(do_draft)
+    ms = write_ms + draft_ms
+    print(f"# dflash drafter: context write {write_ms:.3f} ms, block pass {draft_ms:.3f} ms", flush=True)
+    rows = [dict(case="dflash drafter (write 16 rows + one block pass)", step_ms=ms, write_ms=write_ms,
+                 draft_ms=draft_ms)]
+    for label, accepted in (("math, published ~6.3 a verify", 6.3), ("chat, published ~3.4", 3.4)):
+        if verify_ms is None:
+            continue
+        step = verify_ms + ms + (bound_ms or 0.0)
+        rows.append(dict(case=f"dflash projected, {label}", step_ms=step, tok_s=1e3 * accepted / step))
     return rows
 
 
@@ -202,6 +258,45 @@ def batched(model_dir: Path, n: int, prompt_len: int, new: int) -> list[dict]:
     return rows
 
 
+def real_acceptance(target: Path, draft: Path, drafter: Path | None, new: int) -> list[dict]:
+    """Section 5 (the CPU, real weights): mean accepted length and tok/s of each proposer against decoding without
+    speculation on stories260k: a copy-heavy prompt (a story the model told, then its opening again: it retells
+    it) and open text (story openers). Greedy; tokens checked equal to decoding without speculation."""
+    from jaxinfer import LLM
+
+    story = LLM(target, progress=False, cache_dir="").generate(
+        "Once upon a time", SamplingParams(max_tokens=160, temperature=0))[0]
+    ids = story.prompt_token_ids + story.outputs[0].token_ids
+    cases = {"copy-heavy": [ids + ids[:24]], "open text": [
+        "Once upon a time, there was a little dog", "Tom and Sue went to the park", "One day, a bird"]}
+    proposers = {"none": None, "ngram": "ngram", "draft model (llama2xs-260k)": f"draft:{draft}"}
+    if drafter is not None:
+        proposers["dflash (trained)"] = f"dflash:{drafter}"
+    rows = []
+    for case, prompts in cases.items():
+        base = None
+        for name, spec in proposers.items():
+            llm = LLM(target, speculative=spec, num_speculative_tokens=None if spec is None or "dflash" in spec else 7,
+                      max_num_seqs=1, enable_prefix_caching=False, progress=False, cache_dir="")
+            params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+            for p in prompts:   # every step shape compiled before the timed run
+                llm.generate(p, params)
+            e = llm.engine
+            e.stats = dict.fromkeys(e.stats, 0)
+            if e.speculator:
+                e.speculator.stats = type(e.speculator.stats)()
+            t0 = time.perf_counter()
+            tokens = [llm.generate(p, params)[0].outputs[0].token_ids for p in prompts]
+            wall = time.perf_counter() - t0
+            tok_s = sum(map(len, tokens)) / wall
+            base = (tokens, tok_s) if spec is None else base
+            st = e.speculator.stats if e.speculator else None
+            rows.append(dict(case=f"{case}: {name}", tok_s=tok_s, speedup=tok_s / base[1], equal=tokens == base[0],
+                             mean_accepted_length=round(st.mean_accepted_length, 2) if st else "-"))
+            print(f"# {rows[-1]}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-4b")
@@ -213,34 +308,43 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--batch-prompt", type=int, default=256)
     ap.add_argument("--sections", nargs="+", default=["verify", "oracle", "dflash", "batched"])
-    ap.add_argument("--dflash-config", default=None)
+    ap.add_argument("--dflash-drafter", default=None, help="a trained drafter for stories260k (section real)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    model_dir = bench_model(args.models, args.shape)
+    model_dir = bench_model(args.models, args.shape) if set(args.sections) - {"real"} else None
     out: dict = dict(device=jax.devices()[0].device_kind, shape=args.shape, bandwidth=bw)
     if "verify" in args.sections:
         out["verify"] = verify_cost(model_dir, args.contexts, args.widths)
     if "oracle" in args.sections:
         out["oracle"] = oracle_bound(model_dir, args.prompt, args.new, args.ks)
     if "dflash" in args.sections:
+        # projected step: the verify step, the drafter's work, and the host time a verify step costs beyond its
+        # device time (from the oracle run at k = 15: its ms a step less the verify step's)
         v16 = next((r["verify_ms"] for r in out.get("verify", []) if r["Q"] == 16 and r["context"] == args.prompt), None)
+        o15 = next((r for r in out.get("oracle", []) if r["k"] == 15), None)
+        host = o15["step_ms"] * o15["mean_accepted_length"] - v16 if o15 and v16 else None
         try:
-            out["dflash"] = dflash_cost(model_dir, args.prompt, args.dflash_config, v16)
+            out["dflash"] = dflash_cost(model_dir, args.prompt, v16, host)
         except Exception as e:
             out["dflash"] = [dict(case="dflash", error=f"{type(e).__name__}: {e}")]
+    if "real" in args.sections:   # the CPU: stories260k's real weights
+        shared = Path(__file__).resolve().parents[2] / "shared" / "models"
+        out["real"] = real_acceptance(shared / "stories260k", shared / "llama2xs-260k",
+                                      Path(args.dflash_drafter) if args.dflash_drafter else None, args.new)
     if "batched" in args.sections:
         out["batched"] = batched(model_dir, args.batch, args.batch_prompt, args.new)
     Path(args.out, "speculative.json").write_text(json.dumps(out, indent=1, default=str))
 
-    print(f"\n{args.shape}, bf16, batch 1 after a {args.prompt}-token prompt unless said; {out['device']}")
+    print(f"\n{args.shape}, bf16, batch 1 after a {args.prompt}-token prompt unless said (real: stories260k, float32, "
+          f"the CPU); {out['device']}")
     if "verify" in out:
         print("\n| context | Q (k + 1) | verify step ms | decode step ms | verify / decode |\n|---|---|---|---|---|")
         for r in out["verify"]:
             print(f"| {r['context']} | {r['Q']} | {r['verify_ms']:.3f} | {r['decode_ms']:.3f} | {r['ratio']:.2f} |")
-    rest = out.get("oracle", []) + out.get("dflash", []) + out.get("batched", [])
+    rest = out.get("oracle", []) + out.get("dflash", []) + out.get("batched", []) + out.get("real", [])
     if rest:
         print("\n| case | tok/s | ms a token or step | vs decode | accepted length | tokens equal |\n|---|---|---|---|---|---|")
         for r in rest:
@@ -248,7 +352,7 @@ def main() -> None:
                 print(f"| {r['case']} | failed: {r['error'][:100]} | | | | |")
                 continue
             tok_s = f"{r['tok_s']:.0f}" if r.get("tok_s") else "-"
-            ms = f"{r['step_ms']:.3f}" if r.get("step_ms") else f"{r.get('wall_s', 0):.1f} s wall"
+            ms = f"{r['step_ms']:.3f}" if r.get("step_ms") else f"{r['wall_s']:.1f} s wall" if "wall_s" in r else "-"
             print(f"| {r['case']} | {tok_s} | {ms} | {r.get('speedup', 0):.2f}x | "
                   f"{r.get('mean_accepted_length', '-')} | {r.get('equal', '-')} |")
 
