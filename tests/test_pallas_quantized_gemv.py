@@ -57,7 +57,7 @@ def case(kind, n_out, n_in, dtype, fmt, block, T=1, seed=0):
 GEMV_SHAPES = [(100, 72, 32), (96, 200, 64)]   # (out, in, block_in)
 
 
-@pytest.mark.parametrize("block", [None, (32, 64)], ids=["channel", "block"])
+@pytest.mark.parametrize("block", [None, (32, 64), (32, 16)], ids=["channel", "block", "tiles-of-blocks"])
 @pytest.mark.parametrize("shape,fmt", [(0, "int8"), (1, "fp8")])
 @pytest.mark.parametrize("kind", KINDS)
 def test_gemv_8bit_matches_twin(kind, shape, fmt, block):
@@ -72,7 +72,7 @@ def test_gemv_8bit_matches_twin(kind, shape, fmt, block):
     assert rel_err(y, ref) <= TOL[bf16]
 
 
-@pytest.mark.parametrize("block", [None, (16, 32)], ids=["channel", "block"])
+@pytest.mark.parametrize("block", [None, (16, 32), (16, 8)], ids=["channel", "block", "tiles-of-4-blocks"])
 def test_gemv_8bit_float32_is_exact_to_the_sum_order(block):
     """float32 x: every product of an 8-bit value and x is exact in float32, so the GEMV and its twin differ only in
     the order of float32 sums and where the scale multiplies."""
@@ -117,7 +117,7 @@ def test_8bit_weights_need_their_scales():
     with pytest.raises(ValueError, match="w_scale"):
         fused_gemv(x, v, 0, w_scale=jnp.ones((2, 31)), interpret=True)
     with pytest.raises(ValueError, match="block_in"):
-        fused_gemv(x, v, 0, w_scale=jnp.ones((2, 1, 2)), w_block=(32, 32), block_in=64, interpret=True)
+        fused_gemv(x, v, 0, w_scale=jnp.ones((2, 1, 2)), w_block=(32, 48), block_in=64, interpret=True)
     with pytest.raises(ValueError, match="w_scale"):
         skinny_gemm(jnp.ones((4, 64), bf16), v, 0, interpret=True)
 
@@ -259,7 +259,7 @@ def _lowers(fn, *args) -> bool:
 
 
 @pytest.mark.parametrize("fmt,block,convert", [("int8", None, "bits"), ("int8", None, "cvt"), ("fp8", None, None),
-                                               ("fp8", (128, 128), None)])
+                                               ("fp8", (128, 128), None), ("fp8", (128, 32), None)])
 def test_8bit_kernels_lower_to_triton(h200, fmt, block, convert):
     x, qw, _, kw, _ = case("norm_bias", 256, 200, bf16, fmt, block, seed=10)   # ragged: masked tail tiles
     xm = jnp.ones((16, 200), bf16)

@@ -115,7 +115,7 @@ def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, 
     table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None)
     if not sweep:
         return [table]
-    block_ins = [b for b in (128, 256, 512, 1024) if block is None or block[1] % b == 0]
+    block_ins = [b for b in (128, 256, 512, 1024) if block is None or block[1] % b == 0 or b % block[1] == 0]
     cfgs = [(b, r, c) for b in block_ins for r in (1, 2, 4) if n % r == 0 for c in converts]
     return [table] + [c for c in cfgs if c != table]
 

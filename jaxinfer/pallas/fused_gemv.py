@@ -20,7 +20,8 @@ What is fused:
 8-bit weights (int8 or float8_e4m3fn, `w_scale`): the same kernel streams the 1-byte values (half the bytes of
 a bf16 step; every int8 and e4m3 value is exact in float32) and sums value * x in float32. A scale per output
 channel multiplies each row's sum once, after the reduction; block scales ((bo, bi) blocks, the official FP8
-checkpoints' format) multiply each tile of the row, a tile lying inside one bi-column block. The fusions stay:
+checkpoints' format) multiply each tile of the row, a tile lying inside one bi-column block, or a tile of several
+blocks held as [blocks, bi] with a scale a row. The fusions stay:
 a quantized layer runs as many kernels as a bf16 one.
 """
 
@@ -67,9 +68,16 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     out_rows = [first + r for r in range(rows)]
     # swiglu: gate rows, then up rows
     w_rows = out_rows + [r + half for r in out_rows] if epilogue == "swiglu" else out_rows
-    accs = [[jnp.zeros((block_in,), f32) for _ in w_rows] for _ in range(T)]
-    sumsq = [jnp.zeros((block_in,), f32) for _ in range(T)]
+    # tiles wider than a scale block (block_in > bi) are [block_in / bi, bi]: one row of the tile a scale block
+    wide = w_block is not None and block_in > w_block[1]
+    tile = (block_in // w_block[1], w_block[1]) if wide else (block_in,)
+    accs = [[jnp.zeros(tile, f32) for _ in w_rows] for _ in range(T)]
+    sumsq = [jnp.zeros(tile, f32) for _ in range(T)]
     for k0, (idx, cmask) in zip(range(0, n_in, block_in), row_tiles(n_in, block_in)):
+        if wide:
+            idx = k0 + jnp.arange(tile[0])[:, None] * tile[1] + jnp.arange(tile[1])[None, :]
+            cmask = None if k0 + block_in <= n_in else idx < n_in
+
         def load(ref_win, cmask=cmask):
             if cmask is not None:
                 # float8 refs take a float fill (the lowering casts no integer to float8)
@@ -77,9 +85,15 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
             return plgpu.load(ref_win)
 
         ws = [_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
-        if w_block is not None:   # this tile's block scale, one a row
+        if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
             bo, bi = w_block
-            ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
+            if wide:
+                blocks = k0 // bi + jnp.arange(tile[0])
+                n_blocks = -(-n_in // bi)
+                ws = [w * plgpu.load(ws_ref.at[layer, r // bo, jnp.minimum(blocks, n_blocks - 1)])[:, None]
+                      for w, r in zip(ws, w_rows)]
+            else:
+                ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
         scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
         for t in range(T):
             xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
@@ -124,7 +138,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     the output rows; the outputs do not depend on it). The output is in `out_dtype` (default x.dtype):
     float32 keeps the float32 sums unrounded (the lm_head's logits).
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
-    [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in must divide bi). int8_convert: how
+    [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
+    tiles of block_in / bi rows of bi). int8_convert: how
     int8 values become float32 ("cvt" or "bits", _to_f32; None: tables.GEMV_INT8_CONVERT)."""
     if w.ndim == 2:
         w = w[None]
@@ -137,8 +152,9 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
         if w_scale.shape != want:
             raise ValueError(f"fused_gemv: w_scale {w_scale.shape} for w {w.shape} (block {w_block}) should be {want}")
-        if w_block is not None and w_block[1] % block_in:
-            raise ValueError(f"fused_gemv: block_in {block_in} must divide the scale blocks' {w_block[1]} columns")
+        if w_block is not None and w_block[1] % block_in and block_in % w_block[1]:
+            raise ValueError(f"fused_gemv: block_in {block_in} must divide the scale blocks' {w_block[1]} columns or "
+                             "be a multiple of them")
     vectors = [a for a in (scale, b) if a is not None]
     if any(a.ndim == 1 for a in vectors):   # one layer's vectors: a one-layer stack
         if not all(a.ndim == 1 for a in vectors):
@@ -183,11 +199,14 @@ def rows_for(n_out: int, n_in: int, dtype=None) -> int:
 
 def block_in_for(n_out: int, n_in: int, dtype, w_block: tuple[int, int] | None = None) -> int:
     """The measured table for 2-byte weights; 128 for 4-byte weights (the same 16-byte lanes hold half the
-    elements); tables.GEMV_BLOCK_IN_8BIT for 1-byte weights, never past a scale block's columns (w_block)."""
+    elements); tables.GEMV_BLOCK_IN_8BIT for 1-byte weights (with block scales, w_block: a divisor or multiple of the
+    blocks' columns)."""
     size = jnp.dtype(dtype).itemsize
     if size == 1:
         block_in = tables.GEMV_BLOCK_IN_8BIT.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN_8BIT)
-        return block_in if w_block is None else min(block_in, pow2_divisor(w_block[1]))
+        if w_block is None or w_block[1] % block_in == 0 or block_in % w_block[1] == 0:
+            return block_in
+        return min(block_in, pow2_divisor(w_block[1]))
     if size != 2:
         return 128
     return tables.GEMV_BLOCK_IN.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN)
