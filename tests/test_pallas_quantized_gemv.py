@@ -198,10 +198,10 @@ def test_ops_with_quantized_weights_keep_the_kernel_count():
 def test_int8_conversions_agree_bit_for_bit():
     """The GEMV's two int8 -> float32 conversions (tables.GEMV_INT8_CONVERT): every int8 value exactly, and the same
     outputs."""
-    from jaxinfer.pallas.fused_gemv import _to_f32
+    from jaxinfer.pallas.fused_gemv import weights_to_f32
 
     v = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
-    np.testing.assert_array_equal(np.asarray(_to_f32(v, "bits")), np.arange(-128, 128, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(weights_to_f32(v, "bits")), np.arange(-128, 128, dtype=np.float32))
     x, qw, layer, kw, _ = case("residual", 64, 96, bf16, "int8", None, seed=4)
     outs = [fused_gemv(x, qw.values, layer, w_scale=qw.scale, block_in=32, int8_convert=c, interpret=True, **kw)
             for c in ("bits", "cvt")]

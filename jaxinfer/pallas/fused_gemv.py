@@ -41,7 +41,7 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
 
 
-def _to_f32(w, int8_convert: str = "cvt"):
+def weights_to_f32(w, int8_convert: str = "cvt"):
     """Weights to float32, exactly. e4m3 through float16 (on Hopper two values an instruction). int8 "cvt": the
     conversion instruction (I2F runs at a quarter of the FMA rate: near 4.5 TB/s of int8 that is the GEMV's limit);
     "bits": v + 128 (0..255) placed in the low mantissa bits of 2^23, which is then subtracted with the 128:
@@ -84,7 +84,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
                 return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
             return plgpu.load(ref_win)
 
-        ws = [_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
+        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
         if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
             bo, bi = w_block
             if wide:
@@ -140,7 +140,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
-    int8 values become float32 ("cvt" or "bits", _to_f32; None: tables.GEMV_INT8_CONVERT)."""
+    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: tables.GEMV_INT8_CONVERT)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]

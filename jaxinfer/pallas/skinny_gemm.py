@@ -33,6 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
+from jaxinfer.pallas.fused_gemv import weights_to_f32
 from jaxinfer.pallas.tables import SkinnyConfig
 
 f32 = jnp.float32
@@ -138,8 +139,8 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
             else:
                 fill = 0.0 if w_ref.dtype == jnp.float8_e4m3fn else 0   # the lowering casts no integer to float8
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=fill)
-            if w_scaled:
-                w = w.astype(x.dtype)
+            if w_scaled:   # exact: int8 through float32 as the GEMV converts it (tables.GEMV_INT8_CONVERT)
+                w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
             if w_block is not None:   # the tile's block scales, one a row of W
                 bo, bi = w_block
