@@ -3,7 +3,8 @@ on the GPU: the batch-1 fused GEMV (pallas/fused_gemv.py with w_scale) and, with
 tensor-core GEMM (pallas/skinny_gemm.py with w_scale) against XLA's product on the converted values.
 
     PYTHONPATH=. python3 bench/kernels/quantized_gemv.py [--shapes qwen3-4b llama3-8b] [--formats int8 fp8 fp8-block]
-        [--sweep] [--batched 16 64] [--batched-sweep] [--budget 240] [--prompt 1024 8192] [--out DIR]
+        [--sweep [--sweep-block-in 256 512 1024] [--sweep-rows 1 2]] [--no-gemv] [--batched 16 64] [--batched-sweep]
+        [--budget 240] [--prompt 1024 8192] [--out DIR]
 
 For each projection of a layer (QKV with its RMSNorm prologue, o_proj + residual, gate/up with the norm and SwiGLU,
 down + residual; and the lm_head with float32 logits) it times one jit that runs the projection over every layer's
@@ -107,6 +108,10 @@ def twin(x, w, epilogue, norm, scale, res):
     return twins.linear_8bit(x, w, scale=scale if norm else None, **kw)
 
 
+SWEEP_BLOCK_IN = (256, 512, 1024)
+SWEEP_ROWS = (1, 2)
+
+
 def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None]]:
     """(block_in, rows, int8 conversion) to time: the table's, or with --sweep every block_in x rows the format allows
     (int8: with each conversion)."""
@@ -115,8 +120,8 @@ def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, 
     table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None)
     if not sweep:
         return [table]
-    block_ins = [b for b in (128, 256, 512, 1024) if block is None or block[1] % b == 0 or b % block[1] == 0]
-    cfgs = [(b, r, c) for b in block_ins for r in (1, 2, 4) if n % r == 0 for c in converts]
+    block_ins = [b for b in SWEEP_BLOCK_IN if block is None or block[1] % b == 0 or b % block[1] == 0]
+    cfgs = [(b, r, c) for b in block_ins for r in SWEEP_ROWS if n % r == 0 for c in converts]
     return [table] + [c for c in cfgs if c != table]
 
 
@@ -301,11 +306,14 @@ def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: l
 
 
 def main() -> None:
-    global INTERPRET
+    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
     ap.add_argument("--formats", nargs="+", default=["int8", "fp8", "fp8-block"], choices=list(FORMATS))
     ap.add_argument("--sweep", action="store_true", help="every block_in x rows of the GEMV")
+    ap.add_argument("--sweep-block-in", type=int, nargs="+", default=list(SWEEP_BLOCK_IN))
+    ap.add_argument("--sweep-rows", type=int, nargs="+", default=list(SWEEP_ROWS))
+    ap.add_argument("--no-gemv", action="store_true", help="skip the batch-1 GEMVs (--batched / --prompt only)")
     ap.add_argument("--batched", type=int, nargs="*", default=[], help="M rows of batched decode to time")
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the batched sweep")
@@ -315,11 +323,12 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shapes tiny)")
     args = ap.parse_args()
     INTERPRET = args.interpret
+    SWEEP_BLOCK_IN, SWEEP_ROWS = tuple(args.sweep_block_in), tuple(args.sweep_rows)
     t0 = time.time()
     ceiling = 1e11 if INTERPRET else hbm_read_ceiling()
     log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read ceiling {ceiling / 1e12:.2f} TB/s")
     gemv_rows, batched_rows, prompt_rows = [], [], []
-    for shape in args.shapes:
+    for shape in [] if args.no_gemv else args.shapes:
         cfg = SHAPES[shape]
         L = args.layers or cfg["num_hidden_layers"]
         time_gemv(shape, cfg, args.formats, args.sweep, L, ceiling, gemv_rows)
