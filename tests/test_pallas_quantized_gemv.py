@@ -266,7 +266,7 @@ def test_8bit_kernels_lower_to_triton(h200, fmt, block, convert):
     assert _lowers(lambda x, v, s, n: fused_gemv(x, v, 1, w_scale=s, w_block=block, scale=n, block_in=128, rows=2,
                                                  int8_convert=convert), x, qw.values, qw.scale, kw["scale"])
     assert _lowers(lambda x, v, s: fused_gemv(x, v, 0, w_scale=s, w_block=block, block_in=128, epilogue="swiglu",
-                                              int8_convert=convert), x, qw.values, qw.scale)
+                                              int8_convert=convert, num_warps=2), x, qw.values, qw.scale)
     for cfg in SKINNY_CONFIGS:
         assert _lowers(lambda x, v, s: skinny_gemm(x, v, 1, w_scale=s, w_block=block, config=cfg, epilogue="swiglu"),
                        xm, qw.values, qw.scale)
@@ -310,3 +310,10 @@ def test_batched_rows_pick_the_kernel_by_the_8bit_table_and_block_scales_always(
     if (96, 256, "none", 16) not in tables.SKINNY_GEMM_8BIT:
         assert _skinny_config(x, channel, "none", interpret=False) is None
     assert _skinny_config(x, blocked, "none", interpret=False) is not None
+
+
+def test_gemv_8bit_with_several_warps_a_program():
+    """A tile spread over several warps (fused_gemv's num_warps; the sum crosses warps): the twin's outputs."""
+    x, qw, layer, kw, twin_kw = case("swiglu", 96, 200, bf16, "int8", None, seed=12)
+    y = fused_gemv(x, qw.values, layer, w_scale=qw.scale, block_in=64, num_warps=2, interpret=True, **kw)
+    assert rel_err(y, twins.linear_8bit(x, qw[layer], **twin_kw)) <= TOL[bf16]

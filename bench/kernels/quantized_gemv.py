@@ -3,7 +3,7 @@ on the GPU: the batch-1 fused GEMV (pallas/fused_gemv.py with w_scale) and, with
 tensor-core GEMM (pallas/skinny_gemm.py with w_scale) against XLA's product on the converted values.
 
     PYTHONPATH=. python3 bench/kernels/quantized_gemv.py [--shapes qwen3-4b llama3-8b] [--formats int8 fp8 fp8-block]
-        [--sweep [--sweep-block-in 256 512 1024] [--sweep-rows 1 2]] [--no-gemv] [--batched 16 64] [--batched-sweep]
+        [--sweep [--sweep-block-in 256 512 1024] [--sweep-rows 1 2] [--sweep-warps 1]] [--no-gemv] [--batched 16 64] [--batched-sweep]
         [--budget 240] [--prompt 1024 8192] [--out DIR]
 
 For each projection of a layer (QKV with its RMSNorm prologue, o_proj + residual, gate/up with the norm and SwiGLU,
@@ -13,7 +13,7 @@ at its table's config, then each 8-bit format at its table's config (--sweep: ev
 checked against twins.linear_8bit (bf16 rounding: 2e-2 relative). Prints us per call, the bytes a call reads (values
 and scales), the share of the HBM read ceiling measured in the run (ceiling time = bytes / bandwidth), and the
 speed-up over bf16; then the best 8-bit config per shape and format (rows for tables.GEMV_BLOCK_IN_8BIT,
-GEMV_ROWS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT) and the layer's sum.
+GEMV_ROWS_8BIT, GEMV_WARPS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT) and the layer's sum.
 
 --batched M...: the same projections at M rows (a batched decode step): XLA's product (reference.linear on the
 QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized) against the
@@ -47,7 +47,7 @@ from jaxinfer.ops import reference, twins
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import skinny_gemm as SG
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
+from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for, warps_for
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 FORMATS = {"int8": (jnp.int8, None), "fp8": (jnp.float8_e4m3fn, None), "fp8-block": (jnp.float8_e4m3fn, (128, 128))}
@@ -83,7 +83,7 @@ def nbytes(w) -> int:
     return w.values.nbytes + w.scale.nbytes if isinstance(w, QuantizedWeight) else w.nbytes
 
 
-def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str | None = None):
+def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str | None = None, warps: int = 1):
     """f(x, ws, scale, res) running the engine's GEMV over every layer's matrix in ws (8-bit or bf16)."""
     def f(x, ws, scale, res):
         outs = []
@@ -96,7 +96,7 @@ def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str 
             if convert is not None:
                 kw["int8_convert"] = convert
             outs.append(fused_gemv(x, values[None], 0, scale=scale if norm else None, block_in=block_in, rows=rows,
-                                   interpret=INTERPRET, **quant, **kw))
+                                   num_warps=warps, interpret=INTERPRET, **quant, **kw))
         return outs
     return jax.jit(f)
 
@@ -110,18 +110,21 @@ def twin(x, w, epilogue, norm, scale, res):
 
 SWEEP_BLOCK_IN = (256, 512, 1024)
 SWEEP_ROWS = (1, 2)
+SWEEP_WARPS = (1,)
 
 
-def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None]]:
-    """(block_in, rows, int8 conversion) to time: the table's, or with --sweep every block_in x rows the format allows
-    (int8: with each conversion)."""
+def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None, int]]:
+    """(block_in, rows, int8 conversion, warps) to time: the table's, or with --sweep every block_in x rows x warps the
+    format allows (int8: with each conversion; warps only where each lane still loads 16 bytes or fewer)."""
     dtype, block = FORMATS[fmt]
     converts = ["bits", "cvt"] if dtype == jnp.int8 else [None]
-    table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None)
+    table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None,
+             warps_for(n, k, dtype))
     if not sweep:
         return [table]
     block_ins = [b for b in SWEEP_BLOCK_IN if block is None or block[1] % b == 0 or b % block[1] == 0]
-    cfgs = [(b, r, c) for b in block_ins for r in SWEEP_ROWS if n % r == 0 for c in converts]
+    cfgs = [(b, r, c, nw) for b in block_ins for r in SWEEP_ROWS if n % r == 0 for c in converts
+            for nw in SWEEP_WARPS if b // (32 * nw) >= 4]
     return [table] + [c for c in cfgs if c != table]
 
 
@@ -142,10 +145,11 @@ def time_gemv(shape: str, cfg: dict, formats: list[str], sweep: bool, L: int, ce
         for fmt in formats:
             ws = [random_8bit(kk, n, k, fmt) for kk in jax.random.split(keys[0], layers)]
             ref = twin(x, ws[0], epilogue, norm, scale, res)
-            for block_in, rows, convert in gemv_configs(rows_n, k, fmt, sweep):
-                label = f"block_in {block_in}, rows {rows}" + (f", {convert}" if convert else "")
+            for block_in, rows, convert, warps in gemv_configs(rows_n, k, fmt, sweep):
+                label = f"block_in {block_in}, rows {rows}" + (f", {convert}" if convert else "") + \
+                    (f", {warps} warps" if warps > 1 else "")
                 try:
-                    f = gemv_call(epilogue, norm, block_in, rows, convert)
+                    f = gemv_call(epilogue, norm, block_in, rows, convert, warps)
                     outs, ms = best_ms_per_call(f, (x, ws, scale, res), layers, 3, target_s=0.25)
                     err = rel_err(outs[0], ref)
                     record(out, shape, name, n, k, fmt, label, 1e3 * ms, nbytes(ws[0]), ceiling, base_us,
@@ -306,13 +310,14 @@ def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: l
 
 
 def main() -> None:
-    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS
+    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
     ap.add_argument("--formats", nargs="+", default=["int8", "fp8", "fp8-block"], choices=list(FORMATS))
     ap.add_argument("--sweep", action="store_true", help="every block_in x rows of the GEMV")
     ap.add_argument("--sweep-block-in", type=int, nargs="+", default=list(SWEEP_BLOCK_IN))
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=list(SWEEP_ROWS))
+    ap.add_argument("--sweep-warps", type=int, nargs="+", default=list(SWEEP_WARPS))
     ap.add_argument("--no-gemv", action="store_true", help="skip the batch-1 GEMVs (--batched / --prompt only)")
     ap.add_argument("--batched", type=int, nargs="*", default=[], help="M rows of batched decode to time")
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
@@ -323,7 +328,7 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shapes tiny)")
     args = ap.parse_args()
     INTERPRET = args.interpret
-    SWEEP_BLOCK_IN, SWEEP_ROWS = tuple(args.sweep_block_in), tuple(args.sweep_rows)
+    SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS = tuple(args.sweep_block_in), tuple(args.sweep_rows), tuple(args.sweep_warps)
     t0 = time.time()
     ceiling = 1e11 if INTERPRET else hbm_read_ceiling()
     log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read ceiling {ceiling / 1e12:.2f} TB/s")

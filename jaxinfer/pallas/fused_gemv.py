@@ -123,12 +123,12 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "w_block",
-                                             "int8_convert", "interpret"))
+                                             "int8_convert", "num_warps", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
                vector_layer: jax.Array | int | None = None, w_scale: jax.Array | None = None,
-               w_block: tuple[int, int] | None = None, int8_convert: str | None = None,
+               w_block: tuple[int, int] | None = None, int8_convert: str | None = None, num_warps: int = 1,
                interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
@@ -140,7 +140,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
-    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: tables.GEMV_INT8_CONVERT)."""
+    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: tables.GEMV_INT8_CONVERT). num_warps: warps a
+    program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
@@ -185,7 +186,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
         grid=(grid_rows // rows,),
         interpret=interpret,
         name=f"gemv_{epilogue}" + ("_norm" if scale is not None else "") + ("_8bit" if w_scale is not None else ""),
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
     )(*args)
 
 
@@ -210,6 +211,13 @@ def block_in_for(n_out: int, n_in: int, dtype, w_block: tuple[int, int] | None =
     if size != 2:
         return 128
     return tables.GEMV_BLOCK_IN.get((n_out, n_in), tables.GEMV_DEFAULT_BLOCK_IN)
+
+
+def warps_for(n_out: int, n_in: int, dtype) -> int:
+    """Warps a program: 1, or for 1-byte weights tables.GEMV_WARPS_8BIT's."""
+    if jnp.dtype(dtype).itemsize != 1:
+        return 1
+    return tables.GEMV_WARPS_8BIT.get((n_out, n_in), 1)
 
 
 def pow2_divisor(n: int) -> int:

@@ -127,6 +127,7 @@ GEMV_DEFAULT_ROWS = 1
 GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
 GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {}
+GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1, as for 2-byte weights)
 # How the GEMV turns int8 into float32 (fused_gemv._to_f32): "bits" (integer logic and a float add at full rate)
 # rather than "cvt" (I2F, a quarter of the FMA rate: at 4.5 TB/s of int8 about what 132 SMs convert). Not yet
 # measured against each other: bench/kernels/quantized_gemv.py --sweep times both.
