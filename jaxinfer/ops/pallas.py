@@ -88,13 +88,12 @@ def _quantized(w) -> bool:
 
 
 def _xla_product(x, w) -> jax.Array:
-    """x [T, in] @ the 8-bit w (a QuantizedWeight, or a LayerWeight holding one) in float32 [T, out], through XLA."""
+    """x [T, in] @ the 8-bit w (a QuantizedWeight, or a LayerWeight holding one) in float32 [T, out], through XLA:
+    W8A8 for fp8 per-channel weights from tables.FP8_W8A8_ROWS rows, else reference.quantized_product (block scales:
+    the matrix dequantized to x's dtype first)."""
     q = weight(w)
-    if q.block is not None:   # a scale per block cannot leave the sum: the bf16 matrix, made once a call
-        return jax.lax.dot_general(x, q.dequantize(x.dtype), (((1,), (1,)), ((), ())), precision=reference.HIGHEST,
-                                   preferred_element_type=jnp.float32)
     rows = tables.FP8_W8A8_ROWS
-    if q.dtype == jnp.float8_e4m3fn and rows is not None and x.shape[0] >= rows:
+    if q.block is None and q.dtype == jnp.float8_e4m3fn and rows is not None and x.shape[0] >= rows:
         return w8a8_product(x, q)
     return reference.quantized_product(x, q)
 
