@@ -124,6 +124,7 @@ class Engine:
         self._inflight_mixed: MixedInFlight | None = None   # a mixed step not yet read back (overlap_mixed)
         self._mixed_read = 0.0                   # when the last mixed step was read back
         self._decode_started = 0.0
+        self._drafting_started = 0.0
         self._timing = DispatchTiming()
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)
@@ -380,7 +381,7 @@ class Engine:
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
             return None
-        if self.speculator is not None and self.speculator.may_draft(seqs):   # the next step may verify drafts
+        if self.speculator is not None and self.speculator.may_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}
@@ -437,6 +438,9 @@ class Engine:
     def _collect_decode(self, seqs: list[Sequence], outs) -> list[StreamDelta]:
         tokens, logprobs, emitted, top_v, top_i = self.runner.fetch(outs)
         now = time.perf_counter()
+        if self.speculator is not None:
+            self.speculator.measured("decode", self.runner.batch_bucket(len(seqs)), int(emitted.sum()),
+                                     now - self._decode_started)
         self.stats["decode_seconds"] += now - self._decode_started
         self._decode_started = now
         deltas = []
@@ -557,13 +561,14 @@ class Engine:
     def _drafts(self, plan) -> dict[Sequence, list[int]]:
         """The drafts the planned step verifies, by generating sequence, each within what the sequence may still
         emit and holding pages for its drafts' K/V (no drafts where the free pool is short)."""
+        self._drafting_started = time.perf_counter()
         generating = [seq for seq, _ in plan.chunks if not seq.prefilling]
         room = None
         if plan.kind == "mixed":
             room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
         for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
             self.scheduler.hold(seq, min(len(seq.tokens) + self.speculator.k_max, len(seq.prompt_ids) + seq.max_new))
-        drafts = self.speculator.drafts(generating, room)
+        drafts = self.speculator.drafts(generating, room, self.runner.batch_bucket(max(len(generating), 1)))
         out = {}
         for seq, d in drafts.items():
             d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
@@ -641,6 +646,9 @@ class Engine:
             else:
                 self.scheduler.trim(seq)
         stats.emitted += emitted
+        if dense:   # wall time from the proposals to the tokens appended (host work included), less compiling
+            self.speculator.measured("verify", rows, emitted, time.perf_counter() - self._drafting_started -
+                                     (r.first_call_seconds - compiling))
         key = "decode" if dense else "prefill"   # a ragged step counts as a mixed step does: its rows
         self.stats[f"{key}_tokens"] += emitted if dense else sum(n for _, n in chunks)
         self.stats[f"{key}_seconds"] += seconds

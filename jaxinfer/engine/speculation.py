@@ -33,22 +33,33 @@ class SpeculationStats:
         return (self.accepted + self.sequence_verifies) / self.sequence_verifies if self.sequence_verifies else 0.0
 
 
+RATE_MEMORY = 0.7     # weight of the past in the measured rates, a step
+PROBE_EVERY = 32      # decode dispatches after which a verify step is tried again where verifying measured slower
+
+
 class Speculator:
+    """The drafts each step verifies. Two checks decide: the cost model of spec.adaptive (acceptance against the
+    rows a step computes), and what was measured in this engine: the output tokens a second of verify steps and of
+    decode dispatches at each batch size, so that where verifying turned out slower (a large batch, drafts that
+    fail) the engine decodes without drafts, trying a verify step again now and then."""
+
     def __init__(self, proposer, k_max: int, adaptive: bool = True):
         self.proposer, self.k_max, self.adaptive = proposer, k_max, adaptive
+        self._rates: dict[tuple[str, int], float] = {}    # (verify | decode, batch bucket) -> tokens a second
+        self._since_probe: dict[int, int] = {}
         # a proposer whose state comes from the target's verify steps (DFlash) drafts at every decode step
         self.min_drafts = 1 if getattr(proposer, "needs_every_step", False) else 0
         self._acceptance: dict[int, Acceptance] = {}
         self.stats = SpeculationStats()
 
-    def drafts(self, seqs: list, room: int | None = None) -> dict:
+    def drafts(self, seqs: list, room: int | None = None, bucket: int | None = None) -> dict:
         """{sequence: its drafts} for the generating `seqs` of the next step (empty: decode without drafts).
-        room: the most drafted tokens the step can take in all."""
+        room: the most drafted tokens the step can take in all; bucket: the batch's (measured rates)."""
         if not seqs:
             return {}
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         # Would drafting pay even if every sequence had k_max drafts? If not, skip proposing.
-        if not self.may_draft(seqs):
+        if not self.may_draft(seqs, bucket):
             self.idle(seqs)
             return {}
         proposals = self.proposer.propose(seqs, self.k_max)
@@ -65,10 +76,32 @@ class Speculator:
             self.idle(seqs)
         return out
 
-    def may_draft(self, seqs: list) -> bool:
-        """Whether the next step over `seqs` might verify drafts (asked before their proposals exist)."""
+    def may_draft(self, seqs: list, bucket: int | None = None) -> bool:
+        """Whether the next step over `seqs` might verify drafts (asked before their proposals exist). bucket:
+        the batch's bucket, whose measured rates may rule verifying out."""
+        if self.min_drafts > 0:
+            return True
+        if self.adaptive and bucket is not None and self._verify_measured_slower(bucket):
+            return False
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
-        return self.min_drafts > 0 or choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
+        return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
+
+    def _verify_measured_slower(self, bucket: int) -> bool:
+        verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
+        if verify is None or decode is None or verify >= decode:
+            return False
+        n = self._since_probe.get(bucket, 0)
+        return n < PROBE_EVERY
+
+    def measured(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
+        """A verify step's or decode dispatch's output tokens and wall time at a batch bucket."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        key = (kind, bucket)
+        rate = tokens / seconds
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else RATE_MEMORY * old + (1 - RATE_MEMORY) * rate
+        self._since_probe[bucket] = 0 if kind == "verify" else self._since_probe.get(bucket, 0) + 1
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)
@@ -92,7 +125,7 @@ DEFAULT_SPECULATIVE_TOKENS = 4
 
 def resolve_speculative(config: EngineConfig) -> EngineConfig:
     """The config with speculative decoding's defaults filled in: the number of drafted tokens (4; a DFlash
-    drafter's block size less one), and prompt steps read back at once (the next step's drafts need them)."""
+    drafter's block size less one)."""
     if not config.speculative:
         if config.num_speculative_tokens is not None:
             raise ValueError("num_speculative_tokens needs speculative (ngram, draft:DIR or dflash:DIR)")
@@ -103,8 +136,7 @@ def resolve_speculative(config: EngineConfig) -> EngineConfig:
         if config.speculative.startswith("dflash:"):
             from jaxinfer.spec.dflash_config import load_dflash_config
             k = min(load_dflash_config(config.speculative.partition(":")[2]).block_size - 1, MAX_SPECULATIVE_TOKENS)
-    tuning = dataclasses.replace(config.tuning, overlap_mixed=False, prefill_behind_decode=False)
-    return dataclasses.replace(config, num_speculative_tokens=k, tuning=tuning)
+    return dataclasses.replace(config, num_speculative_tokens=k)
 
 
 def make_proposer(config: EngineConfig, engine):
