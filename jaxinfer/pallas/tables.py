@@ -71,13 +71,63 @@ DECODE_ATTENTION_FP8: list[tuple[int, int, SplitConfig]] = [
 
 # --- speculative verify attention (verify_attention.py) ---------------------------------------------------------
 
-# NOT MEASURED: initial values by reasoning, until bench/kernels/verify_attention.py --sweep runs on the H200. Rows
-# (max tile rows M = Q x group padded to a power of two >= 16, max sequence-heads = batch x KVH, max span, config),
-# first match wins. A verify tile reads the same K/V as a decode tile, so the splits follow DECODE_ATTENTION's rule
-# (about 256-512 programs); block_k stays 64. Tiles of 64 and 128 rows take eight warps: ptxas for sm_90 (triton 3.6
-# on the CPU, bench/kernel_registers.py's way; hd 128, 64-key blocks, no spills anywhere) gives 64 registers a thread
-# at M = 16 and 96 at M = 32 with four warps; at M = 64 144 with four, 74 with eight; at M = 128 254 with four, 128
-# with eight (shared memory, 82 KB at M = 64, holds an SM to two programs either way).
+# bench/kernels/verify_attention.py --sweep, H200, 2026-12-03 (PYTHONPATH=. python3 bench/kernels/verify_attention.py
+# --sweep --no-table --budget 300): Qwen3-4B's heads (H 32, KVH 8, hd 128, groups of 4), bf16 pages of 16, Q 4, 8, 16
+# (16-, 32-, 64-row tiles) x batch 1, 8 x ctx 1k, 8k, 32k. Rows (max tile rows M = Q x group padded to a power of
+# two >= 16, max sequence-heads = batch x KVH, max span, config), first match wins. Comments: the time at a measured
+# point, and the config before it as splits x block_k (reasoned: decode's splits, block_k 64, 8 warps from 64 rows).
+# The rule the sweep found: on long spans about 512 programs (B x KVH x splits) at 16 rows, 256 at 32-64 rows; four
+# warps everywhere (64-row tiles too); block_k and stages vary with rows. Rows marked interpolated were not swept:
+# batch 2-4 and 9+ keep the nearest measured batch's block_k and stages with splits scaled to its programs; spans
+# <= 128 keep one split, as decode measured. The jnp merge won by 0.3-2.6% at four points and lost elsewhere: the
+# Pallas merge is kept (it reads only the splits that had positions; jnp's reads all of them, however long the span).
+_VERIFY_16: list[tuple[int, int, SplitConfig]] = [   # Q x group <= 16 (Q 4 at groups of 4)
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(32, 32)),         # B1 ctx 1k 6.27 us (was 16x64: 7.33; jnp merge 6.11)
+    (8, _BIG, SplitConfig(64, 64)),         # B1 ctx 8k 14.59, 32k 40.09 (as before; 2 warps at 32k 39.36)
+    (32, 128, SplitConfig(1, 64)),
+    (32, _BIG, SplitConfig(16, 64)),        # interpolated
+    (64, _BIG, SplitConfig(8, 64)),         # B8 ctx 1k 14.52, 8k 69.40, 32k 251.1 (as before; all within 1.8%)
+    (128, 128, SplitConfig(1, 64)),
+    (128, _BIG, SplitConfig(4, 64)),        # interpolated
+    (256, _BIG, SplitConfig(2, 64)),        # interpolated
+    (_BIG, _BIG, SplitConfig(1, 64)),
+]
+_VERIFY_32: list[tuple[int, int, SplitConfig]] = [   # 17-32 rows (Q 8 at groups of 4)
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(16, 64, num_stages=3)),     # B1 ctx 1k 7.00 (was 16x64/s2: 7.23; 8 warps 6.99)
+    (8, 8192, SplitConfig(32, 64, num_stages=3)),     # B1 ctx 8k 15.18 (was 64x64: 19.92; 32x128 17.79)
+    (8, _BIG, SplitConfig(32, 128)),                  # B1 ctx 32k 43.15 (was 64x64: 52.62)
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(8, 64, num_stages=3)),     # interpolated
+    (32, _BIG, SplitConfig(8, 128)),                  # interpolated
+    (64, 1024, SplitConfig(4, 64, num_stages=3)),     # B8 ctx 1k 16.00 (was 8x64: 20.88)
+    (64, _BIG, SplitConfig(4, 128)),                  # B8 ctx 8k 74.84 (was 8x64: 96.80), 32k 261.6 (was 348.0)
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(2, 64, num_stages=3)),    # interpolated
+    (128, _BIG, SplitConfig(2, 128)),                 # interpolated
+    (256, _BIG, SplitConfig(2, 128)),                 # interpolated
+    (_BIG, _BIG, SplitConfig(1, 128)),                # interpolated
+]
+_VERIFY_64: list[tuple[int, int, SplitConfig]] = [   # 33-64 rows (Q 16 at groups of 4)
+    (8, 128, SplitConfig(1, 64)),
+    (8, 1024, SplitConfig(16, 64)),                   # B1 ctx 1k 7.73 (was 16x64/w8: 8.10)
+    (8, 8192, SplitConfig(16, 128, num_stages=3)),    # B1 ctx 8k 16.06 (was 64x64/w8: 25.33; 32x64 18.51)
+    (8, _BIG, SplitConfig(32, 64)),                   # B1 ctx 32k 46.94 (was 64x64/w8: 62.74)
+    (32, 128, SplitConfig(1, 64)),
+    (32, 1024, SplitConfig(4, 64)),                   # interpolated
+    (32, _BIG, SplitConfig(8, 64)),                   # interpolated
+    (64, 1024, SplitConfig(2, 128, num_stages=3)),    # B8 ctx 1k 18.43 (was 8x64/w8: 26.39; 4x64 20.30)
+    (64, _BIG, SplitConfig(4, 64)),                   # B8 ctx 8k 83.55 (was 8x64/w8: 109.9), 32k 290.0 (was 396.5)
+    (128, 128, SplitConfig(1, 64)),
+    (128, 1024, SplitConfig(1, 128, num_stages=3)),   # interpolated
+    (128, _BIG, SplitConfig(2, 64)),                  # interpolated
+    (_BIG, _BIG, SplitConfig(1, 64)),
+]
+# 65-128 rows (Q 16 at groups of 8): NOT MEASURED, still the initial values by reasoning (the sweep ran groups of 4
+# only; --heads 64:8 reaches these tiles): decode's splits (about 256-512 programs), block_k 64, eight warps. ptxas
+# for sm_90 (triton 3.6 on the CPU, bench/kernel_registers.py's way; hd 128, 64-key blocks) gives 254 registers a
+# thread at M = 128 with four warps, 128 with eight (at M = 64 144 with four, yet four won at every point above).
 _VERIFY_SPLITS: list[tuple[int, int, SplitConfig]] = [
     (8, 128, SplitConfig(1, 64)),
     (8, 1024, SplitConfig(16, 64)),
@@ -93,7 +143,9 @@ _VERIFY_SPLITS: list[tuple[int, int, SplitConfig]] = [
     (_BIG, _BIG, SplitConfig(1, 64)),
 ]
 VERIFY_ATTENTION: list[tuple[int, int, int, SplitConfig]] = (
-    [(32, sh, span, c) for sh, span, c in _VERIFY_SPLITS]
+    [(16, sh, span, c) for sh, span, c in _VERIFY_16]
+    + [(32, sh, span, c) for sh, span, c in _VERIFY_32]
+    + [(64, sh, span, c) for sh, span, c in _VERIFY_64]
     + [(128, sh, span, dataclasses.replace(c, num_warps=8)) for sh, span, c in _VERIFY_SPLITS])
 
 
