@@ -261,7 +261,8 @@ def batched(model_dir: Path, n: int, prompt_len: int, new: int) -> list[dict]:
 def real_acceptance(target: Path, draft: Path, drafter: Path | None, new: int) -> list[dict]:
     """Section 5 (the CPU, real weights): mean accepted length and tok/s of each proposer against decoding without
     speculation on stories260k: a copy-heavy prompt (a story the model told, then its opening again: it retells
-    it) and open text (story openers). Greedy; tokens checked equal to decoding without speculation."""
+    it) and open text (story openers). Greedy; tokens checked equal to decoding without speculation. Every step
+    verifies what the proposer drafts (no adaptive choice): the acceptance at k = 7 (DFlash: its block)."""
     from jaxinfer import LLM
 
     story = LLM(target, progress=False, cache_dir="").generate(
@@ -278,6 +279,8 @@ def real_acceptance(target: Path, draft: Path, drafter: Path | None, new: int) -
         for name, spec in proposers.items():
             llm = LLM(target, speculative=spec, num_speculative_tokens=None if spec is None or "dflash" in spec else 7,
                       max_num_seqs=1, enable_prefix_caching=False, progress=False, cache_dir="")
+            if llm.engine.speculator is not None:   # every step verifies what is proposed: acceptance at k
+                llm.engine.speculator.adaptive = False
             params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
             for p in prompts:   # every step shape compiled before the timed run
                 llm.generate(p, params)
