@@ -863,3 +863,25 @@ def test_device_trace_routes(tmp_path, monkeypatch, stories):
         assert r.status_code == 200 and r.json()["dir"] == str(tmp_path / "traces" / "rate-inf")
         assert list((tmp_path / "traces" / "rate-inf").rglob("perfetto_trace.json.gz"))
         assert httpx.post(stop).status_code == 409
+
+
+def test_speculative_server_gives_the_same_text_and_reports_acceptance():
+    """A server with n-gram speculation: the same greedy text through the openai client, streamed and not, and
+    /metrics counts drafted and accepted tokens."""
+    prompt = "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom had a red"
+    plain = Engine(STORIES, max_num_seqs=4, progress=False, cache_dir="")
+    with ServerThread(create_app(plain)) as server:
+        want = client(server).completions.create(model="stories260k", prompt=prompt, max_tokens=40,
+                                                 temperature=0).choices[0].text
+    engine = Engine(STORIES, max_num_seqs=4, progress=False, cache_dir="", speculative="ngram")
+    engine.speculator.adaptive = False   # draft whatever the CPU's timings say
+    with ServerThread(create_app(engine)) as server:
+        c = client(server)
+        got = c.completions.create(model="stories260k", prompt=prompt, max_tokens=40, temperature=0).choices[0].text
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+            model="stories260k", prompt=prompt, max_tokens=40, temperature=0, stream=True))
+        time.sleep(0.2)
+        m = metrics(server)
+    assert got == want == streamed
+    assert m["jaxinfer_spec_decode_num_draft_tokens_total"] >= m["jaxinfer_spec_decode_num_accepted_tokens_total"] > 0
+    assert m["jaxinfer_spec_decode_mean_accepted_length"] > 1
