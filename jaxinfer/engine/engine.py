@@ -566,14 +566,21 @@ class Engine:
         room = None
         if plan.kind == "mixed":
             room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
+        bucket = self.runner.batch_bucket(max(len(generating), 1))
+        if not generating or not self.speculator.may_draft(generating, bucket):
+            self.speculator.idle(generating)
+            return {}
         for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
             self.scheduler.hold(seq, min(len(seq.tokens) + self.speculator.k_max, len(seq.prompt_ids) + seq.max_new))
-        drafts = self.speculator.drafts(generating, room, self.runner.batch_bucket(max(len(generating), 1)))
+        drafts = self.speculator.drafts(generating, room, bucket)
         out = {}
         for seq, d in drafts.items():
             d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
             if d and self.scheduler.hold(seq, len(seq.tokens) + len(d)):
                 out[seq] = d
+        for seq in generating:   # pages held for drafts that did not come
+            if seq not in out:
+                self.scheduler.trim(seq)
         return out
 
     def _verify(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]],
