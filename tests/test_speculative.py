@@ -250,10 +250,14 @@ def test_measured_rates_turn_verifying_off_where_it_was_slower():
 
     spec = Speculator(NgramProposer(), 4)
     assert spec.drafts([Seq()], bucket=1)                        # nothing measured: the cost model says draft
-    spec.measured("decode", 1, 100, 1.0)
-    spec.measured("verify", 1, 50, 1.0)                          # verifying gave half the tokens a second
+    spec.measured("verify", 1, 50, 1.0)
+    assert not spec.may_draft([Seq()], 1)                        # a decode dispatch next, to compare with
+    spec.measured("decode", 1, 100, 1.0)                         # verifying gave half the tokens a second
     assert not spec.may_draft([Seq()], 1) and spec.drafts([Seq()], bucket=1) == {}
     assert spec.may_draft([Seq()], 2)                            # another batch size is measured apart
-    for _ in range(PROBE_EVERY):
+    for _ in range(PROBE_EVERY - 1):
         spec.measured("decode", 1, 100, 1.0)
     assert spec.may_draft([Seq()], 1)                            # tried again now and then
+    for _ in range(3):
+        spec.measured("verify", 1, 300, 1.0)                     # and kept where it now pays
+    assert spec.may_draft([Seq()], 1)

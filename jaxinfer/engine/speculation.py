@@ -87,11 +87,14 @@ class Speculator:
         return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
     def _verify_measured_slower(self, bucket: int) -> bool:
+        """Verify steps measured slower than decode dispatches at this batch bucket (and no probe due), or measured
+        while decode dispatches were not yet: then a decode dispatch runs first, so that the two compare."""
         verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
-        if verify is None or decode is None or verify >= decode:
+        if verify is None:
             return False
-        n = self._since_probe.get(bucket, 0)
-        return n < PROBE_EVERY
+        if decode is None:
+            return True
+        return verify < decode and self._since_probe.get(bucket, 0) < PROBE_EVERY
 
     def measured(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
         """A verify step's or decode dispatch's output tokens and wall time at a batch bucket."""
