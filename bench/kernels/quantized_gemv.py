@@ -13,7 +13,7 @@ at its table's config, then each 8-bit format at its table's config (--sweep: ev
 checked against twins.linear_8bit (bf16 rounding: 2e-2 relative). Prints us per call, the bytes a call reads (values
 and scales), the share of the HBM read ceiling measured in the run (ceiling time = bytes / bandwidth), and the
 speed-up over bf16; then the best 8-bit config per shape and format (rows for tables.GEMV_BLOCK_IN_8BIT,
-GEMV_ROWS_8BIT, GEMV_WARPS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT) and the layer's sum.
+GEMV_ROWS_8BIT, GEMV_WARPS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT_BY_SHAPE) and the layer's sum.
 
 --batched M...: the same projections at M rows (a batched decode step): XLA's product (reference.linear on the
 QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized) against the
@@ -46,8 +46,7 @@ from bench.table import print_table
 from jaxinfer.ops import reference, twins
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import skinny_gemm as SG
-from jaxinfer.pallas import tables
-from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for, warps_for
+from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 FORMATS = {"int8": (jnp.int8, None), "fp8": (jnp.float8_e4m3fn, None), "fp8-block": (jnp.float8_e4m3fn, (128, 128))}
@@ -118,7 +117,7 @@ def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, 
     format allows (int8: with each conversion; warps only where each lane still loads 16 bytes or fewer)."""
     dtype, block = FORMATS[fmt]
     converts = ["bits", "cvt"] if dtype == jnp.int8 else [None]
-    table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), tables.GEMV_INT8_CONVERT if converts[0] else None,
+    table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), int8_convert_for(n, k) if converts[0] else None,
              warps_for(n, k, dtype))
     if not sweep:
         return [table]

@@ -38,7 +38,7 @@ from jaxinfer.ops import LayerWeight, reference, weight
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
-from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, rows_for, warps_for
+from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
@@ -167,7 +167,8 @@ def _gemv(x, w, scale=None, b=None, *, interpret, **kw):
     return fused_gemv(x, values, layer, scale=scale, b=b,
                       block_in=block_in_for(n_out, n_in, values.dtype, quant.get("w_block")),
                       rows=rows_for(n_out, n_in, values.dtype), num_warps=warps_for(n_out, n_in, values.dtype),
-                      vector_layer=vector_layer, interpret=interpret, **quant, **kw)
+                      int8_convert=int8_convert_for(n_out, n_in), vector_layer=vector_layer, interpret=interpret,
+                      **quant, **kw)
 
 
 def _skinny(x, w, b=None, *, interpret, **kw):
@@ -250,7 +251,8 @@ def logits(x, w, *, interpret=False):
     if _small(x):
         values, quant = _matrix(w[None])
         return fused_gemv(x, values, 0, block_in=block_in_for(*w.shape, w.dtype, quant.get("w_block")),
-                          num_warps=warps_for(*w.shape, w.dtype), out_dtype=jnp.float32, interpret=interpret, **quant)
+                          rows=rows_for(*w.shape, w.dtype), num_warps=warps_for(*w.shape, w.dtype),
+                          int8_convert=int8_convert_for(*w.shape), out_dtype=jnp.float32, interpret=interpret, **quant)
     return _xla_product(x, w) if _quantized(w) else reference.logits(x, w)
 
 

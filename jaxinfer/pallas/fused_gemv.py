@@ -140,7 +140,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
-    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: tables.GEMV_INT8_CONVERT). num_warps: warps a
+    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: int8_convert_for's). num_warps: warps a
     program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for)."""
     if w.ndim == 2:
         w = w[None]
@@ -179,7 +179,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
                                w_scaled=w_scale is not None, w_block=w_block,
-                               int8_convert=int8_convert or tables.GEMV_INT8_CONVERT)
+                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
@@ -218,6 +218,12 @@ def warps_for(n_out: int, n_in: int, dtype) -> int:
     if jnp.dtype(dtype).itemsize != 1:
         return 1
     return tables.GEMV_WARPS_8BIT.get((n_out, n_in), 1)
+
+
+def int8_convert_for(n_out: int, n_in: int) -> str:
+    """How int8 weights become float32 for an [n_out, in] product (n_out as rows_for's):
+    tables.GEMV_INT8_CONVERT_BY_SHAPE's, else tables.GEMV_INT8_CONVERT."""
+    return tables.GEMV_INT8_CONVERT_BY_SHAPE.get((n_out, n_in), tables.GEMV_INT8_CONVERT)
 
 
 def pow2_divisor(n: int) -> int:

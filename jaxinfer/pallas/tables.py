@@ -172,18 +172,35 @@ GEMV_ROWS: dict[tuple[int, int], int] = {(6144, 2560): 2,    # Qwen3-4B's QKV
                                          (6144, 4096): 2}    # Llama-3-8B's QKV
 GEMV_DEFAULT_ROWS = 1
 
-# The same for 1-byte weights (int8, float8_e4m3fn: fused_gemv's w_scale). Not yet measured: filled from
-# bench/kernels/quantized_gemv.py --sweep on the H200. The default of 512 columns gives each lane of the warp one
-# 16-byte load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the
-# scale block's columns.
-GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {}
+# The same for 1-byte weights (int8, float8_e4m3fn: fused_gemv's w_scale), keyed as the 2-byte tables are read
+# (ops.pallas._gemv: SwiGLU's gate rows, so the [19456, 2560] gate/up matrix is (9728, 2560)). Measured for int8:
+# `PYTHONPATH=. python3 bench/kernels/quantized_gemv.py --shapes qwen3-4b --formats int8 [--sweep]`, H200, jax
+# 0.11.2, 2026-12-03 (bench/results/2026-12-03-quant-h200-gemv-{defaults,sweep}.json; block_in 256/512/1024 x rows
+# 1/2 x bits/cvt, one warp). Per projection, us a call: the old defaults (512, 1 row, bits) -> the best config here
+# (bf16 at its table):
+#   qkv     6144x2560    10.37 -> 8.41   (256, 2 rows, cvt; bf16 9.64)
+#   o_proj  2560x4096    11.57 -> 7.22   (512, 1 row, bits: the old default, 7.22 again in the sweep; bf16 6.92-9.53)
+#   gate/up 19456x2560   22.71 -> 19.63  (256, 1 row, cvt; bf16 26.0)
+#   down    2560x9728    12.11 -> 10.47  (512, 1 row, cvt; 256/bits 10.49; bf16 13.4)
+#   lm_head 151936x2560  120.5 -> 108.2  (256, 2 rows, cvt; bf16 176.0)
+# A layer's four: 56.8 -> 45.7 us (bf16 56.0 and 58.5 in the two runs); 32-80% of the int8 HBM read ceiling. o_proj
+# ran bimodal (bf16 6.92 and 9.53 at one config in the two runs; int8 7.2-7.6 or 9.8-11.0 across the sweep).
+# Float8 weights keep the defaults (not measured). The default of 512 columns gives each lane of the warp one 16-byte
+# load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the scale block's
+# columns.
+GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 512, (9728, 2560): 256,
+                                                  (2560, 9728): 512, (151936, 2560): 256}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
-GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {}
-GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1, as for 2-byte weights)
-# How the GEMV turns int8 into float32 (fused_gemv._to_f32): "bits" (integer logic and a float add at full rate)
-# rather than "cvt" (I2F, a quarter of the FMA rate: at 4.5 TB/s of int8 about what 132 SMs convert). Not yet
-# measured against each other: bench/kernels/quantized_gemv.py --sweep times both.
-GEMV_INT8_CONVERT = "bits"
+GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 2}   # the others: 1 row measured best
+GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweep above ran one warp only)
+# How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; both exact): "cvt" (I2F, a quarter of the FMA
+# rate: at 4.5 TB/s of int8 about what 132 SMs convert) or "bits" (integer logic and a float add at full rate). In the
+# sweep above cvt was the faster at 20 of the 30 (shape, block_in, rows) pairs and in 4 of the 5 best configs, so it
+# is the default; by shape where measured (the batched skinny GEMM reads the default too: exact either way).
+GEMV_INT8_CONVERT = "cvt"
+GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (2560, 4096): "bits",
+                                                          (9728, 2560): "cvt", (2560, 9728): "cvt",
+                                                          (151936, 2560): "cvt"}
 
 
 # --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
