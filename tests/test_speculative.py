@@ -15,6 +15,7 @@ from jaxinfer.spec.adaptive import choose_drafts, expected_tokens
 from jaxinfer.spec.ngram import ngram_proposal
 
 XS = SHARED / "models" / "llama2xs-260k"
+DFLASH = DATA / "models" / "dflash-tiny"   # a random drafter for the tiny Qwen3 (tools/make_dflash_golden.py)
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 # copy-heavy prompts (n-gram proposals find matches) and open ones
 PROMPTS = [
@@ -133,6 +134,26 @@ def test_drafts_ride_in_ragged_steps_beside_prompt_chunks_and_the_prefix_cache(r
     _no_pages_held(llm)
 
 
+@pytest.mark.parametrize("speculative", ["ngram", "dflash"])
+def test_prompt_steps_read_back_late_beside_speculation(speculative, reference):
+    """The GPU's default: prompt steps launched one ahead of their read-back (overlap_mixed, and a newcomer's prompt
+    behind a decode dispatch); verify steps run between them."""
+    if speculative == "ngram":
+        llm = _spec(STORIES, speculative="ngram", max_num_seqs=4, max_num_batched_tokens=16, overlap_mixed=True,
+                    prefill_behind_decode=True)
+        assert _tokens(llm, PROMPTS) == reference
+    else:
+        model, params = DATA / "models" / "qwen3", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(20, 60)), [3, 4, 5]]
+        want = _tokens(LLM(model, progress=False, cache_dir="", skip_tokenizer_init=True, max_num_seqs=4,
+                           max_num_batched_tokens=16), prompts, params)
+        llm = _spec(model, speculative=f"dflash:{DFLASH}", skip_tokenizer_init=True, max_num_seqs=4,
+                    max_num_batched_tokens=16, overlap_mixed=True, prefill_behind_decode=True)
+        assert _tokens(llm, prompts, params) == want
+    assert llm.engine.speculator.stats.verify_steps > 0
+    _no_pages_held(llm)
+
+
 def test_preemption_gives_the_same_tokens(reference):
     """A pool too small for every sequence at once: sequences are preempted and recomputed (the draft model's
     own K/V as well) and still end with the same tokens."""
@@ -205,7 +226,6 @@ def test_a_draft_model_of_another_vocabulary_or_tokenizer_is_refused(tmp_path):
 
 # ---- DFlash ----
 
-DFLASH = DATA / "models" / "dflash-tiny"   # a random drafter for the tiny Qwen3 (tools/make_dflash_golden.py)
 
 
 def test_dflash_drafts_equal_the_drafter_forward_and_keep_greedy_tokens():
