@@ -32,13 +32,14 @@ from jaxinfer.engine.outputs import RequestOutput, StreamDelta, output_of
 from jaxinfer.engine.paging import PageAllocator
 from jaxinfer.engine.scheduler import Scheduler, Sequence
 from jaxinfer.engine.speculation import Speculator, make_proposer, resolve_speculative
+from jaxinfer.engine.verify_steps import VerifySteps
 from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model.quantize import describe as describe_weights
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
-from jaxinfer.runner.batch import DecodeBatch, StepBatch, VerifyBatch
+from jaxinfer.runner.batch import DecodeBatch, StepBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.transfer import to_device, to_device_packed
@@ -68,7 +69,7 @@ class MixedInFlight:
     tokens: int                # prompt and decode tokens computed
 
 
-class Engine:
+class Engine(VerifySteps):
     """The schedule -> step -> update loop over one model. `Engine(model_dir, **settings)`: any EngineConfig
     or Tuning field (jaxinfer/settings.py) by name; an unknown name is an error."""
 
@@ -549,117 +550,6 @@ class Engine:
         t2 = time.perf_counter()
         self._settle([s for s, _ in step.chunks])
         ph["settle"] += time.perf_counter() - t2
-        return deltas
-
-    # ---- speculative decoding ----
-    def _observe(self, a: dict) -> None:
-        """Hand the step's captured layer states (a DFlash drafter's context) to the proposer, with the step's
-        positions and slots (host arrays `a`)."""
-        if self.runner.captured is not None:
-            self.speculator.proposer.observe(self.runner.captured, a["positions"], a["slot_mapping"])
-            self.runner.captured = None
-    def _drafts(self, plan) -> dict[Sequence, list[int]]:
-        """The drafts the planned step verifies, by generating sequence, each within what the sequence may still
-        emit and holding pages for its drafts' K/V (no drafts where the free pool is short)."""
-        self._drafting_started = time.perf_counter()
-        generating = [seq for seq, _ in plan.chunks if not seq.prefilling]
-        room = None
-        if plan.kind == "mixed":
-            room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
-        bucket = self.runner.batch_bucket(max(len(generating), 1))
-        if not generating or not self.speculator.may_draft(generating, bucket):
-            self.speculator.idle(generating)
-            return {}
-        for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
-            self.scheduler.hold(seq, min(len(seq.tokens) + self.speculator.k_max, len(seq.prompt_ids) + seq.max_new))
-        drafts = self.speculator.drafts(generating, room, bucket)
-        out = {}
-        for seq, d in drafts.items():
-            d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
-            if d and self.scheduler.hold(seq, len(seq.tokens) + len(d)):
-                out[seq] = d
-        for seq in generating:   # pages held for drafts that did not come
-            if seq not in out:
-                self.scheduler.trim(seq)
-        return out
-
-    def _verify(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]],
-                dense: bool) -> list[StreamDelta]:
-        """One verify step: each chunk's tokens, a generating sequence's drafts after its last token, all scored
-        in one pass; the accepted drafts and the target's next token are appended, the rest rolled back (their
-        K/V slots are overwritten later; the pages that held them are returned). dense: every chunk is a
-        sequence's decode (a step in place of a decode dispatch), laid out Q rows a sequence for
-        ops.verify_attention; otherwise the ragged layout of a mixed step."""
-        r, ps = self.runner, self.config.page_size
-        t_build = time.perf_counter()
-        longest = 1 + max(len(d) for d in drafts.values())
-        width = min(w for w in r.verify_widths if w >= longest) if dense else max(r.verify_widths)
-        total = sum(n + len(drafts.get(seq, ())) for seq, n in chunks)
-        rows = r.batch_bucket(len(chunks)) if dense else r.max_num_seqs
-        a = r.empty_verify(rows * width if dense else r.token_bucket(total), rows, width)
-        s = a["step"]
-        t = 0
-        for b, (seq, n) in enumerate(chunks):
-            d = drafts.get(seq, [])
-            start = seq.num_computed
-            m = n + len(d)
-            span = width if dense else m
-            s["tokens"][t:t + m] = seq.tokens[start:start + n] + d
-            s["positions"][t:t + span] = np.arange(start, start + span)
-            s["slot_mapping"][t:t + m] = slots_for(seq.pages, start, start + m, ps)
-            s["token_seq"][t:t + span] = b
-            s["page_table"][b, :len(seq.pages)] = seq.pages
-            s["emits"][b] = start + n >= len(seq.tokens)
-            s["state_row"][b] = seq.row
-            s["step_index"][b] = len(seq.output_ids)
-            a["score_rows"][b] = t + n - 1 + np.minimum(np.arange(width), len(d))
-            a["drafts"][b, :len(d)] = d
-            a["num_drafts"][b] = len(d)
-            t += span
-            s["query_start"][b + 1:] = t
-        params = [seq.params for seq, _ in chunks]
-        sampling = SamplingArrays.from_params(params, [seq.seed for seq, _ in chunks], rows)
-        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=sampling), **{k: a[k] for k in (
-            "score_rows", "drafts", "num_drafts")}))
-        greedy = all(p.temperature == 0 and not p.logprobs for p in params)
-        variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
-        t0 = time.perf_counter()
-        compiling = r.first_call_seconds
-        outs = r.launch_verify(batch, variant)
-        self._observe(s)
-        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs)
-        t1 = time.perf_counter()
-        seconds = t1 - t0 - (r.first_call_seconds - compiling)   # a step compiled on first use: not its time
-        self.phase_seconds["build"] += t0 - t_build
-        self.phase_seconds["run"] += t1 - t0
-        stats = self.speculator.stats
-        stats.verify_steps += 1
-        deltas, emitted = [], 0
-        for b, (seq, n) in enumerate(chunks):
-            if not s["emits"][b]:
-                seq.num_computed += n
-                continue
-            d = drafts.get(seq, [])
-            acc = int(accepted[b])
-            if d:
-                self.speculator.record(seq, len(d), acc)
-            seq.num_computed += n + acc
-            deltas.append(self._append(seq, tokens[b, :acc + 1], logprobs[b, :acc + 1], top_v[b, :acc + 1],
-                                       top_i[b, :acc + 1]))
-            emitted += acc + 1
-            seq.num_computed = min(seq.num_computed, len(seq.tokens))   # a stop among the accepted drafts
-            if seq.finish_reason is not None:
-                self._finished[seq.request_id] = seq
-            else:
-                self.scheduler.trim(seq)
-        stats.emitted += emitted
-        if dense:   # wall time from the proposals to the tokens appended (host work included), less compiling
-            self.speculator.measured("verify", rows, emitted, time.perf_counter() - self._drafting_started -
-                                     (r.first_call_seconds - compiling))
-        key = "decode" if dense else "prefill"   # a ragged step counts as a mixed step does: its rows
-        self.stats[f"{key}_tokens"] += emitted if dense else sum(n for _, n in chunks)
-        self.stats[f"{key}_seconds"] += seconds
-        self.phase_seconds["append"] += time.perf_counter() - t1
         return deltas
 
     @staticmethod
