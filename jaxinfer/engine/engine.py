@@ -151,6 +151,8 @@ class Engine(VerifySteps):
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
             # Leave room for the activations of the largest step.
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
+            if c.speculative:   # a verify step's acceptance holds ~6 float32 [rows, k + 1, V] arrays (rejection.verify)
+                free -= 6 * 4 * c.max_num_seqs * (c.num_speculative_tokens + 1) * self.cfg.vocab_size
             page_bytes = bytes_per_page(self.cfg, c.page_size, self.kv_dtype) + self._draft_page_bytes
             num_pages = min(int(free // page_bytes),
                             2 * c.max_num_seqs * pages_per_seq + 1)
