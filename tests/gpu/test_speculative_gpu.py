@@ -64,3 +64,14 @@ def test_random_qwen3_greedy_tokens_unchanged_with_its_own_draft(tmp_path):
     assert got == want
     stats = llm.engine.speculator.stats
     assert stats.accepted == stats.drafted > 0
+
+
+def test_dflash_greedy_tokens_unchanged():
+    """The tiny Qwen3 with its random DFlash drafter (tests/data/models/dflash-tiny): the captured layer states,
+    the drafter's paged pool and every decode step verified, on the Pallas path."""
+    model, drafter = REPO / "tests" / "data" / "models" / "qwen3", REPO / "tests" / "data" / "models" / "dflash-tiny"
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(20, 60))]
+    want, _, _ = _tokens(model, prompts, skip_tokenizer_init=True)
+    got, llm, ran = _tokens(model, prompts, skip_tokenizer_init=True, speculative=f"dflash:{drafter}")
+    assert got == want
+    assert llm.engine.speculator.stats.verify_steps > 0
