@@ -91,8 +91,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = setting(
         None, "token budget of a prompt step; longer prompts run in chunks (default: 2048 on GPUs, 512 elsewhere)")
     page_size: int = setting(16, "tokens per KV cache page")
-    kv_cache_dtype: str = setting("auto", "KV cache storage: auto is the model's dtype; fp8 (e4m3) halves it",
-                                  ("auto", "fp8", "fp8_e4m3"))
+    kv_cache_dtype: str = setting("auto", "KV cache storage: auto is the model's dtype; fp8 (e4m3) halves it; int8 "
+                                  "(a scale per cached vector) about halves it", ("auto", "fp8", "fp8_e4m3", "int8"))
     quantization: str | None = setting(
         None, "weights quantized at load: int8 (weight-only, one scale per output channel) or fp8 (e4m3); a "
         "pre-quantized checkpoint is read as published", ("int8", "fp8"))

@@ -10,6 +10,10 @@ The cache is kept in the model's dtype, or in float8 (e4m3, `kv_cache_dtype="fp8
 decode step, for a 3-bit mantissa. Values are stored unscaled, clipped to e4m3's +-448 (a plain cast
 would turn them into NaN); every writer goes through `to_cache` and every reader casts back to the
 compute dtype.
+
+Or in int8 (`kv_cache_dtype="int8"`): each cached vector (one KV head at one position) as int8 values with a float32
+scale of its own, written once with it (ops.quantized_cache.QuantizedCache in place of the k and v arrays): hd + 4
+bytes a vector, about half of 16 bits', with a finer grid than e4m3's for vectors without outliers.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import numpy as np
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.numerics import is_float8, to_cache  # noqa: F401  (the cache's dtype rules live there)
+from jaxinfer.ops.quantized_cache import QuantizedCache
 
 SCRATCH_PAGE = 0
 
 
-KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
+KV_CACHE_DTYPES = {"auto": None, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "int8": jnp.int8}
 
 
 def check_kv_cache_dtype(name: str) -> None:
@@ -34,15 +39,15 @@ def check_kv_cache_dtype(name: str) -> None:
 
 
 def kv_cache_dtype(cfg: ModelConfig, name: str = "auto"):
-    """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype) or "fp8"."""
+    """The cache's dtype for a `kv_cache_dtype` option: "auto" (the model's dtype), "fp8" or "int8" (scaled)."""
     check_kv_cache_dtype(name)
     return KV_CACHE_DTYPES[name] or cfg.jnp_dtype
 
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array                                   # [L, KVH, slots, hd]
-    v: jax.Array                                   # [L, KVH, slots, hd]
+    k: jax.Array                                   # [L, KVH, slots, hd] (or a QuantizedCache of that shape)
+    v: jax.Array                                   # [L, KVH, slots, hd] (or a QuantizedCache of that shape)
     page_size: int = flax.struct.field(pytree_node=False, default=16)
 
     @property
@@ -51,14 +56,20 @@ class KVCache:
 
     @staticmethod
     def allocate(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None) -> "KVCache":
-        """dtype: the cache's (default the model's; see kv_cache_dtype)."""
+        """dtype: the cache's (default the model's; see kv_cache_dtype); int8: QuantizedCaches."""
         shape = (cfg.num_layers, cfg.num_kv_heads, num_pages * page_size, cfg.head_dim)
         dtype = dtype or cfg.jnp_dtype
+        if jnp.dtype(dtype) == jnp.int8:
+            return KVCache(QuantizedCache.zeros(shape), QuantizedCache.zeros(shape), page_size)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), page_size)
 
 
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype=None) -> int:
-    return 2 * cfg.num_layers * page_size * cfg.kv_size * np.dtype(dtype or cfg.jnp_dtype).itemsize
+    """K and V bytes of one page in all layers; int8 counts each vector's float32 scale."""
+    per_vector = cfg.head_dim * np.dtype(dtype or cfg.jnp_dtype).itemsize
+    if np.dtype(dtype or cfg.jnp_dtype) == np.int8:
+        per_vector += 4
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * per_vector
 
 
 def slots_for(pages: list[int], start: int, stop: int, page_size: int) -> np.ndarray:

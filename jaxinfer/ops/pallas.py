@@ -23,6 +23,9 @@ values converted in the GEMM's fusion and the channel scales after (reference.qu
 dequantized to x's dtype first, and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
 cores (each row quantized to e4m3 with a scale of its own).
 
+The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs every attention op and cache write
+on the reference ops for now: its kernels (a key's scale on its row of scores, a value's on its probability) are next.
+
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
 
@@ -36,6 +39,7 @@ import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference, weight
 from jaxinfer.ops.quantized import QuantizedWeight
+from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
@@ -258,6 +262,9 @@ def logits(x, w, *, interpret=False):
 
 def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,
                    num_kv_heads, with_kv=False, *, interpret=False):
+    if isinstance(k_cache, QuantizedCache):   # the INT8 cache: reference ops only (its kernels are next)
+        return reference.qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
+                                        num_heads, num_kv_heads, with_kv)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     qn, kn, norm_layer = _norm_weights(q_norm, k_norm)
     return rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping,
@@ -268,12 +275,15 @@ def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, s
 def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
                          context_lens, page_size, scale, num_heads, num_kv_heads, *, interpret=False):
     """The fused kernel where it takes the head dim; else the norm/RoPE/cache-write kernel, then decode attention."""
+    if isinstance(k_cache, QuantizedCache):   # the INT8 cache: reference ops only (its kernels are next)
+        return reference.decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
+                                              page_table, context_lens, page_size, scale, num_heads, num_kv_heads)
     hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if not decode_attention_rope.supports(hd):
         q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
                                              slot_mapping, num_heads, num_kv_heads, interpret=interpret)
-        return (decode_attention.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens,
-                                                        page_size, scale, interpret=interpret), k_cache, v_cache)
+        return (paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
+                                       interpret=interpret), k_cache, v_cache)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     qn, kn, norm_layer = _norm_weights(q_norm, k_norm)
     return decode_attention_rope.decode_attention_rope_write(
@@ -286,10 +296,30 @@ def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_
     """Q query rows a sequence (a speculative verify step): the split-sequence kernel where its tile takes the Q x
     group rows and the head dim (verify_attention.supports: up to 128 rows), else the reference op."""
     _, Q, H, hd = q.shape
-    if not verify_supports(Q * (H // k_cache.shape[1]), hd):
+    if isinstance(k_cache, QuantizedCache) or not verify_supports(Q * (H // k_cache.shape[1]), hd):
         return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
     return paged_verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
                                   interpret=interpret)
+
+
+def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *,
+                           interpret=False):
+    """The split-sequence kernel (pallas/decode_attention.py); with the INT8 cache the reference op (its kernels are
+    next)."""
+    if isinstance(k_cache, QuantizedCache):
+        return reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
+    return decode_attention.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
+                                                   scale, interpret=interpret)
+
+
+def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, *,
+                    interpret=False):
+    """The prefill kernel (pallas/prefill_attention.py); with the INT8 cache the reference op (its kernels are next)."""
+    if isinstance(k_cache, QuantizedCache):
+        return reference.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
+                                         scale)
+    return prefill_attention.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
+                                             scale, interpret=interpret)
 
 
 def fresh_prompt_attention(q, k, v, scale, *, interpret=False):
@@ -331,7 +361,7 @@ def cudnn_flash_attention_available() -> bool:
 # The ops this module overrides, each bound to `interpret` by `make`.
 KERNEL_OPS = (linear, rms_norm_linear, rms_norm_swiglu, linear_residual, linear_residual_norm_swiglu, logits,
               qkv_rope_write, decode_qkv_attention, fresh_prompt_attention, prefixed_chunk_attention,
-              decode_attention.paged_decode_attention, prefill_attention.paged_attention, verify_attention)
+              paged_decode_attention, paged_attention, verify_attention)
 
 
 def make(interpret: bool = False) -> OpSet:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.numerics import to_cache
 from jaxinfer.ops import weight
 from jaxinfer.ops.quantized import QuantizedWeight
+from jaxinfer.ops.quantized_cache import read_rows, write_rows
 
 f32 = jnp.float32
 # float32 products in full float32 (XLA on GPUs would otherwise use TF32); no effect on bf16 inputs.
@@ -117,10 +117,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Write k, v [T, KVH, hd] into the caches [L, KVH, slots, hd] of `layer` at slot_mapping [T]."""
-    # Two advanced indices around a slice: numpy puts the indexed dims first, so the target is [T, KVH, hd].
-    return (k_cache.at[layer, :, slot_mapping].set(to_cache(k, k_cache.dtype)),
-            v_cache.at[layer, :, slot_mapping].set(to_cache(v, v_cache.dtype)))
+    """Write k, v [T, KVH, hd] into the caches [L, KVH, slots, hd] of `layer` at slot_mapping [T] (either cache
+    may be a QuantizedCache: quantized_cache.write_rows)."""
+    return write_rows(k_cache, layer, slot_mapping, k), write_rows(v_cache, layer, slot_mapping, v)
 
 
 def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, q_norm, k_norm, eps: float,
@@ -144,8 +143,9 @@ def qkv_rope_write(qkv: jax.Array, cos_sin: tuple[jax.Array, jax.Array] | None, 
 
 def gather_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array,
               dtype) -> tuple[jax.Array, jax.Array]:
-    """The K/V rows of slot_mapping [T] in the caches' `layer`, as [T, KVH, hd] each in `dtype`."""
-    return k_cache[layer, :, slot_mapping].astype(dtype), v_cache[layer, :, slot_mapping].astype(dtype)
+    """The K/V rows of slot_mapping [T] (or any shape S) in the caches' `layer`, as [T, KVH, hd] ([*S, KVH, hd]) each
+    in `dtype`; a QuantizedCache's rows dequantized (quantized_cache.read_rows)."""
+    return read_rows(k_cache, layer, slot_mapping, dtype), read_rows(v_cache, layer, slot_mapping, dtype)
 
 
 def fresh_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
@@ -173,10 +173,9 @@ def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     `implementation`: "cudnn" (cuDNN's flash attention, which returns its log-sum-exp) or "xla"."""
     part = _cudnn_attention_with_lse if implementation == "cudnn" else _attention_with_lse
     prefix_slots = (page_row[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)
-    out_p, lse_p = part(q, k_cache[layer, :, prefix_slots].astype(q.dtype),
-                        v_cache[layer, :, prefix_slots].astype(q.dtype), scale, causal=False, kv_len=prefix_len)
-    out_c, lse_c = part(q, k_cache[layer, :, slot_mapping].astype(q.dtype),
-                        v_cache[layer, :, slot_mapping].astype(q.dtype), scale, causal=True)
+    out_p, lse_p = part(q, *gather_kv(k_cache, v_cache, layer, prefix_slots, q.dtype), scale, causal=False,
+                        kv_len=prefix_len)
+    out_c, lse_c = part(q, *gather_kv(k_cache, v_cache, layer, slot_mapping, q.dtype), scale, causal=True)
     m = jnp.maximum(lse_p, lse_c)     # the chunk part always sees a key: finite
     w_p, w_c = jnp.exp(lse_p - m)[..., None], jnp.exp(lse_c - m)[..., None]
     out = (out_p.astype(f32) * w_p + out_c.astype(f32) * w_c) / (w_p + w_c)
@@ -265,8 +264,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
     # first could make XLA copy that layer's entire pool.
     per_sequence = 2 * B * H <= kvh * hd * q.dtype.itemsize   # scores cost less than gathered keys
     if per_sequence:
-        k_seq, v_seq = k_cache[layer, :, slots], v_cache[layer, :, slots]   # [B, ctx, KVH, hd], once
-        k_seq, v_seq = k_seq.astype(q.dtype), v_seq.astype(q.dtype)        # (a float8 cache: to the compute dtype)
+        k_seq, v_seq = gather_kv(k_cache, v_cache, layer, slots, q.dtype)   # [B, ctx, KVH, hd], once
 
     def attend(args):
         qc, seq, pos = args
@@ -281,7 +279,7 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
             out = jnp.einsum("tkgbc,bckd->tkgd", probs, v_seq, precision=HIGHEST, preferred_element_type=f32)
         else:
             s = slots[seq]                                      # [Tc, ctx]
-            k, v = k_cache[layer, :, s].astype(q.dtype), v_cache[layer, :, s].astype(q.dtype)   # [Tc, ctx, KVH, hd]
+            k, v = gather_kv(k_cache, v_cache, layer, s, q.dtype)   # [Tc, ctx, KVH, hd]
             scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
             visible = jnp.arange(ctx)[None, :] <= pos[:, None]
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
