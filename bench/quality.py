@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python bench/quality.py [--models stories260k llama2xs-260k qwen3 ...] [--out bench/results]
     PYTHONPATH=. .venv/bin/python bench/quality.py --make-text    # rewrites bench/data/quality_text.json
 
-For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 KV cache; add one a line), over
+For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 KV cache, int8 KV cache; add one a line), over
 every position of the text (each story is one window from its BOS; a model with a shorter context reads the first
 max_position_embeddings tokens of each): the mean KL divergence of the next-token distributions KL(unquantized ||
 quantized), top-1 agreement (the same argmax) and the perplexity ratio (quantized over unquantized, of the text's
@@ -57,6 +57,7 @@ CONFIGURATIONS = [
     Configuration("int8 weights", quantization="int8"),
     Configuration("fp8 weights", quantization="fp8"),
     Configuration("fp8 KV cache", kv_cache_dtype="fp8"),
+    Configuration("int8 KV cache", kv_cache_dtype="int8"),
 ]
 
 
