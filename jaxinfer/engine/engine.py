@@ -175,6 +175,8 @@ class Engine(VerifySteps):
         compiled = (f"compiled {len(self.runner._executables)} steps in {self.compile_seconds:.1f} s"
                     if c.compile_all_at_start else "steps compile on first use")
         defaults = f"; sampling defaults {describe(self.sampling_defaults)}" if self.sampling_defaults else ""
+        if c.speculative:
+            defaults = f"; speculative {c.speculative}, up to {c.num_speculative_tokens} drafts a step" + defaults
         return (f"[jaxinfer: {self.model_dir.name}, {self.cfg.family}, "
                 f"{picked(self.cfg.dtype, c.dtype, 'the checkpoint' + chr(39) + 's')}, "
                 f"ops {picked(self.ops_name, c.ops, backend)}; {self.weights_summary}; "
