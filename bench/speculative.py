@@ -71,7 +71,7 @@ def _timed_request(engine: Engine, prompt: list[int], new: int) -> tuple[list[in
     params = SamplingParams(max_tokens=new, **GREEDY)
     for _ in range(2):
         rid = engine.add_request(prompt, params)
-        t0, first, done = time.perf_counter(), None, None
+        first = done = None
         while engine.has_unfinished():
             for d in engine.step():
                 if d.request_id == rid and d.token_ids and first is None:
@@ -173,31 +173,17 @@ DFLASH_QWEN3_4B = dict(architectures=["DFlashDraftModel"], model_type="qwen3", b
                        rope_parameters=dict(rope_type="default", rope_theta=1000000.0), hidden_act="silu")
 
 
-def random_drafter(dcfg, seed: int = 0, std: float = 0.02) -> dict:
-    """Random weights in spec.dflash's tree at dcfg's shape, in its dtype."""
-    cfg, n = dcfg.model, len(dcfg.target_layer_ids)
-    d, L, i = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(cfg.jnp_dtype)
-    ones = lambda shape: jnp.ones(shape, cfg.jnp_dtype)
-    return {"fc": normal((d, n * d)), "hidden_norm": ones((d,)), "norm": ones((d,)), "layers": {
-        "attn_norm": {"scale": ones((L, d))}, "mlp_norm": {"scale": ones((L, d))},
-        "wqkv": normal((L, cfg.q_size + 2 * cfg.kv_size, d)), "q_norm": ones((L, cfg.head_dim)),
-        "k_norm": ones((L, cfg.head_dim)), "wo": normal((L, d, cfg.q_size)),
-        "w_gate_up": normal((L, 2 * i, d)), "w_down": normal((L, d, i))}}
-
-
-def dflash_cost(model_dir: Path, context: int, verify_ms: float | None, bound_ms: float | None) -> list[dict]:
+def dflash_cost(context: int, verify_ms: float | None, bound_ms: float | None) -> list[dict]:
     """Section 3: the drafter's own work a verify step at the published Qwen3-4B drafter's shape (random weights,
     bf16, batch 1): writing the step's 16 rows of context, and one block pass over a context of `context`."""
     from jaxinfer.model.kv_cache import KVCache
     from jaxinfer.ops import get_ops
-    from jaxinfer.spec.dflash_config import dflash_config_from_hf
+    from jaxinfer.spec.dflash_config import dflash_config_from_hf, random_dflash_params
     from jaxinfer.spec.dflash_proposer import draft_block, write_context
 
     dcfg = dflash_config_from_hf(DFLASH_QWEN3_4B, "bfloat16")
     ops = get_ops("pallas" if jax.devices()[0].platform == "gpu" else "reference")
-    params = random_drafter(dcfg)
+    params = random_dflash_params(dcfg)
     cfg, bs, ps = dcfg.model, dcfg.block_size, 16
     n_pages = -(-(context + 2 * bs) // ps) + 1
     pool = KVCache.allocate(cfg, n_pages, ps)
@@ -330,7 +316,7 @@ def main() -> None:
         o15 = next((r for r in out.get("oracle", []) if r["k"] == 15), None)
         host = o15["step_ms"] * o15["mean_accepted_length"] - v16 if o15 and v16 else None
         try:
-            out["dflash"] = dflash_cost(model_dir, args.prompt, v16, host)
+            out["dflash"] = dflash_cost(args.prompt, v16, host)
         except Exception as e:
             out["dflash"] = [dict(case="dflash", error=f"{type(e).__name__}: {e}")]
     if "real" in args.sections:   # the CPU: stories260k's real weights

@@ -18,7 +18,7 @@ from jaxinfer.ops import get_ops
 from jaxinfer.spec.dflash import (DraftContext, draft_logits, draft_logits_from_states, extend_context,
                                   target_embedding_and_head, target_layer_states)
 from jaxinfer.spec.dflash_config import (authors_target_layer_ids, check_drafter_fits, dflash_config_from_hf,
-                                         load_dflash_config, load_dflash_params)
+                                         load_dflash_config, load_dflash_params, random_dflash_params)
 
 DRAFTER = DATA / "models" / "dflash-tiny"
 TARGET = DATA / "models" / "qwen3"
@@ -166,7 +166,7 @@ def test_trainer_saves_the_published_format(tmp_path, setup):
                                  head_dim=16, intermediate=48))()
     hf = trainer.drafter_hf_config(tcfg, args)
     dcfg = dflash_config_from_hf(hf)
-    params = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(1), a.shape), trainer.init_params(dcfg, 0))
+    params = jax.tree.map(lambda a: a + jax.random.normal(jax.random.key(1), a.shape), random_dflash_params(dcfg, 0))
     trainer.save_drafter(hf, dcfg, params, tmp_path / "d")
     back_cfg = load_dflash_config(tmp_path / "d")
     assert back_cfg == dcfg and dcfg.target_layer_ids == (0, 2) and dcfg.num_drafts == 4

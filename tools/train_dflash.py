@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
@@ -40,7 +39,7 @@ from jaxinfer.sampling import SamplingParams
 from jaxinfer.spec.dflash import (DraftContext, block_input_ids, context_kv, draft_hidden, target_embedding_and_head,
                                   target_layer_states)
 from jaxinfer.spec.dflash_config import (DFlashConfig, authors_target_layer_ids, dflash_config_from_hf,
-                                         load_dflash_config, load_dflash_params)
+                                         load_dflash_config, load_dflash_params, random_dflash_params)
 
 EVAL_OPENERS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -78,20 +77,6 @@ def drafter_hf_config(target, args) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "layer_types": ["full_attention"] * args.layers, "use_sliding_window": False, "tie_word_embeddings": False,
     }
-
-
-def init_params(dcfg: DFlashConfig, seed: int, std: float = 0.02) -> dict:
-    """Our tree (spec.dflash_config) drawn as the authors' post_init draws it: linears N(0, std), norms 1."""
-    cfg, n = dcfg.model, len(dcfg.target_layer_ids)
-    d, L, i = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    normal = lambda shape: std * jax.random.normal(next(keys), shape, jnp.float32)
-    ones = lambda shape: jnp.ones(shape, jnp.float32)
-    return {"fc": normal((d, n * d)), "hidden_norm": ones((d,)), "norm": ones((d,)), "layers": {
-        "attn_norm": {"scale": ones((L, d))}, "mlp_norm": {"scale": ones((L, d))},
-        "wqkv": normal((L, cfg.q_size + 2 * cfg.kv_size, d)), "q_norm": ones((L, cfg.head_dim)),
-        "k_norm": ones((L, cfg.head_dim)), "wo": normal((L, d, cfg.q_size)),
-        "w_gate_up": normal((L, 2 * i, d)), "w_down": normal((L, d, i))}}
 
 
 def save_drafter(hf: dict, dcfg: DFlashConfig, params: dict, out: Path) -> None:
@@ -244,7 +229,7 @@ def main() -> None:
     states = layer_states_of(tcfg, ops, tparams, tokens, dcfg.target_layer_ids)
     log(f"target states {states.shape} at layers {list(dcfg.target_layer_ids)}")
 
-    params = init_params(dcfg, args.seed)
+    params = random_dflash_params(dcfg, args.seed)
     if args.norm_init == "target":   # the drafter's last norm feeds the target's lm_head, as the target's does
         params["norm"] = jnp.asarray(tparams["final_norm"]["scale"], jnp.float32)
     untrained = params

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from jaxinfer.model.config import _read_json
+from jaxinfer.model.config import read_json
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.sampling import SamplingParams
 
@@ -35,7 +35,7 @@ def read_generation_defaults(source: str | Path | None, model_dir: str | Path) -
         if source == "auto":
             return {}
         raise ModelLoadError(f"--generation-config {source}: {path} not found")
-    config = _read_json(path)
+    config = read_json(path)
     out = {}
     for key, field in FIELDS.items():
         value = config.get(key)

@@ -94,7 +94,8 @@ class ModelConfig:
         return L * (attn + mlp) + emb + pos
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model folder's file; one clear ModelLoadError for a missing or malformed one."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -230,10 +231,10 @@ def load_config(model_dir: str | Path, dtype: str = "auto") -> ModelConfig:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelLoadError(f"model folder {model_dir} does not exist")
-    cfg = config_from_hf(_read_json(model_dir / "config.json"), dtype)
+    cfg = config_from_hf(read_json(model_dir / "config.json"), dtype)
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        gen = _read_json(gen_path)
+        gen = read_json(gen_path)
         eos = tuple(dict.fromkeys(cfg.eos_token_ids + _eos_ids(gen.get("eos_token_id"))))
         cfg = dataclasses.replace(cfg, eos_token_ids=eos)
     return cfg

@@ -174,11 +174,8 @@ class ModelRunner:
 
     def launch_verify(self, batch: VerifyBatch, variant: StepVariant) -> tuple:
         """Start a verify step: its outputs on the device: accepted drafts [B], tokens [B, Q], logprobs [B, Q],
-        top values and ids [B, Q, K]."""
-        t0 = time.perf_counter()
-        self.kv, self.state, *out = self._call(variant, batch)
-        self.device_wait_seconds += time.perf_counter() - t0
-        return self._keep_captured(out, variant)
+        top values and ids [B, Q, K]. (The same call as a mixed step's.)"""
+        return self.launch_mixed(batch, variant)
 
     def launch_decode(self, batch: DecodeBatch, variant: StepVariant) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs, on

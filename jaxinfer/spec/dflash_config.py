@@ -14,7 +14,6 @@ Our tree: fc [D, n*D]; hidden_norm [D]; norm [D]; layers: the per-layer subset o
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +21,7 @@ import jax
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
-from jaxinfer.model.config import ModelConfig, config_from_hf
+from jaxinfer.model.config import ModelConfig, config_from_hf, read_json
 from jaxinfer.model.weights import LLAMA_RULES, CheckpointReader
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -90,18 +89,9 @@ def dflash_config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> DFlashConf
 
 def load_dflash_config(drafter_dir: str | Path, dtype: str = "auto") -> DFlashConfig:
     """Read a drafter folder's config.json."""
-    path = Path(drafter_dir) / "config.json"
     if not Path(drafter_dir).is_dir():
         raise ModelLoadError(f"drafter folder {drafter_dir} does not exist")
-    try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(hf, dict):
-        raise ModelLoadError(f"{path} must hold a JSON object")
-    return dflash_config_from_hf(hf, dtype)
+    return dflash_config_from_hf(read_json(Path(drafter_dir) / "config.json"), dtype)
 
 
 def check_drafter_fits(dcfg: DFlashConfig, target: ModelConfig) -> None:
@@ -118,6 +108,23 @@ def check_drafter_fits(dcfg: DFlashConfig, target: ModelConfig) -> None:
                         f"the target has {target.num_layers}")
     if problems:
         raise ModelLoadError("the DFlash drafter does not fit the target: " + "; ".join(problems))
+
+
+def random_dflash_params(dcfg: DFlashConfig, seed: int = 0, std: float = 0.02) -> dict:
+    """Our tree drawn as the authors' post_init draws it (linears N(0, std), norms 1), in float32 and then in
+    dcfg.model's dtype: an untrained drafter for the trainer, the tests and the benchmarks."""
+    import jax.numpy as jnp
+
+    cfg, n = dcfg.model, len(dcfg.target_layer_ids)
+    d, L, i = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    normal = lambda shape: (std * jax.random.normal(next(keys), shape, jnp.float32)).astype(cfg.jnp_dtype)
+    ones = lambda shape: jnp.ones(shape, cfg.jnp_dtype)
+    return {"fc": normal((d, n * d)), "hidden_norm": ones((d,)), "norm": ones((d,)), "layers": {
+        "attn_norm": {"scale": ones((L, d))}, "mlp_norm": {"scale": ones((L, d))},
+        "wqkv": normal((L, cfg.q_size + 2 * cfg.kv_size, d)), "q_norm": ones((L, cfg.head_dim)),
+        "k_norm": ones((L, cfg.head_dim)), "wo": normal((L, d, cfg.q_size)),
+        "w_gate_up": normal((L, 2 * i, d)), "w_down": normal((L, d, i))}}
 
 
 def load_dflash_params(drafter_dir: str | Path, dcfg: DFlashConfig) -> dict:
