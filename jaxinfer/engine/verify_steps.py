@@ -14,7 +14,7 @@ from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.model.kv_cache import slots_for
 from jaxinfer.runner.batch import StepBatch, VerifyBatch
 from jaxinfer.runner.transfer import to_device_packed
-from jaxinfer.runner.variants import StepVariant
+from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling.sample import SamplingArrays
 
 
@@ -90,7 +90,7 @@ class VerifySteps:
         sampling = SamplingArrays.from_params(params, [seq.seed for seq, _ in chunks], rows)
         batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=sampling), **{k: a[k] for k in (
             "score_rows", "drafts", "num_drafts")}))
-        greedy = all(p.temperature == 0 and not p.logprobs for p in params)
+        greedy = choose_sampler(params, rows, plain_sampling=False) == "greedy"   # verify steps sample by sorting
         variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
         t0 = time.perf_counter()
         compiling = r.first_call_seconds
