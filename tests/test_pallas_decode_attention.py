@@ -178,3 +178,71 @@ def test_merge_reads_only_the_splits_that_had_positions(cached_offset):
     got = np.asarray(merge(poisoned_o, poisoned_lse, ctx))
     np.testing.assert_array_equal(got, want)
     assert np.isnan(np.asarray(merge(poisoned_o, poisoned_lse, everything))).any()
+
+
+def _int8_problem(seed, B, H, KVH, hd, page_size, lens, dtype, poison_scales=False):
+    """_problem's case with an INT8 cache: vectors of random magnitudes (spread over 1e-3..10) quantized."""
+    from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
+
+    q, k, v, pt, cl = _problem(seed, B, H, KVH, hd, page_size, lens, jnp.float32)
+    rng = np.random.default_rng(seed + 7)
+    amp = lambda: jnp.asarray(10.0 ** rng.uniform(-3, 1, k.shape[:-1] + (1,)), jnp.float32)
+    kq, vq = QuantizedCache(*quantize(k * amp())), QuantizedCache(*quantize(v * amp()))
+    return q.astype(dtype), kq, vq, pt, cl
+
+
+# (B, H, KVH, hd, page_size, context lens, num_splits, block_k)
+INT8_CASES = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7]]
+INT8_IDS = [IDS[0], IDS[1], IDS[2], IDS[5], IDS[7]]
+
+
+@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("case", INT8_CASES, ids=INT8_IDS)
+def test_int8_cache_float32(case, convert):
+    """An INT8 cache's values and scales as operands: the reference op reading the dequantized rows."""
+    B, H, KVH, hd, ps, lens, S, bk = case
+    q, kq, vq, pt, cl = _int8_problem(zlib.crc32(repr(case).encode()) + 2, B, H, KVH, hd, ps, lens, jnp.float32)
+    layer = jnp.int32(1)
+    ref = ref_op(q, kq, vq, layer, pt, cl, ps, hd ** -0.5)
+    out = DA.paged_decode_attention(q, kq.values, vq.values, layer, pt, cl, ps, hd ** -0.5, k_scale=kq.scale,
+                                    v_scale=vq.scale, config=DA.SplitConfig(num_splits=S, block_k=bk),
+                                    int8_convert=convert, interpret=True)
+    _check(out / 10, ref / 10, jnp.float32)    # values up to ~10: the tolerance relative to that
+
+
+@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
+def test_int8_cache_bfloat16(case, convert):
+    """bf16 queries: float16 products of the exact int8 values (page_compute_dtype)."""
+    B, H, KVH, hd, ps, lens, S, bk = case
+    q, kq, vq, pt, cl = _int8_problem(zlib.crc32(repr(case).encode()) + 3, B, H, KVH, hd, ps, lens, jnp.bfloat16)
+    ref = ref_op(q, kq, vq, jnp.int32(0), pt, cl, ps, hd ** -0.5)
+    out = DA.paged_decode_attention(q, kq.values, vq.values, jnp.int32(0), pt, cl, ps, hd ** -0.5,
+                                    k_scale=kq.scale, v_scale=vq.scale, int8_convert=convert,
+                                    config=DA.SplitConfig(num_splits=S, block_k=bk), interpret=True)
+    _check(out / 10, ref / 10, jnp.bfloat16)
+
+
+def test_int8_to_is_exact():
+    x = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+        for how in ("cvt", "bits"):
+            got = DA.int8_to(x, dtype, how)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], np.arange(-127, 128, dtype=np.float32))
+    with pytest.raises(ValueError, match="int8 conversion"):
+        DA.int8_to(x, jnp.float16, "lut")
+
+
+def test_int8_cache_bad_operands_get_one_clear_error():
+    q, kq, vq, pt, cl = _int8_problem(4, 1, 4, 2, 16, 16, [5], jnp.float32)
+    call = lambda k, v, ks, vs, **kw: DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.25, k_scale=ks, v_scale=vs,
+                                                                interpret=True, **kw)
+    with pytest.raises(ValueError, match="needs int8 k and v values and both scales"):
+        call(kq.values, vq.values, kq.scale, None)
+    with pytest.raises(ValueError, match="needs int8 k and v values and both scales"):
+        call(kq.values, vq.values, None, None)
+    with pytest.raises(ValueError, match="want"):
+        call(kq.values, vq.values, kq.scale[:, :1], vq.scale)
+    with pytest.raises(ValueError, match="int8_convert"):
+        call(kq.values, vq.values, kq.scale, vq.scale, int8_convert="lut")

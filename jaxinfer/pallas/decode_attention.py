@@ -22,6 +22,13 @@ work to one program. num_splits and block_k (static: the grid and the tile) come
 a table keyed by sequence-heads (batch x KVH) and the page table's span (P * page_size, the longest
 context the call can see), filled from measurements on the H200 (tables.DECODE_ATTENTION).
 
+An INT8 cache comes as two more operands, k_scale and v_scale [L, KVH, slots] (float32, one scale a cached vector:
+ops.quantized_cache.QuantizedCache's values are k_cache and v_cache). Pages are never dequantized: the int8 tiles
+are converted exactly to the compute dtype (int8_to: "cvt" or "bits", tables.DECODE_ATTENTION_INT8_CONVERT), each
+key's scale multiplies its column of scores, and each value's scale its column of probabilities before p v
+(online_softmax_update_scaled: divided by the block's largest value scale, which multiplies the block's p v in
+float32 instead, so the scaled probabilities keep float16's range).
+
 Every block dimension is a power of two and the tails are masked (a block over a non-power-of-two
 dimension gave silently wrong results on the GPU: ../shared/GPU_FACTS.md). Masked positions score a
 large finite negative, never -inf, and a split with no positions writes lse = -1e30 and zeros, so
@@ -49,8 +56,39 @@ LOG2E = math.log2(math.e)
 NEG = -1e30  # masked score / empty-split lse: finite, so max/exp2 never see -inf - -inf
 
 
-def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, group, G, hd, D, page_size,
-                  n_pages, block_k, num_splits, qk_scale):
+def int8_to(x, dtype, how: str = "cvt"):
+    """int8 values x in float `dtype`, exactly. "cvt": the conversion instruction. "bits": v + 128 (1..255) added to
+    the bits of 1024.0 (float16; float32: 2^23), which then subtracts 1152 (2^23 + 128): integer adds and one float
+    subtraction (I2F runs at a quarter of the FMA rate on Hopper)."""
+    dtype = jnp.dtype(dtype)
+    if how == "cvt":
+        return x.astype(dtype)
+    if how != "bits":
+        raise ValueError(f"int8 conversion {how!r}: 'cvt' or 'bits'")
+    if dtype == jnp.dtype(jnp.float16):
+        return jax.lax.bitcast_convert_type(x.astype(jnp.int16) + 0x6480, jnp.float16) - jnp.float16(1152.0)
+    y = jax.lax.bitcast_convert_type(x.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
+    return y.astype(dtype)
+
+
+def online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec):
+    """blocks.online_softmax_update with v [block_k, D] int8 values (in the compute dtype) of scales v_scale
+    [block_k]: p's column j multiplied by v_scale[j] / max(v_scale) before the product (in [0, 1], as p is), the
+    product by max(v_scale) after, in float32."""
+    m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(sc - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    v_max = jnp.max(v_scale)
+    ratio = v_scale * (1.0 / jnp.where(v_max > 0, v_max, 1.0))
+    pv = jax.lax.dot_general((p * ratio[None, :]).astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                             preferred_element_type=f32)
+    return acc * alpha[:, None] + pv * v_max, m_new, l
+
+
+def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, G, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert):
+    ks_ref, vs_ref, *out_refs = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
@@ -85,13 +123,20 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, gro
         # table lookup is off the loop's latency chain.
         nxt = slots_of(i + 1)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
-        if k.dtype != cdt:   # a float8 cache: to the compute dtype
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        if quantized:        # int8 pages: exact in the compute dtype; the scales come in below
+            k, v = int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
+        elif k.dtype != cdt:   # a float8 cache: to the compute dtype
             k, v = k.astype(cdt), v.astype(cdt)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-        sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                     # [G, block_k]
-        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        if not quantized:
+            sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                 # [G, block_k]
+            return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        k_scale = plgpu.load(ks_ref.at[layer, h, slot], mask=valid, other=0.0)   # [block_k]
+        v_scale = plgpu.load(vs_ref.at[layer, h, slot], mask=valid, other=0.0)
+        sc = jnp.where(valid[None, :], sc * (k_scale * qk_scale)[None, :], NEG)
+        return (*online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec), nxt)
 
     init = (jnp.zeros((G, D), f32), jnp.full((G,), NEG, f32), jnp.zeros((G,), f32), slots_of(start))
     acc, m, l, _ = jax.lax.fori_loop(start, stop, body, init)
@@ -133,17 +178,39 @@ def _merge_kernel(cl_ref, o_part_ref, lse_ref, o_ref, *, hd, D, num_splits, bloc
         plgpu.store(o_ref.at[b, hq, pl.ds(0, D)], out.astype(o_ref.dtype))
 
 
+def check_int8_operands(name: str, k_cache, v_cache, k_scale, v_scale, int8_convert: str) -> bool:
+    """Whether the caches are an INT8 cache (int8 values with k_scale, v_scale [L, KVH, slots] float32); one clear
+    error for a half-given or mis-shaped one."""
+    given = (k_scale is not None, v_scale is not None)
+    int8 = (k_cache.dtype == jnp.int8, v_cache.dtype == jnp.int8)
+    if given[0] != given[1] or int8[0] != int8[1] or given[0] != int8[0]:
+        raise ValueError(f"{name}: an int8 cache needs int8 k and v values and both scales (k {k_cache.dtype}, "
+                         f"v {v_cache.dtype}, k_scale {'given' if given[0] else 'None'}, "
+                         f"v_scale {'given' if given[1] else 'None'})")
+    if not given[0]:
+        return False
+    for s in (k_scale, v_scale):
+        if s.shape != k_cache.shape[:-1] or s.dtype != f32:
+            raise ValueError(f"{name}: scales {s.shape} {s.dtype} for values {k_cache.shape}: want "
+                             f"{k_cache.shape[:-1]} float32")
+    if int8_convert not in ("cvt", "bits"):
+        raise ValueError(f"{name}: int8_convert={int8_convert!r}: 'cvt' or 'bits'")
+    return True
+
+
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "block_k", "num_warps",
-                                             "num_stages", "merge", "interpret"))
+                                             "num_stages", "merge", "int8_convert", "interpret"))
 def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
                                  scale: float, *, num_splits: int = 1, block_k: int = 64,
                                  num_warps: int = 4, num_stages: int = 2, merge: str = "pallas",
+                                 k_scale=None, v_scale=None, int8_convert: str = "cvt",
                                  interpret: bool = False):
-    """The two kernels with an explicit configuration (see SplitConfig)."""
+    """The two kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches."""
     B, H, hd = q.shape
     L, KVH, n_slots, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd:
         raise ValueError(f"paged_decode_attention: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    quantized = check_int8_operands("paged_decode_attention", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if H % KVH:
         raise ValueError(f"paged_decode_attention: {H} query heads over {KVH} KV heads")
     if page_table.shape[0] != B or context_lens.shape != (B,):
@@ -163,7 +230,8 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
 
     kernel = functools.partial(
         _split_kernel, group=group, G=G, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
-        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E)
+        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E, quantized=quantized,
+        int8_convert=int8_convert)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((B, H, hd), q.dtype)
     else:
@@ -173,7 +241,7 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
         kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret,
         name="decode_attention_split",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(layer, page_table, context_lens, q, k_cache, v_cache)
+    )(layer, page_table, context_lens, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
     if num_splits == 1:
         return res
     return merge_splits(*res, q.dtype, hd, merge, interpret, context_lens=context_lens, block_k=block_k,
@@ -205,7 +273,7 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
 
 def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) -> SplitConfig:
     """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`,
-    pages of `kv_itemsize`-byte values (1: float8)."""
+    pages of `kv_itemsize`-byte values (1: float8 or int8)."""
     seq_heads = batch * kv_heads
     table = tables.DECODE_ATTENTION_FP8 if kv_itemsize == 1 else tables.DECODE_ATTENTION
     cfg = next(c for max_sh, max_span, c in table if seq_heads <= max_sh and span <= max_span)
@@ -218,16 +286,20 @@ def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) ->
 
 def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                            page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float,
-                           *, config: SplitConfig | None = None, interpret: bool = False) -> jax.Array:
+                           *, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           config: SplitConfig | None = None, int8_convert: str | None = None,
+                           interpret: bool = False) -> jax.Array:
     """`reference.paged_decode_attention` with the split-sequence Pallas kernels.
 
     q [B, H, hd]; k_cache, v_cache [L, KVH, slots, hd]; layer int32 scalar; page_table [B, P] int32;
-    context_lens [B] int32 (>= 1; 0 gives zeros). Returns [B, H, hd] in q's dtype. `config` overrides the
-    table (tests and benchmarks).
+    context_lens [B] int32 (>= 1; 0 gives zeros). Returns [B, H, hd] in q's dtype. An INT8 cache: int8 k_cache,
+    v_cache with their scales k_scale, v_scale [L, KVH, slots] float32 (int8_convert: default the table's).
+    `config` overrides the table (tests and benchmarks).
     """
     if config is None:
         config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize)
     return paged_decode_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, merge=config.merge, interpret=interpret)
+        num_stages=config.num_stages, merge=config.merge, k_scale=k_scale, v_scale=v_scale,
+        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret=interpret)

@@ -321,3 +321,11 @@ PREFILL_ATTENTION: list[tuple[int, int, PrefillConfig]] = [
 # A program's tokens as tiles of this many (a power of two): H200, the 1k prompt step 13.95 ms as a one-token loop,
 # 13.85 at tiles of 8 (16: 13.92, 32: 14.14).
 ROPE_KV_WRITE_TILE = 8
+
+# --- the INT8 KV cache in the decode attention kernels (decode_attention.py, decode_attention_rope.py) ------------
+
+# How int8 pages become the kernels' compute dtype: "cvt", the conversion instruction (I2F runs at a quarter of the
+# FMA rate on Hopper), or "bits", exact integer adds into a float's low mantissa bits and one float subtraction
+# (decode_attention.int8_to). Not measured yet: "cvt" until bench/kernels/decode_attention.py --kv-cache-dtype
+# int8 --int8-convert bits says otherwise. Int8 pages take the float8 split table (DECODE_ATTENTION_FP8: 1-byte pages).
+DECODE_ATTENTION_INT8_CONVERT = "cvt"
