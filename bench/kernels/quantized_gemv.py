@@ -110,13 +110,14 @@ def twin(x, w, epilogue, norm, scale, res):
 SWEEP_BLOCK_IN = (256, 512, 1024)
 SWEEP_ROWS = (1, 2)
 SWEEP_WARPS = (1,)
+SWEEP_CONVERTS = ("bits", "cvt", "prmt")
 
 
 def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None, int]]:
     """(block_in, rows, int8 conversion, warps) to time: the table's, or with --sweep every block_in x rows x warps the
     format allows (int8: with each conversion; warps only where each lane still loads 16 bytes or fewer)."""
     dtype, block = FORMATS[fmt]
-    converts = ["bits", "cvt"] if dtype == jnp.int8 else [None]
+    converts = list(SWEEP_CONVERTS) if dtype == jnp.int8 else [None]
     table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), int8_convert_for(n, k) if converts[0] else None,
              warps_for(n, k, dtype))
     if not sweep:
@@ -309,7 +310,7 @@ def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: l
 
 
 def main() -> None:
-    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS
+    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS, SWEEP_CONVERTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
     ap.add_argument("--formats", nargs="+", default=["int8", "fp8", "fp8-block"], choices=list(FORMATS))
@@ -317,6 +318,7 @@ def main() -> None:
     ap.add_argument("--sweep-block-in", type=int, nargs="+", default=list(SWEEP_BLOCK_IN))
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=list(SWEEP_ROWS))
     ap.add_argument("--sweep-warps", type=int, nargs="+", default=list(SWEEP_WARPS))
+    ap.add_argument("--sweep-converts", nargs="+", default=list(SWEEP_CONVERTS), choices=list(SWEEP_CONVERTS))
     ap.add_argument("--no-gemv", action="store_true", help="skip the batch-1 GEMVs (--batched / --prompt only)")
     ap.add_argument("--batched", type=int, nargs="*", default=[], help="M rows of batched decode to time")
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
@@ -328,6 +330,7 @@ def main() -> None:
     args = ap.parse_args()
     INTERPRET = args.interpret
     SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS = tuple(args.sweep_block_in), tuple(args.sweep_rows), tuple(args.sweep_warps)
+    SWEEP_CONVERTS = tuple(args.sweep_converts)
     t0 = time.time()
     ceiling = 1e11 if INTERPRET else hbm_read_ceiling()
     log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read ceiling {ceiling / 1e12:.2f} TB/s")

@@ -41,20 +41,39 @@ f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
 
 
-def weights_to_f32(w, int8_convert: str = "cvt"):
+# int8 -> float32 for four values packed in one 32-bit register: flip the sign bits (v + 128, as bytes 0..255), then
+# one byte permute a value builds the float 2^23 + v + 128 (the byte in the low mantissa bits under 0x4B's exponent).
+_PRMT_INT8X4 = """{
+.reg .b32 t;
+xor.b32 t, $4, 0x80808080;
+prmt.b32 $0, t, 0x4B000000, 0x7540;
+prmt.b32 $1, t, 0x4B000000, 0x7541;
+prmt.b32 $2, t, 0x4B000000, 0x7542;
+prmt.b32 $3, t, 0x4B000000, 0x7543;
+}"""
+INT8_CONVERTS = ("cvt", "bits", "prmt")
+
+
+def weights_to_f32(w, int8_convert: str = "cvt", interpret: bool = False):
     """Weights to float32, exactly. e4m3 through float16 (on Hopper two values an instruction). int8 "cvt": the
     conversion instruction (I2F runs at a quarter of the FMA rate: near 4.5 TB/s of int8 that is the GEMV's limit);
     "bits": v + 128 (0..255) placed in the low mantissa bits of 2^23, which is then subtracted with the 128:
-    float(bits(2^23) + v + 128) - (2^23 + 128) = v, in integer adds and one float add."""
+    float(bits(2^23) + v + 128) - (2^23 + 128) = v, in integer adds and one float add; "prmt": the same float built
+    by one byte permute a value on four values a register (inline PTX, _PRMT_INT8X4; in interpret mode "cvt", whose
+    values are the same)."""
     if w.dtype == jnp.float8_e4m3fn:
         w = w.astype(jnp.float16)
     elif w.dtype == jnp.int8 and int8_convert == "bits":
         return jax.lax.bitcast_convert_type(w.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
+    elif w.dtype == jnp.int8 and int8_convert == "prmt" and not interpret:
+        (biased,) = plgpu.elementwise_inline_asm(_PRMT_INT8X4, args=[w], constraints="=r,=r,=r,=r,r", pack=4,
+                                                 result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, f32)])
+        return biased - 8388736.0
     return w.astype(f32)
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows, w_scaled, w_block, int8_convert):
+            rows, w_scaled, w_block, int8_convert, interpret):
     refs = list(refs)
     o_ref = refs.pop()
     ws_ref = refs.pop(0) if w_scaled else None
@@ -84,7 +103,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
                 return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
             return plgpu.load(ref_win)
 
-        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
+        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert, interpret) for r in w_rows]
         if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
             bo, bi = w_block
             if wide:
@@ -140,15 +159,15 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
-    int8 values become float32 ("cvt" or "bits", weights_to_f32; None: int8_convert_for's). num_warps: warps a
+    int8 values become float32 (INT8_CONVERTS, weights_to_f32; None: int8_convert_for's). num_warps: warps a
     program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
     if (w.dtype.itemsize == 1) != (w_scale is not None):
         raise ValueError(f"fused_gemv: 8-bit weights go with their w_scale, and only they ({w.dtype})")
-    if int8_convert not in (None, "cvt", "bits"):
-        raise ValueError(f"fused_gemv: int8_convert is 'cvt' or 'bits', not {int8_convert!r}")
+    if int8_convert not in (None, *INT8_CONVERTS):
+        raise ValueError(f"fused_gemv: int8_convert is one of {INT8_CONVERTS}, not {int8_convert!r}")
     if w_scale is not None:
         want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
         if w_scale.shape != want:
@@ -179,7 +198,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
                                w_scaled=w_scale is not None, w_block=w_block,
-                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in))
+                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in), interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),

@@ -59,12 +59,28 @@ def test_gemv_8bit_at_qwen3_4b_shapes(proj, fmt):
     if epilogue == "residual":
         kw["residual"] = res
     ref = twins.linear_8bit(x, w, **kw)
-    converts = ("bits", "cvt") if fmt == "int8" else (None,)
+    converts = ("bits", "cvt", "prmt") if fmt == "int8" else (None,)
     for convert in converts:
         y = fused_gemv(x, w.values, w_scale=w.scale, w_block=w.block, int8_convert=convert,
                        block_in=block_in_for(rows_n, k, w.dtype, w.block), rows=rows_for(rows_n, k, w.dtype), **kw)
         assert y.shape == ref.shape and y.dtype == ref.dtype
         assert err(y, ref) < 2e-2, convert
+
+
+@pytest.mark.parametrize("rows,warps", [(1, 1), (4, 1), (8, 2)])
+def test_int8_conversions_give_the_same_bits(rows, warps):
+    """Every int8 conversion yields the exact float (all 256 values appear in w), so the GEMV's outputs agree bit for
+    bit whichever converts."""
+    from jaxinfer.pallas.fused_gemv import INT8_CONVERTS, fused_gemv
+
+    n, k = 512, 2560
+    values = (jnp.arange(n * k, dtype=jnp.int32) % 256 - 128).astype(jnp.int8).reshape(n, k)
+    w_scale = jnp.full((n,), 1 / 4096, f32)
+    x, scale, _ = inputs(n, k, 1)
+    outs = {c: np.asarray(fused_gemv(x, values, scale=scale, w_scale=w_scale, int8_convert=c, rows=rows,
+                                     num_warps=warps, block_in=512)) for c in INT8_CONVERTS}
+    for c in INT8_CONVERTS:
+        np.testing.assert_array_equal(outs[c], outs["cvt"], err_msg=c)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
