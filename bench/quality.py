@@ -3,11 +3,15 @@
     PYTHONPATH=. .venv/bin/python bench/quality.py [--models stories260k llama2xs-260k qwen3 ...] [--out bench/results]
     PYTHONPATH=. .venv/bin/python bench/quality.py --make-text    # rewrites bench/data/quality_text.json
 
-For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 KV cache, int8 KV cache; add one a line), over
+For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 W8A8, fp8 KV cache, int8 KV cache; add
+one a line), over
 every position of the text (each story is one window from its BOS; a model with a shorter context reads the first
 max_position_embeddings tokens of each): the mean KL divergence of the next-token distributions KL(unquantized ||
 quantized), top-1 agreement (the same argmax) and the perplexity ratio (quantized over unquantized, of the text's
-own next tokens). Float32 compute on the CPU, reference ops, one forward pass a window.
+own next tokens). Float32 compute on the CPU, reference ops, one forward pass a window. "fp8 W8A8" runs the
+projections through ops.pallas's routing instead (interpret mode; attention stays the reference's) with
+tables.FP8_W8A8_ROWS = 1: every row of a window (all past the skinny kernel's 64) quantized to e4m3 with a scale of
+its own before its fp8 product (ops.pallas.w8a8_product), as prompt rows run on the GPU from that table's rows on.
 
 The text: stories sampled (temperature 1) from stories260k, seeded, with the TinyStories tokenizer
 (bench/data/quality_text.json, made by --make-text). stories260k and llama2xs-260k are real trained models; the
@@ -18,6 +22,7 @@ Prints one table and writes quality.json under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -34,7 +39,8 @@ from jaxinfer.model.config import load_config
 from jaxinfer.model.kv_cache import KVCache, kv_cache_dtype
 from jaxinfer.model.transformer import forward
 from jaxinfer.model.weights import load_params
-from jaxinfer.ops import get_ops
+from jaxinfer.ops import get_ops, reference
+from jaxinfer.pallas.skinny_gemm import MAX_T as SKINNY_MAX_T
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "models"
@@ -51,11 +57,13 @@ class Configuration:
     name: str
     quantization: str | None = None     # weights
     kv_cache_dtype: str = "auto"        # the KV cache
+    w8a8: bool = False                  # fp8 weights' products with each row of x in e4m3 (ops.pallas.w8a8_product)
 
 
 CONFIGURATIONS = [
     Configuration("int8 weights", quantization="int8"),
     Configuration("fp8 weights", quantization="fp8"),
+    Configuration("fp8 W8A8", quantization="fp8", w8a8=True),
     Configuration("fp8 KV cache", kv_cache_dtype="fp8"),
     Configuration("int8 KV cache", kv_cache_dtype="int8"),
 ]
@@ -76,15 +84,46 @@ def _window_logits(cfg, ops, params, kv, ids):
     return logits
 
 
-def window_logits(cfg, params, ids: np.ndarray, kv_dtype) -> np.ndarray:
+# The ops that take a weight matrix: ops.pallas's (kernels and XLA's products, its routing) in a W8A8 configuration.
+PROJECTIONS = ("linear", "rms_norm_linear", "rms_norm_swiglu", "linear_residual", "linear_residual_norm_swiglu",
+               "logits")
+
+
+@functools.cache
+def w8a8_ops():
+    """The reference ops with ops.pallas's projections (interpret mode) in their place: rows past the skinny kernel's
+    reach ops.pallas._xla_product, W8A8 from tables.FP8_W8A8_ROWS rows on. One object (a static jit argument)."""
+    from jaxinfer.ops import pallas
+
+    ops = {name: getattr(reference, name) for name in dir(reference) if not name.startswith("_")}
+    ops.update({name: functools.partial(getattr(pallas, name), interpret=True) for name in PROJECTIONS})
+    return pallas.OpSet(**ops, name="reference+w8a8")
+
+
+@contextlib.contextmanager
+def w8a8_rows(rows: int | None):
+    """tables.FP8_W8A8_ROWS = rows inside (jax's trace cache cleared on both sides: it does not see the table)."""
+    from jaxinfer.pallas import tables
+
+    saved = tables.FP8_W8A8_ROWS
+    tables.FP8_W8A8_ROWS = rows
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        tables.FP8_W8A8_ROWS = saved
+        jax.clear_caches()
+
+
+def window_logits(cfg, params, ids: np.ndarray, kv_dtype, ops=None) -> np.ndarray:
     """Float32 logits of the window (padded at the end to a multiple of the page: causal, the real rows see no
-    padding), without the padding's rows."""
+    padding), without the padding's rows; ops: the reference ops unless given."""
     T = len(ids)
     padded = -(-T // PAGE) * PAGE
     kv = KVCache.allocate(cfg, padded // PAGE + 1, PAGE, kv_dtype)
     x = np.zeros(padded, np.int32)
     x[:T] = ids
-    return np.asarray(_window_logits(cfg, get_ops("reference"), params, kv, jnp.asarray(x)), np.float64)[:T]
+    return np.asarray(_window_logits(cfg, ops or get_ops("reference"), params, kv, jnp.asarray(x)), np.float64)[:T]
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -114,9 +153,13 @@ def evaluate(name: str, windows: list[list[int]], configurations: list[Configura
             params = load_params(folder, cfg, progress=False, quantization=c.quantization)
             kv_dtype = kv_cache_dtype(cfg, c.kv_cache_dtype)
             total: dict = {}
-            for w, b in zip(windows, base):
-                part = compare(b[:-1], window_logits(cfg, params, w, kv_dtype)[:-1], w[1:])
-                total = {k: total.get(k, 0) + v for k, v in part.items()}
+            if c.w8a8 and min(map(len, windows)) <= SKINNY_MAX_T:   # those rows would take the weight-only kernel
+                raise ValueError(f"W8A8 needs windows of more than {SKINNY_MAX_T} tokens")
+            with w8a8_rows(1) if c.w8a8 else contextlib.nullcontext():
+                for w, b in zip(windows, base):
+                    part = compare(b[:-1], window_logits(cfg, params, w, kv_dtype, w8a8_ops() if c.w8a8 else None)[:-1],
+                                   w[1:])
+                    total = {k: total.get(k, 0) + v for k, v in part.items()}
             n = total["positions"]
             rows.append({"model": name, "configuration": c.name, "positions": n, "kl": total["kl"] / n,
                          "top1": total["top1"] / n, "ppl_base": float(np.exp(total["nll_base"] / n)),
@@ -137,6 +180,11 @@ def _row(r: dict) -> str:
         return f"| {r['model']} | {r['configuration']} | failed: {r['error'][:120]} | | | | |"
     return (f"| {r['model']} | {r['configuration']} | {r['positions']:,} | {r['kl']:.5f} | {100 * r['top1']:.1f}% | "
             f"{r['ppl_base']:.4g} | {r['ppl_ratio']:.4f} |")
+
+
+def read_windows(n: int | None = None) -> list[list[int]]:
+    """The text's token ids, a story a window (the first n stories; None: all)."""
+    return json.loads(TEXT.read_text())["ids"][:n]
 
 
 def make_text(stories: int, tokens: int) -> None:
@@ -177,7 +225,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown configurations {sorted(unknown)}")
     configurations = [c for c in CONFIGURATIONS if c.name in args.configurations]
-    windows = json.loads(TEXT.read_text())["ids"][:args.windows]
+    windows = read_windows(args.windows)
     print(f"# {platform.processor() or platform.machine()}, {jax.devices()[0].platform}, jax {jax.__version__}; "
           f"float32, reference ops; text {TEXT.name}: {len(windows)} windows")
     print(HEADER, flush=True)

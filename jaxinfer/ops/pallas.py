@@ -95,21 +95,32 @@ def _xla_product(x, w) -> jax.Array:
     """x [T, in] @ the 8-bit w (a QuantizedWeight, or a LayerWeight holding one) in float32 [T, out], through XLA:
     W8A8 for fp8 per-channel weights from tables.FP8_W8A8_ROWS rows, else reference.quantized_product (block scales:
     the matrix dequantized to x's dtype first)."""
-    q = weight(w)
+    q = _layer_matrix(w)
     rows = tables.FP8_W8A8_ROWS
     if q.block is None and q.dtype == jnp.float8_e4m3fn and rows is not None and x.shape[0] >= rows:
         return w8a8_product(x, q)
     return reference.quantized_product(x, q)
 
 
-def w8a8_product(x, q) -> jax.Array:
-    """x @ q.T on fp8 tensor cores, float32 [T, out]: each row of x quantized to e4m3 with its own scale (its max |x|
-    onto 448), the fp8 product summed in float32, then times the row's and the output channel's scales."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-30)
-    xq = jnp.clip(xf * (448.0 / amax), -448.0, 448.0).astype(jnp.float8_e4m3fn)
-    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return y * (amax / 448.0) * q.scale
+def _layer_matrix(w):
+    """The layer's [out, in] matrix of w (a LayerWeight, or bare): a one-layer stack's by a static index, which XLA
+    makes a view (a traced index into a deeper stack is a copy of the layer, as in reference.linear)."""
+    return _one_matrix(w) if _is_one_matrix(w) else weight(w)
+
+
+def w8a8_product(x, q, dot_dtype=jnp.float32) -> jax.Array:
+    """x [T, in] @ q.T on fp8 tensor cores, float32 [T, out]; q: fp8 per-channel QuantizedWeight, or a LayerWeight
+    holding one. Each row of x quantized to e4m3 with its own scale (its max |x| onto 448; the max taken in x's own
+    dtype, exact, so that no float32 copy of x is written), the fp8 product summed in float32 and written in
+    dot_dtype (bfloat16: the GEMM writes half the bytes, the sums rounded once more before the scales), then times
+    the row's and the output channel's scales."""
+    q = _layer_matrix(q)
+    if q.block is not None or q.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"w8a8_product: fp8 weights with a scale per output channel, not {q.dtype} block {q.block}")
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32), 1e-30)
+    xq = jnp.clip(x.astype(jnp.float32) * (448.0 / amax), -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=dot_dtype)
+    return y.astype(jnp.float32) * (amax / 448.0) * q.scale
 
 
 def _xla_linear(x, w, b=None) -> jax.Array:

@@ -1,0 +1,189 @@
+"""FP8 W8A8 (ops.pallas.w8a8_product): each row of x quantized to e4m3 with a scale of its own, the product of fp8
+operands summed in float32, then the row's and the output channel's scales. Against a float64 numpy reference
+(the same rounding of x, ml_dtypes' e4m3 cast) and against the exact product within the e4m3 rounding bound, at
+several shapes; stacked LayerWeights and ops.pallas's routing by tables.FP8_W8A8_ROWS; the activation
+quantization's fusions in the CPU's HLO; and an engine generating on stories260k with prompt rows in W8A8, its
+next-token distributions against the float32 model's (bench/quality.py's KL and top-1).
+"""
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import STORIES
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.ops import LayerWeight, get_ops, reference
+from jaxinfer.ops.pallas import w8a8_product
+from jaxinfer.ops.quantized import QuantizedWeight, quantize
+from jaxinfer.pallas import tables
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+OPS = get_ops("pallas-interpret")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fp8_stack(key, L, n_out, n_in) -> QuantizedWeight:
+    """A random matrix stack quantized as load_params quantizes (fp8, a scale per output channel)."""
+    return quantize(jax.random.normal(key, (L, n_out, n_in), f32) / np.sqrt(n_in), "fp8")
+
+
+def w8a8_float64(x, q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the W8A8 product in float64, |the same terms| summed (the accumulation's scale), the exact x @ W) with x
+    rounded to e4m3 as w8a8_product rounds it: max |x| of the row, 448 / max in float32, the scaled row in float32,
+    clipped, cast to e4m3 (ml_dtypes, to nearest even)."""
+    xf = np.asarray(x.astype(f32))
+    amax = np.maximum(np.abs(xf).max(axis=1, keepdims=True), np.float32(1e-30))
+    xs = np.clip(xf * (np.float32(448) / amax), -448, 448).astype(np.float32)
+    xq = xs.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    v = np.asarray(q.values.astype(f32), np.float64)
+    row, col = amax.astype(np.float64) / 448, np.asarray(q.scale, np.float64)[None, :]
+    w = v * col.T
+    return (xq @ v.T) * row * col, (np.abs(xq) @ np.abs(v).T) * row * col, xf.astype(np.float64) @ w.T
+
+
+SHAPES = [(1, 96, 256), (7, 40, 72), (70, 130, 520), (33, 256, 96)]   # (rows, out, in)
+
+
+@pytest.mark.parametrize("dtype", [bf16, f32])
+@pytest.mark.parametrize("T,n_out,n_in", SHAPES)
+def test_w8a8_product_against_float64(T, n_out, n_in, dtype):
+    seed = T * 1000 + n_out + n_in
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = (jax.random.normal(kx, (T, n_in), f32) * jnp.exp(jax.random.normal(kw, (T, 1)))).astype(dtype)
+    q = fp8_stack(kw, 1, n_out, n_in)[0]
+    y = np.asarray(w8a8_product(x, q), np.float64)
+    assert y.shape == (T, n_out)
+    want, magnitude, exact = w8a8_float64(x, q)
+    # float32 sums of K terms, then two float32 products: at worst (K + 3) units of 2^-24 of the terms' magnitude
+    np.testing.assert_array_less(np.abs(y - want), (n_in + 3) * 2.0 ** -24 * magnitude + 1e-30)
+    # against the unquantized x: e4m3 keeps 3 mantissa bits (a half unit: 2^-4 of |v|), below 2^-6 a step of 2^-9
+    # (half: 2^-10) in units of max |x| / 448; each term's error times |w|, summed, plus the float32 sums
+    xf = np.abs(np.asarray(x.astype(f32), np.float64))
+    amax = xf.max(axis=1, keepdims=True)
+    w_abs = np.abs(np.asarray(q.values.astype(f32), np.float64) * np.asarray(q.scale, np.float64)[:, None])
+    bound = ((2.0 ** -4 + 2.0 ** -22) * xf + 2.0 ** -10 * amax / 448) @ w_abs.T + (n_in + 3) * 2.0 ** -24 * magnitude
+    np.testing.assert_array_less(np.abs(y - exact), bound)
+    # and the activations were quantized (an unquantized product would sit within float32 rounding of exact)
+    assert np.linalg.norm(y - exact) > 1e-3 * np.linalg.norm(exact)
+
+
+def test_w8a8_product_reads_a_layer_of_a_stack():
+    """A LayerWeight over a deeper stack (a traced layer, the scanned layers') and a one-layer stack (the split
+    layers') give the layer's product, bit for bit."""
+    q = fp8_stack(jax.random.PRNGKey(1), 3, 48, 64)
+    x = jax.random.normal(jax.random.PRNGKey(2), (20, 64), bf16)
+    want = np.asarray(w8a8_product(x, q[2]))
+    traced = jax.jit(lambda x, q, layer: w8a8_product(x, LayerWeight(q, layer)))(x, q, jnp.int32(2))
+    np.testing.assert_array_equal(np.asarray(traced), want)
+    one = jax.tree.map(lambda a: a[2][None], q)
+    split = jax.jit(lambda x, one: w8a8_product(x, LayerWeight(one, jnp.int32(0))))(x, one)
+    np.testing.assert_array_equal(np.asarray(split), want)
+
+
+def test_w8a8_product_refuses_other_formats():
+    w = jax.random.normal(jax.random.PRNGKey(3), (32, 64), f32)
+    x = jnp.ones((4, 64), bf16)
+    with pytest.raises(ValueError, match="per output channel"):
+        w8a8_product(x, quantize(w, "int8"))
+    blocked = QuantizedWeight(quantize(w, "fp8").values, jnp.ones((1, 1), f32), (32, 64))
+    with pytest.raises(ValueError, match="per output channel"):
+        w8a8_product(x, blocked)
+
+
+@pytest.mark.parametrize("rows", [70, 100])
+def test_routing_by_fp8_w8a8_rows(monkeypatch, rows):
+    """ops.pallas sends rows past the skinny kernel's to XLA's product: W8A8 from tables.FP8_W8A8_ROWS rows on (the
+    linear ops over a stacked LayerWeight at a traced layer, and the logits), the converted values below it and
+    with the table None; int8 weights always the converted values."""
+    q = fp8_stack(jax.random.PRNGKey(4), 3, 96, 128)
+    x = jax.random.normal(jax.random.PRNGKey(5), (rows, 128), bf16)
+    res = jax.random.normal(jax.random.PRNGKey(6), (rows, 96), bf16)
+    lw = LayerWeight(q, jnp.int32(1))
+    w8a8 = w8a8_product(x, q[1])
+    converted = reference.quantized_product(x, q[1])
+
+    def run(threshold):
+        monkeypatch.setattr(tables, "FP8_W8A8_ROWS", threshold)
+        jax.clear_caches()
+        lin = jax.jit(lambda x, q, layer: OPS.linear(x, LayerWeight(q, layer)))(x, q, jnp.int32(1))
+        return lin, OPS.linear_residual(x, lw, None, res), OPS.logits(x, q[1])
+
+    for threshold, want in ((rows, w8a8), (64, w8a8), (rows + 1, converted), (None, converted)):
+        lin, resid, logits = run(threshold)
+        np.testing.assert_array_equal(np.asarray(lin), np.asarray(want.astype(bf16)))
+        np.testing.assert_array_equal(np.asarray(resid), np.asarray(res + want.astype(bf16)))
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+    assert not np.array_equal(np.asarray(w8a8.astype(bf16)), np.asarray(converted.astype(bf16)))
+    q8 = quantize(jax.random.normal(jax.random.PRNGKey(7), (96, 128), f32), "int8")
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 1)
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(OPS.logits(x, q8)), np.asarray(reference.quantized_product(x, q8)))
+
+
+def test_activation_quantization_fusions_on_the_cpu():
+    """The jitted product's HLO on the CPU: x is read twice, by the row maximum's reduction and by one fusion that
+    scales, clips and casts it to e4m3 (the max taken in x's dtype: no float32 copy of x is written); the [T] row
+    factors between them are a fusion of their own. A row reduction and a consumer of its broadcast cannot share a
+    loop fusion, so two passes over x is the least XLA's fusions give (on the GPU: a reduction and a loop kernel)."""
+    q = fp8_stack(jax.random.PRNGKey(8), 1, 96, 64)[0]
+    x = jnp.ones((80, 64), bf16)
+    hlo = jax.jit(w8a8_product).lower(x, q).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    x_name = re.search(r"%(\S+) = bf16\[80,64\]\S* parameter\(0\)", entry).group(1)
+    readers = [line for line in entry.splitlines() if f"%{x_name})" in line or f"%{x_name}," in line]
+    assert len(readers) == 2, readers
+    kinds = {}
+    for line in readers:
+        out_type = line.split("=")[1].split()[0]
+        body = re.search(rf"\n%{re.escape(re.search(r'calls=%([\w.]+)', line).group(1))} .*?\n}}", hlo, re.S).group(0)
+        kinds["reduce" if out_type.startswith("bf16[80]") else "quantize"] = body
+    assert set(kinds) == {"reduce", "quantize"}, readers
+    quant = kinds["quantize"]
+    assert "f8e4m3fn[80,64]" in quant and "clamp(" in quant and "multiply(" in quant, quant
+    assert not re.search(r"= f32\[80,64\]\S* fusion\(%" + re.escape(x_name) + r"\)", entry)   # no f32 copy of x
+
+
+def test_engine_prompt_rows_in_w8a8_on_stories260k(monkeypatch):
+    """quantization="fp8" with FP8_W8A8_ROWS = 1: the prompt's rows (past the skinny kernel's 64) run as W8A8 in the
+    engine (pallas-interpret ops). It generates; each prompt position's top-1 token (prompt logprobs) mostly equals
+    the float32 model's, and its logprobs are not weight-only fp8's (the activations were quantized). Then
+    bench/quality.py's measure on a window of its text against the float32 model: KL and top-1 within a bound near
+    weight-only fp8's (KL 0.0096, top-1 94.2% over the whole text; random logits would be far off)."""
+    sys.path.insert(0, str(REPO))
+    from bench import quality
+
+    prompt = ("once upon a time there was a little girl named lily. she liked to play in the park with her dog. "
+              "one day she saw a big red ball in the grass. she ran to the ball and picked it up. the ball was soft "
+              "and round. lily was happy and")
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=1)
+
+    def generate(ops, quantization, threshold):
+        monkeypatch.setattr(tables, "FP8_W8A8_ROWS", threshold)
+        jax.clear_caches()
+        llm = LLM(STORIES, ops=ops, quantization=quantization, max_num_seqs=1, max_num_batched_tokens=128,
+                  enable_prompt_logprobs=True, progress=False, executable_cache=False)
+        out = llm.generate([prompt], params)[0]
+        return out, [p[1][0][0] for p in out.prompt_logprobs[1:]], [p[0] for p in out.prompt_logprobs[1:]]
+
+    _, base_top, _ = generate("reference", None, None)
+    _, _, fp8_lp = generate("pallas-interpret", "fp8", None)
+    out, top, lp = generate("pallas-interpret", "fp8", 1)
+    assert len(out.prompt_token_ids) > 64 and len(out.outputs[0].token_ids) == 16
+    agree = np.mean(np.array(top) == np.array(base_top))
+    assert agree >= 0.85, (agree, top, base_top)
+    assert not np.allclose(lp, fp8_lp, rtol=0, atol=1e-4)
+
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", None)
+    jax.clear_caches()
+    fp8, row = quality.evaluate("stories260k", quality.read_windows(1),
+                                [c for c in quality.CONFIGURATIONS if c.name in ("fp8 weights", "fp8 W8A8")])
+    assert row["configuration"] == "fp8 W8A8" and row["positions"] > 200, row
+    assert 0 < row["kl"] <= 0.05 and row["top1"] >= 0.85, row
+    assert row["kl"] != fp8["kl"], (row, fp8)   # the activations' rounding reached the logits
+    assert tables.FP8_W8A8_ROWS is None          # restored after the configuration
