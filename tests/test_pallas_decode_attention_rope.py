@@ -114,3 +114,80 @@ def test_supported_head_dims():
                                     jnp.zeros((1, 1, 32, 16)), 0, jnp.zeros(1, jnp.int32), jnp.ones((1, 2), jnp.int32),
                                     jnp.ones(1, jnp.int32), page_size=16, scale=0.25, num_heads=1, num_kv_heads=1,
                                     interpret=True)
+
+
+def _int8_run(case, dtype, convert, seed_offset=5):
+    """_run with an INT8 cache (vectors of magnitudes spread over 1e-3..10, quantized) against the reference twin
+    reading and writing it through ops.quantized_cache."""
+    from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
+
+    B, H, K, hd, ps, lens, S, bk, norm, rope = case
+    qkv, cos_sin, qn, kn, k, v, slots, pt, cl = _problem(zlib.crc32(repr(case).encode()) + seed_offset, B, H, K, hd,
+                                                         ps, lens, dtype, norm, rope)
+    rng = np.random.default_rng(seed_offset)
+    amp = lambda: jnp.asarray(10.0 ** rng.uniform(-3, 1, k.shape[:-1] + (1,)), jnp.float32)
+    kq, vq = QuantizedCache(*quantize(k.astype(jnp.float32) * amp())), QuantizedCache(*quantize(v * amp()))
+    layer, scale, eps = jnp.int32(1), hd ** -0.5, 1e-6
+    ref = jax.jit(_reference, static_argnums=(10, 11, 12, 13, 14))(qkv, cos_sin, qn, kn, kq, vq, layer, slots, pt, cl,
+                                                                   H, K, ps, scale, eps)
+    cos, sin = cos_sin if rope else (None, None)
+    out = decode_attention_rope_write(qkv, cos, sin, qn, kn, jnp.array(kq.values), jnp.array(vq.values), layer, slots,
+                                      pt, cl, page_size=ps, scale=scale, num_heads=H, num_kv_heads=K, eps=eps,
+                                      k_scale=jnp.array(kq.scale), v_scale=jnp.array(vq.scale), int8_convert=convert,
+                                      config=DA.SplitConfig(num_splits=S, block_k=bk), interpret=True)
+    written = np.zeros(k.shape[:-1], bool)
+    written[1, :, np.asarray(slots)] = True
+    return out, ref, written
+
+
+def _int8_check(out, ref, written, dtype):
+    """New rows: scales within the new k's rounding (1-ulp differences of the norm), values within one step;
+    every other row and scale untouched; the output within the tolerances above, relative to values up to ~10."""
+    o, k, v, ks, vs = out
+    ro, rk, rv = ref
+    for values, scales, want in ((k, ks, rk), (v, vs, rv)):
+        assert values.dtype == jnp.int8 and scales.dtype == jnp.float32
+        a, b = np.asarray(values, np.int32), np.asarray(want.values, np.int32)
+        np.testing.assert_array_equal(a[~written], b[~written])
+        np.testing.assert_array_equal(np.asarray(scales)[~written], np.asarray(want.scale)[~written])
+        assert np.abs(a[written] - b[written]).max() <= 1
+        np.testing.assert_allclose(np.asarray(scales)[written], np.asarray(want.scale)[written],
+                                   rtol=1e-6 if dtype == jnp.float32 else 1e-2)
+    assert o.shape == ro.shape and o.dtype == ro.dtype
+    o, ro = np.asarray(o.astype(jnp.float32)), np.asarray(ro.astype(jnp.float32))
+    assert np.all(np.isfinite(o))
+    err = np.max(np.abs(o - ro)) / 10
+    assert err < TOL[dtype], f"max abs error {err:.3e} (over 10)"
+
+
+@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]],
+                         ids=[IDS[0], IDS[1], IDS[2], IDS[4], IDS[5]])
+def test_int8_cache_float32(case, convert):
+    _int8_check(*_int8_run(case, jnp.float32, convert), jnp.float32)
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=[IDS[1], IDS[3]])
+def test_int8_cache_bfloat16(case):
+    _int8_check(*_int8_run(case, jnp.bfloat16, "bits"), jnp.bfloat16)
+
+
+def test_int8_new_vector_quantized_exactly_as_the_cache_quantizes():
+    """The in-kernel quantizer against ops.quantized_cache.quantize, bit for bit: ties of .5 (half to even), a zero
+    vector, the clip at 127, random vectors."""
+    from jaxinfer.ops.quantized_cache import quantize
+    from jaxinfer.pallas.decode_attention_rope import quantize_vector
+
+    rng = np.random.default_rng(3)
+    rows = [rng.standard_normal(64).astype(np.float32) * 10.0 ** rng.uniform(-4, 4) for _ in range(20)]
+    rows.append(np.zeros(64, np.float32))
+    rows.append(np.array([127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, 126.5] * 8, np.float32))   # scale 1: exact ties
+    rows.append(np.array([0.49999997, -0.49999997, 1.4999999, -2.5000002, 126.49999, 127.0, 0.0, 5.5] * 8,
+                         np.float32))                                             # next to ties
+    jitted = jax.jit(quantize_vector)     # as in the kernel's interpret mode (XLA folds some roundings under jit)
+    for x in rows:
+        values, scale = quantize(jnp.asarray(x))
+        for f in (quantize_vector, jitted):
+            got_scale, (a, b) = f([jnp.asarray(x[:32]), jnp.asarray(x[32:])])
+            assert float(got_scale) == float(scale)
+            np.testing.assert_array_equal(np.concatenate([np.asarray(a), np.asarray(b)]), np.asarray(values))

@@ -17,6 +17,13 @@ initial state of its online softmax, and split 0 also writes k and v into the ca
 input_output_aliases). No program reads the slot being written, so there is no race. The merge
 kernel is decode_attention's.
 
+An INT8 cache comes as two more operands, the scales k_scale and v_scale [L, K, slots] float32 (aliased in place
+like the values): the cached tiles are read as pallas/decode_attention.py reads them (int8 converted exactly, the
+key scales on the scores, the value scales on the probabilities), and split 0 quantizes the new k and v as
+ops.quantized_cache.quantize does (scale = max|x| / 127, round half to even, a zero vector scale 1), writes values and
+scale, and starts from the dequantized vectors, what later steps read back. (Division on the GPU is Triton's
+approximate one, within 2 ulp: a quotient that close to a .5 tie may round the other way from the reference.)
+
 Needs hd a power of two >= 32 (`supports`); the op set falls back to the two kernels otherwise.
 """
 
@@ -33,7 +40,9 @@ from jaxinfer.numerics import to_cache
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
                                      page_compute_dtype, page_slots, pow2_at_least, rope_halves, split_range,
                                      to_compute)
-from jaxinfer.pallas.decode_attention import LOG2E, NEG, SplitConfig, choose_config, merge_splits
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.decode_attention import (LOG2E, NEG, SplitConfig, check_int8_operands, choose_config, int8_to,
+                                              merge_splits, online_softmax_update_scaled)
 
 f32 = jnp.float32
 
@@ -42,13 +51,40 @@ def supports(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 32
 
 
+INT8_MAX = 127.0
+
+
+def round_half_even(y):
+    """jnp.round of float32 y (|y| < 2^23) in operations the Triton lowering has (it has no round): the integer part
+    and fraction of |y| (both exact), up where the fraction passes .5 or is .5 on an odd integer. (The magic-number
+    (y + 1.5 * 2^23) - 1.5 * 2^23 is folded away by XLA under jit.)"""
+    a = jnp.abs(y)
+    whole = jnp.floor(a)
+    frac = a - whole
+    odd = (whole.astype(jnp.int32) & 1) == 1
+    r = jnp.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
+    return jnp.where(y < 0, -r, r)
+
+
+def quantize_vector(parts):
+    """ops.quantized_cache.quantize of one vector given as 1-D pieces (float32): (scale, int8 pieces)."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in parts])
+    scale = jnp.where(amax > 0, amax * (1.0 / INT8_MAX), 1.0)
+    return scale, [round_half_even(jnp.clip(p / scale, -INT8_MAX, INT8_MAX)).astype(jnp.int8) for p in parts]
+
+
 def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size,
-            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps):
+            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps, quantized, int8_convert):
     refs = list(refs)
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     k_ref, v_ref = refs.pop(0), refs.pop(0)        # the caches, as inputs (aliased to kc_ref, vc_ref)
-    *out_refs, kc_ref, vc_ref = refs
+    # An INT8 cache's scales, as inputs (aliased to ksc_ref, vsc_ref)
+    ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if quantized else (None, None)
+    if quantized:
+        *out_refs, kc_ref, vc_ref, ksc_ref, vsc_ref = refs
+    else:
+        *out_refs, kc_ref, vc_ref = refs
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, norm_layer = layer_ref[0], norm_layer_ref[0]
     ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), n_pages * page_size)
@@ -80,9 +116,13 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     else:
         q1, q2, k1, k2 = q1.astype(dtype), q2.astype(dtype), k1.astype(dtype), k2.astype(dtype)
 
-    # The new token as the cache holds it (a float8 cache rounds it), for the write and for split 0,
-    # so that this step sees what the next ones will read back.
-    kq1, kq2, vq = to_cache(k1, kc_ref.dtype), to_cache(k2, kc_ref.dtype), to_cache(v_new, vc_ref.dtype)
+    # The new token as the cache holds it (a float8 cache rounds it, an int8 one quantizes it), for the write and
+    # for split 0, so that this step sees what the next ones will read back.
+    if quantized:
+        k_sc, (kq1, kq2) = quantize_vector([k1.astype(f32), k2.astype(f32)])
+        v_sc, (vq,) = quantize_vector([v_new.astype(f32)])
+    else:
+        kq1, kq2, vq = to_cache(k1, kc_ref.dtype), to_cache(k2, kc_ref.dtype), to_cache(v_new, vc_ref.dtype)
 
     @pl.when(s == 0)
     def _():
@@ -90,8 +130,14 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
         kc_ref[layer, h, slot, lo] = kq1
         kc_ref[layer, h, slot, hi] = kq2
         vc_ref[layer, h, slot, pl.ds(0, hd)] = vq
+        if quantized:
+            ksc_ref[layer, h, slot] = k_sc
+            vsc_ref[layer, h, slot] = v_sc
 
-    if kc_ref.dtype != dtype:
+    if quantized:   # dequantized as quantized_cache.read_rows reads them back
+        k1, k2 = (kq1.astype(f32) * k_sc).astype(dtype), (kq2.astype(f32) * k_sc).astype(dtype)
+        v_new = (vq.astype(f32) * v_sc).astype(dtype)
+    elif kc_ref.dtype != dtype:
         k1, k2, v_new = kq1.astype(dtype), kq2.astype(dtype), vq.astype(dtype)
 
     # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
@@ -109,14 +155,21 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
         acc, m, l, slot = carry
         valid = i * block_k + offs < cached
         nxt = slots_of(i + 1)
-        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0.0)
-        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0.0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0.0).astype(cdt)
+        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0)
+        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        convert = (lambda x: int8_to(x, cdt, int8_convert)) if quantized else (lambda x: x.astype(cdt))
+        ka, kb, v = convert(ka), convert(kb), convert(v)
         dims = (((1,), (1,)), ((), ()))
-        sc = (jax.lax.dot_general(q1c, ka.astype(cdt), dims, precision=prec, preferred_element_type=f32)
-              + jax.lax.dot_general(q2c, kb.astype(cdt), dims, precision=prec, preferred_element_type=f32))
-        sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
-        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        sc = (jax.lax.dot_general(q1c, ka, dims, precision=prec, preferred_element_type=f32)
+              + jax.lax.dot_general(q2c, kb, dims, precision=prec, preferred_element_type=f32))
+        if not quantized:
+            sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
+            return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        k_scale = plgpu.load(ks_ref.at[layer, h, slot], mask=valid, other=0.0)   # [block_k]
+        v_scale = plgpu.load(vs_ref.at[layer, h, slot], mask=valid, other=0.0)
+        sc = jnp.where(valid[None, :], sc * (k_scale * qk_scale)[None, :], NEG)
+        return (*online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec), nxt)
 
     # Split 0 starts from the new token (its score, weight 1, its value); the others from nothing.
     first = s == 0
@@ -143,21 +196,26 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_heads", "num_kv_heads", "eps", "config",
-                                             "interpret"), donate_argnames=("k_cache", "v_cache"))
+                                             "int8_convert", "interpret"),
+                   donate_argnames=("k_cache", "v_cache", "k_scale", "v_scale"))
 def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, page_table,
                                 context_lens, *, page_size: int, scale: float, num_heads: int, num_kv_heads: int,
                                 eps: float = 1e-6, norm_layer=None, config: SplitConfig | None = None,
+                                k_scale=None, v_scale=None, int8_convert: str | None = None,
                                 interpret: bool = False):
     """qkv [B, (H+2K)*hd]; cos, sin [B, hd] or None; q_norm, k_norm [Ln, hd] or None (read at
     norm_layer, default layer); caches [L, K, slots, hd] (written at layer, slot_mapping [B]);
     page_table [B, P]; context_lens [B] (>= 1, counting the new token). Returns (out [B, H, hd],
-    k_cache, v_cache)."""
+    k_cache, v_cache). An INT8 cache: int8 caches with k_scale, v_scale [L, K, slots] float32 (written in place too;
+    int8_convert: default tables.DECODE_ATTENTION_INT8_CONVERT); returns (out, k_cache, v_cache, k_scale, v_scale)."""
     B = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
     L, KVH, _, hd_c = k_cache.shape
     if not supports(hd) or hd_c != hd or KVH != K or H % K or v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention_rope_write: qkv {qkv.shape} with {H}/{K} heads, caches {k_cache.shape}")
+    int8_convert = int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT
+    quantized = check_int8_operands("decode_attention_rope_write", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if config is None:
         config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize)
     group = H // K
@@ -166,7 +224,8 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32),
             context_lens.astype(jnp.int32), qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
-    n = len(args)
+    caches = [k_cache, v_cache, *((k_scale, v_scale) if quantized else ())]
+    args += caches[2:]
     S = config.num_splits
     if S == 1:
         out_shape = [jax.ShapeDtypeStruct((B, H, hd), qkv.dtype)]
@@ -175,19 +234,20 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     kernel = functools.partial(
         _kernel, H=H, K=K, group=group, G=G, hd=hd, page_size=page_size, n_pages=page_table.shape[1],
         block_k=config.block_k, num_splits=S, qk_scale=float(scale) * LOG2E, has_norm=has_norm,
-        has_rope=has_rope, eps=eps)
-    *res, k_cache, v_cache = pl.pallas_call(
+        has_rope=has_rope, eps=eps, quantized=quantized, int8_convert=int8_convert)
+    n = len(args)
+    results = pl.pallas_call(
         kernel,
-        out_shape=(*out_shape, jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+        out_shape=(*out_shape, *[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]),
         grid=(B, K, S),
-        input_output_aliases={n - 2: len(out_shape), n - 1: len(out_shape) + 1},
+        input_output_aliases={n - len(caches) + i: len(out_shape) + i for i in range(len(caches))},
         interpret=interpret,
         name="decode_attention_rope_split",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
     )(*args)
+    res, written = results[:len(out_shape)], tuple(results[len(out_shape):])
     if S == 1:
-        return res[0], k_cache, v_cache
+        return res[0], *written
     merged = merge_splits(*res, qkv.dtype, hd, config.merge, interpret, context_lens=context_lens,
                           block_k=config.block_k, max_ctx=page_table.shape[1] * page_size, cached_offset=1)
-    return merged, k_cache, v_cache
+    return merged, *written
