@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxinfer.settings import MAX_SPECULATIVE_TOKENS, EngineConfig
-from jaxinfer.spec.adaptive import Acceptance, choose_drafts
+from jaxinfer.spec.adaptive import Acceptance, choose_drafts, rows_nearly_free
 from jaxinfer.spec.ngram import NgramProposer
 
 
@@ -34,19 +34,28 @@ class SpeculationStats:
 
 
 RATE_MEMORY = 0.7     # weight of the past in the measured rates, a step
-PROBE_EVERY = 32      # decode dispatches after which a verify step is tried again where verifying measured slower
+PROBE_EVERY = 32      # decode dispatches after which drafts are tried again where trying did not pay
 
 
 class Speculator:
     """The drafts each step verifies. Two checks decide: the cost model of spec.adaptive (acceptance against the
     rows a step computes), and what was measured in this engine: the output tokens a second of verify steps and of
     decode dispatches at each batch size, so that where verifying turned out slower (a large batch, drafts that
-    fail) the engine decodes without drafts, trying a verify step again now and then."""
+    fail) the engine decodes without drafts, trying a verify step again now and then.
+
+    Trying is not free either: a decode dispatch is chained behind the one in flight (launched before that one is
+    read back) only when no drafts are wanted, since proposals need its tokens. A try that finds nothing to verify
+    costs one unchained dispatch, so each batch bucket keeps when it last tried (`tried`): after a try without
+    drafts the next waits a number of decode dispatches that doubles up to PROBE_EVERY. Where the cost model says
+    verify rows are not nearly free (spec.adaptive.rows_nearly_free) and no verify step has yet measured faster than
+    decoding, verifying starts only from a measurement: decode dispatches are measured first, then one try (a probe),
+    and after a probe without drafts the next waits PROBE_EVERY dispatches."""
 
     def __init__(self, proposer, k_max: int, adaptive: bool = True):
         self.proposer, self.k_max, self.adaptive = proposer, k_max, adaptive
         self._rates: dict[tuple[str, int], float] = {}    # (verify | decode, batch bucket) -> tokens a second
-        self._since_probe: dict[int, int] = {}
+        self._since_try: dict[int, int] = {}   # batch bucket -> decode dispatches since drafts were last tried there
+        self._wait: dict[int, int] = {}        # batch bucket -> decode dispatches to let pass before the next try
         # a proposer whose state comes from the target's verify steps (DFlash) drafts at every decode step
         self.min_drafts = 1 if getattr(proposer, "needs_every_step", False) else 0
         self._acceptance: dict[int, Acceptance] = {}
@@ -57,11 +66,11 @@ class Speculator:
         room: the most drafted tokens the step can take in all; bucket: the batch's (measured rates)."""
         if not seqs:
             return {}
-        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         # Would drafting pay even if every sequence had k_max drafts? If not, skip proposing.
         if not self.may_draft(seqs, bucket):
             self.idle(seqs)
             return {}
+        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         proposals = self.proposer.propose(seqs, self.k_max)
         k = max(choose_drafts(rates, [len(p) for p in proposals], self.k_max, self.adaptive), self.min_drafts)
         out = {}
@@ -77,24 +86,46 @@ class Speculator:
         return out
 
     def may_draft(self, seqs: list, bucket: int | None = None) -> bool:
-        """Whether the next step over `seqs` might verify drafts (asked before their proposals exist). bucket:
-        the batch's bucket, whose measured rates may rule verifying out."""
+        """Whether the next step over `seqs` might verify drafts (asked before their proposals exist, and before a
+        decode dispatch is chained). bucket: the batch's bucket, whose measured rates and tries may rule it out."""
         if self.min_drafts > 0:
             return True
-        if self.adaptive and bucket is not None and self._verify_measured_slower(bucket):
+        if self.adaptive and bucket is not None and not self._worth_trying(bucket):
             return False
-        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
+        acceptance = self._acceptance
+        rates = [(acceptance.get(s.request_id) or acceptance.setdefault(s.request_id, Acceptance())).rate
+                 for s in seqs]
         return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
-    def _verify_measured_slower(self, bucket: int) -> bool:
-        """Verify steps measured slower than decode dispatches at this batch bucket (and no probe due), or measured
-        while decode dispatches were not yet: then a decode dispatch runs first, so that the two compare."""
-        verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
-        if verify is None:
+    def _worth_trying(self, bucket: int) -> bool:
+        """Whether drafts may be tried at this batch bucket now, by what was measured and tried there."""
+        since = self._since_try.get(bucket, 0)
+        if since < self._wait.get(bucket, 0):
             return False
-        if decode is None:
-            return True
-        return verify < decode and self._since_probe.get(bucket, 0) < PROBE_EVERY
+        verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
+        if verify is None:   # optimistic only where verify rows are nearly free; else decode first, then probe
+            return decode is not None or rows_nearly_free(bucket * (self.k_max + 1))
+        if decode is None:   # verify steps measured, decode dispatches not yet: one runs first, so that they compare
+            return False
+        return verify >= decode or since >= PROBE_EVERY
+
+    def _proven(self, bucket: int) -> bool:
+        """Verify steps measured faster than decode dispatches at this bucket, or its verify rows nearly free."""
+        verify, decode = self._rates.get(("verify", bucket)), self._rates.get(("decode", bucket))
+        if verify is not None and decode is not None:
+            return verify >= decode
+        return rows_nearly_free(bucket * (self.k_max + 1))
+
+    def tried(self, bucket: int, drafted: bool) -> None:
+        """A decode step's try at drafts at this batch bucket: it verified drafts, or found none worth it (it then
+        ran as a decode dispatch launched alone)."""
+        self._since_try[bucket] = 0
+        if drafted:
+            self._wait[bucket] = 0
+        elif self._proven(bucket):
+            self._wait[bucket] = min(max(2 * self._wait.get(bucket, 0), 1), PROBE_EVERY)
+        else:
+            self._wait[bucket] = PROBE_EVERY
 
     def measured(self, kind: str, bucket: int, tokens: int, seconds: float) -> None:
         """A verify step's or decode dispatch's output tokens and wall time at a batch bucket."""
@@ -104,7 +135,8 @@ class Speculator:
         rate = tokens / seconds
         old = self._rates.get(key)
         self._rates[key] = rate if old is None else RATE_MEMORY * old + (1 - RATE_MEMORY) * rate
-        self._since_probe[bucket] = 0 if kind == "verify" else self._since_probe.get(bucket, 0) + 1
+        if kind == "decode":
+            self._since_try[bucket] = self._since_try.get(bucket, 0) + 1
 
     def record(self, seq, drafted: int, accepted: int) -> None:
         self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)

@@ -17,6 +17,8 @@ from jaxinfer.runner.transfer import to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling.sample import SamplingArrays
 
+RAGGED_DRAFTS_MAX_BATCH = 4   # the most generating sequences whose drafts ride beside prompt chunks
+
 
 class VerifySteps:
     """Engine's speculative steps (a mixin: they read the engine's runner, scheduler, speculator and stats)."""
@@ -36,7 +38,8 @@ class VerifySteps:
         if plan.kind == "mixed":
             room = self.runner.token_buckets[-1] - sum(n for _, n in plan.chunks)
         bucket = self.runner.batch_bucket(max(len(generating), 1))
-        if not generating or not self.speculator.may_draft(generating, bucket):
+        if not generating or plan.kind == "mixed" and not self._drafts_beside_prompts(plan, generating) \
+                or not self.speculator.may_draft(generating, bucket):
             self.speculator.idle(generating)
             return {}
         for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
@@ -50,7 +53,25 @@ class VerifySteps:
         for seq in generating:   # pages held for drafts that did not come
             if seq not in out:
                 self.scheduler.trim(seq)
+        if plan.kind == "decode":   # a try in place of a chained decode dispatch: its outcome paces the next
+            self.speculator.tried(bucket, bool(out))
         return out
+
+    def _drafts_beside_prompts(self, plan, generating: list[Sequence]) -> bool:
+        """Whether a step carrying prompt chunks may verify drafts (a ragged verify step, read back at once). Not
+        beside more than RAGGED_DRAFTS_MAX_BATCH generating sequences (their drafts' rows and the lost overlap
+        outweigh what they gain at a large batch), and not where prompt steps are launched one ahead of their
+        read-back (overlap_mixed) while prompt work follows this step: a verify step would break that chain."""
+        if len(generating) > RAGGED_DRAFTS_MAX_BATCH:
+            return False
+        if not self.config.tuning.overlap_mixed:
+            return True
+        s = self.scheduler
+        if s.waiting and s.free_rows:
+            return False
+        planned = {seq: n for seq, n in plan.chunks}
+        return not any(seq.prefilling and seq.num_computed + planned.get(seq, 0) < len(seq.tokens)
+                       for seq in s.running)
 
     def _verify(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]],
                 dense: bool) -> list[StreamDelta]:

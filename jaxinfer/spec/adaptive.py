@@ -24,6 +24,11 @@ def step_cost(rows: int) -> float:
     return max(1.0, rows / KNEE_ROWS)
 
 
+def rows_nearly_free(rows: int) -> bool:
+    """Whether a step of this many rows costs about what a one-row step does (its GEMMs still memory-bound)."""
+    return step_cost(rows) <= 1.0
+
+
 @dataclasses.dataclass
 class Acceptance:
     """One sequence's drafted and accepted counts, decayed."""
