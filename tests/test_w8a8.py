@@ -187,3 +187,23 @@ def test_engine_prompt_rows_in_w8a8_on_stories260k(monkeypatch):
     assert 0 < row["kl"] <= 0.05 and row["top1"] >= 0.85, row
     assert row["kl"] != fp8["kl"], (row, fp8)   # the activations' rounding reached the logits
     assert tables.FP8_W8A8_ROWS is None          # restored after the configuration
+
+
+def test_the_fp8_rows_bench_picks_its_table_rows():
+    """bench/kernels/fp8_rows.py's table rows from measured points: a skinny row where it beat XLA's faster product
+    by 3%; FP8_W8A8_ROWS from the fewest rows where W8A8 beat the converted values at every larger count."""
+    sys.path.insert(0, str(REPO))
+    from bench.kernels.fp8_rows import table_entries
+
+    def point(M, skinny, w8a8, converted, n=96):
+        return dict(n=n, k=64, epilogue="none", M=M, skinny_us=skinny, skinny_cfg=(64, 128, 4, 4, 1), w8a8_us=w8a8,
+                    converted_us=converted)
+
+    lines, rows = table_entries([point(16, 9.0, 12.0, 10.0), point(64, 9.9, 12.0, 10.0), point(64, 20, 30, 19, n=32),
+                                 point(1024, None, 40.0, 50.0), point(8192, None, 300.0, 400.0)])
+    assert lines == ['(96, 64, "none", 16): SkinnyConfig(64, 128, 4, 4, 1),   # 9.00 us vs XLA 10.00']
+    assert rows == 1024                  # at 64 rows W8A8 lost where the skinny kernel did not take the rows
+    lines, rows = table_entries([point(64, 20, 18, 19, n=32), point(1024, None, 40.0, 50.0),
+                                 point(8192, None, 300.0, 400.0)])
+    assert lines == [] and rows == 64
+    assert table_entries([point(8192, None, 401.0, 400.0)]) == ([], None)

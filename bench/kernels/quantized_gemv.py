@@ -4,7 +4,7 @@ tensor-core GEMM (pallas/skinny_gemm.py with w_scale) against XLA's product on t
 
     PYTHONPATH=. python3 bench/kernels/quantized_gemv.py [--shapes qwen3-4b llama3-8b] [--formats int8 fp8 fp8-block]
         [--sweep [--sweep-block-in 256 512 1024] [--sweep-rows 1 2] [--sweep-warps 1]] [--no-gemv] [--batched 16 64] [--batched-sweep]
-        [--budget 240] [--prompt 1024 8192] [--out DIR]
+        [--budget 240] [--prompt 1024 8192] [--fp8-rows 16 64 1024 8192] [--out DIR]
 
 For each projection of a layer (QKV with its RMSNorm prologue, o_proj + residual, gate/up with the norm and SwiGLU,
 down + residual; and the lm_head with float32 logits) it times one jit that runs the projection over every layer's
@@ -24,6 +24,10 @@ prints rows for tables.SKINNY_GEMM_8BIT where the kernel beat XLA by 3%.
 format's XLA product as ops.pallas runs it (ops.pallas._xla_product: converted values, or block-scaled ones
 dequantized) and, for fp8 per channel, W8A8 on fp8 tensor cores (ops.pallas.w8a8_product): what sets
 tables.FP8_W8A8_ROWS.
+
+--fp8-rows M...: fp8 per-channel weights at batched-decode and prompt rows, every product ops.pallas can run against
+bf16 as it routes it (bench/kernels/fp8_rows.py; --batched-sweep sweeps the skinny kernel's configs within --budget);
+prints the best per (shape, projection, M) and the rows of tables.SKINNY_GEMM_8BIT and FP8_W8A8_ROWS to paste.
 """
 
 from __future__ import annotations
@@ -324,6 +328,8 @@ def main() -> None:
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds for the batched sweep")
     ap.add_argument("--prompt", type=int, nargs="*", default=[], help="prompt rows to time XLA's products at")
+    ap.add_argument("--fp8-rows", type=int, nargs="*", default=[],
+                    help="fp8 per-channel products at these rows: bf16 as routed, skinny 8-bit, W8A8, converted")
     ap.add_argument("--layers", type=int, default=0, help="layers (0: the model's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shapes tiny)")
@@ -346,6 +352,13 @@ def main() -> None:
         time_batched(shape, cfg, args.formats, args.batched, args.batched_sweep, L, ceiling, deadline, batched_rows)
     for shape in args.shapes if args.prompt else []:
         time_prompt(shape, SHAPES[shape], args.formats, args.prompt, prompt_rows)
+    fp8_rows = []
+    for shape in args.shapes if args.fp8_rows else []:
+        from bench.kernels import fp8_rows as F
+
+        cfg = SHAPES[shape]
+        F.time_fp8_rows(shape, cfg, args.fp8_rows, args.batched_sweep, args.layers or cfg["num_hidden_layers"],
+                        args.budget, ceiling, INTERPRET, random_8bit, projections, sweep_configs, fp8_rows)
 
     print(f"\nbatch-1 decode GEMVs, HBM read ceiling {ceiling / 1e12:.2f} TB/s ({time.time() - t0:.0f} s)")
     print_table(gemv_rows, [("shape", "shape", ""), ("projection", "projection", ""), ("out x in", "dims", ""),
@@ -373,8 +386,11 @@ def main() -> None:
                                   ("M", "M", ""), ("weights", "format", ""), ("product", "product", ""),
                                   ("us", "us", ".1f"), ("TFLOP/s", "tflops", ".0f"), ("x bf16", "speedup", ".2f"),
                                   ("rel. err", "err", "")])
+    if fp8_rows:
+        F.print_summary(fp8_rows)
     Path(args.out, "quantized_gemv.json").write_text(json.dumps(dict(ceiling=ceiling, gemv=gemv_rows,
-                                                                     batched=batched_rows, prompt=prompt_rows),
+                                                                     batched=batched_rows, prompt=prompt_rows,
+                                                                     fp8_rows=fp8_rows),
                                                                 indent=1, default=str))
 
 
