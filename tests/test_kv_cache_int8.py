@@ -1,9 +1,9 @@
 """The INT8 KV cache, `kv_cache_dtype="int8"`: int8 values and one float32 scale per cached vector.
 
-Every op reading or writing the cache goes through quantized_cache.read_rows / write_rows: so each op on an int8
-cache equals the same op on a float32 cache holding the dequantized values, and the Pallas op set (whose kernels do
-not take the int8 cache yet) falls back to the reference ops. Against a full-precision cache the output is close,
-not equal.
+Every reference op reading or writing the cache goes through quantized_cache.read_rows / write_rows: so each op on an
+int8 cache equals the same op on a float32 cache holding the dequantized values. The Pallas op set runs decode attention
+on its kernels (values and scales as operands; the kernels' own tests: tests/test_pallas_decode_attention*.py) and the
+other ops on the reference ones. Against a full-precision cache the output is close, not equal.
 """
 
 import dataclasses
@@ -119,8 +119,9 @@ def test_writers_store_each_vector_quantized():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
 
 
-def test_the_pallas_ops_fall_back_to_the_reference_ops():
-    """Every kernel op given an int8 cache runs the reference op (the kernels for it are next)."""
+def test_the_pallas_ops_with_an_int8_cache():
+    """The decode attention ops take their kernels (the same outputs within float32 rounding, the same cache bit for
+    bit, an INT8 cache back); the prompt rows' write, prompt and verify attention run the reference op."""
     rng = np.random.default_rng(11)
     H, K, hd, ps, L, B = 4, 2, 16, 8, 2, 2
     kq, vq, _, _ = _caches(rng, L, K, 6 * ps, hd)
@@ -133,15 +134,26 @@ def test_the_pallas_ops_fall_back_to_the_reference_ops():
     q = jnp.asarray(rng.standard_normal((B, H, hd), np.float32))
     qv = jnp.asarray(rng.standard_normal((B, 2, H, hd), np.float32))
     token_seq, positions = jnp.asarray([0, 1], jnp.int32), lens - 1
-    calls = [("qkv_rope_write", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, H, K)),
-             ("decode_qkv_attention", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, pt, lens, ps, 0.3, H, K)),
-             ("paged_decode_attention", (q, kq, vq, layer, pt, lens, ps, 0.3)),
-             ("paged_attention", (q, kq, vq, layer, pt, token_seq, positions, ps, 0.3)),
-             ("verify_attention", (qv, kq, vq, layer, pt, lens, ps, 0.3))]
-    for name, args in calls:
-        got, want = getattr(ops, name)(*args), getattr(reference, name)(*args)
+    H32 = 2 * K      # the fused kernel needs hd >= 32: a wider case for it
+    qkv32 = jnp.asarray(rng.standard_normal((B, (H32 + 2 * K) * 32), np.float32))
+    kq32, vq32, _, _ = _caches(rng, L, K, 6 * ps, 32)
+    calls = [("qkv_rope_write", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, H, K), True),
+             ("decode_qkv_attention", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, pt, lens, ps, 0.3, H, K),
+              False),   # hd 16: the reference write, then the split kernel
+             ("decode_qkv_attention", (qkv32, None, None, None, 1e-6, kq32, vq32, layer, slots, pt, lens, ps, 0.3,
+                                       H32, K), False),   # the fused kernel
+             ("paged_decode_attention", (q, kq, vq, layer, pt, lens, ps, 0.3), False),
+             ("paged_attention", (q, kq, vq, layer, pt, token_seq, positions, ps, 0.3), True),
+             ("verify_attention", (qv, kq, vq, layer, pt, lens, ps, 0.3), True)]
+    for name, args, same in calls:
+        want = getattr(reference, name)(*args)
+        got = getattr(ops, name)(*args)   # last: the fused kernel donates the caches
+        assert jax.tree.structure(got) == jax.tree.structure(want), name
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+            if same or a.dtype == jnp.int8 or a.shape in (kq.scale.shape, kq32.scale.shape):   # the cache
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+            else:
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_kv_cache_dtype_option_and_page_bytes():
@@ -173,7 +185,7 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben went to the park.
 
 def test_engine_with_an_int8_cache():
     """Greedy text from an int8 cache stays close to a full-precision cache's, and is the same through the Pallas op
-    set (its attention ops falling back to the reference ones); the pool's bytes count the scales."""
+    set (its decode attention on the kernels, in interpret mode); the pool's bytes count the scales."""
     opts = dict(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32, decode_steps=4, progress=False)
     int8 = LLM(STORIES, kv_cache_dtype="int8", **opts)
     int8_pallas = LLM(STORIES, kv_cache_dtype="int8", ops="pallas-interpret", **opts)

@@ -23,8 +23,10 @@ values converted in the GEMM's fusion and the channel scales after (reference.qu
 dequantized to x's dtype first, and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
 cores (each row quantized to e4m3 with a scale of its own).
 
-The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs every attention op and cache write
-on the reference ops for now: its kernels (a key's scale on its row of scores, a value's on its probability) are next.
+The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs decode attention on the same kernels,
+its values and scales as separate operands (_cache_operands): int8 tiles converted exactly in registers, a key's scale
+on its column of scores, a value's on its probability, never a page dequantized; the fused kernel quantizes the new
+token in place. Its other ops (the prompt rows' cache write, prompt and verify attention) run on the reference ops.
 
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
@@ -283,12 +285,23 @@ def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, s
                                         norm_layer=norm_layer, with_kv=with_kv, tiled=tables.ROPE_KV_WRITE_TILE)
 
 
+def _cache_operands(k_cache, v_cache):
+    """(k values, v values, the scales as the attention kernels' keywords) of plain caches or an INT8 cache."""
+    if isinstance(k_cache, QuantizedCache):
+        return k_cache.values, v_cache.values, {"k_scale": k_cache.scale, "v_scale": v_cache.scale}
+    return k_cache, v_cache, {}
+
+
+def _caches_of(written):
+    """(k_cache, v_cache) of what a kernel wrote: (k, v), or an INT8 cache's (k values, v values, k scale, v scale)."""
+    if len(written) == 4:
+        return QuantizedCache(written[0], written[2]), QuantizedCache(written[1], written[3])
+    return tuple(written)
+
+
 def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
                          context_lens, page_size, scale, num_heads, num_kv_heads, *, interpret=False):
     """The fused kernel where it takes the head dim; else the norm/RoPE/cache-write kernel, then decode attention."""
-    if isinstance(k_cache, QuantizedCache):   # the INT8 cache: reference ops only (its kernels are next)
-        return reference.decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
-                                              page_table, context_lens, page_size, scale, num_heads, num_kv_heads)
     hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     if not decode_attention_rope.supports(hd):
         q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
@@ -297,10 +310,12 @@ def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, la
                                        interpret=interpret), k_cache, v_cache)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     qn, kn, norm_layer = _norm_weights(q_norm, k_norm)
-    return decode_attention_rope.decode_attention_rope_write(
-        qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping, page_table, context_lens,
+    k_values, v_values, scales = _cache_operands(k_cache, v_cache)
+    out, *written = decode_attention_rope.decode_attention_rope_write(
+        qkv, cos, sin, qn, kn, k_values, v_values, layer, slot_mapping, page_table, context_lens,
         page_size=page_size, scale=float(scale), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
-        norm_layer=norm_layer, interpret=interpret)
+        norm_layer=norm_layer, interpret=interpret, **scales)
+    return out, *_caches_of(written)
 
 
 def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *, interpret=False):
@@ -315,12 +330,10 @@ def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_
 
 def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *,
                            interpret=False):
-    """The split-sequence kernel (pallas/decode_attention.py); with the INT8 cache the reference op (its kernels are
-    next)."""
-    if isinstance(k_cache, QuantizedCache):
-        return reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
-    return decode_attention.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
-                                                   scale, interpret=interpret)
+    """The split-sequence kernel (pallas/decode_attention.py), an INT8 cache's scales as operands of their own."""
+    k_values, v_values, scales = _cache_operands(k_cache, v_cache)
+    return decode_attention.paged_decode_attention(q, k_values, v_values, layer, page_table, context_lens, page_size,
+                                                   scale, interpret=interpret, **scales)
 
 
 def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, *,
