@@ -209,3 +209,59 @@ def test_the_commands_take_int8():
     assert engine_settings(args)["kv_cache_dtype"] == "int8"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--model", "m", "--kv-cache-dtype", "int4", "x"])
+
+
+def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
+    """A tiny random Qwen3 of head dim 32, which the fused decode kernel takes (stories260k's 8 does not): greedy
+    tokens through the Pallas op set in interpret mode (the new token quantized in the kernel) equal the reference
+    ops'."""
+    from conftest import TOKENIZERS
+    from bench.random_model import QWEN3_0_6B, write_random_model
+
+    tiny = {**QWEN3_0_6B, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128, "max_position_embeddings": 256}
+    # weights of std 0.5, not 0.02: the attention moves the logits, so greedy tokens vary
+    d = write_random_model(tmp_path / "qwen3", tiny, dtype="float32", std=0.5, tokenizer_dir=TOKENIZERS / "qwen3")
+    opts = dict(kv_cache_dtype="int8", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32, decode_steps=4,
+                progress=False)
+    ref, ker = LLM(d, **opts), LLM(d, ops="pallas-interpret", **opts)
+    prompts = ["Once upon a time", "The little dog ran"]
+    a, b = _greedy(ref, prompts, 16), _greedy(ker, prompts, 16)
+    assert a == b
+    assert min(len(set(t)) for t in a) > 4       # not a degenerate repeat of a few tokens
+
+
+@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
+def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
+    """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the
+    fused one's scalar scale stores, the bit-trick conversion) lowered for an H200 on the CPU."""
+    from jax._src.pallas.triton import gpu_info
+
+    from jaxinfer.pallas import decode_attention as DA
+    from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    H, K, hd, ps, L = 32, 8, 128, 16, 2
+    P = context // ps
+    sd = jax.ShapeDtypeStruct
+    values = sd((L, K, (batch * P + 1) * ps, hd), jnp.int8)
+    scales = sd(values.shape[:-1], jnp.float32)
+    rows, pt, i32 = sd((batch,), jnp.int32), sd((batch, P), jnp.int32), sd((), jnp.int32)
+    config = DA.choose_config(batch, K, P * ps, 1)
+
+    def fused(qkv, cs, qn, kc, vc, ks, vs, layer, slots, pt, cl):
+        return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,
+                                           scale=hd ** -0.5, num_heads=H, num_kv_heads=K, config=config, k_scale=ks,
+                                           v_scale=vs, int8_convert=convert)
+
+    def plain(q, kc, vc, ks, vs, layer, pt, cl):
+        return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, k_scale=ks, v_scale=vs,
+                                         config=config, int8_convert=convert)
+
+    lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    bf16 = lambda *shape: sd(shape, jnp.bfloat16)
+    text = lower(fused, bf16(batch, (H + 2 * K) * hd), bf16(batch, hd), bf16(L, hd), values, values, scales, scales,
+                 i32, rows, pt, rows)
+    assert text.count("__gpu$xla.gpu.triton") >= 1
+    assert "__gpu$xla.gpu.triton" in lower(plain, bf16(batch, H, hd), values, values, scales, scales, i32, pt, rows)
