@@ -2,12 +2,16 @@
 
     PYTHONPATH=. python3 bench/prefill.py [--shapes qwen3-4b llama3-8b] [--prompts 128 1024 8192 32768]
                                           [--paths pallas reference hf] [--chunk 8192] [--out DIR]
+                                          [--quantization fp8 int8]
 
 A request of max_tokens=1 after a random prompt; TTFT is the wall time from submitting it to its
 first token (prompts longer than --chunk are prefilled chunk by chunk). FLOPs counted: the
 projections (2 * non-embedding parameters per token), the lm_head for the last token, and causal
 attention (4 * heads * head_dim * visible keys per query, per layer). Share = FLOPs / TTFT over the
 GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes, our loader.
+--quantization fp8 (int8): each of our paths runs again with its weights quantized at load (a path "pallas+fp8";
+EngineConfig.quantization), its speed-up over the same path in bf16 in this run in the last column. Its share is still
+of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, can pass 100%).
 """
 
 from __future__ import annotations
@@ -51,7 +55,10 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,
                   profile_dir: str | None = None) -> float:
     chunk = min(chunk, len(prompt))
+    path, _, quantization = path.partition("+")
     ops, options = PATH_OPTIONS.get(path, (path, {}))
+    if quantization:
+        options = {**options, "quantization": quantization}
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     compile_all_at_start=True,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
@@ -105,14 +112,17 @@ def main() -> None:
                     help=f"ops names, hf (transformers), or {', '.join(PATH_OPTIONS)}")
     ap.add_argument("--chunk", type=int, default=8192, help="prefill chunk (token budget of a step)")
     ap.add_argument("--profile", nargs="*", default=[], help="path:prompt cases to trace, e.g. pallas:1024")
+    ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
+                    help="run each of our paths again with its weights quantized at load (path+fp8)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
+    args.paths += [f"{p}+{q}" for q in args.quantization for p in args.paths if p != "hf"]
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
-    print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate |")
-    print("|---|---|---|---|---|---|---|", flush=True)
+    print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate | x bf16 |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
     # what the figures were measured on and with (written with every row)
     run = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(),
                argv=sys.argv[1:], gemm=gemm)
@@ -129,15 +139,20 @@ def main() -> None:
                         model_dir, path, prompt, args.chunk,
                         profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None)
                 except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
-                    print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | |", flush=True)
+                    print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |", flush=True)
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
                     continue
                 flops = prefill_flops(cfg, T)
                 row = dict(shape=shape, prompt=T, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
                            share=flops / s / gemm)
+                base = [r for r in rows if (r["shape"], r["prompt"], r["path"]) == (shape, T, path.partition("+")[0])
+                        and "ttft_ms" in r] if "+" in path else []
+                if base:
+                    row["speedup_vs_bf16"] = base[0]["ttft_ms"] / row["ttft_ms"]
                 rows.append(row)
+                speedup = f"{row['speedup_vs_bf16']:.2f}" if base else "-"
                 print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
-                      f"{100 * row['share']:.1f}% |", flush=True)
+                      f"{100 * row['share']:.1f}% | {speedup} |", flush=True)
                 # after every row: a run cut off by its time limit keeps what it measured
                 save()
     save()   # also a run with no rows

@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 bench/throughput.py [--shape qwen3-4b] [--batches 1 8 32 64 128 256] [--context 1024]
                                              [--requests 1000] [--system 2048] [--out DIR]
                                              [--decode-only] [--attention-config SPLITS/BLOCK_K]
+                                             [--quantization fp8 int8]
 
 1. Decode step time at each batch size B, every sequence at `--context` tokens: roofline per step =
    max(bytes / HBM read bandwidth, FLOPs / dense GEMM rate), bytes = weights once + each sequence's
@@ -13,6 +14,10 @@
    (a second request with the same prefix) against a cold one (prefix caching off).
 --decode-only stops after 1; --attention-config gives every decode attention call that split config instead of
 the table's (the A/B of a table row in the step, one process per config).
+--quantization fp8 (int8): after the bf16 parts, 1 runs again for each format on an engine with its weights
+quantized at load (EngineConfig.quantization; the same KV cache dtype, the same prompts). Its roofline counts the
+bytes its loaded parameters hold (8-bit values and scales; bench/decode.py's param_step_bytes) plus the KV bytes, and
+its speed-up is over bf16 at the same batch in this run.
 Random bf16 weights at real shapes (bench.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
@@ -66,8 +71,11 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
 
 
-def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=(), warm_all: bool = False) -> list[dict]:
-    """warm_all: warm with every row (an engine that compiles on first use compiles each batch's steps then)."""
+def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=(), warm_all: bool = False,
+                 weight_bytes: float | None = None, base: list[dict] | None = None) -> list[dict]:
+    """warm_all: warm with every row (an engine that compiles on first use compiles each batch's steps then).
+    weight_bytes: what a step reads of the weights (default: the bf16 parameters but the input embedding); base: the
+    bf16 rows, for each row's speed-up (a last column)."""
     rows = []
     for B in batches:
         prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
@@ -84,15 +92,21 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         full, outs = run_all(engine, prompts, params)
         tokens_sha = tokens_fingerprint([o.outputs[0].token_ids for o in outs])
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
-        weights = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1))
+        weights = weight_bytes or 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings
+                                                                                              else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
         flops = 2 * cfg.num_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
         roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
         raw_ms = raw_decode_step_ms(engine, B, context)
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
-                   share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms, tokens_sha=tokens_sha)
+                   share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms, tokens_sha=tokens_sha,
+                   weight_bytes=weights, kv_bytes=kv)
+        same = [b for b in base or [] if b["batch"] == B]
+        if same:
+            row["speedup_vs_bf16"] = same[0]["decode_step_ms"] / raw_ms
         print(f"| {B} | {raw_ms:.3f} | {1e3 * B / raw_ms:,.0f} | {100 * roof_ms / raw_ms:.1f}% | {step_ms:.3f} | "
-              f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% | {tokens_sha} |", flush=True)
+              f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% | {tokens_sha} |"
+              + (f" {row['speedup_vs_bf16']:.2f} |" if same else ""), flush=True)
         if B in profile:
             row["profile"] = trace_engine_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
         rows.append(row)
@@ -150,6 +164,32 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
         engine.pages.release(pages)
 
 
+def quantized_decode(model_dir, cfg, args, bw, gemm, max_len, base: list[dict]) -> dict:
+    """Part 1 again for each --quantization format, on an engine with its weights quantized at load (the bf16 engine
+    gone: the KV pool is sized from the memory left); rows {format: [row]}."""
+    # imported here: bench.decode sets the XLA memory fraction at import, which this process's backend, up by now,
+    # no longer reads
+    from bench.decode import param_step_bytes
+
+    out = {}
+    for q in args.quantization:
+        engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
+                            kv_cache_dtype=args.kv_cache_dtype, compile_all_at_start=not args.lazy_compile,
+                            quantization=q)
+        weight_bytes = param_step_bytes(engine.runner.params)
+        print(f"\n## decode step at {args.context} tokens of context, {q} weights ({weight_bytes / 1e6:,.1f} MB a step, "
+              f"the roofline's weight bytes), KV cache {np.dtype(engine.kv_dtype).name}; the last column: decode step "
+              "x bf16's")
+        print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens "
+              "| x bf16 |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        out[q] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, np.random.default_rng(0),
+                              warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base)
+        del engine
+        gc.collect()
+    return out
+
+
 def force_attention_config(num_splits: int, block_k: int) -> None:
     """Every decode attention call (both kernels' modules) takes SplitConfig(num_splits, block_k)."""
     from jaxinfer.pallas import decode_attention, decode_attention_rope
@@ -189,6 +229,8 @@ def main() -> None:
                     help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
                     help="compile only the steps the run takes (engine compile_all_at_start=False; A/B runs)")
+    ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
+                    help="the decode table again with weights quantized at load, for each format")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -223,6 +265,9 @@ def main() -> None:
     out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile,
                                  warm_all=args.lazy_compile)
     if args.decode_only:
+        del engine
+        gc.collect()
+        out["quantized"] = quantized_decode(model_dir, cfg, args, bw, gemm, max_len, out["decode"])
         Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
         return
 
@@ -255,6 +300,7 @@ def main() -> None:
     print(f"\n## prefix cache: TTFT with a {args.system}-token system prompt: cold {1e3 * ttft[False]:.1f} ms, "
           f"cached {1e3 * ttft[True]:.1f} ms ({ttft[False] / ttft[True]:.1f}x); second engine start "
           f"{out['start_s']['second_engine']:.1f} s (persistent compilation cache)", flush=True)
+    out["quantized"] = quantized_decode(model_dir, cfg, args, bw, gemm, max_len, out["decode"])
     Path(args.out, "throughput.json").write_text(json.dumps(out, indent=1))
 
 
