@@ -185,22 +185,29 @@ GEMV_DEFAULT_ROWS = 1
 #   lm_head 151936x2560  120.5 -> 108.2  (256, 2 rows, cvt; bf16 176.0)
 # A layer's four: 56.8 -> 45.7 us (bf16 56.0 and 58.5 in the two runs); 32-80% of the int8 HBM read ceiling. o_proj
 # ran bimodal (bf16 6.92 and 9.53 at one config in the two runs; int8 7.2-7.6 or 9.8-11.0 across the sweep).
+# A second sweep the same day with the byte-permute conversion ("prmt") and rows 1/2/4/8 (block_in 256/512, cvt/prmt;
+# bench/results/2026-12-03-quant-h200-gemv-prmt.log), best: qkv 8.10 (512, 8 rows, prmt; kept 256/2/cvt, 8.83 here
+# and 8.41 before: rows 8 lost badly at every other shape), o_proj 7.42 (256, 2, prmt), gate/up 18.75 (256, 2, prmt),
+# down 9.61 (512, 1, prmt), lm_head 95.6 (256, 4 rows, prmt; 89.6% of its ceiling). A layer 43.9 us (bf16 56.0).
 # Float8 weights keep the defaults (not measured). The default of 512 columns gives each lane of the warp one 16-byte
 # load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the scale block's
 # columns.
-GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 512, (9728, 2560): 256,
+GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 256, (9728, 2560): 256,
                                                   (2560, 9728): 512, (151936, 2560): 256}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
-GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 2}   # the others: 1 row measured best
-GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweep above ran one warp only)
-# How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; both exact): "cvt" (I2F, a quarter of the FMA
-# rate: at 4.5 TB/s of int8 about what 132 SMs convert) or "bits" (integer logic and a float add at full rate). In the
-# sweep above cvt was the faster at 20 of the 30 (shape, block_in, rows) pairs and in 4 of the 5 best configs, so it
-# is the default; by shape where measured (the batched skinny GEMM reads the default too: exact either way).
+GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (2560, 4096): 2, (9728, 2560): 2, (151936, 2560): 4}
+GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweeps above ran one warp only)
+# Tiles whose loads a program issues before their arithmetic (fused_gemv's prefetch; absent: 1). Not yet measured.
+GEMV_PREFETCH_8BIT: dict[tuple[int, int], int] = {}
+# How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; all exact): "cvt" (I2F, a quarter of the FMA
+# rate: at 4.5 TB/s of int8 about what 132 SMs convert), "bits" (integer logic and a float add at full rate) or "prmt"
+# (one byte permute a value, inline PTX). In the first sweep cvt beat bits at 20 of the 30 (shape, block_in, rows)
+# pairs, so it is the default (the batched skinny GEMM reads the default too: exact either way); by shape where
+# measured, prmt at four of the five shapes in the second.
 GEMV_INT8_CONVERT = "cvt"
-GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (2560, 4096): "bits",
-                                                          (9728, 2560): "cvt", (2560, 9728): "cvt",
-                                                          (151936, 2560): "cvt"}
+GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (2560, 4096): "prmt",
+                                                          (9728, 2560): "prmt", (2560, 9728): "prmt",
+                                                          (151936, 2560): "prmt"}
 
 
 # --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
