@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/decode.py [--shapes qwen3-0.6b qwen3-4b llama3-8b] [--paths pallas reference hf hf-compile]
                                          [--prompt 1024] [--new 128] [--long qwen3-4b:8192] [--out DIR]
-                                         [--quantization int8 fp8]
+                                         [--quantization int8 fp8] [--kv int8 fp8]
 
 Random bf16 weights at real shapes are written as safetensors (bench.random_model) and loaded
 through our own loader (and by transformers for the peer: `hf` is eager with a dynamic cache,
@@ -15,6 +15,12 @@ measured in this run by a large reduction. Prints one table; writes decode.json 
 "pallas+int8-fp8" with a float8 KV cache too). A quantized row's roofline counts the bytes its loaded parameters
 hold (8-bit values and their scales; the input embedding, kept in bf16, one row), its speed-up is over the same path
 in bf16 in this run, and its greedy tokens are compared with the quantized reference path's, where that ran.
+--kv int8 (fp8): each of our paths runs again with that KV cache ("pallas-int8kv", "pallas+int8-int8kv"; a path
+named with "-fp8" or "-int8kv" runs so too). Its roofline counts the cache's bytes (int8: a byte a value and a
+4-byte scale a vector; fp8: a byte a value), its "x bf16 KV" the speed-up over the same path with the bf16 cache, and
+its greedy tokens are compared with the reference path's of the same weights and cache. The int8 cache at 32k:
+    PYTHONPATH=. python3 bench/decode.py --shapes --long qwen3-4b:32768 --paths pallas --quantization int8 --kv int8
+(an empty --shapes: only the --long cases)
 --profile PATHS traces those paths: kernels a step, and a layer (the step's count over the layers).
 """
 
@@ -40,21 +46,36 @@ from bench.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
-def step_bytes(cfg, context: float, kv_item: int = 2) -> float:
+def step_bytes(cfg, context: float, kv_item: float = 2) -> float:
     """Bytes one batch-1 decode step must read: bf16 weights (the input embedding is one row) + KV at
-    `context` (kv_item bytes a value: 1 with a float8 cache)."""
+    `context` (kv_item bytes a value: 1 with a float8 cache, kv_item_bytes)."""
     weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
     return 2 * weights + kv_step_bytes(cfg, context, kv_item)
 
 
-def kv_step_bytes(cfg, context: float, kv_item: int = 2) -> float:
+def kv_step_bytes(cfg, context: float, kv_item: float = 2) -> float:
     """Bytes of the KV rows one batch-1 decode step reads at `context`."""
     return kv_item * 2 * cfg.num_layers * context * cfg.kv_size
 
 
+KV_SUFFIXES = {"fp8": "-fp8", "int8": "-int8kv"}   # a path's KV cache dtype, named at its end
+
+
+def without_kv(path: str) -> str:
+    """The path with its KV cache suffix taken off: "pallas+int8-int8kv" -> "pallas+int8"."""
+    for suffix in KV_SUFFIXES.values():
+        path = path.removesuffix(suffix)
+    return path
+
+
 def quantization_of(path: str) -> str | None:
-    """A path's weight quantization: "pallas+int8" -> "int8" (a final "-fp8" names the KV cache's dtype)."""
-    return path.removesuffix("-fp8").partition("+")[2] or None
+    """A path's weight quantization: "pallas+int8" -> "int8" (a final "-fp8" or "-int8kv" names the KV cache's dtype)."""
+    return without_kv(path).partition("+")[2] or None
+
+
+def kv_item_bytes(cfg, kv: str) -> float:
+    """Bytes a cached value costs: 2 (bf16), 1 (fp8), 1 + 4 / head_dim (int8: a float32 scale a vector)."""
+    return {"auto": 2.0, "fp8": 1.0, "int8": 1.0 + 4.0 / cfg.head_dim}[kv]
 
 
 def param_step_bytes(params) -> int:
@@ -65,17 +86,17 @@ def param_step_bytes(params) -> int:
 
 
 def kv_of(path: str) -> str:
-    """A path's KV cache dtype: "-fp8" at the end of a jaxinfer path asks for float8 pages."""
-    return "fp8" if path.endswith("-fp8") else "auto"
+    """A path's KV cache dtype: "-fp8" at the end of a jaxinfer path asks for float8 pages, "-int8kv" for int8 ones."""
+    return next((kv for kv, suffix in KV_SUFFIXES.items() if path.endswith(suffix)), "auto")
 
 
 def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int,
                  profile_dir: str | None = None) -> dict:
     """path: an ops backend ("pallas", "reference"); "-unroll" / "-scan" force the layer loop's form
-    (default: the engine's, unrolled on GPUs); a final "-fp8" keeps the KV cache in float8."""
+    (default: the engine's, unrolled on GPUs); a final "-fp8" keeps the KV cache in float8, "-int8kv" in int8."""
     kv_cache_dtype = kv_of(path)
     quantization = quantization_of(path)
-    path = path.removesuffix("-fp8").partition("+")[0]
+    path = without_kv(path).partition("+")[0]
     ops = path.removesuffix("-unroll").removesuffix("-scan")
     unroll = True if path.endswith("-unroll") else False if path.endswith("-scan") else None
     chunk = min(len(prompt), 2048)
@@ -146,16 +167,16 @@ def run_hf(model_dir: Path, prompt: list[int], new: int) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     print("\n| shape | context | path | step ms | tok/s | roofline ms | share of roofline | TTFT ms | "
-          "kernels per step (traced) | kernels a layer | x bf16 path | greedy tokens equal to reference |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "kernels per step (traced) | kernels a layer | x bf16 path | x bf16 KV | greedy tokens equal to reference |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | | | |")
+            print(f"| {r['shape']} | {r['context']} | {r['path']} | failed: {r['error'][:80]} | | | | | | | | | |")
             continue
         print(f"| {r['shape']} | {r['context']} | {r['path']} | {r['step_ms']:.3f} | {r['tok_s']:.0f} | "
               f"{r['roofline_ms']:.3f} | {100 * r['roofline_share']:.1f}% | {r['ttft_ms']:.1f} | "
               f"{r.get('kernels_per_step', '-')} | {r.get('kernels_per_layer', '-')} | {r.get('speedup_vs_bf16', '-')} | "
-              f"{r.get('greedy_match_vs_reference', '-')} |")
+              f"{r.get('speedup_vs_bf16_kv', '-')} | {r.get('greedy_match_vs_reference', '-')} |")
 
 
 def write_json(rows: list[dict], bw: float, out: Path) -> None:
@@ -191,7 +212,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["qwen3-0.6b", "qwen3-4b", "llama3-8b"])
+    ap.add_argument("--shapes", nargs="*", default=["qwen3-0.6b", "qwen3-4b", "llama3-8b"])
     ap.add_argument("--paths", nargs="+", default=["pallas", "reference", "hf"])
     ap.add_argument("--prompt", type=int, default=1024)
     ap.add_argument("--new", type=int, default=128)
@@ -201,12 +222,17 @@ def main() -> None:
     ap.add_argument("--profile", nargs="*", default=[], help="paths to trace (kernel time against step time)")
     ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
                     help="run each of our paths again with its weights quantized at load (path+int8)")
+    ap.add_argument("--kv", nargs="*", default=[], choices=list(KV_SUFFIXES),
+                    help="run each of our paths again with this KV cache dtype (path-int8kv, path-fp8)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
-    args.paths += [p.removesuffix("-fp8") + f"+{q}" + ("-fp8" if kv_of(p) == "fp8" else "")
+    args.paths += [without_kv(p) + f"+{q}" + KV_SUFFIXES.get(kv_of(p), "")
                    for q in args.quantization for p in args.paths if not p.startswith("hf")]
+    # each of our paths followed by its runs with the --kv caches: pallas, pallas-int8kv, pallas+int8, ...
+    args.paths = [v for p in args.paths for v in [p] + [p + KV_SUFFIXES[kv] for kv in args.kv
+                                                       if not p.startswith("hf") and kv_of(p) == "auto"]]
 
     bw = hbm_read_ceiling(4 if jax.devices()[0].platform == "gpu" else 0.125)  # small on a CPU smoke run
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -236,21 +262,24 @@ def main() -> None:
             except Exception as e:  # a path that fails is reported, not fatal to the table
                 results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
             r = results[path]
-            if kv_of(path) == "fp8":   # its own roofline: the KV bytes are half
-                r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=1) / bw)
+            kv_item = kv_item_bytes(cfg, kv_of(path))
+            if kv_of(path) != "auto":   # its own roofline: the KV bytes are about half
+                r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=kv_item) / bw)
             if quantization_of(path) and "weight_bytes" in r:   # the bytes its parameters hold
-                r.update(roofline_ms=1e3 * (r["weight_bytes"] + kv_step_bytes(
-                    cfg, ctx + args.new / 2, kv_item=1 if kv_of(path) == "fp8" else 2)) / bw)
+                r.update(roofline_ms=1e3 * (r["weight_bytes"] + kv_step_bytes(cfg, ctx + args.new / 2, kv_item)) / bw)
             if "step_ms" in r:
                 r.update(tok_s=1e3 / r["step_ms"], roofline_share=r.get("roofline_ms", roof_ms) / r["step_ms"])
                 base = results.get(path.replace("+" + str(quantization_of(path)), ""), {})
                 if quantization_of(path) and "step_ms" in base:
                     r.update(speedup_vs_bf16=round(base["step_ms"] / r["step_ms"], 3))
+                base_kv = results.get(without_kv(path), {})   # the same weights with the bf16 cache
+                if kv_of(path) != "auto" and "step_ms" in base_kv:
+                    r.update(speedup_vs_bf16_kv=round(base_kv["step_ms"] / r["step_ms"], 3))
             print(f"# {shape} ctx {ctx} {path}: {json.dumps({k: v for k, v in r.items() if k not in ('tokens', 'profile')})}",
                   flush=True)
         for path, r in results.items():
             ref_tokens = next((o["tokens"] for p, o in results.items() if p.startswith("reference") and "tokens" in o
-                               and quantization_of(p) == quantization_of(path)), None)
+                               and quantization_of(p) == quantization_of(path) and kv_of(p) == kv_of(path)), None)
             if ref_tokens and "tokens" in r:
                 r["greedy_match_vs_reference"] = int(np.argmin(np.array(r["tokens"]) == np.array(ref_tokens))) \
                     if r["tokens"] != ref_tokens else len(ref_tokens)

@@ -7,6 +7,7 @@ other ops on the reference ones. Against a full-precision cache the output is cl
 """
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -265,3 +266,31 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
                  i32, rows, pt, rows)
     assert text.count("__gpu$xla.gpu.triton") >= 1
     assert "__gpu$xla.gpu.triton" in lower(plain, bf16(batch, H, hd), values, values, scales, scales, i32, pt, rows)
+
+
+def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):
+    """bench/decode.py: "-int8kv" names a path's int8 cache (its bytes: a byte a value and a 4-byte scale a vector), and
+    --kv int8 runs each path again with it, on the CPU at a tiny shape (figures meaningless here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from bench import decode
+
+    assert decode.kv_of("pallas+int8-int8kv") == "int8" and decode.kv_of("pallas-fp8") == "fp8"
+    assert decode.kv_of("pallas+int8") == "auto"
+    assert decode.without_kv("pallas+int8-int8kv") == "pallas+int8" and decode.quantization_of("pallas+int8-int8kv") == "int8"
+    cfg = ModelConfig(family="qwen3", vocab_size=100, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8,
+                      head_dim=128, intermediate_size=9728, max_position_embeddings=4096, dtype="bfloat16")
+    assert decode.kv_item_bytes(cfg, "int8") == 1 + 4 / 128 and decode.kv_item_bytes(cfg, "auto") == 2
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "decode.py"), "--models", str(tmp_path / "models"), "--out",
+                        str(tmp_path), "--shapes", "tiny", "--long", "--paths", "reference", "--kv", "int8", "--prompt",
+                        "24", "--new", "5", "--steps", "4"], capture_output=True, text=True, timeout=300, cwd=repo,
+                       env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    assert [row["path"] for row in rows] == ["reference", "reference-int8kv"]
+    assert rows[1]["roofline_ms"] < rows[0]["roofline_ms"] and rows[1]["speedup_vs_bf16_kv"] > 0
+    assert rows[1]["greedy_match_vs_reference"] == 5   # against the reference of the same cache: itself
