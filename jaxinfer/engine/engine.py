@@ -181,8 +181,16 @@ class Engine(VerifySteps):
                 f"{picked(self.cfg.dtype, c.dtype, 'the checkpoint' + chr(39) + 's')}, "
                 f"ops {picked(self.ops_name, c.ops, backend)}; {self.weights_summary}; "
                 f"KV cache {(num_pages - 1) * c.page_size:,} tokens "
-                f"({self.kv_bytes / 2**20:,.1f} MiB {jax.numpy.dtype(self.kv_dtype).name}); "
+                f"({self.kv_bytes / 2**20:,.1f} MiB {jax.numpy.dtype(self.kv_dtype).name}{self._kv_capacity()}); "
                 f"loaded in {self.load_seconds:.1f} s; {compiled}{defaults}]")
+
+    def _kv_capacity(self) -> str:
+        """For a cache narrower than the model's dtype (fp8, int8 with its scales): how many times the tokens a cache
+        in the model's dtype holds in the same bytes (the pool sized from free memory gets that many more pages)."""
+        c = self.config
+        ratio = bytes_per_page(self.cfg, c.page_size, self.cfg.jnp_dtype) / bytes_per_page(self.cfg, c.page_size,
+                                                                                             self.kv_dtype)
+        return f", {ratio:.2f}x the tokens of a {jax.numpy.dtype(self.cfg.jnp_dtype).name} cache" if ratio > 1 else ""
 
     def _on_start(self, seq: Sequence) -> None:
         # The sampler row's prompt mask and output counts matter only to a request with a penalty: without
