@@ -234,14 +234,16 @@ SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
     (2560, 9728, "residual", 64): SkinnyConfig(128, 128, 4, 4, 4),  # 17.94 vs 19.27
 }
 
-# The same for 1-byte weights (skinny_gemm's w_scale), kept where the kernel beat XLA's GEMM on the converted
-# values (reference.quantized_product). Not yet measured: bench/kernels/quantized_gemv.py --sweep on the H200 prints
-# its rows; until then batched decode steps with 8-bit weights take XLA's GEMM.
+# The same for 1-byte weights (skinny_gemm's w_scale), kept where the kernel beat XLA's products (the converted
+# values, reference.quantized_product, or fp8 W8A8) by 3%. Not yet measured: for fp8, `PYTHONPATH=. python3
+# bench/kernels/quantized_gemv.py --shapes qwen3-4b --no-gemv --fp8-rows 16 64 1024 8192 --batched-sweep` on the H200
+# prints its rows; until then batched decode steps with 8-bit weights take XLA's GEMM.
 SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 
 # Rows from which XLA's product with fp8 per-channel weights runs as W8A8 on fp8 tensor cores (ops.pallas.w8a8_product:
 # each row of x quantized to e4m3 with its own scale), None: never (the values converted to bf16 instead). Not yet
-# measured: bench/kernels/quantized_gemv.py --prompt times both at prompt rows.
+# measured: the --fp8-rows run above prints it (the fewest measured rows from which W8A8 beat the converted values at
+# every projection and every larger row count the skinny table does not take).
 FP8_W8A8_ROWS: int | None = None
 
 
