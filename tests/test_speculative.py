@@ -261,23 +261,151 @@ def test_a_dflash_drafter_for_another_target_is_refused():
         LLM(STORIES, speculative=f"dflash:{DFLASH}", progress=False, cache_dir="")
 
 
+class _Seq:
+    """A generating sequence as the Speculator sees it (its tokens repeat: n-gram proposals exist)."""
+
+    def __init__(self, request_id: int = 0):
+        self.request_id, self.tokens = request_id, [1, 2, 3, 1, 2, 3, 1, 2]
+
+
 def test_measured_rates_turn_verifying_off_where_it_was_slower():
     from jaxinfer.engine.speculation import PROBE_EVERY, Speculator
     from jaxinfer.spec.ngram import NgramProposer
 
-    class Seq:
-        request_id, tokens = 0, [1, 2, 3, 1, 2, 3, 1, 2]
+    spec = Speculator(NgramProposer(), 4)
+    assert spec.drafts([_Seq()], bucket=1)                       # batch 1, nothing measured: the cost model says draft
+    spec.tried(1, drafted=True)
+    spec.measured("verify", 1, 50, 1.0)
+    assert not spec.may_draft([_Seq()], 1)                       # a decode dispatch next, to compare with
+    spec.measured("decode", 1, 100, 1.0)                         # verifying gave half the tokens a second
+    assert not spec.may_draft([_Seq()], 1) and spec.drafts([_Seq()], bucket=1) == {}
+    assert spec.may_draft([_Seq()], 2)                           # another batch size is measured apart
+    for _ in range(PROBE_EVERY - 2):
+        spec.measured("decode", 1, 100, 1.0)
+    assert not spec.may_draft([_Seq()], 1)
+    spec.measured("decode", 1, 100, 1.0)
+    assert spec.may_draft([_Seq()], 1)                           # tried again after PROBE_EVERY dispatches
+    for _ in range(3):
+        spec.tried(1, drafted=True)
+        spec.measured("verify", 1, 300, 1.0)                     # and kept where it now pays
+        assert spec.may_draft([_Seq()], 1)
+
+
+def test_at_a_large_batch_verifying_starts_only_from_a_measured_gain():
+    """Batch 64 at k = 4 (320 rows: past the cost model's knee): decode dispatches first, then one probe; a probe
+    without drafts waits PROBE_EVERY dispatches; a verify step slower than decoding stops drafts, a faster one keeps
+    them."""
+    from jaxinfer.engine.speculation import PROBE_EVERY, Speculator
+    from jaxinfer.spec.adaptive import rows_nearly_free
+    from jaxinfer.spec.ngram import NgramProposer
+
+    seqs = [_Seq(i) for i in range(64)]
+    assert not rows_nearly_free(64 * 5) and rows_nearly_free(8 * 5)
+    spec = Speculator(NgramProposer(), 4)
+    assert not spec.may_draft(seqs, 64) and spec.drafts(seqs, bucket=64) == {}    # nothing measured: decode first
+    assert spec.may_draft(seqs[:8], 8)                           # a small batch is optimistic
+    spec.measured("decode", 64, 64 * 8, 0.02)
+    assert spec.may_draft(seqs, 64)                              # the probe
+    spec.tried(64, drafted=False)                                # found nothing to verify
+    for _ in range(PROBE_EVERY):
+        assert not spec.may_draft(seqs, 64)
+        spec.measured("decode", 64, 64 * 8, 0.02)
+    assert spec.may_draft(seqs, 64)                              # the next probe
+    spec.tried(64, drafted=True)
+    spec.measured("verify", 64, 64 * 2, 0.01)                    # 12.8k tokens a second against decoding's 25.6k
+    assert not spec.may_draft(seqs, 64)
+    slow = Speculator(NgramProposer(), 4)
+    slow.measured("decode", 64, 64 * 8, 0.02)
+    slow.tried(64, drafted=True)
+    slow.measured("verify", 64, 64 * 3, 0.005)                   # 38.4k: faster, so drafts go on
+    assert slow.may_draft(seqs, 64) and len(slow.drafts(seqs, bucket=64)) == 64
+
+
+def test_tries_without_drafts_back_off_where_verify_rows_are_free():
+    """Batch 1: a try that finds nothing waits 1, 2, 4 ... decode dispatches (up to PROBE_EVERY) before the next; a
+    try with drafts resets the wait."""
+    from jaxinfer.engine.speculation import PROBE_EVERY, Speculator
+    from jaxinfer.spec.ngram import NgramProposer
 
     spec = Speculator(NgramProposer(), 4)
-    assert spec.drafts([Seq()], bucket=1)                        # nothing measured: the cost model says draft
-    spec.measured("verify", 1, 50, 1.0)
-    assert not spec.may_draft([Seq()], 1)                        # a decode dispatch next, to compare with
-    spec.measured("decode", 1, 100, 1.0)                         # verifying gave half the tokens a second
-    assert not spec.may_draft([Seq()], 1) and spec.drafts([Seq()], bucket=1) == {}
-    assert spec.may_draft([Seq()], 2)                            # another batch size is measured apart
-    for _ in range(PROBE_EVERY - 1):
-        spec.measured("decode", 1, 100, 1.0)
-    assert spec.may_draft([Seq()], 1)                            # tried again now and then
-    for _ in range(3):
-        spec.measured("verify", 1, 300, 1.0)                     # and kept where it now pays
-    assert spec.may_draft([Seq()], 1)
+    waits = []
+    for _ in range(8):
+        assert spec.may_draft([_Seq()], 1)
+        spec.tried(1, drafted=False)
+        n = 0
+        while not spec.may_draft([_Seq()], 1):
+            spec.measured("decode", 1, 8, 0.02)
+            n += 1
+        waits.append(n)
+    assert waits == [1, 2, 4, 8, 16, 32, 32, 32] and PROBE_EVERY == 32
+    spec.tried(1, drafted=True)
+    assert spec.may_draft([_Seq()], 1)
+    spec.tried(1, drafted=False)
+    assert not spec.may_draft([_Seq()], 1)                       # the wait starts again from one dispatch
+    spec.measured("decode", 1, 8, 0.02)
+    assert spec.may_draft([_Seq()], 1)
+
+
+def _steps_seen(llm) -> list[tuple[str, int, int]]:
+    """(kind, generating sequences, tokens) of each step carrying prompt chunks or drafts the engine runs from now
+    on: kind "ragged" (a verify step beside prompt chunks), "dense" (a verify step alone) or "mixed" (no drafts)."""
+    e, seen = llm.engine, []
+    verify, launch = e._verify, e._launch_mixed
+
+    def count(kind, chunks, drafts):
+        seen.append((kind, sum(not s.prefilling for s, _ in chunks), sum(n for _, n in chunks) + sum(
+            map(len, drafts.values()))))
+    e._verify = lambda chunks, drafts, dense: (
+        count("dense" if dense else "ragged", chunks, drafts), verify(chunks, drafts, dense))[1]
+    e._launch_mixed = lambda chunks: (count("mixed", chunks, {}), launch(chunks))[1]
+    return seen
+
+
+BATCH_PROMPTS = [p + suffix for suffix in ("", " Tom was happy.", " The sun was hot.", " Lily smiled.")
+                 for p in PROMPTS]   # 16 prompts, copy-heavy and open
+
+
+@pytest.fixture(scope="module")
+def batch_reference():
+    llm = LLM(STORIES, max_num_seqs=16, max_num_batched_tokens=32, progress=False, cache_dir="")
+    return _tokens(llm, BATCH_PROMPTS)
+
+
+def test_no_drafts_beside_prompt_chunks_at_a_large_batch(batch_reference):
+    """A small token budget: prompts run in chunks beside the generating sequences' decodes. Drafts ride beside
+    them only while at most RAGGED_DRAFTS_MAX_BATCH sequences generate; the tokens stay those of decoding."""
+    from jaxinfer.engine.verify_steps import RAGGED_DRAFTS_MAX_BATCH
+
+    llm = _spec(STORIES, speculative="ngram", max_num_seqs=16, max_num_batched_tokens=32)
+    seen = _steps_seen(llm)
+    assert _tokens(llm, BATCH_PROMPTS) == batch_reference
+    # steps beside prompt chunks with room for drafts and more than the threshold generating did happen ...
+    assert any(kind == "mixed" and n > RAGGED_DRAFTS_MAX_BATCH and tokens < 32 for kind, n, tokens in seen)
+    # ... and carried no drafts
+    assert all(n <= RAGGED_DRAFTS_MAX_BATCH for kind, n, _ in seen if kind == "ragged")
+    assert any(kind == "dense" and n > RAGGED_DRAFTS_MAX_BATCH for kind, n, _ in seen)   # the batch verifies alone
+    _no_pages_held(llm)
+
+
+def test_no_drafts_that_would_break_the_prompt_steps_chain():
+    """Prompt steps launched one ahead of their read-back (overlap_mixed): a step carrying a prompt chunk verifies
+    drafts only where no prompt work follows it."""
+    llm = _spec(STORIES, speculative="ngram", max_num_seqs=4, max_num_batched_tokens=16, overlap_mixed=True)
+    e = llm.engine
+    seen, verify = [], e._verify
+    e._verify = lambda chunks, drafts, dense: (seen.append((dense, any(
+        s.prefilling and s.num_computed + n < len(s.tokens) for s, n in chunks) or bool(e.scheduler.waiting))),
+        verify(chunks, drafts, dense))[1]
+    llm.generate(PROMPTS, GREEDY)
+    assert seen and not any(follows for _, follows in seen)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_batch_of_16_with_adaptive_speculation_keeps_greedy_tokens(overlap, batch_reference):
+    """Adaptive speculation as served (measured rates, tries paced; with the GPU's overlap of prompt steps too):
+    16 concurrent requests give the tokens decoding without speculation gives."""
+    llm = LLM(STORIES, speculative="ngram", max_num_seqs=16, max_num_batched_tokens=32, progress=False,
+              cache_dir="", overlap_mixed=overlap, prefill_behind_decode=overlap)
+    assert _tokens(llm, BATCH_PROMPTS) == batch_reference
+    assert llm.engine.speculator.stats.verify_steps > 0
+    _no_pages_held(llm)
