@@ -11,7 +11,8 @@ attention (4 * heads * head_dim * visible keys per query, per layer). Share = FL
 GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes, our loader.
 --quantization fp8 (int8): each of our paths runs again with its weights quantized at load (a path "pallas+fp8";
 EngineConfig.quantization), its speed-up over the same path in bf16 in this run in the last column. Its share is still
-of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, can pass 100%).
+of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, can pass 100%). --fp8-tables JSON:
+FP8_W8A8_ROWS (and SKINNY_GEMM_8BIT) as a bench/kernels/quantized_gemv.py --fp8-rows run measured them.
 """
 
 from __future__ import annotations
@@ -114,9 +115,15 @@ def main() -> None:
     ap.add_argument("--profile", nargs="*", default=[], help="path:prompt cases to trace, e.g. pallas:1024")
     ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
                     help="run each of our paths again with its weights quantized at load (path+fp8)")
+    ap.add_argument("--fp8-tables", default=None, metavar="JSON",
+                    help="SKINNY_GEMM_8BIT rows and FP8_W8A8_ROWS from a quantized_gemv.py --fp8-rows run (A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
+    if args.fp8_tables:
+        from bench.kernels.fp8_rows import apply_tables
+
+        print(f"# {apply_tables(args.fp8_tables)}", flush=True)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     args.paths += [f"{p}+{q}" for q in args.quantization for p in args.paths if p != "hf"]
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)

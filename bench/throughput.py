@@ -17,7 +17,8 @@ the table's (the A/B of a table row in the step, one process per config).
 --quantization fp8 (int8): after the bf16 parts, 1 runs again for each format on an engine with its weights
 quantized at load (EngineConfig.quantization; the same KV cache dtype, the same prompts). Its roofline counts the
 bytes its loaded parameters hold (8-bit values and scales; bench/decode.py's param_step_bytes) plus the KV bytes, and
-its speed-up is over bf16 at the same batch in this run.
+its speed-up is over bf16 at the same batch in this run. --fp8-tables JSON: the 8-bit tables a
+bench/kernels/quantized_gemv.py --fp8-rows run measured (its quantized_gemv.json), patched in before the engines start.
 Random bf16 weights at real shapes (bench.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
@@ -231,6 +232,8 @@ def main() -> None:
                     help="compile only the steps the run takes (engine compile_all_at_start=False; A/B runs)")
     ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
                     help="the decode table again with weights quantized at load, for each format")
+    ap.add_argument("--fp8-tables", default=None, metavar="JSON",
+                    help="SKINNY_GEMM_8BIT rows and FP8_W8A8_ROWS from a quantized_gemv.py --fp8-rows run (A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -238,6 +241,10 @@ def main() -> None:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:
         patch_skinny_table(args.skinny_table)
+    if args.fp8_tables:
+        from bench.kernels.fp8_rows import apply_tables
+
+        print(f"# {apply_tables(args.fp8_tables)}", flush=True)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     gpu = jax.devices()[0].platform == "gpu"
     bw = hbm_read_ceiling(4 if gpu else 0.125)

@@ -201,9 +201,31 @@ def test_the_fp8_rows_bench_picks_its_table_rows():
 
     lines, rows = table_entries([point(16, 9.0, 12.0, 10.0), point(64, 9.9, 12.0, 10.0), point(64, 20, 30, 19, n=32),
                                  point(1024, None, 40.0, 50.0), point(8192, None, 300.0, 400.0)])
-    assert lines == ['(96, 64, "none", 16): SkinnyConfig(64, 128, 4, 4, 1),   # 9.00 us vs XLA 10.00']
+    assert lines == [((96, 64, "none", 16), (64, 128, 4, 4, 1), 9.0, 10.0)]
     assert rows == 1024                  # at 64 rows W8A8 lost where the skinny kernel did not take the rows
     lines, rows = table_entries([point(64, 20, 18, 19, n=32), point(1024, None, 40.0, 50.0),
                                  point(8192, None, 300.0, 400.0)])
     assert lines == [] and rows == 64
     assert table_entries([point(8192, None, 401.0, 400.0)]) == ([], None)
+
+
+def test_the_fp8_rows_bench_patches_the_tables(monkeypatch, tmp_path):
+    """--fp8-tables (bench/throughput.py, bench/prefill.py): a --fp8-rows run's JSON sets the two tables."""
+    import json
+
+    sys.path.insert(0, str(REPO))
+    from bench.kernels.fp8_rows import apply_tables
+
+    def row(M, product, us, config=""):
+        return dict(shape="s", projection="qkv", dims="96x64", n=96, k=64, epilogue="none", M=M, weights="fp8",
+                    product=product, config=config, us=us, err="1.0e-03")
+
+    rows = [row(16, "routed", 12.0), row(16, "skinny", 8.0, [32, 64, 4, 4, 2]), row(16, "w8a8", 11.0),
+            row(16, "converted", 10.0), row(1024, "routed", 50.0), row(1024, "w8a8", 40.0),
+            row(1024, "converted", 45.0)]
+    (tmp_path / "q.json").write_text(json.dumps(dict(fp8_rows=rows)))
+    monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {})
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", None)
+    apply_tables(str(tmp_path / "q.json"))
+    assert tables.SKINNY_GEMM_8BIT == {(96, 64, "none", 16): tables.SkinnyConfig(32, 64, 4, 4, 2)}
+    assert tables.FP8_W8A8_ROWS == 1024

@@ -143,16 +143,16 @@ def best_by_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def table_entries(best: list[dict]) -> tuple[list[str], int | None]:
-    """(SKINNY_GEMM_8BIT lines, FP8_W8A8_ROWS): a skinny row where its best config beat XLA's faster product (W8A8 or
-    the converted values) by MARGIN; the threshold: the fewest measured rows from which W8A8 beat the converted values
-    at every shape and every larger row count the skinny table does not take (None: nowhere)."""
-    lines, xla_points = [], []
+def table_entries(best: list[dict]) -> tuple[list[tuple], int | None]:
+    """([(SKINNY_GEMM_8BIT key, config tuple, kernel us, XLA us)], FP8_W8A8_ROWS): a skinny row where its best config
+    beat XLA's faster product (W8A8 or the converted values) by MARGIN; the threshold: the fewest measured rows from
+    which W8A8 beat the converted values at every shape and every larger row count the skinny table does not take
+    (None: nowhere)."""
+    entries, xla_points = [], []
     for b in best:
         xla_us = min(u for u in (b["w8a8_us"], b["converted_us"]) if u is not None)
         if b["skinny_us"] is not None and b["M"] in (16, 32, 64) and b["skinny_us"] < MARGIN * xla_us:
-            lines.append(f"({b['n']}, {b['k']}, \"{b['epilogue']}\", {b['M']}): SkinnyConfig{tuple(b['skinny_cfg'])},"
-                         f"   # {b['skinny_us']:.2f} us vs XLA {xla_us:.2f}")
+            entries.append(((b["n"], b["k"], b["epilogue"], b["M"]), tuple(b["skinny_cfg"]), b["skinny_us"], xla_us))
         elif b["w8a8_us"] is not None and b["converted_us"] is not None:
             xla_points.append((b["M"], b["w8a8_us"] < b["converted_us"]))
     rows = None
@@ -161,7 +161,19 @@ def table_entries(best: list[dict]) -> tuple[list[str], int | None]:
             rows = M
         else:
             break
-    return lines, rows
+    return entries, rows
+
+
+def apply_tables(path: str) -> str:
+    """Patch tables.SKINNY_GEMM_8BIT and FP8_W8A8_ROWS with what a --fp8-rows run measured (its quantized_gemv.json):
+    the A/B of the tables in the whole step before they are pasted. Returns what it set."""
+    from jaxinfer.pallas import tables
+
+    entries, rows = table_entries(best_by_rows(json.loads(open(path).read())["fp8_rows"]))
+    for key, cfg, _, _ in entries:
+        tables.SKINNY_GEMM_8BIT[key] = SG.SkinnyConfig(*cfg)
+    tables.FP8_W8A8_ROWS = rows
+    return f"SKINNY_GEMM_8BIT + {len(entries)} rows {[e[0] for e in entries]}, FP8_W8A8_ROWS = {rows}"
 
 
 def print_summary(rows: list[dict]) -> None:
@@ -175,7 +187,8 @@ def print_summary(rows: list[dict]) -> None:
                        ("its config", "skinny_config", ""), ("W8A8 us", "w8a8", ""),
                        ("W8A8 bf16-dot us", "w8a8_bf16dot", ""), ("converted us", "converted", ""),
                        ("best fp8", "best", ""), ("x bf16", "speedup", ".2f")])
-    lines, threshold = table_entries(best)
+    entries, threshold = table_entries(best)
     print("\ntables.SKINNY_GEMM_8BIT rows (the skinny kernel beat XLA's products by 3%):")
-    print("\n".join(f"    {line}" for line in lines) or "    (none)")
+    print("\n".join(f"    {key}: SkinnyConfig{cfg},   # {us:.2f} us vs XLA {xla_us:.2f}"
+                    for key, cfg, us, xla_us in entries) or "    (none)")
     print(f"tables.FP8_W8A8_ROWS = {threshold}")
