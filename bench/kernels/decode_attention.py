@@ -21,6 +21,11 @@ JSON of everything to $OUT/decode_attention.json when OUT is set.
 --kv-cache-dtype fp8: the caches in float8 e4m3 (as `--kv-cache-dtype fp8` stores them; half the bytes,
 the same kernels casting reads back to bf16), the bytes and bandwidth counted at 1 byte;
 what fills tables.DECODE_ATTENTION_FP8. --points B:ctx ... replaces the sweep's points.
+--kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector, the
+kernels taking values and scales as operands; the reference op reading the dequantized rows), the bytes counted at
+1 a value + 4 a vector; --int8-convert cvt|bits picks the kernels' int8 conversion (tables.DECODE_ATTENTION_INT8_CONVERT;
+default the table's). Int8 pages take the float8 table (1-byte pages); the sweep's best fills a table of their own
+where they differ.
 --query-dtype float16: queries (and so the kernels' compute dtype, which pages are cast to) in float16
 (float8 e4m3 converts to float16 in one instruction; to bfloat16 it does not).
 """
@@ -42,6 +47,7 @@ from bench.kernels.kernel_timing import (add_sweep_args, build_chain, log, rel_e
 
 from jaxinfer.model.kv_cache import KV_CACHE_DTYPES, to_cache
 from jaxinfer.ops import reference
+from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
 from jaxinfer.pallas import decode_attention as DA
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -55,6 +61,12 @@ INTERPRET = False
 KV_DTYPE = jnp.bfloat16
 Q_DTYPE = jnp.bfloat16
 POINTS = None   # --points: the sweep's (B, ctx) points
+INT8_CONVERT = None   # --int8-convert (None: the table's)
+
+
+def vector_bytes(hd: int) -> float:
+    """Bytes one cached vector of hd values costs (int8: its float32 scale too)."""
+    return hd * jnp.dtype(KV_DTYPE).itemsize + (4 if jnp.dtype(KV_DTYPE) == jnp.int8 else 0)
 
 
 @dataclasses.dataclass
@@ -69,20 +81,25 @@ class Problem:
 
     @property
     def kv_bytes(self):
-        return self.B * self.ctx * self.KVH * self.hd * 2 * jnp.dtype(KV_DTYPE).itemsize
+        return self.B * self.ctx * self.KVH * 2 * vector_bytes(self.hd)
 
 
 def make_problem(H, KVH, hd, B, ctx, seed=0):
     P = -(-ctx // PS)
-    per_layer = B * P * PS * KVH * hd * 2 * jnp.dtype(KV_DTYPE).itemsize
+    per_layer = B * P * PS * KVH * 2 * vector_bytes(hd)
     L = int(min(16, max(1, math.ceil(4 * L2_BYTES / per_layer))))
     if INTERPRET:
         L = 1
     n_pages = B * P + 1
     kq, kk, kv, kp = jax.random.split(jax.random.PRNGKey(seed), 4)
     shape = (L, KVH, n_pages * PS, hd)
-    k = to_cache(jax.random.normal(kk, shape, jnp.bfloat16), KV_DTYPE)
-    v = to_cache(jax.random.normal(kv, shape, jnp.bfloat16), KV_DTYPE)
+    if jnp.dtype(KV_DTYPE) == jnp.int8:   # quantized vectors of magnitudes 0.1..10
+        amp = 10.0 ** jax.random.uniform(kq, shape[:-1] + (1,), minval=-1, maxval=1)
+        k = QuantizedCache(*jax.jit(quantize)(jax.random.normal(kk, shape, jnp.bfloat16) * amp))
+        v = QuantizedCache(*jax.jit(quantize)(jax.random.normal(kv, shape, jnp.bfloat16) * amp))
+    else:
+        k = to_cache(jax.random.normal(kk, shape, jnp.bfloat16), KV_DTYPE)
+        v = to_cache(jax.random.normal(kv, shape, jnp.bfloat16), KV_DTYPE)
     q = jax.random.normal(kq, (B, H, hd), Q_DTYPE)
     pt = jax.random.permutation(kp, jnp.arange(1, n_pages, dtype=jnp.int32))[: B * P].reshape(B, P)
     cl = jnp.full((B,), ctx, jnp.int32)
@@ -96,6 +113,10 @@ def n_chain(est_s):
 
 def pallas_op(cfg):
     def op(q, k, v, layer, pt, cl, ps, scale):
+        if isinstance(k, QuantizedCache):
+            return DA.paged_decode_attention(q, k.values, v.values, layer, pt, cl, ps, scale, k_scale=k.scale,
+                                             v_scale=v.scale, config=cfg, int8_convert=INT8_CONVERT,
+                                             interpret=INTERPRET)
         return DA.paged_decode_attention(q, k, v, layer, pt, cl, ps, scale, config=cfg, interpret=INTERPRET)
     return op
 
@@ -250,11 +271,13 @@ def table_mode(results, pool, t_start):
 def main():
     ap = argparse.ArgumentParser()
     add_sweep_args(ap, budget=120.0)
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits"], help="int8 pages: the conversion")
     ap.add_argument("--points", nargs="*", default=None, help="the sweep's points as B:ctx")
     ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()
-    global INTERPRET, CONTEXTS, BATCHES, KV_DTYPE, POINTS, Q_DTYPE
+    global INTERPRET, CONTEXTS, BATCHES, KV_DTYPE, POINTS, Q_DTYPE, INT8_CONVERT
+    INT8_CONVERT = args.int8_convert
     Q_DTYPE = jnp.dtype(args.query_dtype)
     INTERPRET = args.interpret
     KV_DTYPE = KV_CACHE_DTYPES[args.kv_cache_dtype] or jnp.bfloat16
@@ -267,7 +290,8 @@ def main():
     dev = jax.devices()[0]
     bw = max(bw0, bw1)
 
-    print(f"\nPaged decode attention, {jnp.dtype(Q_DTYPE).name} queries, {jnp.dtype(KV_DTYPE).name} pages of 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
+    conv = f" ({INT8_CONVERT or DA.tables.DECODE_ATTENTION_INT8_CONVERT})" if jnp.dtype(KV_DTYPE) == jnp.int8 else ""
+    print(f"\nPaged decode attention, {jnp.dtype(Q_DTYPE).name} queries, {jnp.dtype(KV_DTYPE).name}{conv} pages of 16, on {dev.device_kind}, jax {jax.__version__}; HBM read "
           f"ceiling {bw0 / 1e12:.2f} / {bw1 / 1e12:.2f} TB/s (start / end), shares against the larger")
     hdr = (f"{'shape (H/KVH/hd)':>30} {'ctx':>6} {'B':>3} {'config':>18} {'us':>8} {'TB/s':>5} "
            f"{'share':>5} {'ref us':>8} {'speedup':>7} {'jnp-merge us':>12}")
