@@ -90,3 +90,21 @@ def test_split_layer_prompt_rows_take_w8a8_from_the_table(monkeypatch):
         jax.clear_caches()
         got = jax.jit(lambda x, one: ops.linear(x, LayerWeight(one, jnp.int32(0))))(x, one)
         assert rel(np.asarray(got.astype(f32), np.float64), want) <= 2e-3, threshold   # bf16 rounding apart
+
+
+@pytest.mark.parametrize("M", [64, 1024])
+def test_the_activation_quantization_reads_x_twice_at_most(M):
+    """The compiled program's kernels before the GEMM (printed): x is read by at most two (the row max's reduction,
+    then the scale-clip-cast fusion), never copied to float32 first."""
+    from jaxinfer.ops.pallas import w8a8_product
+
+    n, k = SHAPES["gate_up"]
+    x = jnp.ones((M, k), bf16)
+    hlo = jax.jit(w8a8_product).lower(x, fp8_weight(n, k)).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY"):]
+    x_name = re.search(rf"%(\S+) = bf16\[{M},{k}\]\S* parameter\(0\)", entry).group(1)
+    kernels = [line.strip()[:160] for line in entry.splitlines() if " fusion(" in line or "custom-call(" in line]
+    print("\n".join(kernels))
+    readers = [line for line in entry.splitlines() if re.search(rf"%{re.escape(x_name)}[,)]", line)]
+    assert len(readers) <= 2, readers
+    assert not re.search(rf"= f32\[{M},{k}\]", entry), "a float32 copy of x"
