@@ -121,8 +121,8 @@ def test_writers_store_each_vector_quantized():
 
 
 def test_the_pallas_ops_with_an_int8_cache():
-    """The decode attention ops take their kernels (the same outputs within float32 rounding, the same cache bit for
-    bit, an INT8 cache back); the prompt rows' write, prompt and verify attention run the reference op."""
+    """The decode and verify attention ops take their kernels (the same outputs within float32 rounding, the same
+    cache bit for bit, an INT8 cache back); the prompt rows' write and prompt attention run the reference op."""
     rng = np.random.default_rng(11)
     H, K, hd, ps, L, B = 4, 2, 16, 8, 2, 2
     kq, vq, _, _ = _caches(rng, L, K, 6 * ps, hd)
@@ -145,7 +145,7 @@ def test_the_pallas_ops_with_an_int8_cache():
                                        H32, K), False),   # the fused kernel
              ("paged_decode_attention", (q, kq, vq, layer, pt, lens, ps, 0.3), False),
              ("paged_attention", (q, kq, vq, layer, pt, token_seq, positions, ps, 0.3), True),
-             ("verify_attention", (qv, kq, vq, layer, pt, lens, ps, 0.3), True)]
+             ("verify_attention", (qv, kq, vq, layer, pt, lens, ps, 0.3), False)]
     for name, args, same in calls:
         want = getattr(reference, name)(*args)
         got = getattr(ops, name)(*args)   # last: the fused kernel donates the caches
@@ -241,10 +241,12 @@ def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
 @pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
 def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
     """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the
-    fused one's scalar scale stores, the bit-trick conversion) lowered for an H200 on the CPU."""
+    fused one's scalar scale stores, the bit-trick conversion; split, fused and verify) lowered for an H200 on the
+    CPU."""
     from jax._src.pallas.triton import gpu_info
 
     from jaxinfer.pallas import decode_attention as DA
+    from jaxinfer.pallas import verify_attention as VA
     from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
@@ -271,6 +273,12 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
                  i32, rows, pt, rows)
     assert text.count("__gpu$xla.gpu.triton") >= 1
     assert "__gpu$xla.gpu.triton" in lower(plain, bf16(batch, H, hd), values, values, scales, scales, i32, pt, rows)
+
+    def verify(q, kc, vc, ks, vs, layer, pt, cl):   # 4 rows a sequence (3 drafts)
+        return VA.paged_verify_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, k_scale=ks, v_scale=vs,
+                                         int8_convert=convert)
+
+    assert "__gpu$xla.gpu.triton" in lower(verify, bf16(batch, 4, H, hd), values, values, scales, scales, i32, pt, rows)
 
 
 def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):
@@ -299,3 +307,43 @@ def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):
     assert [row["path"] for row in rows] == ["reference", "reference-int8kv"]
     assert rows[1]["roofline_ms"] < rows[0]["roofline_ms"] and rows[1]["speedup_vs_bf16_kv"] > 0
     assert rows[1]["greedy_match_vs_reference"] == 5   # against the reference of the same cache: itself
+
+
+# (B, Q, H, KVH, hd, page_size, context lens, num_splits, block_k, query dtype): tests/test_pallas_verify_attention.py's
+VERIFY_CASES = [
+    (3, 8, 8, 2, 64, 8, [100, 9, 3], 8, 16, jnp.float32),      # group 4, pages of 8; context 3 < Q
+    (2, 16, 4, 2, 64, 16, [20, 33], 2, 16, jnp.float32),       # rows of sequence 0 that see no split-1 block
+    (2, 4, 16, 2, 48, 16, [50, 21], 1, 32, jnp.float32),       # hd 48 (masked columns), one split
+    (2, 4, 8, 4, 128, 16, [130, 37], 2, 32, jnp.bfloat16),     # f16 products
+]
+
+
+@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=[f"B{c[0]}-Q{c[1]}-hd{c[4]}-S{c[7]}-{jnp.dtype(c[9]).name}"
+                                                    for c in VERIFY_CASES])
+def test_verify_kernel_reads_the_int8_cache(case, convert):
+    """pallas/verify_attention.py with an INT8 cache's values and scales against reference.verify_attention on the
+    same QuantizedCache (vectors of magnitudes 1e-3..10): within 2e-5 (float32) or 2e-2 (bf16) of values up to ~10."""
+    from jaxinfer.pallas import verify_attention as VA
+
+    B, Q, H, K, hd, ps, lens, S, bk, dtype = case
+    rng = np.random.default_rng(sum(lens) + hd)
+    P = -(-max(lens) // ps)
+    n_pages = B * P + 2
+    shape = (2, K, n_pages * ps, hd)
+    cache = lambda: QuantizedCache(*quantize(jnp.asarray(rng.standard_normal(shape, np.float32)
+                                                         * 10.0 ** rng.uniform(-3, 1, shape[:-1] + (1,)))))
+    kq, vq = cache(), cache()
+    q = jnp.asarray(rng.standard_normal((B, Q, H, hd), np.float32), dtype)
+    pt = jnp.asarray(rng.permutation(np.arange(1, n_pages))[: B * P].reshape(B, P).astype(np.int32))
+    cl = jnp.asarray(lens, jnp.int32)
+    layer = jnp.int32(1)
+    ref = jax.jit(reference.verify_attention, static_argnums=(6, 7))(q, kq, vq, layer, pt, cl, ps, hd ** -0.5)
+    out = VA.paged_verify_attention(q, kq.values, vq.values, layer, pt, cl, ps, hd ** -0.5, k_scale=kq.scale,
+                                    v_scale=vq.scale, config=VA.SplitConfig(S, bk), int8_convert=convert,
+                                    interpret=True)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref).max() / 10
+    assert err < (2e-5 if dtype == jnp.float32 else 2e-2), err

@@ -26,7 +26,8 @@ cores (each row quantized to e4m3 with a scale of its own).
 The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs decode attention on the same kernels,
 its values and scales as separate operands (_cache_operands): int8 tiles converted exactly in registers, a key's scale
 on its column of scores, a value's on its probability, never a page dequantized; the fused kernel quantizes the new
-token in place. Its other ops (the prompt rows' cache write, prompt and verify attention) run on the reference ops.
+token in place; a speculative verify step's attention takes the verify kernel the same way. Its other ops (the prompt
+rows' cache write, prompt attention) run on the reference ops.
 
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
@@ -322,10 +323,11 @@ def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_
     """Q query rows a sequence (a speculative verify step): the split-sequence kernel where its tile takes the Q x
     group rows and the head dim (verify_attention.supports: up to 128 rows), else the reference op."""
     _, Q, H, hd = q.shape
-    if isinstance(k_cache, QuantizedCache) or not verify_supports(Q * (H // k_cache.shape[1]), hd):
+    if not verify_supports(Q * (H // k_cache.shape[1]), hd):
         return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
-    return paged_verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
-                                  interpret=interpret)
+    k_values, v_values, scales = _cache_operands(k_cache, v_cache)
+    return paged_verify_attention(q, k_values, v_values, layer, page_table, context_lens, page_size, scale,
+                                  interpret=interpret, **scales)
 
 
 def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *,

@@ -21,7 +21,9 @@ output [B, Q * H, hd] is [B, Q, H, hd] by a free reshape. With one split kernel 
 
 num_splits, block_k and num_warps (static: the grid and the tile) come from `choose_config`, tables.VERIFY_ATTENTION,
 keyed by tile rows, sequence-heads (batch x KVH) and the page table's span. Float8 pages multiply in float16 as in
-the decode kernel (blocks.page_compute_dtype). Every block dimension is a power of two with masked tails; masked
+the decode kernel (blocks.page_compute_dtype). An INT8 cache comes as its values and two more operands, k_scale and
+v_scale [L, KVH, slots], read as the decode kernel reads them (decode_attention.py: int8 tiles converted exactly, a
+key's scale on its column of scores, a value's on its probability). Every block dimension is a power of two with masked tails; masked
 scores are a large finite negative, never -inf. `supports(rows, head_dim)`: the tiles this kernel takes (the op set
 falls back to the reference op elsewhere).
 """
@@ -39,7 +41,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
                                      pow2_at_least, split_range, to_compute)
-from jaxinfer.pallas.decode_attention import LOG2E, NEG, merge_splits
+from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to, merge_splits,
+                                              online_softmax_update_scaled)
 from jaxinfer.pallas.tables import SplitConfig
 
 f32 = jnp.float32
@@ -53,8 +56,9 @@ def supports(rows: int, head_dim: int) -> bool:
     return 1 <= rows <= MAX_ROWS and pow2_at_least(rows, 16) * pow2_at_least(head_dim, 16) <= MAX_TILE
 
 
-def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, Q, H, group, M, hd, D, page_size,
-                  n_pages, block_k, num_splits, qk_scale):
+def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, group, M, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert):
+    ks_ref, vs_ref, *out_refs = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
@@ -93,13 +97,20 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *out_refs, Q, 
         nxt = slots_of(i + 1)   # the next block's page-table entries, off the loop's latency chain
         valid = pos < last
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0.0)
-        if k.dtype != cdt:   # a float8 cache: to the compute dtype
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        if quantized:          # int8 pages: exact in the compute dtype; the scales come in below
+            k, v = int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
+        elif k.dtype != cdt:   # a float8 cache: to the compute dtype
             k, v = k.astype(cdt), v.astype(cdt)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-        sc = jnp.where(pos[None, :] < limit[:, None], sc * qk_scale, NEG)      # [M, block_k], causal per row
-        return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        if not quantized:
+            sc = jnp.where(pos[None, :] < limit[:, None], sc * qk_scale, NEG)      # [M, block_k], causal per row
+            return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
+        k_scale = plgpu.load(ks_ref.at[layer, h, slot], mask=valid, other=0.0)   # [block_k]
+        v_scale = plgpu.load(vs_ref.at[layer, h, slot], mask=valid, other=0.0)
+        sc = jnp.where(pos[None, :] < limit[:, None], sc * (k_scale * qk_scale)[None, :], NEG)
+        return (*online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec), nxt)
 
     init = (jnp.zeros((M, D), f32), jnp.full((M,), M_INIT, f32), jnp.zeros((M,), f32), slots_of(start))
     acc, m, l, _ = jax.lax.fori_loop(start, stop, body, init)
@@ -136,12 +147,14 @@ def _check_shapes(q, k_cache, v_cache, page_table, context_lens) -> None:
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "num_splits", "block_k", "num_warps",
-                                             "num_stages", "merge", "interpret"))
+                                             "num_stages", "merge", "int8_convert", "interpret"))
 def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
                                  scale: float, *, num_splits: int = 1, block_k: int = 64, num_warps: int = 4,
-                                 num_stages: int = 2, merge: str = "pallas", interpret: bool = False):
-    """The kernels with an explicit configuration (see SplitConfig)."""
+                                 num_stages: int = 2, merge: str = "pallas", k_scale=None, v_scale=None,
+                                 int8_convert: str = "cvt", interpret: bool = False):
+    """The kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches."""
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
+    quantized = check_int8_operands("verify_attention", k_cache, v_cache, k_scale, v_scale, int8_convert)
     B, Q, H, hd = q.shape
     KVH = k_cache.shape[1]
     group = H // KVH
@@ -158,7 +171,8 @@ def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context
 
     kernel = functools.partial(
         _split_kernel, Q=Q, H=H, group=group, M=M, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
-        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E)
+        block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E, quantized=quantized,
+        int8_convert=int8_convert)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((B, Q, H, hd), q.dtype)
     else:
@@ -167,7 +181,7 @@ def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context
     res = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret, name="verify_attention_split",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(layer, page_table, context_lens, q, k_cache, v_cache)
+    )(layer, page_table, context_lens, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
     if num_splits == 1:
         return res
     # Split 0 holds position 0 for every row (context_lens <= 0 included: the merge then reads split 0 alone).
@@ -190,12 +204,15 @@ def choose_config(rows: int, batch: int, kv_heads: int, span: int) -> SplitConfi
 
 def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                            page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float, *,
-                           config: SplitConfig | None = None, interpret: bool = False) -> jax.Array:
+                           k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                           config: SplitConfig | None = None, int8_convert: str | None = None,
+                           interpret: bool = False) -> jax.Array:
     """`reference.verify_attention` with the split-sequence Pallas kernels.
 
-    q [B, Q, H, hd]; k_cache, v_cache [L, KVH, slots, hd] (bf16, f32 or float8); layer int32 scalar; page_table
-    [B, P] int32; context_lens [B] int32 (the last row's position + 1). Returns [B, Q, H, hd] in q's dtype. `config`
-    overrides the table (tests and benchmarks). Needs supports(Q * H / KVH, hd).
+    q [B, Q, H, hd]; k_cache, v_cache [L, KVH, slots, hd] (bf16, f32, float8, or int8 with their scales k_scale,
+    v_scale [L, KVH, slots] float32); layer int32 scalar; page_table [B, P] int32; context_lens [B] int32 (the last
+    row's position + 1). Returns [B, Q, H, hd] in q's dtype. `config` overrides the table (tests and benchmarks);
+    int8_convert the int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). Needs supports(Q * H / KVH, hd).
     """
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
     if config is None:
@@ -204,4 +221,5 @@ def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     return paged_verify_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, merge=config.merge, interpret=interpret)
+        num_stages=config.num_stages, merge=config.merge, k_scale=k_scale, v_scale=v_scale,
+        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret=interpret)

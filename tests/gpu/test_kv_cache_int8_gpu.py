@@ -6,7 +6,7 @@ Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_kv_cache_int8_gpu.py
 Shapes: 32 / 8 heads, hd 128, q/k norms, RoPE; page size 16; batch 1 at 1,024 and 32,768 positions, batch 8 and 64
 with rows of 1, 100, 1,024 and 8,192 positions in a page table spanning 8,192; both int8 conversions ("cvt", "bits");
-fresh random bf16 vectors of random magnitudes (1e-3..10), quantized; the configuration the table picks. Tolerances:
+fresh random bf16 vectors of random magnitudes (1e-3..10), quantized; the configuration the table picks; the verify kernel with 4 rows a sequence (3 drafts). Tolerances:
 the output per sequence, relative Frobenius 2e-2 (tests/gpu/test_decode_attention_gpu.py's); the new rows' values
 within one step (the kernel's norm may round k 1 ulp apart, and Triton's division is within 2 ulp), their scales
 1e-2; every other row and scale untouched.
@@ -22,6 +22,7 @@ import pytest
 from jaxinfer.ops import reference
 from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
 from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas import verify_attention as VA
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
@@ -38,6 +39,7 @@ def _reference(qkv, cos_sin, qn, kn, k, v, layer, slots, pt, cl, scale):
 
 ref_fused = jax.jit(_reference, static_argnums=(10,))
 ref_plain = jax.jit(reference.paged_decode_attention, static_argnums=(6, 7))
+ref_verify = jax.jit(reference.verify_attention, static_argnums=(6, 7))
 
 
 def _cache(key, shape):
@@ -105,3 +107,15 @@ def test_fused_kernel(B, span, convert):
         np.testing.assert_allclose(np.asarray(scales)[written], np.asarray(want.scale)[written], rtol=1e-2)
         np.testing.assert_array_equal(a[~written], b[~written])
         np.testing.assert_array_equal(np.asarray(scales)[~written], np.asarray(want.scale)[~written])
+
+
+@pytest.mark.parametrize("B, span", CASES[:3])
+def test_verify_kernel(B, span):
+    kq, vq, pt, lens = _problem(B, span)
+    Q = 4
+    q = jax.random.normal(jax.random.PRNGKey(B + 6), (B, Q, H, HD), jnp.bfloat16)
+    cl, layer, scale = jnp.asarray(np.maximum(lens, Q).astype(np.int32)), jnp.int32(1), HD ** -0.5
+    ro = ref_verify(q, kq, vq, layer, pt, cl, PS, scale)
+    o = VA.paged_verify_attention(q, kq.values, vq.values, layer, pt, cl, PS, scale, k_scale=kq.scale,
+                                  v_scale=vq.scale)
+    _close(o.reshape(B, -1), ro.reshape(B, -1), lens)
