@@ -121,8 +121,8 @@ def test_writers_store_each_vector_quantized():
 
 
 def test_the_pallas_ops_with_an_int8_cache():
-    """The decode and verify attention ops take their kernels (the same outputs within float32 rounding, the same
-    cache bit for bit, an INT8 cache back); the prompt rows' write and prompt attention run the reference op."""
+    """The cache writers and the decode and verify attention ops take their kernels (the same outputs within float32
+    rounding, the same cache bit for bit, an INT8 cache back); prompt attention runs the reference op."""
     rng = np.random.default_rng(11)
     H, K, hd, ps, L, B = 4, 2, 16, 8, 2, 2
     kq, vq, _, _ = _caches(rng, L, K, 6 * ps, hd)
@@ -139,6 +139,7 @@ def test_the_pallas_ops_with_an_int8_cache():
     qkv32 = jnp.asarray(rng.standard_normal((B, (H32 + 2 * K) * 32), np.float32))
     kq32, vq32, _, _ = _caches(rng, L, K, 6 * ps, 32)
     calls = [("qkv_rope_write", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, H, K), True),
+             ("qkv_rope_write", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, H, K, True), True),   # with_kv
              ("decode_qkv_attention", (qkv, None, None, None, 1e-6, kq, vq, layer, slots, pt, lens, ps, 0.3, H, K),
               False),   # hd 16: the reference write, then the split kernel
              ("decode_qkv_attention", (qkv32, None, None, None, 1e-6, kq32, vq32, layer, slots, pt, lens, ps, 0.3,
@@ -147,8 +148,9 @@ def test_the_pallas_ops_with_an_int8_cache():
              ("paged_attention", (q, kq, vq, layer, pt, token_seq, positions, ps, 0.3), True),
              ("verify_attention", (qv, kq, vq, layer, pt, lens, ps, 0.3), False)]
     for name, args, same in calls:
-        want = getattr(reference, name)(*args)
-        got = getattr(ops, name)(*args)   # last: the fused kernel donates the caches
+        fresh = lambda: jax.tree.map(lambda a: jnp.copy(a) if isinstance(a, jax.Array) else a, args)
+        want = getattr(reference, name)(*fresh())
+        got = getattr(ops, name)(*fresh())   # the kernels that write the cache donate it
         assert jax.tree.structure(got) == jax.tree.structure(want), name
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             if same or a.dtype == jnp.int8 or a.shape in (kq.scale.shape, kq32.scale.shape):   # the cache
@@ -241,13 +243,14 @@ def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
 @pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
 def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
     """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the
-    fused one's scalar scale stores, the bit-trick conversion; split, fused and verify) lowered for an H200 on the
+    fused one's scalar scale stores, the bit-trick conversion; split, fused, verify and the prompt rows' write) lowered for an H200 on the
     CPU."""
     from jax._src.pallas.triton import gpu_info
 
     from jaxinfer.pallas import decode_attention as DA
     from jaxinfer.pallas import verify_attention as VA
     from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
+    from jaxinfer.pallas.rope_kv_write import qkv_rope_write
 
     monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     H, K, hd, ps, L = 32, 8, 128, 16, 2
@@ -279,6 +282,14 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
                                          int8_convert=convert)
 
     assert "__gpu$xla.gpu.triton" in lower(verify, bf16(batch, 4, H, hd), values, values, scales, scales, i32, pt, rows)
+
+    def prompt_write(qkv, cs, qn, kc, vc, ks, vs, slots):   # a prompt chunk of 64 rows
+        return qkv_rope_write(qkv, cs, cs, qn, qn, kc, vc, 1, slots, num_heads=H, num_kv_heads=K, k_scale=ks,
+                              v_scale=vs)
+
+    T = 64
+    assert "__gpu$xla.gpu.triton" in lower(prompt_write, bf16(T, (H + 2 * K) * hd), bf16(T, hd), bf16(L, hd), values,
+                                           values, scales, scales, sd((T,), jnp.int32))
 
 
 def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):
@@ -347,3 +358,50 @@ def test_verify_kernel_reads_the_int8_cache(case, convert):
     assert np.all(np.isfinite(out))
     err = np.abs(out - ref).max() / 10
     assert err < (2e-5 if dtype == jnp.float32 else 2e-2), err
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T, H, K, hd, norm, rope, tiled, with_kv", [
+    (1, 8, 4, 16, True, True, 8, False),       # one token
+    (19, 4, 2, 16, True, True, 8, True),       # tokens past the tiles' end masked; the k, v written returned
+    (9, 4, 2, 24, False, False, 16, False),    # halves of 12 in 16 columns: the padding outside the scale
+    (5, 16, 2, 64, True, False, 8, False)])
+def test_prompt_rows_write_the_int8_cache(T, H, K, hd, norm, rope, tiled, with_kv, dtype):
+    """pallas/rope_kv_write.py with an INT8 cache against reference.qkv_rope_write on the same QuantizedCache: q and
+    the returned k, v as tests/test_pallas_rope_kv_write.py holds them; the written values within one step of the
+    reference's (its norm and RoPE may round k an ulp apart; in float32 without them equal), their scales within that rounding;
+    nothing else touched."""
+    from jaxinfer.ops import LayerWeight
+    from jaxinfer.pallas.rope_kv_write import qkv_rope_write
+
+    L, layer, slots = 3, 2, 64
+    rng = np.random.default_rng(T * 100 + hd)
+    qkv = jnp.asarray(rng.standard_normal((T, (H + 2 * K) * hd), np.float32) * 3, dtype)
+    kq, vq, _, _ = _caches(rng, L, K, slots, hd)
+    qn = jnp.asarray(1 + 0.2 * rng.standard_normal((L, hd)), dtype) if norm else None
+    kn = jnp.asarray(1 + 0.2 * rng.standard_normal((L, hd)), dtype) if norm else None
+    positions = jnp.asarray(rng.integers(0, 500, T))
+    cos_sin = reference.rope_cos_sin(positions, 1.0 / (10000 ** (jnp.arange(0, hd, 2) / hd)), dtype) if rope else None
+    slot_mapping = jnp.asarray(rng.permutation(slots)[:T].astype(np.int32))
+    lw = (lambda a: None if a is None else LayerWeight(a, jnp.int32(layer)))
+    ref = reference.qkv_rope_write(qkv, cos_sin, lw(qn), lw(kn), 1e-6, kq, vq, jnp.int32(layer), slot_mapping, H, K,
+                                   with_kv=with_kv)
+    cos, sin = cos_sin if rope else (None, None)
+    ours = qkv_rope_write(qkv, cos, sin, qn, kn, kq.values + 0, vq.values + 0, layer, slot_mapping, num_heads=H,
+                          num_kv_heads=K, eps=1e-6, interpret=True, with_kv=with_kv, tiled=tiled,
+                          k_scale=kq.scale + 0, v_scale=vq.scale + 0)
+    assert len(ours) == 5 + 2 * with_kv and len(ref) == 3 + 2 * with_kv
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    for a, b in [(ours[0], ref[0])] + list(zip(ours[5:], ref[3:])):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape and np.linalg.norm(a - b) <= tol * np.linalg.norm(b)
+    written = np.zeros((L, K, slots), bool)
+    written[layer, :, np.asarray(slot_mapping)] = True
+    exact = dtype == jnp.float32 and not norm and not rope   # k as the reference computes it, bit for bit
+    for values, scale, want in ((ours[1], ours[3], ref[1]), (ours[2], ours[4], ref[2])):
+        a, b = np.asarray(values, np.int32), np.asarray(want.values, np.int32)
+        np.testing.assert_array_equal(a[~written], b[~written])
+        np.testing.assert_array_equal(np.asarray(scale)[~written], np.asarray(want.scale)[~written])
+        assert np.abs(a[written] - b[written]).max() <= (0 if exact else 1)
+        np.testing.assert_allclose(np.asarray(scale)[written], np.asarray(want.scale)[written],
+                                   rtol=0 if exact else 1e-2 if dtype == jnp.bfloat16 else 1e-6)

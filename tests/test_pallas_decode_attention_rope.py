@@ -176,7 +176,7 @@ def test_int8_new_vector_quantized_exactly_as_the_cache_quantizes():
     """The in-kernel quantizer against ops.quantized_cache.quantize, bit for bit: ties of .5 (half to even), a zero
     vector, the clip at 127, random vectors."""
     from jaxinfer.ops.quantized_cache import quantize
-    from jaxinfer.pallas.decode_attention_rope import quantize_vector
+    from jaxinfer.pallas.rope_kv_write import quantize_vectors
 
     rng = np.random.default_rng(3)
     rows = [rng.standard_normal(64).astype(np.float32) * 10.0 ** rng.uniform(-4, 4) for _ in range(20)]
@@ -184,10 +184,15 @@ def test_int8_new_vector_quantized_exactly_as_the_cache_quantizes():
     rows.append(np.array([127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, 126.5] * 8, np.float32))   # scale 1: exact ties
     rows.append(np.array([0.49999997, -0.49999997, 1.4999999, -2.5000002, 126.49999, 127.0, 0.0, 5.5] * 8,
                          np.float32))                                             # next to ties
-    jitted = jax.jit(quantize_vector)     # as in the kernel's interpret mode (XLA folds some roundings under jit)
+    jitted = jax.jit(quantize_vectors)     # as in the kernel's interpret mode (XLA folds some roundings under jit)
     for x in rows:
         values, scale = quantize(jnp.asarray(x))
-        for f in (quantize_vector, jitted):
+        for f in (quantize_vectors, jitted):
             got_scale, (a, b) = f([jnp.asarray(x[:32]), jnp.asarray(x[32:])])
             assert float(got_scale) == float(scale)
             np.testing.assert_array_equal(np.concatenate([np.asarray(a), np.asarray(b)]), np.asarray(values))
+    rows = np.stack(rows)                   # several vectors at once: a scale each
+    values, scale = quantize(jnp.asarray(rows))
+    got_scale, (a, b) = jitted([jnp.asarray(rows[:, :32]), jnp.asarray(rows[:, 32:])])
+    np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(scale))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(a), np.asarray(b)], axis=1), np.asarray(values))

@@ -26,8 +26,8 @@ cores (each row quantized to e4m3 with a scale of its own).
 The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs decode attention on the same kernels,
 its values and scales as separate operands (_cache_operands): int8 tiles converted exactly in registers, a key's scale
 on its column of scores, a value's on its probability, never a page dequantized; the fused kernel quantizes the new
-token in place; a speculative verify step's attention takes the verify kernel the same way. Its other ops (the prompt
-rows' cache write, prompt attention) run on the reference ops.
+token in place; a speculative verify step's attention takes the verify kernel the same way, and prompt rows are
+quantized into it by the norm/RoPE/cache-write kernel. Prompt attention runs on the reference op.
 
 Each kernel op takes `interpret` (Pallas interpret mode, for CPU tests) as a keyword; `make` binds it.
 """
@@ -276,14 +276,15 @@ def logits(x, w, *, interpret=False):
 
 def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,
                    num_kv_heads, with_kv=False, *, interpret=False):
-    if isinstance(k_cache, QuantizedCache):   # the INT8 cache: reference ops only (its kernels are next)
-        return reference.qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
-                                        num_heads, num_kv_heads, with_kv)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     qn, kn, norm_layer = _norm_weights(q_norm, k_norm)
-    return rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_cache, v_cache, layer, slot_mapping,
-                                        num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps, interpret=interpret,
-                                        norm_layer=norm_layer, with_kv=with_kv, tiled=tables.ROPE_KV_WRITE_TILE)
+    k_values, v_values, scales = _cache_operands(k_cache, v_cache)
+    q, *written = rope_kv_write.qkv_rope_write(qkv, cos, sin, qn, kn, k_values, v_values, layer, slot_mapping,
+                                               num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                               interpret=interpret, norm_layer=norm_layer, with_kv=with_kv,
+                                               tiled=tables.ROPE_KV_WRITE_TILE, **scales)
+    kv = written[len(written) - 2:] if with_kv else []   # the k and v written, unrounded
+    return q, *_caches_of(written[:len(written) - len(kv)]), *kv
 
 
 def _cache_operands(k_cache, v_cache):

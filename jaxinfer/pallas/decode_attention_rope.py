@@ -20,7 +20,7 @@ kernel is decode_attention's.
 An INT8 cache comes as two more operands, the scales k_scale and v_scale [L, K, slots] float32 (aliased in place
 like the values): the cached tiles are read as pallas/decode_attention.py reads them (int8 converted exactly, the
 key scales on the scores, the value scales on the probabilities), and split 0 quantizes the new k and v as
-ops.quantized_cache.quantize does (scale = max|x| / 127, round half to even, a zero vector scale 1), writes values and
+ops.quantized_cache.quantize does (scale = max|x| times 1/127, round half to even, a zero vector scale 1: rope_kv_write.quantize_vectors), writes values and
 scale, and starts from the dequantized vectors, what later steps read back. (Division on the GPU is Triton's
 approximate one, within 2 ulp: a quotient that close to a .5 tie may round the other way from the reference.)
 
@@ -43,34 +43,13 @@ from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.decode_attention import (LOG2E, NEG, SplitConfig, check_int8_operands, choose_config, int8_to,
                                               merge_splits, online_softmax_update_scaled)
+from jaxinfer.pallas.rope_kv_write import quantize_vectors
 
 f32 = jnp.float32
 
 
 def supports(head_dim: int) -> bool:
     return is_pow2(head_dim) and head_dim >= 32
-
-
-INT8_MAX = 127.0
-
-
-def round_half_even(y):
-    """jnp.round of float32 y (|y| < 2^23) in operations the Triton lowering has (it has no round): the integer part
-    and fraction of |y| (both exact), up where the fraction passes .5 or is .5 on an odd integer. (The magic-number
-    (y + 1.5 * 2^23) - 1.5 * 2^23 is folded away by XLA under jit.)"""
-    a = jnp.abs(y)
-    whole = jnp.floor(a)
-    frac = a - whole
-    odd = (whole.astype(jnp.int32) & 1) == 1
-    r = jnp.where((frac > 0.5) | ((frac == 0.5) & odd), whole + 1.0, whole)
-    return jnp.where(y < 0, -r, r)
-
-
-def quantize_vector(parts):
-    """ops.quantized_cache.quantize of one vector given as 1-D pieces (float32): (scale, int8 pieces)."""
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(p)) for p in parts])
-    scale = jnp.where(amax > 0, amax * (1.0 / INT8_MAX), 1.0)
-    return scale, [round_half_even(jnp.clip(p / scale, -INT8_MAX, INT8_MAX)).astype(jnp.int8) for p in parts]
 
 
 def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size,
@@ -119,8 +98,8 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     # The new token as the cache holds it (a float8 cache rounds it, an int8 one quantizes it), for the write and
     # for split 0, so that this step sees what the next ones will read back.
     if quantized:
-        k_sc, (kq1, kq2) = quantize_vector([k1.astype(f32), k2.astype(f32)])
-        v_sc, (vq,) = quantize_vector([v_new.astype(f32)])
+        k_sc, (kq1, kq2) = quantize_vectors([k1.astype(f32), k2.astype(f32)])
+        v_sc, (vq,) = quantize_vectors([v_new.astype(f32)])
     else:
         kq1, kq2, vq = to_cache(k1, kc_ref.dtype), to_cache(k2, kc_ref.dtype), to_cache(v_new, vc_ref.dtype)
 

@@ -119,3 +119,32 @@ def test_verify_kernel(B, span):
     o = VA.paged_verify_attention(q, kq.values, vq.values, layer, pt, cl, PS, scale, k_scale=kq.scale,
                                   v_scale=vq.scale)
     _close(o.reshape(B, -1), ro.reshape(B, -1), lens)
+
+
+def test_prompt_rows_write():
+    """pallas/rope_kv_write.py quantizing 1,000 prompt rows into the cache, against reference.qkv_rope_write."""
+    from jaxinfer.ops import LayerWeight
+    from jaxinfer.pallas.rope_kv_write import qkv_rope_write
+
+    T, slots = 1000, 4096
+    kq, vq = _cache(jax.random.PRNGKey(7), (L, K, slots, HD)), _cache(jax.random.PRNGKey(8), (L, K, slots, HD))
+    qkv = jax.random.normal(jax.random.PRNGKey(9), (T, (H + 2 * K) * HD), jnp.bfloat16)
+    qn = 1 + 0.1 * jax.random.normal(jax.random.PRNGKey(10), (L, HD), jnp.bfloat16)
+    pos = jnp.arange(T)
+    cos_sin = reference.rope_cos_sin(pos, 1.0 / (1e6 ** (jnp.arange(0, HD, 2) / HD)), jnp.bfloat16)
+    slot_mapping = jax.random.permutation(jax.random.PRNGKey(11), slots)[:T].astype(jnp.int32)
+    layer = jnp.int32(1)
+    ref = jax.jit(reference.qkv_rope_write, static_argnums=(9, 10))(
+        qkv, cos_sin, LayerWeight(qn, layer), LayerWeight(qn, layer), 1e-6, kq, vq, layer, slot_mapping, H, K)
+    q, kv, vv, ks, vs = qkv_rope_write(qkv, *cos_sin, qn, qn, jnp.array(kq.values), jnp.array(vq.values), layer,
+                                       slot_mapping, num_heads=H, num_kv_heads=K, k_scale=jnp.array(kq.scale),
+                                       v_scale=jnp.array(vq.scale))
+    a, b = np.asarray(q, np.float32), np.asarray(ref[0], np.float32)
+    assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+    written = np.zeros(kq.scale.shape, bool)
+    written[1, :, np.asarray(slot_mapping)] = True
+    for values, scales, want in ((kv, ks, ref[1]), (vv, vs, ref[2])):
+        a, b = np.asarray(values, np.int32), np.asarray(want.values, np.int32)
+        assert np.abs(a[written] - b[written]).max() <= 1
+        np.testing.assert_allclose(np.asarray(scales)[written], np.asarray(want.scale)[written], rtol=1e-2)
+        np.testing.assert_array_equal(a[~written], b[~written])
