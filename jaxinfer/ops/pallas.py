@@ -341,8 +341,8 @@ def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens,
 
 def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, *,
                     interpret=False):
-    """The prefill kernel (pallas/prefill_attention.py); with the INT8 cache the reference op (prompt attention has no
-    int8 kernel: it is compute-bound, and dequantizing the rows it gathers costs little beside its products)."""
+    """The prefill kernel (pallas/prefill_attention.py); with the INT8 cache the reference op (the prefill kernel does
+    not take int8 pages yet)."""
     if isinstance(k_cache, QuantizedCache):
         return reference.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
                                          scale)
