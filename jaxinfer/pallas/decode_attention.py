@@ -116,6 +116,8 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, 
         """Cache slots of block i's positions, gathered from the page table (slot 0 past ctx)."""
         return page_slots(pt_ref, b, i * block_k + offs, ctx, page_size, n_pages)
 
+    pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
+
     def body(i, carry):
         acc, m, l, slot = carry
         valid = i * block_k + offs < ctx
@@ -123,8 +125,8 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, 
         # table lookup is off the loop's latency chain.
         nxt = slots_of(i + 1)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=0)
+        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
         if quantized:        # int8 pages: exact in the compute dtype; the scales come in below
             k, v = int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
         elif k.dtype != cdt:   # a float8 cache: to the compute dtype

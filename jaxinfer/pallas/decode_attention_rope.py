@@ -130,13 +130,15 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
     def slots_of(i):
         return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
 
+    pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
+
     def body(i, carry):
         acc, m, l, slot = carry
         valid = i * block_k + offs < cached
         nxt = slots_of(i + 1)
-        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=0)
-        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=0)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=0)
+        ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=pad)
+        kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=pad)
+        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=valid[:, None], other=pad)
         convert = (lambda x: int8_to(x, cdt, int8_convert)) if quantized else (lambda x: x.astype(cdt))
         ka, kb, v = convert(ka), convert(kb), convert(v)
         dims = (((1,), (1,)), ((), ()))

@@ -72,15 +72,8 @@ def weights_to_f32(w, int8_convert: str = "cvt", interpret: bool = False):
     return w.astype(f32)
 
 
-def _load(ref_win, cmask):
-    if cmask is not None:
-        # float8 refs take a float fill (the lowering casts no integer to float8)
-        return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
-    return plgpu.load(ref_win)
-
-
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_scale, has_bias, epilogue, eps, half,
-            rows, w_scaled, w_block, int8_convert, prefetch, interpret):
+            rows, w_scaled, w_block, int8_convert, interpret):
     refs = list(refs)
     o_ref = refs.pop()
     ws_ref = refs.pop(0) if w_scaled else None
@@ -99,36 +92,34 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
     tile = (block_in // w_block[1], w_block[1]) if wide else (block_in,)
     accs = [[jnp.zeros(tile, f32) for _ in w_rows] for _ in range(T)]
     sumsq = [jnp.zeros(tile, f32) for _ in range(T)]
-    tiles = []
     for k0, (idx, cmask) in zip(range(0, n_in, block_in), row_tiles(n_in, block_in)):
         if wide:
             idx = k0 + jnp.arange(tile[0])[:, None] * tile[1] + jnp.arange(tile[1])[None, :]
             cmask = None if k0 + block_in <= n_in else idx < n_in
-        tiles.append((k0, idx, cmask))
-    # `prefetch` tiles' loads are issued before any of their arithmetic: more bytes in flight a warp (the same sums)
-    for g in range(0, len(tiles), prefetch):
-        group = tiles[g:g + prefetch]
-        loaded = [([_load(w_ref.at[layer, r, idx], cmask) for r in w_rows],
-                   _load(scale_ref.at[vlayer, idx], cmask) if has_scale else None,
-                   [_load(x_ref.at[jnp.int32(t), idx], cmask) for t in range(T)]) for _, idx, cmask in group]
-        for (k0, idx, cmask), (w_raw, scale, xs) in zip(group, loaded):
-            ws = [weights_to_f32(w, int8_convert, interpret) for w in w_raw]
-            if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
-                bo, bi = w_block
-                if wide:
-                    blocks = k0 // bi + jnp.arange(tile[0])
-                    n_blocks = -(-n_in // bi)
-                    ws = [w * plgpu.load(ws_ref.at[layer, r // bo, jnp.minimum(blocks, n_blocks - 1)])[:, None]
-                          for w, r in zip(ws, w_rows)]
-                else:
-                    ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
-            scale = scale.astype(f32) if has_scale else None
-            for t in range(T):
-                xt = xs[t].astype(f32)
-                if has_scale:
-                    sumsq[t] = sumsq[t] + xt * xt
-                    xt = xt * scale
-                accs[t] = [a + w * xt for a, w in zip(accs[t], ws)]
+
+        def load(ref_win, cmask=cmask):
+            if cmask is not None:
+                # float8 refs take a float fill (the lowering casts no integer to float8)
+                return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
+            return plgpu.load(ref_win)
+
+        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert, interpret) for r in w_rows]
+        if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
+            bo, bi = w_block
+            if wide:
+                blocks = k0 // bi + jnp.arange(tile[0])
+                n_blocks = -(-n_in // bi)
+                ws = [w * plgpu.load(ws_ref.at[layer, r // bo, jnp.minimum(blocks, n_blocks - 1)])[:, None]
+                      for w, r in zip(ws, w_rows)]
+            else:
+                ws = [w * ws_ref[layer, r // bo, k0 // bi] for w, r in zip(ws, w_rows)]
+        scale = load(scale_ref.at[vlayer, idx]).astype(f32) if has_scale else None
+        for t in range(T):
+            xt = load(x_ref.at[jnp.int32(t), idx]).astype(f32)
+            if has_scale:
+                sumsq[t] = sumsq[t] + xt * xt
+                xt = xt * scale
+            accs[t] = [a + w * xt for a, w in zip(accs[t], ws)]
     dtype = o_ref.dtype
     for t in range(T):
         ys = [jnp.sum(a) for a in accs[t]]
@@ -151,13 +142,13 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "epilogue", "block_in", "rows", "out_dtype", "w_block",
-                                             "int8_convert", "num_warps", "prefetch", "interpret"))
+                                             "int8_convert", "num_warps", "interpret"))
 def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale: jax.Array | None = None,
                eps: float = 1e-6, b: jax.Array | None = None, residual: jax.Array | None = None,
                epilogue: str = "none", block_in: int = 256, rows: int = 1, out_dtype=None,
                vector_layer: jax.Array | int | None = None, w_scale: jax.Array | None = None,
                w_block: tuple[int, int] | None = None, int8_convert: str | None = None, num_warps: int = 1,
-               prefetch: int | None = None, interpret: bool = False) -> jax.Array:
+               interpret: bool = False) -> jax.Array:
     """x [T, in]; w [L, out, in] read at `layer`; scale [Lv, in] turns on the RMSNorm prologue; b [Lv, out]
     (both read at `vector_layer`, default `layer`: split weights keep their vectors stacked; 2-D w, 1-D
     scale and b are taken as one layer); epilogue "residual" adds residual
@@ -169,8 +160,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
     int8 values become float32 (INT8_CONVERTS, weights_to_f32; None: int8_convert_for's). num_warps: warps a
-    program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for). prefetch: tiles
-    whose loads are issued together before their arithmetic (None: prefetch_for's; the outputs do not depend on it)."""
+    program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
@@ -208,8 +198,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
                                w_scaled=w_scale is not None, w_block=w_block,
-                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in),
-                               prefetch=prefetch or prefetch_for(grid_rows, n_in, w.dtype), interpret=interpret)
+                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in), interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
@@ -248,13 +237,6 @@ def warps_for(n_out: int, n_in: int, dtype) -> int:
     if jnp.dtype(dtype).itemsize != 1:
         return 1
     return tables.GEMV_WARPS_8BIT.get((n_out, n_in), 1)
-
-
-def prefetch_for(n_out: int, n_in: int, dtype) -> int:
-    """Tiles a GEMV program loads ahead of their arithmetic: tables.GEMV_PREFETCH_8BIT's for 1-byte weights, else 1."""
-    if jnp.dtype(dtype).itemsize != 1:
-        return 1
-    return tables.GEMV_PREFETCH_8BIT.get((n_out, n_in), 1)
 
 
 def int8_convert_for(n_out: int, n_in: int) -> str:
