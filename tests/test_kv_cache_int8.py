@@ -405,3 +405,35 @@ def test_prompt_rows_write_the_int8_cache(T, H, K, hd, norm, rope, tiled, with_k
         assert np.abs(a[written] - b[written]).max() <= (0 if exact else 1)
         np.testing.assert_allclose(np.asarray(scale)[written], np.asarray(want.scale)[written],
                                    rtol=0 if exact else 1e-2 if dtype == jnp.bfloat16 else 1e-6)
+
+
+def test_engine_steps_lower_to_triton_with_an_int8_cache(monkeypatch, tmp_path):
+    """Every compiled step of a Pallas engine with an INT8 cache (unrolled layers, a tiny Qwen3 of head dim 128)
+    lowers for an H200 on the CPU, the decode steps through the int8 kernels."""
+    from jax._src.pallas.triton import gpu_info
+
+    from bench.random_model import QWEN3_0_6B, write_random_model
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.transformer import split_layers
+    from jaxinfer.model.weights import load_params
+    from jaxinfer.ops import get_ops
+    from jaxinfer.runner.model_runner import ModelRunner
+    from jaxinfer.settings import EngineConfig
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    small = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 512, "max_position_embeddings": 1024}
+    d = write_random_model(tmp_path / "m", {**QWEN3_0_6B, **small}, dtype="bfloat16")
+    cfg = load_config(d, "bfloat16")
+    config = EngineConfig.from_options(max_num_seqs=4, max_num_batched_tokens=64, unroll_layers=True,
+                                       decode_steps=2).resolved("cpu", False)
+    runner = ModelRunner(cfg, split_layers(load_params(d, cfg, progress=False)), get_ops("pallas"), config,
+                         num_pages=33, max_model_len=256, kv_dtype=jnp.int8)
+    assert isinstance(runner.kv.k, QuantizedCache)
+    calls = runner.bucket_calls()
+    assert any("decode" in v.name for v, _ in calls), [v.name for v, _ in calls]
+    for variant, batch in calls:
+        text = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch).lower(
+            lowering_platforms=("cuda",)).as_text()
+        if "decode" in variant.name:
+            assert "decode_attention_rope_split" in text, variant.name
