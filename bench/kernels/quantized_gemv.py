@@ -50,7 +50,7 @@ from bench.table import print_table
 from jaxinfer.ops import reference, twins
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas import skinny_gemm as SG
-from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, int8_convert_for, prefetch_for, rows_for, warps_for
+from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 FORMATS = {"int8": (jnp.int8, None), "fp8": (jnp.float8_e4m3fn, None), "fp8-block": (jnp.float8_e4m3fn, (128, 128))}
@@ -86,8 +86,7 @@ def nbytes(w) -> int:
     return w.values.nbytes + w.scale.nbytes if isinstance(w, QuantizedWeight) else w.nbytes
 
 
-def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str | None = None, warps: int = 1,
-              prefetch: int = 1):
+def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str | None = None, warps: int = 1):
     """f(x, ws, scale, res) running the engine's GEMV over every layer's matrix in ws (8-bit or bf16)."""
     def f(x, ws, scale, res):
         outs = []
@@ -100,7 +99,7 @@ def gemv_call(epilogue: str, norm: bool, block_in: int, rows: int, convert: str 
             if convert is not None:
                 kw["int8_convert"] = convert
             outs.append(fused_gemv(x, values[None], 0, scale=scale if norm else None, block_in=block_in, rows=rows,
-                                   num_warps=warps, prefetch=prefetch, interpret=INTERPRET, **quant, **kw))
+                                   num_warps=warps, interpret=INTERPRET, **quant, **kw))
         return outs
     return jax.jit(f)
 
@@ -116,21 +115,20 @@ SWEEP_BLOCK_IN = (256, 512, 1024)
 SWEEP_ROWS = (1, 2)
 SWEEP_WARPS = (1,)
 SWEEP_CONVERTS = ("bits", "cvt", "prmt")
-SWEEP_PREFETCH = (1,)
 
 
-def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None, int, int]]:
+def gemv_configs(n: int, k: int, fmt: str, sweep: bool) -> list[tuple[int, int, str | None, int]]:
     """(block_in, rows, int8 conversion, warps) to time: the table's, or with --sweep every block_in x rows x warps the
     format allows (int8: with each conversion; warps only where each lane still loads 16 bytes or fewer)."""
     dtype, block = FORMATS[fmt]
     converts = list(SWEEP_CONVERTS) if dtype == jnp.int8 else [None]
     table = (block_in_for(n, k, dtype, block), rows_for(n, k, dtype), int8_convert_for(n, k) if converts[0] else None,
-             warps_for(n, k, dtype), prefetch_for(n, k, dtype))
+             warps_for(n, k, dtype))
     if not sweep:
         return [table]
     block_ins = [b for b in SWEEP_BLOCK_IN if block is None or block[1] % b == 0 or b % block[1] == 0]
-    cfgs = [(b, r, c, nw, p) for b in block_ins for r in SWEEP_ROWS if n % r == 0 for c in converts
-            for nw in SWEEP_WARPS if b // (32 * nw) >= 4 for p in SWEEP_PREFETCH]
+    cfgs = [(b, r, c, nw) for b in block_ins for r in SWEEP_ROWS if n % r == 0 for c in converts
+            for nw in SWEEP_WARPS if b // (32 * nw) >= 4]
     return [table] + [c for c in cfgs if c != table]
 
 
@@ -151,11 +149,11 @@ def time_gemv(shape: str, cfg: dict, formats: list[str], sweep: bool, L: int, ce
         for fmt in formats:
             ws = [random_8bit(kk, n, k, fmt) for kk in jax.random.split(keys[0], layers)]
             ref = twin(x, ws[0], epilogue, norm, scale, res)
-            for block_in, rows, convert, warps, prefetch in gemv_configs(rows_n, k, fmt, sweep):
+            for block_in, rows, convert, warps in gemv_configs(rows_n, k, fmt, sweep):
                 label = f"block_in {block_in}, rows {rows}" + (f", {convert}" if convert else "") + \
-                    (f", {warps} warps" if warps > 1 else "") + (f", prefetch {prefetch}" if prefetch > 1 else "")
+                    (f", {warps} warps" if warps > 1 else "")
                 try:
-                    f = gemv_call(epilogue, norm, block_in, rows, convert, warps, prefetch)
+                    f = gemv_call(epilogue, norm, block_in, rows, convert, warps)
                     outs, ms = best_ms_per_call(f, (x, ws, scale, res), layers, 3, target_s=0.25)
                     err = rel_err(outs[0], ref)
                     record(out, shape, name, n, k, fmt, label, 1e3 * ms, nbytes(ws[0]), ceiling, base_us,
@@ -316,7 +314,7 @@ def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: l
 
 
 def main() -> None:
-    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS, SWEEP_CONVERTS, SWEEP_PREFETCH
+    global INTERPRET, SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS, SWEEP_CONVERTS
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-4b", "llama3-8b"])
     ap.add_argument("--formats", nargs="+", default=["int8", "fp8", "fp8-block"], choices=list(FORMATS))
@@ -325,7 +323,6 @@ def main() -> None:
     ap.add_argument("--sweep-rows", type=int, nargs="+", default=list(SWEEP_ROWS))
     ap.add_argument("--sweep-warps", type=int, nargs="+", default=list(SWEEP_WARPS))
     ap.add_argument("--sweep-converts", nargs="+", default=list(SWEEP_CONVERTS), choices=list(SWEEP_CONVERTS))
-    ap.add_argument("--sweep-prefetch", type=int, nargs="+", default=list(SWEEP_PREFETCH))
     ap.add_argument("--no-gemv", action="store_true", help="skip the batch-1 GEMVs (--batched / --prompt only)")
     ap.add_argument("--batched", type=int, nargs="*", default=[], help="M rows of batched decode to time")
     ap.add_argument("--batched-sweep", action="store_true", help="skinny configs beyond choose_config's")
@@ -339,7 +336,7 @@ def main() -> None:
     args = ap.parse_args()
     INTERPRET = args.interpret
     SWEEP_BLOCK_IN, SWEEP_ROWS, SWEEP_WARPS = tuple(args.sweep_block_in), tuple(args.sweep_rows), tuple(args.sweep_warps)
-    SWEEP_CONVERTS, SWEEP_PREFETCH = tuple(args.sweep_converts), tuple(args.sweep_prefetch)
+    SWEEP_CONVERTS = tuple(args.sweep_converts)
     t0 = time.time()
     ceiling = 1e11 if INTERPRET else hbm_read_ceiling()
     log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read ceiling {ceiling / 1e12:.2f} TB/s")
@@ -391,6 +388,7 @@ def main() -> None:
                                   ("rel. err", "err", "")])
     if fp8_rows:
         F.print_summary(fp8_rows)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "quantized_gemv.json").write_text(json.dumps(dict(ceiling=ceiling, gemv=gemv_rows,
                                                                      batched=batched_rows, prompt=prompt_rows,
                                                                      fp8_rows=fp8_rows),

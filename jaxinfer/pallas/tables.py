@@ -197,8 +197,6 @@ GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
 GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (2560, 4096): 2, (9728, 2560): 2, (151936, 2560): 4}
 GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweeps above ran one warp only)
-# Tiles whose loads a program issues before their arithmetic (fused_gemv's prefetch; absent: 1). Not yet measured.
-GEMV_PREFETCH_8BIT: dict[tuple[int, int], int] = {}
 # How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; all exact): "cvt" (I2F, a quarter of the FMA
 # rate: at 4.5 TB/s of int8 about what 132 SMs convert), "bits" (integer logic and a float add at full rate) or "prmt"
 # (one byte permute a value, inline PTX). In the first sweep cvt beat bits at 20 of the 30 (shape, block_in, rows)
