@@ -11,7 +11,6 @@ import numpy as np
 
 from jaxinfer.engine.outputs import StreamDelta
 from jaxinfer.engine.scheduler import Sequence
-from jaxinfer.model.kv_cache import slots_for
 from jaxinfer.runner.batch import StepBatch, VerifyBatch
 from jaxinfer.runner.transfer import to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
@@ -82,42 +81,60 @@ class VerifySteps:
         ops.verify_attention; otherwise the ragged layout of a mixed step."""
         r, ps = self.runner, self.config.page_size
         t_build = time.perf_counter()
-        longest = 1 + max(len(d) for d in drafts.values())
-        width = min(w for w in r.verify_widths if w >= longest) if dense else max(r.verify_widths)
-        total = sum(n + len(drafts.get(seq, ())) for seq, n in chunks)
-        rows = r.batch_bucket(len(chunks)) if dense else r.max_num_seqs
-        a = r.empty_verify(rows * width if dense else r.token_bucket(total), rows, width)
+        seqs = [seq for seq, _ in chunks]
+        B = len(seqs)
+        ds = [drafts.get(seq, ()) for seq in seqs]
+        ns = np.array([n for _, n in chunks])
+        nd = np.array([len(d) for d in ds])
+        width = max(r.verify_widths)
+        if dense:
+            width = min(w for w in r.verify_widths if w > nd.max())
+        rows = r.batch_bucket(B) if dense else r.max_num_seqs
+        m = ns + nd                             # rows a sequence fills: its chunk, then its drafts
+        spans = np.full(B, width) if dense else m   # rows it takes (dense: width, the last ones padding)
+        ends = np.cumsum(spans)
+        used = int(ends[-1])
+        a = r.empty_verify(rows * width if dense else r.token_bucket(used), rows, width)
         s = a["step"]
-        t = 0
+        # every row at once: its sequence, its position, whether it holds a token (not dense padding)
+        starts = np.array([seq.num_computed for seq in seqs])
+        row_seq = np.repeat(np.arange(B), spans)
+        within = np.arange(used) - np.repeat(ends - spans, spans)
+        positions = starts[row_seq] + within
+        filled = within < m[row_seq]
+        page_table = s["page_table"]
+        tokens = []
         for b, (seq, n) in enumerate(chunks):
-            d = drafts.get(seq, [])
-            start = seq.num_computed
-            m = n + len(d)
-            span = width if dense else m
-            s["tokens"][t:t + m] = seq.tokens[start:start + n] + d
-            s["positions"][t:t + span] = np.arange(start, start + span)
-            s["slot_mapping"][t:t + m] = slots_for(seq.pages, start, start + m, ps)
-            s["token_seq"][t:t + span] = b
-            s["page_table"][b, :len(seq.pages)] = seq.pages
-            s["emits"][b] = start + n >= len(seq.tokens)
-            s["state_row"][b] = seq.row
-            s["step_index"][b] = len(seq.output_ids)
-            a["score_rows"][b] = t + n - 1 + np.minimum(np.arange(width), len(d))
-            a["drafts"][b, :len(d)] = d
-            a["num_drafts"][b] = len(d)
-            t += span
-            s["query_start"][b + 1:] = t
-        params = [seq.params for seq, _ in chunks]
-        sampling = SamplingArrays.from_params(params, [seq.seed for seq, _ in chunks], rows)
-        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=sampling), **{k: a[k] for k in (
-            "score_rows", "drafts", "num_drafts")}))
+            page_table[b, :len(seq.pages)] = seq.pages
+            tokens += _tokens_at(seq, seq.num_computed, n)
+            tokens += ds[b]
+        s["tokens"][:used][filled] = tokens
+        s["positions"][:used] = positions
+        p = positions[filled]
+        s["slot_mapping"][:used][filled] = page_table[row_seq[filled], p // ps] * ps + p % ps
+        s["token_seq"][:used] = row_seq
+        lengths = np.array([len(seq.prompt_ids) + len(seq.output_ids) for seq in seqs])
+        emits = starts + ns >= lengths
+        s["emits"][:B] = emits
+        s["state_row"][:B] = [seq.row for seq in seqs]
+        s["step_index"][:B] = [len(seq.output_ids) for seq in seqs]
+        s["query_start"][1:B + 1] = ends
+        s["query_start"][B + 1:] = used
+        a["score_rows"][:B] = (ends - spans + ns - 1)[:, None] + np.minimum(np.arange(width), nd[:, None])
+        for b in np.flatnonzero(nd):
+            a["drafts"][b, :nd[b]] = ds[b]
+        a["num_drafts"][:B] = nd
+        params = [seq.params for seq in seqs]
+        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=self._verify_sampling(seqs, rows)), **{
+            k: a[k] for k in ("score_rows", "drafts", "num_drafts")}))
         greedy = choose_sampler(params, rows, plain_sampling=False) == "greedy"   # verify steps sample by sorting
         variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
+        tops = any(q.logprobs is not None for q in params)   # top logprobs read back only where asked for
         t0 = time.perf_counter()
         compiling = r.first_call_seconds
         outs = r.launch_verify(batch, variant)
         self._observe(s)
-        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs)
+        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs) if tops else r.fetch(outs[:3]) + (None, None)
         t1 = time.perf_counter()
         seconds = t1 - t0 - (r.first_call_seconds - compiling)   # a step compiled on first use: not its time
         self.phase_seconds["build"] += t0 - t_build
@@ -125,19 +142,19 @@ class VerifySteps:
         stats = self.speculator.stats
         stats.verify_steps += 1
         deltas, emitted = [], 0
-        for b, (seq, n) in enumerate(chunks):
-            if not s["emits"][b]:
+        for b, ((seq, n), emits_b, acc) in enumerate(zip(chunks, emits.tolist(), accepted[:B].tolist())):
+            if not emits_b:
                 seq.num_computed += n
                 continue
-            d = drafts.get(seq, [])
-            acc = int(accepted[b])
-            if d:
-                self.speculator.record(seq, len(d), acc)
+            if ds[b]:
+                self.speculator.record(seq, len(ds[b]), acc)
             seq.num_computed += n + acc
-            deltas.append(self._append(seq, tokens[b, :acc + 1], logprobs[b, :acc + 1], top_v[b, :acc + 1],
-                                       top_i[b, :acc + 1]))
+            deltas.append(self._append(seq, tokens[b, :acc + 1], logprobs[b, :acc + 1],
+                                       None if top_v is None else top_v[b, :acc + 1],
+                                       None if top_i is None else top_i[b, :acc + 1]))
             emitted += acc + 1
-            seq.num_computed = min(seq.num_computed, len(seq.tokens))   # a stop among the accepted drafts
+            # a stop among the accepted drafts
+            seq.num_computed = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
             if seq.finish_reason is not None:
                 self._finished[seq.request_id] = seq
             else:
@@ -151,3 +168,21 @@ class VerifySteps:
         self.stats[f"{key}_seconds"] += seconds
         self.phase_seconds["append"] += time.perf_counter() - t1
         return deltas
+
+    def _verify_sampling(self, seqs: list[Sequence], rows: int) -> SamplingArrays:
+        """The sampling arrays of a verify step over these sequences: the last step's again where its sequences
+        were the same (they are, step after step, while the batch stays)."""
+        key = (rows, tuple(seq.request_id for seq in seqs))
+        last = getattr(self, "_last_verify_sampling", None)
+        if last is None or last[0] != key:
+            last = self._last_verify_sampling = key, SamplingArrays.from_params(
+                [seq.params for seq in seqs], [seq.seed for seq in seqs], rows)
+        return last[1]
+
+
+def _tokens_at(seq: Sequence, start: int, n: int) -> list[int]:
+    """seq.tokens[start:start + n], without joining the prompt and the output (a copy of both) as seq.tokens does."""
+    p = seq.prompt_ids
+    if start >= len(p):
+        return seq.output_ids[start - len(p):start - len(p) + n]
+    return p[start:start + n] + seq.output_ids[:max(start + n - len(p), 0)]
