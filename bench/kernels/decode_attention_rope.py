@@ -12,6 +12,10 @@ not served from L2; best of 3 timed runs of ~0.1 s. Each config's first output i
 reference twin (reference.decode_qkv_attention) before it counts. Prints per point the table's choice
 (choose_config at the engine's span: 1.5x the context, as the benches' page tables) and the best configs,
 with the share of the HBM read ceiling (the KV bytes the batch must read / time). JSON to $OUT.
+
+--kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector: the
+bytes counted at 1 a value + 4 a vector), the reference twin on the same QuantizedCache; --int8-convert cvt|bits the
+kernel's int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). The table's choice is the 1-byte pages' one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 from bench.ceilings import hbm_read_ceiling
 from bench.kernels.kernel_timing import log, rel_err, save_results
 from jaxinfer.ops import reference
+from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 
@@ -38,6 +43,9 @@ H, K, HD, PS = 32, 8, 128, 16
 L2_BYTES = 50e6
 TOL = 2e-2
 POINTS = ["1:1024", "4:1024", "8:1024", "8:2048", "16:1024", "32:1024"]
+INT8 = False          # --kv-cache-dtype int8
+INT8_CONVERT = None   # --int8-convert
+VECTOR_BYTES = HD * 2   # a cached vector's bytes (int8: HD + 4)
 
 
 @dataclasses.dataclass
@@ -50,7 +58,7 @@ class Problem:
     sin: jax.Array
     qn: jax.Array
     kn: jax.Array
-    k: jax.Array          # the caches: each config's timing donates a device copy of them
+    k: jax.Array          # the caches (QuantizedCaches with int8): each config's timing donates a device copy of them
     v: jax.Array
     slots: jax.Array
     pt: jax.Array
@@ -58,18 +66,20 @@ class Problem:
 
     @property
     def kv_bytes(self) -> int:
-        return self.B * self.ctx * K * HD * 2 * 2
+        return self.B * self.ctx * K * 2 * VECTOR_BYTES
 
 
 def make_problem(B: int, ctx: int, seed: int, interpret: bool) -> Problem:
     rng = np.random.default_rng(seed)
     P = -(-ctx // PS) + 1
-    per_layer = B * ctx * K * HD * 2 * 2
+    per_layer = B * ctx * K * 2 * VECTOR_BYTES
     L = 1 if interpret else int(min(16, max(2, math.ceil(4 * L2_BYTES / per_layer))))
     n_pages = B * P + 1
     shape = (L, K, n_pages * PS, HD)
     k = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal(shape, np.float32), jnp.bfloat16)
+    if INT8:
+        k, v = QuantizedCache(*jax.jit(quantize)(k)), QuantizedCache(*jax.jit(quantize)(v))
     qkv = jnp.asarray(rng.standard_normal((L, B, (H + 2 * K) * HD), np.float32), jnp.bfloat16)
     pages = rng.permutation(np.arange(1, n_pages))[: B * P].reshape(B, P).astype(np.int32)
     pos = np.full((B,), ctx - 1, np.int32)
@@ -95,20 +105,27 @@ def build(p: Problem, cfg: DA.SplitConfig, n: int, interpret: bool):
     def chain(k, v, qkv, cos, sin, qn, kn, slots, pt, cl):
         first = None
         for i in range(n):
-            out, k, v = decode_attention_rope_write(
-                qkv[i % p.L], cos, sin, qn, kn, k, v, jnp.int32(i % p.L), slots, pt, cl, page_size=PS,
-                scale=HD ** -0.5, num_heads=H, num_kv_heads=K, eps=1e-6, config=cfg, interpret=interpret)
+            kw = dict(page_size=PS, scale=HD ** -0.5, num_heads=H, num_kv_heads=K, eps=1e-6, config=cfg,
+                      interpret=interpret)
+            if isinstance(k, QuantizedCache):
+                out, kv, vv, ks, vs = decode_attention_rope_write(
+                    qkv[i % p.L], cos, sin, qn, kn, k.values, v.values, jnp.int32(i % p.L), slots, pt, cl,
+                    k_scale=k.scale, v_scale=v.scale, int8_convert=INT8_CONVERT, **kw)
+                k, v = QuantizedCache(kv, ks), QuantizedCache(vv, vs)
+            else:
+                out, k, v = decode_attention_rope_write(qkv[i % p.L], cos, sin, qn, kn, k, v, jnp.int32(i % p.L),
+                                                        slots, pt, cl, **kw)
             first = out if first is None else first
         return k, v, first
 
-    caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (p.k, p.v)]
+    caches = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), c) for c in (p.k, p.v)]
     args = (*caches, p.qkv, p.cos, p.sin, p.qn, p.kn, p.slots, p.pt, p.cl)
     return jax.jit(chain, donate_argnums=(0, 1)).lower(*args).compile()
 
 
 def time_config(compiled, p: Problem, n: int, target_s: float) -> tuple[float, jax.Array]:
     """(best seconds per call, the first call's output)."""
-    k, v = jnp.copy(p.k), jnp.copy(p.v)   # donated below
+    k, v = jax.tree.map(jnp.copy, p.k), jax.tree.map(jnp.copy, p.v)   # donated below
     rest = (p.qkv, p.cos, p.sin, p.qn, p.kn, p.slots, p.pt, p.cl)
     k, v, first = compiled(k, v, *rest)
     jax.block_until_ready(first)
@@ -165,7 +182,12 @@ def main() -> None:
     ap.add_argument("--points", nargs="*", default=POINTS, help="B:ctx (ctx counts the new token)")
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits"])
     args = ap.parse_args()
+    global INT8, INT8_CONVERT, VECTOR_BYTES
+    INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert
+    VECTOR_BYTES = HD + 4 if INT8 else HD * 2
     t_start = time.time()
     ip = args.interpret
     ceiling = None if ip else hbm_read_ceiling()
@@ -182,7 +204,7 @@ def main() -> None:
             p = make_problem(B, ctx, seed=i, interpret=ip)
             ref = reference_out(p)
             n = 2 if ip else int(min(32, max(8, round(400e-6 / max(p.kv_bytes / 3.5e12, 4e-6)))))
-            engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS)
+            engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS, 1 if INT8 else 2)
             cfgs = candidates(p)[:3] if ip else candidates(p)
             cfgs = list(dict.fromkeys([engine] + cfgs))
             target = 0.0 if ip else 0.1
@@ -210,7 +232,8 @@ def main() -> None:
                              f"{share(eng['us'] if eng else None)} | {cfg_str(DA.SplitConfig(**good[0]['cfg']))} | "
                              f"{good[0]['us']:.2f} | {share(good[0]['us'])} | {good[0]['err']:.1e} |")
     save_results(results, "decode_attention_rope.json")
-    print("\nQwen3-4B attention (H 32, KVH 8, hd 128), bf16, RoPE + q/k norm + cache write fused, merge included"
+    kv = f"int8 cache ({INT8_CONVERT or DA.tables.DECODE_ATTENTION_INT8_CONVERT})" if INT8 else "bf16 cache"
+    print(f"\nQwen3-4B attention (H 32, KVH 8, hd 128), bf16, {kv}, RoPE + q/k norm + cache write fused, merge included"
           + (f"; HBM read ceiling {ceiling / 1e12:.2f} TB/s" if ceiling else ""))
     print("| batch | context | engine's config | us | share | best config | us | share | rel. err |")
     print("|---|---|---|---|---|---|---|---|---|")
