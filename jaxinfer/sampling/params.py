@@ -7,6 +7,7 @@ starts with the field's name; numeric fields are normalised to int/float, stop l
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
 
@@ -45,6 +46,65 @@ def _check_float(name: str, x) -> float:
     return x
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's guided decoding): exactly one of
+
+    - ``json``: a JSON Schema (a dict, or its JSON text); the output is one JSON value that validates;
+    - ``json_object=True``: any JSON object;
+    - ``regex``: the output matches the regular expression (Rust ``regex`` syntax, anchored at both ends);
+    - ``choice``: the output is one of these strings;
+    - ``grammar``: a context-free grammar, Lark (llguidance's dialect) or GBNF/EBNF (llama.cpp's).
+
+    Hashable (``json`` is kept as canonical JSON text), so compiled grammars are cached by it. Whether a
+    schema, regex or grammar compiles is checked against the tokenizer when the request is added
+    (sampling.structured); here only the shape of the fields.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SamplingParamsError(f"structured must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                                      f"got {', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, (bool, np.bool_)):
+            raise SamplingParamsError(f"structured.json_object must be a bool, got {self.json_object!r}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise SamplingParamsError(f"structured.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise SamplingParamsError(f"structured.json must be a JSON Schema (an object), got "
+                                          f"{type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise SamplingParamsError(f"structured.{name} must be a non-empty str, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or \
+                    not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError(f"structured.choice must be a non-empty list of non-empty str, "
+                                          f"got {self.choice!r}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of STRUCTURED_KINDS."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """What one request asks of the sampler; validated on construction.
@@ -68,6 +128,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return; 0..20
     prompt_logprobs: int | None = None  # logprob of each prompt token (and this many top ones); 0..20
     n: int = 1  # completions of the prompt (LLM.generate's outputs list); a seeded request's i-th uses seed + i
+    structured: StructuredOutput | None = None  # a JSON schema, regex, choice or grammar the output must follow
 
     @property
     def has_penalties(self) -> bool:
@@ -152,6 +213,10 @@ class SamplingParams:
                 if not 0 <= v <= MAX_LOGPROBS:
                     raise SamplingParamsError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
                 setattr(self, name, v)
+
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise SamplingParamsError(f"structured must be a StructuredOutput or None, got "
+                                      f"{type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
