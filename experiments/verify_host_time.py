@@ -5,7 +5,8 @@ copy-heavy prompt, every draft verified).
 
 Times, per verify step, the engine's `_drafts` (proposals, pages held) and `_verify` (arrays built, copied, the
 accepted tokens appended) less the runner's launch and fetch, which are the device's share; prints us a step (the
-median of the runs) and with --profile the top of a cProfile of the same run by own time (launch and fetch included there).
+median of the runs) and with --profile the top of a cProfile of the same run by own time (launch and fetch
+included there).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="copies of the prompt at once")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=7, max_num_seqs=args.batch, enable_prefix_caching=False,
+    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=7, max_num_seqs=args.batch,
+              enable_prefix_caching=False,
               progress=False, cache_dir="")
     e = llm.engine
     e.speculator.adaptive = False   # every proposal verified
@@ -87,8 +89,8 @@ def main() -> None:
           f"sequence's verify; the median run's launch {per['launch']:.0f} us a step, fetch {per['fetch']:.0f}")
     print("| host, us a verify step | drafts | arrays (rest of _verify) | sampling arrays | copy to device | append | "
           "all |\n|---|---|---|---|---|---|---|")
-    print(f"| stories260k, batch {args.batch}, k = 7 | {per['drafts']:.0f} | {per['arrays']:.0f} | {per['sampling']:.0f} | "
-          f"{per['copy']:.0f} | {per['append']:.0f} | {per['host']:.0f} |")
+    print(f"| stories260k, batch {args.batch}, k = 7 | {per['drafts']:.0f} | {per['arrays']:.0f} | "
+          f"{per['sampling']:.0f} | {per['copy']:.0f} | {per['append']:.0f} | {per['host']:.0f} |")
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
 
