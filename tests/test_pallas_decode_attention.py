@@ -196,8 +196,8 @@ INT8_CASES = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7]]
 INT8_IDS = [IDS[0], IDS[1], IDS[2], IDS[5], IDS[7]]
 
 
-@pytest.mark.parametrize("convert", ["cvt", "bits"])
-@pytest.mark.parametrize("case", INT8_CASES, ids=INT8_IDS)
+@pytest.mark.parametrize("case, convert", [(c, ["cvt", "bits"][i % 2]) for i, c in enumerate(INT8_CASES)],
+                         ids=[f"{x}-{['cvt', 'bits'][i % 2]}" for i, x in enumerate(INT8_IDS)])
 def test_int8_cache_float32(case, convert):
     """An INT8 cache's values and scales as operands: the reference op reading the dequantized rows."""
     B, H, KVH, hd, ps, lens, S, bk = case

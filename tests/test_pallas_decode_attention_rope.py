@@ -160,9 +160,9 @@ def _int8_check(out, ref, written, dtype):
     assert err < TOL[dtype], f"max abs error {err:.3e} (over 10)"
 
 
-@pytest.mark.parametrize("convert", ["cvt", "bits"])
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]],
-                         ids=[IDS[0], IDS[1], IDS[2], IDS[4], IDS[5]])
+@pytest.mark.parametrize("case, convert", [(CASES[0], "cvt"), (CASES[1], "bits"), (CASES[2], "cvt"), (CASES[4], "bits"),
+                                           (CASES[5], "cvt")],
+                         ids=[IDS[0] + "-cvt", IDS[1] + "-bits", IDS[2] + "-cvt", IDS[4] + "-bits", IDS[5] + "-cvt"])
 def test_int8_cache_float32(case, convert):
     _int8_check(*_int8_run(case, jnp.float32, convert), jnp.float32)
 
