@@ -6,6 +6,10 @@ lengths that end mid-page, length 1, lengths spanning several splits, and splits
 Tolerance (max abs error; outputs are O(0.1-1)): float32 2e-5; bfloat16 2e-2 (the kernel rounds the
 unnormalised probabilities to bf16 before the p @ v product where the reference rounds the normalised
 ones, and both round the output: a few bf16 ulps).
+
+The INT8 cache (values and scales as operands) against the reference op on the same QuantizedCache, whose rows it
+dequantizes: vectors of magnitudes 1e-3..10 (so the tolerances apply to outputs divided by 10), both int8
+conversions, poisoned scales in unseen slots, and the one clear error for bad operands.
 """
 
 import zlib
@@ -246,3 +250,27 @@ def test_int8_cache_bad_operands_get_one_clear_error():
         call(kq.values, vq.values, kq.scale[:, :1], vq.scale)
     with pytest.raises(ValueError, match="int8_convert"):
         call(kq.values, vq.values, kq.scale, vq.scale, int8_convert="lut")
+
+
+def test_int8_cache_poisoned_scales_of_unseen_slots_give_no_nan():
+    """Padding rows (context 1 on scratch page 0) and NaN/inf scales in every slot no row may see: no NaN, and the
+    visible slots give the reference's answer (the masked scale loads never reach the scores or probabilities)."""
+    from jaxinfer.ops.quantized_cache import QuantizedCache
+
+    B, H, KVH, hd, ps = 3, 8, 4, 16, 8
+    lens = [1, 13, 1]
+    q, kq, vq, pt, cl = _int8_problem(6, B, H, KVH, hd, ps, lens, jnp.float32)
+    pt = pt.at[0].set(0).at[2].set(0)
+    slots = np.asarray(pt)[:, :, None] * ps + np.arange(ps)
+    visible = np.zeros(kq.scale.shape[2], bool)
+    for b, n in enumerate(lens):
+        visible[slots[b].reshape(-1)[:n]] = True
+    poison = jnp.asarray(np.where(np.arange(visible.size) % 2 == 0, np.nan, np.inf).astype(np.float32))
+    bad = lambda c: QuantizedCache(c.values, jnp.where(jnp.asarray(visible), c.scale, poison))
+    ref = ref_op(q, kq, vq, jnp.int32(0), pt, cl, ps, 0.25)
+    for S in (1, 4):
+        k_bad, v_bad = bad(kq), bad(vq)
+        out = DA.paged_decode_attention(q, k_bad.values, v_bad.values, jnp.int32(0), pt, cl, ps, 0.25,
+                                        k_scale=k_bad.scale, v_scale=v_bad.scale,
+                                        config=DA.SplitConfig(num_splits=S, block_k=16), interpret=True)
+        _check(out / 10, ref / 10, jnp.float32)

@@ -8,6 +8,8 @@ without Qwen3's per-head norm and RoPE; several sequences, one of them padding o
 Checked: the attention output (tolerances of tests/test_pallas_decode_attention.py); the caches'
 new rows within the tolerances of tests/test_pallas_rope_kv_write.py (the norm sums its halves in
 another order than the reference's mean: 1-ulp differences in float32), every other row untouched.
+With an INT8 cache: the new rows' values within one step of the reference's quantization (a 1-ulp k may round the
+other way), their scales within that rounding, the in-kernel quantizer bit for bit against quantize.
 """
 
 import zlib
