@@ -69,7 +69,8 @@ def without_kv(path: str) -> str:
 
 
 def quantization_of(path: str) -> str | None:
-    """A path's weight quantization: "pallas+int8" -> "int8" (a final "-fp8" or "-int8kv" names the KV cache's dtype)."""
+    """A path's weight quantization: "pallas+int8" -> "int8" (a final "-fp8" or "-int8kv" names the KV cache's
+    dtype)."""
     return without_kv(path).partition("+")[2] or None
 
 

@@ -243,8 +243,8 @@ def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
 @pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
 def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
     """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the
-    fused one's scalar scale stores, the bit-trick conversion; split, fused, verify and the prompt rows' write) lowered for an H200 on the
-    CPU."""
+    fused one's scalar scale stores, the bit-trick conversion; split, fused, verify and the prompt rows' write) lowered
+    for an H200 on the CPU."""
     from jax._src.pallas.triton import gpu_info
 
     from jaxinfer.pallas import decode_attention as DA
@@ -304,15 +304,16 @@ def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):
 
     assert decode.kv_of("pallas+int8-int8kv") == "int8" and decode.kv_of("pallas-fp8") == "fp8"
     assert decode.kv_of("pallas+int8") == "auto"
-    assert decode.without_kv("pallas+int8-int8kv") == "pallas+int8" and decode.quantization_of("pallas+int8-int8kv") == "int8"
+    assert decode.without_kv("pallas+int8-int8kv") == "pallas+int8"
+    assert decode.quantization_of("pallas+int8-int8kv") == "int8"
     cfg = ModelConfig(family="qwen3", vocab_size=100, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8,
                       head_dim=128, intermediate_size=9728, max_position_embeddings=4096, dtype="bfloat16")
     assert decode.kv_item_bytes(cfg, "int8") == 1 + 4 / 128 and decode.kv_item_bytes(cfg, "auto") == 2
     repo = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, str(repo / "bench" / "decode.py"), "--models", str(tmp_path / "models"), "--out",
-                        str(tmp_path), "--shapes", "tiny", "--long", "--paths", "reference", "--kv", "int8", "--prompt",
-                        "24", "--new", "5", "--steps", "4"], capture_output=True, text=True, timeout=300, cwd=repo,
-                       env={**os.environ, "PYTHONPATH": str(repo)})
+    argv = ["--models", str(tmp_path / "models"), "--out", str(tmp_path), "--shapes", "tiny", "--long", "--paths",
+            "reference", "--kv", "int8", "--prompt", "24", "--new", "5", "--steps", "4"]
+    r = subprocess.run([sys.executable, str(repo / "bench" / "decode.py"), *argv], capture_output=True, text=True,
+                       timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
     assert [row["path"] for row in rows] == ["reference", "reference-int8kv"]
@@ -369,8 +370,8 @@ def test_verify_kernel_reads_the_int8_cache(case, convert):
 def test_prompt_rows_write_the_int8_cache(T, H, K, hd, norm, rope, tiled, with_kv, dtype):
     """pallas/rope_kv_write.py with an INT8 cache against reference.qkv_rope_write on the same QuantizedCache: q and
     the returned k, v as tests/test_pallas_rope_kv_write.py holds them; the written values within one step of the
-    reference's (its norm and RoPE may round k an ulp apart; in float32 without them equal), their scales within that rounding;
-    nothing else touched."""
+    reference's (its norm and RoPE may round k an ulp apart; in float32 without them equal), their scales within that
+    rounding; nothing else touched."""
     from jaxinfer.ops import LayerWeight
     from jaxinfer.pallas.rope_kv_write import qkv_rope_write
 

@@ -23,8 +23,8 @@ the same kernels casting reads back to bf16), the bytes and bandwidth counted at
 what fills tables.DECODE_ATTENTION_FP8. --points B:ctx ... replaces the sweep's points.
 --kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector, the
 kernels taking values and scales as operands; the reference op reading the dequantized rows), the bytes counted at
-1 a value + 4 a vector; --int8-convert cvt|bits picks the kernels' int8 conversion (tables.DECODE_ATTENTION_INT8_CONVERT;
-default the table's). Int8 pages take the float8 table (1-byte pages); the sweep's best fills a table of their own
+1 a value + 4 a vector; --int8-convert cvt|bits picks the kernels' int8 conversion
+(tables.DECODE_ATTENTION_INT8_CONVERT; default the table's). Int8 pages take the float8 table (1-byte pages); the sweep's best fills a table of their own
 where they differ.
 --query-dtype float16: queries (and so the kernels' compute dtype, which pages are cast to) in float16
 (float8 e4m3 converts to float16 in one instruction; to bfloat16 it does not).

@@ -20,9 +20,10 @@ kernel is decode_attention's.
 An INT8 cache comes as two more operands, the scales k_scale and v_scale [L, K, slots] float32 (aliased in place
 like the values): the cached tiles are read as pallas/decode_attention.py reads them (int8 converted exactly, the
 key scales on the scores, the value scales on the probabilities), and split 0 quantizes the new k and v as
-ops.quantized_cache.quantize does (scale = max|x| times 1/127, round half to even, a zero vector scale 1: rope_kv_write.quantize_vectors), writes values and
-scale, and starts from the dequantized vectors, what later steps read back. (Division on the GPU is Triton's
-approximate one, within 2 ulp: a quotient that close to a .5 tie may round the other way from the reference.)
+ops.quantized_cache.quantize does (rope_kv_write.quantize_vectors: scale = max|x| times 1/127, round half to even, a
+zero vector scale 1), writes values and scale, and starts from the dequantized vectors, what later steps read back.
+(If Triton lowers the division x / scale to the approximate PTX one, a quotient within its error of a .5 tie may
+round the other way from XLA's on the GPU: tests/gpu allow one step.)
 
 Needs hd a power of two >= 32 (`supports`); the op set falls back to the two kernels otherwise.
 """

@@ -23,7 +23,8 @@ num_splits, block_k and num_warps (static: the grid and the tile) come from `cho
 keyed by tile rows, sequence-heads (batch x KVH) and the page table's span. Float8 pages multiply in float16 as in
 the decode kernel (blocks.page_compute_dtype). An INT8 cache comes as its values and two more operands, k_scale and
 v_scale [L, KVH, slots], read as the decode kernel reads them (decode_attention.py: int8 tiles converted exactly, a
-key's scale on its column of scores, a value's on its probability). Every block dimension is a power of two with masked tails; masked
+key's scale on its column of scores, a value's on its probability). Every block dimension is a power of two with
+masked tails; masked
 scores are a large finite negative, never -inf. `supports(rows, head_dim)`: the tiles this kernel takes (the op set
 falls back to the reference op elsewhere).
 """

@@ -6,7 +6,8 @@ Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_kv_cache_int8_gpu.py
 Shapes: 32 / 8 heads, hd 128, q/k norms, RoPE; page size 16; batch 1 at 1,024 and 32,768 positions, batch 8 and 64
 with rows of 1, 100, 1,024 and 8,192 positions in a page table spanning 8,192; both int8 conversions ("cvt", "bits");
-fresh random bf16 vectors of random magnitudes (1e-3..10), quantized; the configuration the table picks; the verify kernel with 4 rows a sequence (3 drafts). Tolerances:
+fresh random bf16 vectors of random magnitudes (1e-3..10), quantized; the configuration the table picks; the verify
+kernel with 4 rows a sequence (3 drafts); the prompt rows' write of 1,000 tokens. Tolerances:
 the output per sequence, relative Frobenius 2e-2 (tests/gpu/test_decode_attention_gpu.py's); the new rows' values
 within one step (the kernel's norm may round k 1 ulp apart, and Triton's division is within 2 ulp), their scales
 1e-2; every other row and scale untouched.
