@@ -31,8 +31,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=7, max_num_seqs=args.batch,
-              enable_prefix_caching=False,
-              progress=False, cache_dir="")
+              enable_prefix_caching=False, progress=False, cache_dir="")
     e = llm.engine
     e.speculator.adaptive = False   # every proposal verified
     story = llm.generate("Once upon a time", SamplingParams(max_tokens=160, temperature=0))[0]

@@ -42,12 +42,13 @@ class VerifySteps:
             self.speculator.idle(generating)
             return {}
         for seq in generating:   # a draft model writes its drafts' K/V: pages for them where the pool has some
-            self.scheduler.hold(seq, min(len(seq.tokens) + self.speculator.k_max, len(seq.prompt_ids) + seq.max_new))
+            self.scheduler.hold(seq, min(len(seq.output_ids) + self.speculator.k_max, seq.max_new) +
+                                len(seq.prompt_ids))
         drafts = self.speculator.drafts(generating, room, bucket)
         out = {}
         for seq, d in drafts.items():
             d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
-            if d and self.scheduler.hold(seq, len(seq.tokens) + len(d)):
+            if d and self.scheduler.hold(seq, len(seq.prompt_ids) + len(seq.output_ids) + len(d)):
                 out[seq] = d
         for seq in generating:   # pages held for drafts that did not come
             if seq not in out:

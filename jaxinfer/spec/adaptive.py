@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 KNEE_ROWS = 192          # rows where a step of Qwen3-4B's shape turns compute-bound on the H200 (GEMM rate / bandwidth)
 VERIFY_OVERHEAD = 1.15   # a verify step's cost over a decode step's at equal rows (host sync, the acceptance)
 FORGET = 0.8             # weight of the past in the acceptance counts, per verify step
@@ -53,17 +55,20 @@ def expected_tokens(rate: float, k: int) -> float:
 def choose_drafts(rates: list[float], proposed: list[int], k_max: int, adaptive: bool = True) -> int:
     """The drafts a step verifies per sequence (each sequence at most what it proposed): 0..k_max. rates: each
     sequence's acceptance estimate; proposed: how many drafts each has. Without `adaptive`, k_max whenever any
-    sequence has a draft."""
+    sequence has a draft. (In numpy over k and the sequences at once: it runs before every step, ~10 us at any
+    batch where a loop took 0.1-0.2 ms at 16-64 sequences.)"""
     if not any(proposed):
         return 0
     if not adaptive:
         return k_max
     B = len(rates)
+    drafts = np.minimum(np.arange(k_max + 1)[:, None], np.asarray(proposed)[None, :])    # [k, sequence]
+    # expected_tokens(rate, d) for every d: 1 + rate + ... + rate^d
+    gains = np.cumsum(np.asarray(rates, np.float64)[None, :] ** np.arange(k_max + 1)[:, None], axis=0)
+    tokens = np.take_along_axis(gains, drafts, axis=0).sum(axis=1)
+    value = (tokens / (VERIFY_OVERHEAD * np.maximum(1.0, (B + drafts.sum(axis=1)) / KNEE_ROWS))).tolist()
     best, best_k = B / step_cost(B), 0
     for k in range(1, k_max + 1):
-        drafts = [min(k, n) for n in proposed]
-        tokens = sum(expected_tokens(r, d) for r, d in zip(rates, drafts))
-        value = tokens / (VERIFY_OVERHEAD * step_cost(B + sum(drafts)))
-        if value > best * (1 + 1e-9):
-            best, best_k = value, k
+        if value[k] > best * (1 + 1e-9):
+            best, best_k = value[k], k
     return best_k
