@@ -26,6 +26,7 @@ from typing import Sequence as Seq
 import jax
 import numpy as np
 
+from jaxinfer.engine.constraints import Constraints, advance
 from jaxinfer.engine.dispatch_timing import DispatchTiming
 from jaxinfer.engine.generation_defaults import describe, read_generation_defaults
 from jaxinfer.engine.outputs import RequestOutput, StreamDelta, output_of
@@ -116,6 +117,8 @@ class Engine(VerifySteps):
         self.compile_seconds = self.runner.warmup(progress=config.progress, threads=t.compile_threads,
                                                   compile=config.compile_all_at_start)
         self.summary = self._summary(backend, num_pages)
+        eos = (self.tokenizer.eos_token_ids if self.tokenizer else ()) + self.cfg.eos_token_ids
+        self.constraints = Constraints(self.tokenizer, self.cfg.vocab_size, list(dict.fromkeys(eos)))
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,
@@ -254,6 +257,7 @@ class Engine(VerifySteps):
             max_new=params.max_tokens, stop_ids=stop_ids,
             detok=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
             stopper=StopStringMatcher(params.stop or []),
+            grammar=self.constraints.matcher(params.structured) if params.structured else None,
         )
         self.scheduler.add(seq)
         return seq.request_id
@@ -344,7 +348,9 @@ class Engine(VerifySteps):
         ph["schedule"] += t1 - t0
         if plan is None:
             return []
-        drafts = self._drafts(plan) if self.speculator is not None else {}
+        # a constrained sequence is not drafted for (its drafts would need a mask a position): no drafts in its steps
+        constrained = any(seq.grammar is not None for seq, _ in plan.chunks)
+        drafts = self._drafts(plan) if self.speculator is not None and not constrained else {}
         if drafts:
             deltas = self._verify(plan.chunks, drafts, dense=plan.kind == "decode")
             t2 = time.perf_counter()
@@ -394,6 +400,8 @@ class Engine(VerifySteps):
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
             return None
+        if any(seq.grammar is not None for seq in seqs):   # its next mask needs this dispatch's token
+            return None
         if self.speculator is not None and self.speculator.may_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
@@ -432,8 +440,9 @@ class Engine(VerifySteps):
             a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
+        bitmask = self.constraints.bitmask([s.grammar for s in seqs], B)
         self._decode_started = time.perf_counter()
-        out = self._launch(to_device(DecodeBatch(**a, sampling=sampling)), seqs)
+        out = self._launch(to_device(DecodeBatch(**a, sampling=sampling, bitmask=bitmask)), seqs)
         self._timing.started()
         return out
 
@@ -442,7 +451,8 @@ class Engine(VerifySteps):
         t0 = time.perf_counter()
         B = batch.tokens.shape[0]
         compiling = self.runner.first_call_seconds
-        out = self.runner.launch_decode(batch, self.runner.decode_variant(self._sampler(seqs, B, decode=True), B))
+        variant = self.runner.decode_variant(self._sampler(seqs, B, decode=True), B, masked=batch.bitmask is not None)
+        out = self.runner.launch_decode(batch, variant)
         compiled = self.runner.first_call_seconds - compiling   # a step compiled on first use: not decode time
         self._decode_started += compiled
         self._timing.launched(time.perf_counter() - t0 - compiled)
@@ -481,7 +491,11 @@ class Engine(VerifySteps):
         next_tokens = np.zeros(bucket, np.int32)
         scored = self._prompt_rows(chunks, next_tokens)
         attention = "paged"
-        if not scored and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
+        # rows whose next token is constrained: their step is masked (and paged: a masked one-sequence step is not
+        # compiled apart)
+        emitting = [seq.grammar if seq.num_computed + n >= len(seq.tokens) else None for seq, n in chunks]
+        masked = any(m is not None for m in emitting)
+        if not scored and not masked and len(chunks) == 1 and r.has_one_sequence_step(bucket):   # one sequence's prompt
             attention = "fresh" if chunks[0][0].num_computed == 0 else \
                 "prefixed" if self.config.tuning.prefixed_chunk_attention else "paged"
         rows = r.sampled_rows(attention)   # a one-sequence step's batch has one row
@@ -507,11 +521,12 @@ class Engine(VerifySteps):
             t += n
             a["query_start"][b + 1:] = t
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
+        bitmask = self.constraints.bitmask(emitting, rows) if masked else None
         t0 = time.perf_counter()
-        batch = to_device_packed(StepBatch(**a, sampling=sampling))   # the step splits it (one argument)
+        batch = to_device_packed(StepBatch(**a, sampling=sampling, bitmask=bitmask))   # the step splits it (one argument)
         t1 = time.perf_counter()
-        variant = StepVariant("prompt-logprobs") if scored else \
-            StepVariant("mixed", self._sampler([s for s, _ in chunks], rows, decode=False), attention)
+        variant = StepVariant("prompt-logprobs", masked=masked) if scored else \
+            StepVariant("mixed", self._sampler([s for s, _ in chunks], rows, decode=False), attention, masked=masked)
         compiling = r.first_call_seconds
         outs = r.launch_mixed(batch, variant)
         t0 += r.first_call_seconds - compiling   # a step compiled on first use: not prefill time
@@ -589,6 +604,7 @@ class Engine(VerifySteps):
             lps.append(float(new_logprobs[j]))
             if k is not None:
                 tops.append([(int(i), float(v)) for i, v in zip(top_ids[j][:k], top_values[j][:k])])
+            grammar_done = seq.grammar is not None and advance(seq.grammar, tok)
             if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif seq.detok is not None:
@@ -596,6 +612,8 @@ class Engine(VerifySteps):
                 text += emitted
                 if hit:
                     seq.finish_reason = "stop"
+            if seq.finish_reason is None and grammar_done:   # the grammar is complete: nothing else may follow
+                seq.finish_reason = "stop"
             if seq.finish_reason is None and len(seq.output_ids) >= seq.max_new:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:

@@ -39,6 +39,7 @@ class Sequence:
     stop_ids: list[int]
     detok: Any = None                 # IncrementalDetokenizer, or None without a tokenizer
     stopper: Any = None               # StopStringMatcher
+    grammar: Any = None               # structured output's Matcher (engine/constraints.py), or None
     output_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
@@ -221,7 +222,8 @@ class Scheduler:
             if budget <= 0 or seq not in self.running or seq in skip:
                 continue
             if seq in pending:
-                if len(seq.output_ids) + 1 >= seq.max_new:
+                # nor when its next token needs a mask from the token the host has not seen (structured output)
+                if len(seq.output_ids) + 1 >= seq.max_new or seq.grammar is not None:
                     continue
                 upto = len(seq.tokens) + 1
             elif seq.prefilling:

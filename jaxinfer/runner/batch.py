@@ -32,6 +32,7 @@ class StepBatch:
     state_row: jax.Array       # int32, row of the sequence in the sampler state
     step_index: jax.Array      # int32, index of the token being generated (for the seeded PRNG)
     sampling: SamplingArrays
+    bitmask: jax.Array | None = None   # int32 [B, ceil(V / 32)]: structured output's allowed tokens; None: no mask
 
 
 @flax.struct.dataclass
@@ -80,6 +81,7 @@ class DecodeBatch:
     stop_ids: jax.Array        # int32 [B, S], -1 padded
     active: jax.Array          # bool [B]
     sampling: SamplingArrays
+    bitmask: jax.Array | None = None   # int32 [B, ceil(V / 32)] (structured output): a one-step dispatch only
 
 # DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
 CARRIED = ("tokens", "positions", "step_index", "remaining", "active")

@@ -9,6 +9,7 @@ from the executable cache where an earlier process saved it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import warnings
@@ -116,6 +117,7 @@ class ModelRunner:
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
+        self.masked_steps: dict[StepVariant, Any] = {}   # structured output's, made on first use (step_of)
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll, n_top,
@@ -125,12 +127,32 @@ class ModelRunner:
         self._called: set[tuple[StepVariant, int]] = set()
         self.first_call_seconds = 0.0   # first calls of a step at a bucket after warm-up: compiling or loading it
 
+    def step_of(self, variant: StepVariant):
+        """The step function of a variant. A masked one (its batch carries a structured-output bitmask) is made on
+        first use, not compiled at warm-up: a masked mixed step is its unmasked twin's jitted function (the batch's
+        bitmask field is a pytree leaf of its own, so it traces apart); a masked decode dispatch takes one step."""
+        if not variant.masked:
+            return self.steps[variant]
+        step = self.masked_steps.get(variant)
+        if step is None:
+            if variant.phase == "decode":
+                step = jax.jit(functools.partial(decode_steps, self.cfg, self.ops, 1, self.tuning.unroll_layers,
+                                                 variant.n_top(self.max_logprobs), variant.greedy,
+                                                 method=variant.method), donate_argnums=(1, 2))
+            else:
+                step = self.steps[dataclasses.replace(variant, masked=False)]
+            self.masked_steps[variant] = step
+        return step
+
     def decode_steps_for(self, batch_bucket: int) -> int:
         """Decode steps in one dispatch of a batch of this bucket."""
         t = self.tuning
         return t.short_decode_steps if batch_bucket <= t.short_decode_max_batch else self.steps_per_decode
 
-    def decode_variant(self, sampler: str, batch_bucket: int) -> StepVariant:
+    def decode_variant(self, sampler: str, batch_bucket: int, masked: bool = False) -> StepVariant:
+        """A decode dispatch's variant; a masked one (structured output) takes one step."""
+        if masked:
+            return StepVariant("decode", sampler, steps=1, masked=True)
         return StepVariant("decode", sampler, steps=self.decode_steps_for(batch_bucket))
 
     def token_bucket(self, n: int) -> int:
@@ -219,7 +241,7 @@ class ModelRunner:
         return out
 
     def _run(self, variant: StepVariant, batch: StepBatch | DecodeBatch, bucket: int):
-        step = self.steps[variant]
+        step = self.step_of(variant)
         if isinstance(step, SplitStep):
             return step(self.params, self.kv, self.state, batch,
                         *(self._executables.get(StepKey(variant, bucket, part)) for part in SplitStep.PARTS))
@@ -234,7 +256,7 @@ class ModelRunner:
         return step(self.params, self.kv, self.state, batch)
 
     def _ensure_compiled(self, variant: StepVariant, batch) -> None:
-        parts = SplitStep.PARTS if isinstance(self.steps[variant], SplitStep) else ("",)
+        parts = SplitStep.PARTS if isinstance(self.step_of(variant), SplitStep) else ("",)
         if all(StepKey(variant, bucket_of(batch), part) in self._executables for part in parts):
             return
         for key, fn, args in self._units(variant, batch):
@@ -250,7 +272,7 @@ class ModelRunner:
     def _units(self, variant: StepVariant, batch) -> list[tuple[StepKey, Any, tuple]]:
         """What compiles apart for a step at the batch's bucket: [(key, jitted function, arguments)], a
         SplitStep's two parts, else the step itself."""
-        step, bucket = self.steps[variant], bucket_of(batch)
+        step, bucket = self.step_of(variant), bucket_of(batch)
         if isinstance(step, SplitStep):
             return [(StepKey(variant, bucket, part), fn, args)
                     for part, fn, args in step.parts(self.params, self.kv, self.state, batch)]

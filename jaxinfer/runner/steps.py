@@ -118,7 +118,8 @@ def _first_row(batch: StepBatch) -> StepBatch:
     """The batch with its per-sequence sampling fields cut to the first sequence's."""
     one = lambda x: x[:1]
     return batch.replace(sample_index=one(batch.sample_index), emits=one(batch.emits), state_row=one(batch.state_row),
-                         step_index=one(batch.step_index), sampling=jax.tree.map(one, batch.sampling))
+                         step_index=one(batch.step_index), sampling=jax.tree.map(one, batch.sampling),
+                         bitmask=jax.tree.map(one, batch.bitmask))
 
 
 def _step_tokens(state: SamplerState, batch: StepBatch) -> jax.Array:
@@ -147,7 +148,8 @@ def _sample_rows(logits: jax.Array, n_top: int, state: SamplerState, batch: Step
                  method: str = "branch"):
     rows = batch.state_row
     pm, oc = _gather_rows(state, rows)
-    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, method=method)
+    tokens, logprobs = sample(logits, batch.sampling, batch.step_index, pm, oc, greedy_only=greedy, method=method,
+                              bitmask=batch.bitmask)
     state = _count(state, rows, tokens, batch.emits, keep_last=True)
     return (state, tokens, logprobs, *top_logprobs(logits, n_top))
 
@@ -156,7 +158,10 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
                  params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, method: str = "branch"):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device). method: sample's."""
+    greedy: every row is greedy (argmax only, no branch on the device). method: sample's. A batch with a
+    bitmask (structured output: the host's mask for the next token) takes one step (n_steps == 1)."""
+    if batch.bitmask is not None and n_steps != 1:
+        raise ValueError(f"a decode dispatch with a bitmask takes one step, not {n_steps}")
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -166,7 +171,8 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
         pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, method=method)
+        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, method=method,
+                               bitmask=batch.bitmask)
         state = _count(state, batch.state_row, new, active)
         remaining = remaining - active.astype(jnp.int32)
         stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)

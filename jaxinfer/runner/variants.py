@@ -32,9 +32,11 @@ class StepVariant:
     sampler: str = "branch"
     attention: str = "paged"
     steps: int = 1             # decode steps per dispatch (decode); rows scored a sequence, Q (verify)
+    masked: bool = False       # its batch carries a structured-output bitmask (made on first use, not at warm-up)
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES or self.sampler not in SAMPLERS or self.attention not in ATTENTIONS:
+        if self.phase not in PHASES or self.sampler not in SAMPLERS or self.attention not in ATTENTIONS or \
+                self.masked and (self.phase == "verify" or self.phase == "decode" and self.steps != 1):
             raise ValueError(f"no such step variant: {self}")
 
     @property
@@ -60,6 +62,7 @@ class StepVariant:
         """As in traces and the executable cache: e.g. "decode-greedy-8", "mixed-plain-fresh"."""
         parts = [self.phase] + ([] if self.sampler in ("branch", "sort") else [self.sampler])
         parts += [] if self.attention == "paged" else [self.attention]
+        parts += ["masked"] if self.masked else []
         return "-".join(parts + ([str(self.steps)] if self.phase in ("decode", "verify") else []))
 
 

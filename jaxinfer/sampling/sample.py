@@ -207,6 +207,7 @@ def sample(
     output_counts: jax.Array,
     greedy_only: bool = False,
     method: str = "branch",
+    bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
@@ -219,10 +220,13 @@ def sample(
     conditional; "plain", "filter" and "filter-p" do not sort, for the batches `sampler_for` gives them. The tokens
     are the same whichever applies (the Gumbel noise of a row is drawn per token id, so the draw does not
     depend on the order it is taken in; they could differ only at exact ties or at a top-p boundary
-    within float rounding).
+    within float rounding). ``bitmask`` [B, ceil(V / 32)] int32 (structured output): the tokens whose bit
+    is 0 are dropped (after the penalties; the returned logprobs stay the model's); None compiles no mask.
     """
     logits = logits.astype(jnp.float32)
     penalised = apply_penalties(logits, arrays, prompt_mask, output_counts)
+    if bitmask is not None:
+        penalised = apply_bitmask(penalised, bitmask)
     if greedy_only:
         return greedy_with_logprob(logits, penalised)
 
@@ -276,6 +280,16 @@ def sample(
     tokens = jnp.where(arrays.temperature == 0, greedy_tokens, sampled_tokens).astype(jnp.int32)
     logprob = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprob
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [B, V] with -inf where bitmask [B, ceil(V / 32)] int32 has a 0 bit (bit j of word i: token
+    32 i + j; llguidance's layout). A row of all ones (an unconstrained request's) leaves its logits as they are."""
+    B, V = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = jnp.right_shift(bitmask[:, :, None], shifts[None, None, :]) & 1    # arithmetic shift: bit 31 too
+    allowed = bits.reshape(B, -1)[:, :V] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def greedy_with_logprob(logits: jax.Array, penalised: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,60 @@
+"""The engine's side of structured output: a matcher for each constrained request (sampling.structured), the
+bitmask of a step's rows built on the host before the step is launched, and each emitted token fed back.
+
+A constrained sequence's next mask depends on the token it just emitted, so the host must see that token
+before the step that samples the next one is launched: such a sequence runs one decode step a dispatch (a
+masked variant, not chained to its successor), is not planned into a prompt step ahead of its read-back,
+and is not drafted for (speculative decoding skips every step that carries one). Unconstrained batches are
+untouched: their steps carry no bitmask and compile no mask.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from jaxinfer.sampling.params import StructuredOutput
+from jaxinfer.sampling.structured import GrammarCompiler, Matcher, allocate_bitmask
+from jaxinfer.text import Tokenizer
+
+
+class Constraints:
+    """Matchers for one engine's constrained requests. The grammar compiler (llguidance's view of the tokenizer:
+    about 1.4 s for a 152k vocabulary) is built on the first constrained request."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_token_ids: Seq[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, tuple(eos_token_ids)
+        self._compiler: GrammarCompiler | None = None
+        self.mask_seconds = 0.0   # host time building bitmasks, summed
+        self.masks = 0            # bitmask rows filled
+
+    def matcher(self, constraint: StructuredOutput) -> Matcher:
+        """A new request's matcher; StructuredOutputError (a ValueError) if its constraint does not compile."""
+        if self.tokenizer is None:
+            raise ValueError("structured output needs a tokenizer (this engine was started without one)")
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._compiler.matcher(constraint)
+
+    def bitmask(self, matchers: Seq[Matcher | None], rows: int) -> np.ndarray | None:
+        """The bitmask [rows, ceil(V / 32)] of a step whose row b samples for matchers[b] (None: unconstrained,
+        all tokens allowed, as are the padding rows past them); None when no row is constrained."""
+        filled = [(m, b) for b, m in enumerate(matchers) if m is not None]
+        if not filled:
+            return None
+        t0 = time.perf_counter()
+        mask = allocate_bitmask(rows, self.vocab_size)
+        self._compiler.fill(mask, filled)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks += len(filled)
+        return mask
+
+
+def advance(matcher: Matcher, token: int) -> str | None:
+    """Feed an emitted token to its request's matcher: the finish reason it implies ("stop" where the grammar
+    is complete and only the end of the sequence may follow), else None."""
+    if not matcher.advance(token):   # the mask allowed it: only a step launched without the mask gets here
+        raise RuntimeError(f"structured output: token {token} was sampled outside the grammar ({matcher.error})")
+    return "stop" if matcher.finished else None

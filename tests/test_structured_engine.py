@@ -1,0 +1,181 @@
+"""Structured output end to end on stories260k (real weights, a 512-token Llama-2 tokenizer): every sampled
+output parses and validates against its JSON Schema at several temperatures and with 32 requests of different
+schemas in one batch; regex, choice and grammar outputs match; unconstrained requests beside constrained
+ones are unchanged and unconstrained batches never take a masked step."""
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+
+from conftest import STORIES, record_steps
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.runner.batch import DecodeBatch
+from jaxinfer.runner.steps import decode_steps
+from jaxinfer.sampling import StructuredOutput
+from jaxinfer.sampling.sample import SamplingArrays, apply_bitmask, sample
+from jaxinfer.sampling.structured import StructuredOutputError, allocate_bitmask
+
+NAME = {"type": "string", "maxLength": 12}
+SCHEMAS = [
+    # nested objects, required fields
+    {"type": "object", "properties": {"name": NAME, "pet": {"type": "object", "properties": {
+        "kind": {"enum": ["cat", "dog", "bird"]}, "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+        "required": ["kind", "legs"], "additionalProperties": False}},
+     "required": ["name", "pet"], "additionalProperties": False},
+    # arrays of enums, bounded lengths
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                 "minItems": 1, "maxItems": 3}},
+     "required": ["colors"], "additionalProperties": False},
+    # bounded numbers and integers (a number with a multipleOf: a small model left free to add fraction digits
+    # may never stop)
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 10, "multipleOf": 0.25},
+                                      "rank": {"type": "integer", "minimum": -5, "maximum": 5}},
+     "required": ["score", "rank"], "additionalProperties": False},
+    # strings with patterns, a boolean
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                                      "ok": {"type": "boolean"}},
+     "required": ["code", "ok"], "additionalProperties": False},
+    # an array of objects
+    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1,
+                                                                        "maximum": 9}, "tag": NAME},
+                                "required": ["id"], "additionalProperties": False}, "maxItems": 2},
+]
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park", "One day"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(STORIES, max_num_seqs=8, max_num_batched_tokens=64, progress=False)
+
+
+def _valid(out, schema) -> None:
+    c = out.outputs[0]
+    assert c.finish_reason == "stop", (c.text, c.finish_reason)
+    jsonschema.validate(json.loads(c.text), schema)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_every_output_validates_against_its_schema(llm, temperature):
+    params = [SamplingParams(max_tokens=160, temperature=temperature, seed=i, structured=StructuredOutput(json=s))
+              for i, s in enumerate(SCHEMAS)]
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))], params)
+    for out, schema in zip(outs, SCHEMAS):
+        _valid(out, schema)
+
+
+def test_32_requests_of_different_schemas_in_one_batch():
+    llm = LLM(STORIES, max_num_seqs=32, max_num_batched_tokens=256, progress=False)
+    schemas = [dict(SCHEMAS[i % len(SCHEMAS)]) for i in range(32)]
+    for i, s in enumerate(schemas):   # 32 distinct schemas: each a title of its own
+        s["title"] = f"schema {i}"
+    params = [SamplingParams(max_tokens=160, temperature=(0.0, 0.7, 1.0)[i % 3], seed=i,
+                             structured=StructuredOutput(json=s)) for i, s in enumerate(schemas)]
+    ran = record_steps(llm.engine.runner)
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(32)], params)
+    for out, schema in zip(outs, schemas):
+        _valid(out, schema)
+    assert "decode-masked-1" in ran or "decode-greedy-masked-1" in ran, ran
+    assert llm.engine.constraints.masks >= sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    cases = [(StructuredOutput(regex=r"(cat|dog)s? [0-9]{2,3}!"), lambda t: re.fullmatch(r"(cat|dog)s? [0-9]{2,3}!", t)),
+             (StructuredOutput(choice=["Lily", "Tom", "the big red ball"]), lambda t: t in ("Lily", "Tom", "the big red ball")),
+             (StructuredOutput(grammar='start: "say " WORD ("," WORD)~0..2 "."\nWORD: /[a-z]{1,6}/'),
+              lambda t: re.fullmatch(r"say [a-z]{1,6}(,[a-z]{1,6}){0,2}\.", t))]
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(max_tokens=200, temperature=temperature, seed=3, structured=s) for s, _ in cases]
+        for out, (s, ok) in zip(llm.generate(PROMPTS[:len(cases)], params), cases):
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and ok(c.text), (s, c.text, c.finish_reason)
+
+
+def test_json_object(llm):
+    """Any JSON object: unbounded, so this model may run out of tokens inside one (keys repeating); what it
+    finishes parses as an object, what it does not is an object's beginning."""
+    params = [SamplingParams(max_tokens=120, temperature=t, seed=s, structured=StructuredOutput(json_object=True))
+              for t in (0.0, 1.0) for s in (0, 1)]
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
+    for c in outs:
+        assert isinstance(json.loads(c.text), dict) if c.finish_reason == "stop" else c.text.startswith("{"), c.text
+
+
+def test_unconstrained_requests_beside_constrained_ones_are_unchanged(llm):
+    plain = SamplingParams(max_tokens=40, temperature=0.0)
+    alone = llm.generate(PROMPTS[:2], plain)
+    constrained = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(json=SCHEMAS[1]))
+    together = llm.generate(PROMPTS[:2] + PROMPTS[2:], [plain, plain, constrained, constrained])
+    for a, t in zip(alone, together[:2]):
+        assert a.outputs[0].token_ids == t.outputs[0].token_ids
+
+
+def test_unconstrained_batches_take_no_masked_step(llm):
+    ran = record_steps(llm.engine.runner)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.7, seed=0))
+    assert ran and not any("masked" in name for name in ran), ran
+
+
+def test_invalid_constraint_is_refused_when_added(llm):
+    with pytest.raises(StructuredOutputError, match="unclosed group"):
+        llm.generate(PROMPTS[0], SamplingParams(structured=StructuredOutput(regex="a(b")))
+    with pytest.raises(StructuredOutputError, match="frobnicate"):
+        llm.generate(PROMPTS[0], SamplingParams(structured=StructuredOutput(json={"type": "frobnicate"})))
+    assert not llm.engine.has_unfinished()
+
+
+def test_constrained_requests_with_speculative_decoding():
+    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64,
+              progress=False)
+    params = [SamplingParams(max_tokens=160, temperature=0.0, structured=StructuredOutput(json=s)) for s in SCHEMAS[:2]]
+    plain = SamplingParams(max_tokens=40, temperature=0.0)
+    outs = llm.generate(PROMPTS[:3], params + [plain])
+    for out, schema in zip(outs, SCHEMAS[:2]):
+        _valid(out, schema)
+
+
+def test_bitmask_drops_the_tokens_whose_bit_is_clear():
+    rng = np.random.default_rng(0)
+    V = 77   # not a multiple of 32: the last word's high bits are past the vocabulary
+    logits = rng.normal(size=(3, V)).astype(np.float32)
+    mask = allocate_bitmask(3, V)
+    allowed = rng.random((2, V)) < 0.2
+    allowed[:, 76] = True   # bit 12 of word 2; and bit 31 of a word below
+    allowed[:, 31] = True
+    for b in range(2):
+        mask[b] = 0
+        for t in np.nonzero(allowed[b])[0]:
+            mask[b, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    out = np.asarray(apply_bitmask(logits, mask))
+    assert np.array_equal(np.isfinite(out[:2]), allowed) and np.array_equal(out[2], logits[2])
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=t) for t in (0.0, 1.0, 0.0)], [1, 2, 3], 3)
+    zeros = np.zeros((3, V), bool), np.zeros((3, V), np.int32)
+    for method in ("branch", "plain"):
+        tokens, _ = sample(logits, arrays, np.zeros(3, np.int32), *zeros, method=method, bitmask=mask)
+        assert allowed[0, tokens[0]] and allowed[1, tokens[1]] and tokens[2] == np.argmax(logits[2])
+
+
+def test_a_masked_decode_dispatch_takes_one_step():
+    batch = DecodeBatch(*[None] * 9, bitmask=np.zeros((1, 1), np.int32))
+    with pytest.raises(ValueError, match="one step"):
+        decode_steps(None, None, 2, False, 0, True, None, None, None, batch)
+
+
+def test_gpu_scheduling_paths_keep_outputs_valid():
+    """The GPU's defaults (prompt steps read back one step late, newcomers' prompts launched behind a decode
+    dispatch, the plain samplers, one-sequence prompt steps) with more requests than rows and a KV pool small
+    enough to preempt: constrained sequences still get a mask for every token."""
+    llm = LLM(STORIES, max_num_seqs=4, max_num_batched_tokens=32, overlap_mixed=True, prefill_behind_decode=True,
+              plain_sampling_step=True, greedy_mixed_step=True, fresh_prompt_attention=True, fresh_prompt_min_tokens=16,
+              num_pages=21, page_size=16, max_model_len=320, progress=False)
+    schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(10)]
+    params = [SamplingParams(max_tokens=160, temperature=(0.0, 1.0)[i % 2], seed=i, top_k=(0, 20)[i % 2],
+                             structured=StructuredOutput(json=s)) for i, s in enumerate(schemas)]
+    plain = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)   # these two take the pool
+    prompts = [" ".join([PROMPTS[i % len(PROMPTS)]] * (1 + 3 * (i % 3))) for i in range(12)]
+    outs = llm.generate(prompts, [plain, plain] + params)
+    for out, schema in zip(outs[2:], schemas):
+        _valid(out, schema)
+    assert llm.engine.scheduler.num_preemptions > 0
