@@ -32,11 +32,19 @@ class Constraints:
 
     def matcher(self, constraint: StructuredOutput) -> Matcher:
         """A new request's matcher; StructuredOutputError (a ValueError) if its constraint does not compile."""
+        return self._compiled().matcher(constraint)
+
+    def check(self, constraint: StructuredOutput) -> None:
+        """Compile a constraint (cached for its requests' matchers); StructuredOutputError if it does not compile.
+        The server calls it off the engine's thread, before queueing the request."""
+        self._compiled().grammar(constraint)
+
+    def _compiled(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer (this engine was started without one)")
         if self._compiler is None:
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._compiler.matcher(constraint)
+        return self._compiler
 
     def bitmask(self, matchers: Seq[Matcher | None], rows: int) -> np.ndarray | None:
         """The bitmask [rows, ceil(V / 32)] of a step whose row b samples for matchers[b] (None: unconstrained,

@@ -111,8 +111,8 @@ class GrammarCompiler:
                 g = llguidance.grammar_from("choice", list(constraint.choice))
             else:
                 g = llguidance.grammar_from("grammar", constraint.grammar)
-        except ValueError as e:
-            raise StructuredOutputError(f"structured {kind}: {e}") from None
+        except Exception as e:   # a ValueError for text that is not JSON; anything else is still the input's fault
+            raise StructuredOutputError(f"structured {kind}: {_first_line(str(e))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(g, self._tok)
         if is_error:
             raise StructuredOutputError(f"structured {kind}: {_first_line(messages[0])}")

@@ -67,7 +67,8 @@ def create_app(engine, *, served_model_name: str | None = None, api_key: str | N
                      vocab_size=engine.cfg.vocab_size, max_model_len=engine.max_model_len,
                      max_logprobs=engine.config.max_logprobs,
                      prompt_logprobs=engine.config.enable_prompt_logprobs,
-                     sampling_defaults=dict(engine.sampling_defaults), chat=chat)
+                     sampling_defaults=dict(engine.sampling_defaults), chat=chat,
+                     check_structured=engine.constraints.check)
     metrics = Metrics(name)
     driver = AsyncEngine(engine, max_waiting=max_waiting, metrics=metrics)
     metrics.bind(driver)

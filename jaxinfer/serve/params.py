@@ -8,12 +8,14 @@ features this server does not have. Every failure is an APIError with the parame
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams
+from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from jaxinfer.serve.response_format import structured_output
 from jaxinfer.text import ChatTemplate, Tokenizer, TokenizerError
 
 
@@ -33,6 +35,9 @@ class ModelInfo:
     # What /v1/chat/completions renders messages with: the server's --chat-template, else the model's own;
     # None (a base model such as stories260k, and none given): chat requests are answered 400, as vLLM's.
     chat: ChatTemplate | None = None
+    # Compiles a structured-output constraint (the engine's grammar compiler), raising a ValueError that says
+    # why it cannot; None: constraints are checked when the engine takes the request
+    check_structured: Callable[[StructuredOutput], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -91,8 +96,9 @@ def _max_tokens(asked: int | None, default: int | None, prompt_len: int, info: M
 
 
 def _sampling(req: _Sampling, info: ModelInfo, max_tokens: int, logprobs: int | None,
-              choice: int) -> SamplingParams:
-    kw: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs}
+              choice: int, structured: StructuredOutput | None = None) -> SamplingParams:
+    kw: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": req.ignore_eos, "logprobs": logprobs,
+                          "structured": structured}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         value = getattr(req, name)
@@ -152,10 +158,11 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
             raise bad_request("prompt must not be empty", param="prompt")
         prompts.append(Prompt(ids, item if isinstance(item, str) else None))
     params = []
+    structured = structured_output(req, info.check_structured)
     for q in prompts:
         max_tokens = _max_tokens(req.max_tokens, info.sampling_defaults.get("max_tokens", 16), len(q.ids), info,
                                  "prompt", "max_tokens")
-        params += [_sampling(req, info, max_tokens, req.logprobs, i) for i in range(req.n)]
+        params += [_sampling(req, info, max_tokens, req.logprobs, i, structured) for i in range(req.n)]
     if req.echo and req.logprobs is not None:
         params = [dataclasses.replace(sp, prompt_logprobs=req.logprobs) for sp in params]
     return Prepared(prompts, params, req.n)
@@ -202,9 +209,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     _check_common(req)
     if req.tools:
         raise bad_request("tools are not supported", param="tools", code="unsupported_parameter")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format",
-                          code="unsupported_parameter")
+    structured = structured_output(req, info.check_structured)
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -217,5 +222,5 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = _max_tokens(asked, info.sampling_defaults.get("max_tokens"), len(ids), info, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = [_sampling(req, info, max_tokens, logprobs, i) for i in range(req.n)]
+    params = [_sampling(req, info, max_tokens, logprobs, i, structured) for i in range(req.n)]
     return Prepared([Prompt(ids, None)], params, req.n)

@@ -3,7 +3,7 @@
 Requests are strict: a string where a number belongs is an error (400), as with OpenAI, not a
 value to coerce. Ranges that do not depend on the model are checked here; the rest (context
 length, token ids within the vocabulary) in `params.py`. Fields beyond OpenAI's, as vLLM names
-them: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids.
+them: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, guided_json / regex / choice / grammar.
 
 Responses are built as plain dicts for speed (see `responses.py`); the response models here
 exist for the OpenAPI schema.
@@ -93,6 +93,14 @@ class _Sampling(_Request):
     user: str | None = None
     # Accepted so that clients sending them get a clear answer; anything but the default is refused.
     logit_bias: dict[str, float] | None = None
+    # Structured output (serve/response_format.py): OpenAI's response_format, or one of vLLM's guided_* fields
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text'}, {'type': 'json_object'} or {'type': 'json_schema', 'json_schema': "
+        "{'name', 'schema', 'strict'}}")
+    guided_json: dict[str, Any] | str | None = Field(None, description="the output follows this JSON Schema")
+    guided_regex: str | None = Field(None, description="the output matches this regular expression")
+    guided_choice: list[str] | None = Field(None, description="the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="the output follows this grammar (Lark or GBNF)")
 
 
 class CompletionRequest(_Sampling):
@@ -133,7 +141,6 @@ class ChatCompletionRequest(_Sampling):
                                                         "{\"enable_thinking\": false}")
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------------------- responses (schema)
