@@ -10,7 +10,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from conftest import STORIES, record_steps
+from conftest import REPO, STORIES, record_steps
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.runner.batch import DecodeBatch
 from jaxinfer.runner.steps import decode_steps
@@ -179,3 +179,19 @@ def test_gpu_scheduling_paths_keep_outputs_valid():
     for out, schema in zip(outs[2:], schemas):
         _valid(out, schema)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_bench_structured_cpu_smoke(tmp_path):
+    """bench/structured.py end to end at a tiny shape (its figures mean nothing here)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = REPO
+    r = subprocess.run([sys.executable, str(repo / "bench" / "structured.py"), "--shape", "tiny", "--batch", "2",
+                        "--context", "8", "--steps", "4", "--lazy-compile", "--models", str(tmp_path / "models"), "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads((tmp_path / "structured.json").read_text())
+    assert out["end_to_end"]["json schema each"]["tokens"] == out["end_to_end"]["unconstrained"]["tokens"] == 8
+    assert out["end_to_end"]["json schema each"]["mask_ms_per_step"] > 0 and out["device"]["masked"] > 0
