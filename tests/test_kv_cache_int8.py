@@ -239,7 +239,7 @@ def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
     assert min(len(set(t)) for t in a) > 4       # not a degenerate repeat of a few tokens
 
 
-@pytest.mark.parametrize("convert", ["cvt", "bits"])
+@pytest.mark.parametrize("convert", ["cvt", "bits", "prmt"])
 @pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
 def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
     """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the

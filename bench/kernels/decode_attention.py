@@ -272,7 +272,7 @@ def main():
     ap = argparse.ArgumentParser()
     add_sweep_args(ap, budget=120.0)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
-    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits"], help="int8 pages: the conversion")
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt"], help="int8 pages: the conversion")
     ap.add_argument("--points", nargs="*", default=None, help="the sweep's points as B:ctx")
     ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()

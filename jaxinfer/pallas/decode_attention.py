@@ -24,7 +24,7 @@ context the call can see), filled from measurements on the H200 (tables.DECODE_A
 
 An INT8 cache comes as two more operands, k_scale and v_scale [L, KVH, slots] (float32, one scale a cached vector:
 ops.quantized_cache.QuantizedCache's values are k_cache and v_cache). Pages are never dequantized: the int8 tiles
-are converted exactly to the compute dtype (int8_to: "cvt" or "bits", tables.DECODE_ATTENTION_INT8_CONVERT), each
+are converted exactly to the compute dtype (int8_to: INT8_CONVERTS, tables.DECODE_ATTENTION_INT8_CONVERT), each
 key's scale multiplies its column of scores, and each value's scale its column of probabilities before p v
 (online_softmax_update_scaled: divided by the block's largest value scale, which multiplies the block's p v in
 float32 instead, so the scaled probabilities keep float16's range).
@@ -56,19 +56,44 @@ LOG2E = math.log2(math.e)
 NEG = -1e30  # masked score / empty-split lse: finite, so max/exp2 never see -inf - -inf
 
 
+# Four int8 values of one 32-bit register to four float16 (two f16x2 registers), exactly: flip the sign bits
+# (v + 128 as bytes), byte permutes put each byte under 0x64 (float16 1024 + u), one f16x2 subtract of 1152 a pair.
+_PRMT_INT8X4_F16 = """{
+.reg .b32 t, c;
+xor.b32 t, $2, 0x80808080;
+mov.b32 c, 0x64806480;
+prmt.b32 $0, t, 0x64646464, 0x5140;
+prmt.b32 $1, t, 0x64646464, 0x7362;
+sub.f16x2 $0, $0, c;
+sub.f16x2 $1, $1, c;
+}"""
+INT8_CONVERTS = ("cvt", "bits", "prmt")
+
+
 def int8_to(x, dtype, how: str = "cvt"):
     """int8 values x in float `dtype`, exactly. "cvt": the conversion instruction. "bits": v + 128 (1..255) added to
     the bits of 1024.0 (float16; float32: 2^23), which then subtracts 1152 (2^23 + 128): integer adds and one float
-    subtraction (I2F runs at a quarter of the FMA rate on Hopper)."""
+    subtraction (I2F runs at a quarter of the FMA rate on Hopper). "prmt" (float16 only; others "cvt"): the same
+    float16 built by byte permutes two values an instruction, the subtraction two a f16x2 instruction (inline PTX:
+    not in interpret mode, where resolve_int8_convert makes it "cvt")."""
     dtype = jnp.dtype(dtype)
-    if how == "cvt":
+    if how == "prmt" and dtype == jnp.dtype(jnp.float16):
+        (y,) = plgpu.elementwise_inline_asm(_PRMT_INT8X4_F16, args=[x], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+        return y
+    if how in ("cvt", "prmt"):
         return x.astype(dtype)
     if how != "bits":
-        raise ValueError(f"int8 conversion {how!r}: 'cvt' or 'bits'")
+        raise ValueError(f"int8 conversion {how!r}: one of {INT8_CONVERTS}")
     if dtype == jnp.dtype(jnp.float16):
         return jax.lax.bitcast_convert_type(x.astype(jnp.int16) + 0x6480, jnp.float16) - jnp.float16(1152.0)
     y = jax.lax.bitcast_convert_type(x.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
     return y.astype(dtype)
+
+
+def resolve_int8_convert(int8_convert: str, interpret: bool) -> str:
+    """The conversion a kernel compiles: "prmt" (inline PTX) runs as "cvt" in interpret mode (the same values)."""
+    return "cvt" if interpret and int8_convert == "prmt" else int8_convert
 
 
 def online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec):
@@ -195,8 +220,8 @@ def check_int8_operands(name: str, k_cache, v_cache, k_scale, v_scale, int8_conv
         if s.shape != k_cache.shape[:-1] or s.dtype != f32:
             raise ValueError(f"{name}: scales {s.shape} {s.dtype} for values {k_cache.shape}: want "
                              f"{k_cache.shape[:-1]} float32")
-    if int8_convert not in ("cvt", "bits"):
-        raise ValueError(f"{name}: int8_convert={int8_convert!r}: 'cvt' or 'bits'")
+    if int8_convert not in INT8_CONVERTS:
+        raise ValueError(f"{name}: int8_convert={int8_convert!r}: one of {INT8_CONVERTS}")
     return True
 
 
@@ -212,6 +237,7 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     L, KVH, n_slots, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd:
         raise ValueError(f"paged_decode_attention: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    int8_convert = resolve_int8_convert(int8_convert, interpret)
     quantized = check_int8_operands("paged_decode_attention", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if H % KVH:
         raise ValueError(f"paged_decode_attention: {H} query heads over {KVH} KV heads")

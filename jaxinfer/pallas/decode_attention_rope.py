@@ -43,7 +43,7 @@ from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer
                                      to_compute)
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.decode_attention import (LOG2E, NEG, SplitConfig, check_int8_operands, choose_config, int8_to,
-                                              merge_splits, online_softmax_update_scaled)
+                                              merge_splits, online_softmax_update_scaled, resolve_int8_convert)
 from jaxinfer.pallas.rope_kv_write import quantize_vectors
 
 f32 = jnp.float32
@@ -196,7 +196,7 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     L, KVH, _, hd_c = k_cache.shape
     if not supports(hd) or hd_c != hd or KVH != K or H % K or v_cache.shape != k_cache.shape:
         raise ValueError(f"decode_attention_rope_write: qkv {qkv.shape} with {H}/{K} heads, caches {k_cache.shape}")
-    int8_convert = int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT
+    int8_convert = resolve_int8_convert(int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret)
     quantized = check_int8_operands("decode_attention_rope_write", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if config is None:
         config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize)

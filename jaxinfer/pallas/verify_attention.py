@@ -42,7 +42,8 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
                                      pow2_at_least, split_range, to_compute)
-from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to, merge_splits,
+from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to,
+                                              resolve_int8_convert, merge_splits,
                                               online_softmax_update_scaled)
 from jaxinfer.pallas.tables import SplitConfig
 
@@ -157,6 +158,7 @@ def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context
                                  int8_convert: str = "cvt", interpret: bool = False):
     """The kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches."""
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
+    int8_convert = resolve_int8_convert(int8_convert, interpret)
     quantized = check_int8_operands("verify_attention", k_cache, v_cache, k_scale, v_scale, int8_convert)
     B, Q, H, hd = q.shape
     KVH = k_cache.shape[1]
