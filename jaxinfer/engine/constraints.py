@@ -10,6 +10,7 @@ untouched: their steps carry no bitmask and compile no mask.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 
@@ -18,6 +19,8 @@ import numpy as np
 from jaxinfer.sampling.params import StructuredOutput
 from jaxinfer.sampling.structured import GrammarCompiler, Matcher, allocate_bitmask
 from jaxinfer.text import Tokenizer
+
+log = logging.getLogger("jaxinfer.engine")
 
 
 class Constraints:
@@ -62,7 +65,10 @@ class Constraints:
 
 def advance(matcher: Matcher, token: int) -> str | None:
     """Feed an emitted token to its request's matcher: the finish reason it implies ("stop" where the grammar
-    is complete and only the end of the sequence may follow), else None."""
-    if not matcher.advance(token):   # the mask allowed it: only a step launched without the mask gets here
-        raise RuntimeError(f"structured output: token {token} was sampled outside the grammar ({matcher.error})")
+    is complete and only the end of the sequence may follow; "abort" where the grammar refuses a token its mask
+    allowed, which ends this request alone), else None."""
+    if not matcher.advance(token):
+        log.warning("structured output: the grammar refused token %d, which its mask allowed: %s", token,
+                    matcher.error.split("\n")[0])
+        return "abort"
     return "stop" if matcher.finished else None

@@ -604,7 +604,7 @@ class Engine(VerifySteps):
             lps.append(float(new_logprobs[j]))
             if k is not None:
                 tops.append([(int(i), float(v)) for i, v in zip(top_ids[j][:k], top_values[j][:k])])
-            grammar_done = seq.grammar is not None and advance(seq.grammar, tok)
+            grammar_done = advance(seq.grammar, tok) if seq.grammar is not None else None
             if tok in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif seq.detok is not None:
@@ -613,7 +613,7 @@ class Engine(VerifySteps):
                 if hit:
                     seq.finish_reason = "stop"
             if seq.finish_reason is None and grammar_done:   # the grammar is complete: nothing else may follow
-                seq.finish_reason = "stop"
+                seq.finish_reason = grammar_done
             if seq.finish_reason is None and len(seq.output_ids) >= seq.max_new:
                 seq.finish_reason = "length"
             if seq.finish_reason is not None:

@@ -8,6 +8,7 @@ features this server does not have. Every failure is an APIError with the parame
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from jaxinfer.sampling import SamplingParams, StructuredOutput
 from jaxinfer.serve.errors import APIError, bad_request
 from jaxinfer.serve.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from jaxinfer.serve.response_format import structured_output
+from jaxinfer.serve.tools import HERMES_CLOSE, HERMES_OPEN, ToolUse, tool_use
 from jaxinfer.text import ChatTemplate, Tokenizer, TokenizerError
 
 
@@ -53,6 +55,7 @@ class Prepared:
     prompts: list[Prompt]
     params: list[SamplingParams]
     n: int
+    tools: ToolUse | None = None   # a chat request's tools: how its replies' tool calls are parsed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -183,8 +186,24 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = [_with_argument_dict(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
+
+
+def _with_argument_dict(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier tool call as chat templates take it: OpenAI sends its arguments as JSON text, the templates (as
+    transformers') want the object."""
+    fn = call.get("function")
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except ValueError:
+            pass
+    return call
 
 
 def chat_prompt_text(req: ChatCompletionRequest, info: ModelInfo) -> str:
@@ -196,7 +215,8 @@ def chat_prompt_text(req: ChatCompletionRequest, info: ModelInfo) -> str:
     messages = _message_dicts(req)
     kwargs = dict(req.chat_template_kwargs or {})
     try:
-        return info.chat.render(messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+        return info.chat.render(messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools or None,
+                                **kwargs)
     except TokenizerError as e:
         raise bad_request(str(e), param="messages", code="chat_template_error") from e
     except Exception as e:  # a template may raise anything on odd input; it is still the input's fault
@@ -207,9 +227,21 @@ def chat_prompt_text(req: ChatCompletionRequest, info: ModelInfo) -> str:
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     check_model(req, info)
     _check_common(req)
-    if req.tools:
-        raise bad_request("tools are not supported", param="tools", code="unsupported_parameter")
     structured = structured_output(req, info.check_structured)
+    template = "" if info.chat is None else "".join(info.chat.templates.values())
+    markers = tuple(info.tokenizer.token_to_id(t) for t in (HERMES_OPEN, HERMES_CLOSE))
+    tools, call = tool_use(req.tools, req.tool_choice, template, markers)
+    if call is not None:   # a required or named call: its grammar
+        if structured is not None:
+            raise bad_request("give a structured-output constraint or a required tool call, not both",
+                              param="tool_choice", code="invalid_value")
+        try:
+            if info.check_structured is not None:
+                info.check_structured(call)
+        except (JaxinferError, ValueError) as e:
+            raise bad_request(f"tools: a function's parameters do not compile: {e}", param="tools",
+                              code="invalid_value") from e
+        structured = call
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", param="top_logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -223,4 +255,4 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     max_tokens = _max_tokens(asked, info.sampling_defaults.get("max_tokens"), len(ids), info, "messages", param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = [_sampling(req, info, max_tokens, logprobs, i, structured) for i in range(req.n)]
-    return Prepared([Prompt(ids, None)], params, req.n)
+    return Prepared([Prompt(ids, None)], params, req.n, tools)

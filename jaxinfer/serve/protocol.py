@@ -128,6 +128,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None   # an assistant's earlier calls (serve/tools.py)
+    tool_call_id: str | None = None                  # a tool's answer: to which call
 
 
 class ChatCompletionRequest(_Sampling):
