@@ -612,7 +612,7 @@ class Engine(VerifySteps):
                 text += emitted
                 if hit:
                     seq.finish_reason = "stop"
-            if seq.finish_reason is None and grammar_done:   # the grammar is complete: nothing else may follow
+            if seq.finish_reason is None and grammar_done:   # the grammar is complete (or refused the token)
                 seq.finish_reason = grammar_done
             if seq.finish_reason is None and len(seq.output_ids) >= seq.max_new:
                 seq.finish_reason = "length"
