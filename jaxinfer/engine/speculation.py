@@ -92,9 +92,7 @@ class Speculator:
             return True
         if self.adaptive and bucket is not None and not self._worth_trying(bucket):
             return False
-        acceptance = self._acceptance
-        rates = [(acceptance.get(s.request_id) or acceptance.setdefault(s.request_id, Acceptance())).rate
-                 for s in seqs]
+        rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
     def _worth_trying(self, bucket: int) -> bool:
