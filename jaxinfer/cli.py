@@ -109,6 +109,12 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (-1: all)")
     g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this share of the most likely's")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 is none")
+    s = g.add_mutually_exclusive_group()   # structured output (docs/structured_output.md)
+    s.add_argument("--json-schema", metavar="FILE|JSON", help="the output follows this JSON Schema (a file or the text)")
+    s.add_argument("--regex", help="the output matches this regular expression")
+    s.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these strings (repeat it)")
+    s.add_argument("--grammar", metavar="FILE|TEXT", help="the output follows this Lark or GBNF grammar (a file or "
+                   "the text)")
 
 
 # generate and chat run one sequence at a time; serve and bench compile every shape at start-up
@@ -159,7 +165,27 @@ def _sampling(args):
     from jaxinfer.sampling import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty)
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          structured=_structured(args))
+
+
+def _structured(args):
+    """The constraint the sampling flags give (None: free text); a file's path is read."""
+    from jaxinfer.sampling import StructuredOutput
+
+    def text(value: str) -> str:
+        if len(value) < 4096 and os.path.isfile(value):
+            with open(value) as f:
+                return f.read()
+        return value
+
+    if args.json_schema is not None:
+        return StructuredOutput(json=text(args.json_schema))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=text(args.grammar))
+    if args.regex is not None or args.choice is not None:
+        return StructuredOutput(regex=args.regex, choice=args.choice)
+    return None
 
 
 def _engine(args, preset: dict[str, Any]):

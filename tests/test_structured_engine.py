@@ -195,3 +195,23 @@ def test_bench_structured_cpu_smoke(tmp_path):
     out = json.loads((tmp_path / "structured.json").read_text())
     assert out["end_to_end"]["json schema each"]["tokens"] == out["end_to_end"]["unconstrained"]["tokens"] == 8
     assert out["end_to_end"]["json schema each"]["mask_ms_per_step"] > 0 and out["device"]["masked"] > 0
+
+
+def test_generate_command_takes_a_constraint(tmp_path):
+    import subprocess
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[1]))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "jaxinfer.cli", "generate", "--model", str(STORIES), "--max-tokens",
+                               "100", *args, "Once upon a time"], capture_output=True, text=True, timeout=300)
+
+    r = run("--json-schema", str(schema))
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout.removeprefix("Once upon a time").strip()), SCHEMAS[1])
+    r = run("--choice", "yes", "--choice", "no")
+    assert r.returncode == 0 and r.stdout.strip().removeprefix("Once upon a time") in ("yes", "no"), r.stdout
+    r = run("--regex", "a(b")
+    assert r.returncode == 2 and "unclosed group" in r.stderr and len(r.stderr.strip().splitlines()) <= 2, r.stderr
