@@ -110,3 +110,20 @@ def test_bad_constraints_are_400_with_the_reason(api, extra, param, reason):
         assert err["param"] == param and reason in err["message"], err
     ok = api.completions.create(model="stories260k", prompt="One day", max_tokens=4, temperature=0)
     assert ok.choices[0].text
+
+
+def test_mask_time_is_a_metric(server, api):
+    import httpx
+
+    api.completions.create(model="stories260k", prompt="One day", max_tokens=50, temperature=0,
+                           extra_body={"guided_choice": ["yes", "no"]})
+    import time
+
+    for _ in range(50):   # the engine thread publishes its figures after each step
+        text = httpx.get(server.url + "/metrics").text
+        values = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("jaxinfer_structured_")}
+        if values["jaxinfer_structured_masks_total"] >= 1:
+            break
+        time.sleep(0.02)
+    assert values["jaxinfer_structured_masks_total"] >= 1 and values["jaxinfer_structured_mask_seconds_total"] > 0

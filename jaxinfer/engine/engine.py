@@ -440,8 +440,8 @@ class Engine(VerifySteps):
             a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
+        self._decode_started = time.perf_counter()   # the constrained rows' masks count as decode time
         bitmask = self.constraints.bitmask([s.grammar for s in seqs], B)
-        self._decode_started = time.perf_counter()
         out = self._launch(to_device(DecodeBatch(**a, sampling=sampling, bitmask=bitmask)), seqs)
         self._timing.started()
         return out

@@ -230,6 +230,7 @@ class AsyncEngine:
             # and within that, blocked on the device; the rest of busy is host work
             "engine_busy_seconds": self._busy + (time.perf_counter() - self._since if self._since else 0.0),
             "engine_device_wait_seconds": e.runner.device_wait_seconds,
+            "structured_mask_seconds": e.constraints.mask_seconds, "structured_masks": e.constraints.masks,
             "phases": {**e.phase_seconds, **self._phases},
         }
         if e.speculator is not None:

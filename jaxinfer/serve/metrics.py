@@ -90,6 +90,11 @@ class Metrics:
         gauge("jaxinfer_spec_decode_mean_accepted_length",
               "Tokens a sequence gains per verify step that carried its drafts (accepted drafts + the target's).",
               "spec_mean_accepted_length")
+        # structured output (engine/constraints.py): the host's bitmask work before constrained steps
+        gauge("jaxinfer_structured_mask_seconds_total", "Seconds the host spent filling structured-output bitmasks.",
+              "structured_mask_seconds")
+        gauge("jaxinfer_structured_masks_total", "Structured-output bitmask rows filled (one a constrained token).",
+              "structured_masks")
         phases = Gauge("jaxinfer_engine_phase_seconds_total",
                        "Seconds the engine thread spent in each phase of its loop (engine.STEP_PHASES, "
                        "async_engine.THREAD_PHASES): the host's work between device steps, and the waits.",
