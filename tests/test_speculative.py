@@ -321,6 +321,26 @@ def test_at_a_large_batch_verifying_starts_only_from_a_measured_gain():
     assert slow.may_draft(seqs, 64) and len(slow.drafts(seqs, bucket=64)) == 64
 
 
+def test_a_large_batch_probe_without_proposals_keeps_the_decode_chain():
+    """Before a decode dispatch is chained at a large batch (its probe due), an n-gram speculator looks at the host's
+    tokens: no proposal means no verify step (the chain goes on), and the probe counts as one without drafts (the
+    next waits PROBE_EVERY dispatches); a small batch stops the chain on may_draft alone."""
+    from jaxinfer.engine.speculation import PROBE_EVERY, Speculator
+    from jaxinfer.spec.ngram import NgramProposer
+
+    fresh = [_Seq(i) for i in range(64)]
+    for seq in fresh:
+        seq.tokens = [5, 6, 7, 8, 9, 10, 11, 12]                 # no repeat: nothing to propose
+    spec = Speculator(NgramProposer(), 4)
+    spec.measured("decode", 64, 64 * 8, 0.02)
+    assert spec.may_draft(fresh, 64) and not spec.would_draft(fresh, 64)
+    for _ in range(PROBE_EVERY):
+        assert not spec.may_draft(fresh, 64)
+        spec.measured("decode", 64, 64 * 8, 0.02)
+    assert spec.would_draft([_Seq(i) for i in range(64)], 64)   # repeats: the chain stops for the probe
+    assert spec.would_draft(fresh[:1], 1)                        # batch 1: may_draft decides
+
+
 def test_tries_without_drafts_back_off_where_verify_rows_are_free():
     """Batch 1: a try that finds nothing waits 1, 2, 4 ... decode dispatches (up to PROBE_EVERY) before the next; a
     try with drafts resets the wait."""

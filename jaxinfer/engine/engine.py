@@ -402,7 +402,7 @@ class Engine(VerifySteps):
             return None
         if any(seq.grammar is not None for seq in seqs):   # its next mask needs this dispatch's token
             return None
-        if self.speculator is not None and self.speculator.may_draft(seqs, self.runner.batch_bucket(len(seqs))):
+        if self.speculator is not None and self.speculator.would_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}

@@ -95,6 +95,21 @@ class Speculator:
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
+    def would_draft(self, seqs: list, bucket: int) -> bool:
+        """Whether a verify step would run over `seqs` now, asked before a decode dispatch is chained behind the one in
+        flight: may_draft, and where verify rows are not nearly free (a large batch's probe), for a proposer of the
+        host's tokens alone (n-gram), drafts that pay on the host's view (one dispatch behind). A probe that finds
+        none is recorded (`tried`) and the chain goes on: it costs no unchained dispatch. Small batches stop the
+        chain on may_draft alone and propose from the tokens read back."""
+        if not self.may_draft(seqs, bucket):
+            return False
+        if rows_nearly_free(bucket * (self.k_max + 1)) or not getattr(self.proposer, "host_only", False):
+            return True
+        if self.drafts(seqs, None, bucket):
+            return True
+        self.tried(bucket, False)
+        return False
+
     def _worth_trying(self, bucket: int) -> bool:
         """Whether drafts may be tried at this batch bucket now, by what was measured and tried there."""
         since = self._since_try.get(bucket, 0)

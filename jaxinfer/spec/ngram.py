@@ -44,6 +44,7 @@ class NgramProposer:
     """Proposals from each sequence's own tokens (`seq.tokens`: prompt and output so far)."""
 
     name = "ngram"
+    host_only = True   # reads only the host's tokens: the engine may ask it while a dispatch is in flight
 
     def __init__(self, max_n: int = MAX_N, min_n: int = MIN_N):
         if not 1 <= min_n <= max_n:
