@@ -331,8 +331,12 @@ ROPE_KV_WRITE_TILE = 8
 
 # --- the INT8 KV cache in the decode attention kernels (decode_attention.py, decode_attention_rope.py) ------------
 
-# How int8 pages become the kernels' compute dtype: "cvt", the conversion instruction (I2F runs at a quarter of the
-# FMA rate on Hopper), or "bits", exact integer adds into a float's low mantissa bits and one float subtraction
-# (decode_attention.int8_to). Not measured yet: "cvt" until bench/kernels/decode_attention.py --kv-cache-dtype
-# int8 --int8-convert bits says otherwise. Int8 pages take the float8 split table (DECODE_ATTENTION_FP8: 1-byte pages).
-DECODE_ATTENTION_INT8_CONVERT = "cvt"
+# How int8 pages become the kernels' compute dtype (decode_attention.int8_to): "cvt", the conversion instruction (I2F
+# runs at a quarter of the FMA rate on Hopper); "bits", exact integer adds into a float's low mantissa bits and one
+# float subtraction; "prmt", byte permutes into float16 two values an instruction and one f16x2 subtraction a pair.
+# H200, 2026-12-03, `bench/kernels/decode_attention_rope.py --points 1:32768 --kv-cache-dtype int8 --int8-convert
+# C` (batch 1, 32,768 positions, best config / the table's; bf16 pages 38.26 us): cvt 37.08 / 38.35 us, bits 35.48 /
+# 36.58, prmt 30.46 / 35.31 (prmt from a later machine start; logs bench/results/2026-12-03-kvint8-h200-kernel-*).
+# Int8 pages take the float8 split table (DECODE_ATTENTION_FP8: 1-byte pages); its choice there (2 stages) was not
+# the best at 32k (3 stages).
+DECODE_ATTENTION_INT8_CONVERT = "prmt"
