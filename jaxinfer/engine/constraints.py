@@ -2,10 +2,11 @@
 bitmask of a step's rows built on the host before the step is launched, and each emitted token fed back.
 
 A constrained sequence's next mask depends on the token it just emitted, so the host must see that token
-before the step that samples the next one is launched: such a sequence runs one decode step a dispatch (a
-masked variant, not chained to its successor), is not planned into a prompt step ahead of its read-back,
-and is not drafted for (speculative decoding skips every step that carries one). Unconstrained batches are
-untouched: their steps carry no bitmask and compile no mask.
+before the step that samples the next one: such a sequence runs one decode step a dispatch, in two parts (the
+forward pass, launched before the previous token is read back, then the sampling under the masks made
+meanwhile: Engine._sample_masked), is not planned into a prompt step ahead of its read-back, and is not drafted
+for (speculative decoding skips every step that carries one). Unconstrained batches are untouched: their steps
+carry no bitmask and compile no mask.
 """
 
 from __future__ import annotations

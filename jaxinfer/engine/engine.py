@@ -47,6 +47,7 @@ from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.sample import SamplingArrays
+from jaxinfer.sampling.structured import allocate_bitmask
 from jaxinfer.settings import EngineConfig
 from jaxinfer.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -56,6 +57,14 @@ MAX_STOP_IDS = 8
 # into text, stop checks), settle (prefix-cache blocks, releasing finished sequences), chain (building
 # and launching a decode dispatch), collect (reading a decode dispatch back and appending its tokens).
 STEP_PHASES = ("schedule", "build", "run", "append", "settle", "chain", "collect")
+
+
+@dataclasses.dataclass
+class PendingSample:
+    """A constrained decode step chained behind the one being read back: its forward pass launched, its sampling
+    waiting for the masks that the read-back tokens give (Engine._sample_masked)."""
+
+    logits: jax.Array
 
 
 @dataclasses.dataclass
@@ -328,6 +337,9 @@ class Engine(VerifySteps):
             self._inflight = self._chain(seqs, advanced)
             t1 = time.perf_counter()
             deltas = self._collect_decode(seqs, outs)
+            if self._inflight is not None and isinstance(self._inflight[2], PendingSample):   # the tokens just read
+                chained, batch, pending = self._inflight                                     # make its masks
+                self._inflight = (chained, *self._sample_masked(chained, batch, pending.logits))
             if self._inflight_mixed is not None:   # its prefill time counts from here
                 self._mixed_read = time.perf_counter()
             self._timing.finished()
@@ -400,9 +412,9 @@ class Engine(VerifySteps):
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
             return None
-        if any(seq.grammar is not None for seq in seqs):   # its next mask needs this dispatch's token
-            return None
-        if self.speculator is not None and self.speculator.would_draft(seqs, self.runner.batch_bucket(len(seqs))):
+        constrained = any(seq.grammar is not None for seq in seqs)   # never drafted for
+        if self.speculator is not None and not constrained and \
+                self.speculator.would_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}
@@ -417,7 +429,10 @@ class Engine(VerifySteps):
             if need[seq]:
                 seq.pages += self.pages.allocate(need[seq])
             page_table[b, :len(seq.pages)] = seq.pages
-        advanced, outs = self._launch(advanced.replace(page_table=jax.device_put(page_table)), seqs)
+        advanced = advanced.replace(page_table=jax.device_put(page_table))
+        if constrained:   # the forward pass now; masks and sampling after the read-back
+            return seqs, advanced, PendingSample(self._forward_masked(advanced))
+        advanced, outs = self._launch(advanced, seqs)
         return seqs, advanced, outs
 
     def _sampler(self, seqs: list[Sequence], rows: int, decode: bool) -> str:
@@ -440,19 +455,39 @@ class Engine(VerifySteps):
             a["stop_ids"][b, :len(seq.stop_ids)] = seq.stop_ids
             a["active"][b] = True
         sampling = SamplingArrays.from_params([s.params for s in seqs], [s.seed for s in seqs], B)
-        self._decode_started = time.perf_counter()   # the constrained rows' masks count as decode time
-        bitmask = self.constraints.bitmask([s.grammar for s in seqs], B)
-        out = self._launch(to_device(DecodeBatch(**a, sampling=sampling, bitmask=bitmask)), seqs)
+        self._decode_started = time.perf_counter()
+        batch = to_device(DecodeBatch(**a, sampling=sampling))
+        if any(seq.grammar is not None for seq in seqs):   # structured output: masks while its forward pass runs
+            out = self._sample_masked(seqs, batch, self._forward_masked(batch))
+        else:
+            out = self._launch(batch, seqs)
         self._timing.started()
         return out
+
+    def _forward_masked(self, batch: DecodeBatch) -> jax.Array:
+        """A constrained decode step's forward pass (runner.launch_masked_forward), its host time fed to the
+        dispatch timing. Its logits wait on the device for `_sample_masked`."""
+        t0 = time.perf_counter()
+        logits = self.runner.launch_masked_forward(batch)
+        self._timing.launched(time.perf_counter() - t0)
+        return logits
+
+    def _sample_masked(self, seqs: list[Sequence], batch: DecodeBatch, logits: jax.Array):
+        """Sample a constrained decode step whose forward pass is on the device: each sequence's mask for its next
+        token (filled while the forward pass runs; a sequence known finished gets no mask, its token is dropped),
+        then the sampling. Returns what `_launch` returns."""
+        B = batch.tokens.shape[0]
+        bitmask = self.constraints.bitmask([s.grammar if s.finish_reason is None else None for s in seqs], B)
+        if bitmask is None:
+            bitmask = allocate_bitmask(B, self.cfg.vocab_size)
+        return self.runner.launch_masked_sample(batch, logits, bitmask, self._sampler(seqs, B, decode=True))
 
     def _launch(self, batch: DecodeBatch, seqs: list[Sequence]):
         """runner.launch_decode, its host time fed to the dispatch timing."""
         t0 = time.perf_counter()
         B = batch.tokens.shape[0]
         compiling = self.runner.first_call_seconds
-        variant = self.runner.decode_variant(self._sampler(seqs, B, decode=True), B, masked=batch.bitmask is not None)
-        out = self.runner.launch_decode(batch, variant)
+        out = self.runner.launch_decode(batch, self.runner.decode_variant(self._sampler(seqs, B, decode=True), B))
         compiled = self.runner.first_call_seconds - compiling   # a step compiled on first use: not decode time
         self._decode_started += compiled
         self._timing.launched(time.perf_counter() - t0 - compiled)

@@ -81,7 +81,6 @@ class DecodeBatch:
     stop_ids: jax.Array        # int32 [B, S], -1 padded
     active: jax.Array          # bool [B]
     sampling: SamplingArrays
-    bitmask: jax.Array | None = None   # int32 [B, ceil(V / 32)] (structured output): a one-step dispatch only
 
 # DecodeBatch fields that a decode dispatch advances; its successor can start from them on device.
 CARRIED = ("tokens", "positions", "step_index", "remaining", "active")

@@ -26,7 +26,8 @@ from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache
 from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.split_step import SplitStep
-from jaxinfer.runner.steps import decode_steps, init_row, mixed_step, mixed_step_prompt_logprobs, verify_step
+from jaxinfer.runner.steps import (decode_forward, decode_sample, decode_steps, init_row, mixed_step,
+                                   mixed_step_prompt_logprobs, verify_step)
 from jaxinfer.runner.transfer import Packed, to_device, to_device_packed
 from jaxinfer.runner.variants import StepKey, StepVariant, samplers_built
 from jaxinfer.sampling.choose import filter_pays
@@ -117,7 +118,10 @@ class ModelRunner:
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jax.jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
-        self.masked_steps: dict[StepVariant, Any] = {}   # structured output's, made on first use (step_of)
+        # a constrained decode step, in two dispatches (steps.decode_forward, decode_sample by sampler), compiled on
+        # first use
+        self._masked_forward = jax.jit(functools.partial(decode_forward, cfg, ops, unroll), donate_argnums=(1,))
+        self._masked_samples: dict[str, Any] = {}
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll, n_top,
@@ -128,31 +132,17 @@ class ModelRunner:
         self.first_call_seconds = 0.0   # first calls of a step at a bucket after warm-up: compiling or loading it
 
     def step_of(self, variant: StepVariant):
-        """The step function of a variant. A masked one (its batch carries a structured-output bitmask) is made on
-        first use, not compiled at warm-up: a masked mixed step is its unmasked twin's jitted function (the batch's
-        bitmask field is a pytree leaf of its own, so it traces apart); a masked decode dispatch takes one step."""
-        if not variant.masked:
-            return self.steps[variant]
-        step = self.masked_steps.get(variant)
-        if step is None:
-            if variant.phase == "decode":
-                step = jax.jit(functools.partial(decode_steps, self.cfg, self.ops, 1, self.tuning.unroll_layers,
-                                                 variant.n_top(self.max_logprobs), variant.greedy,
-                                                 method=variant.method), donate_argnums=(1, 2))
-            else:
-                step = self.steps[dataclasses.replace(variant, masked=False)]
-            self.masked_steps[variant] = step
-        return step
+        """The step function of a variant. A masked one (its batch carries a structured-output bitmask) is its
+        unmasked twin's jitted function (the batch's bitmask field is a pytree leaf of its own, so it traces and
+        compiles apart, on first use: not at warm-up)."""
+        return self.steps[dataclasses.replace(variant, masked=False) if variant.masked else variant]
 
     def decode_steps_for(self, batch_bucket: int) -> int:
         """Decode steps in one dispatch of a batch of this bucket."""
         t = self.tuning
         return t.short_decode_steps if batch_bucket <= t.short_decode_max_batch else self.steps_per_decode
 
-    def decode_variant(self, sampler: str, batch_bucket: int, masked: bool = False) -> StepVariant:
-        """A decode dispatch's variant; a masked one (structured output) takes one step."""
-        if masked:
-            return StepVariant("decode", sampler, steps=1, masked=True)
+    def decode_variant(self, sampler: str, batch_bucket: int) -> StepVariant:
         return StepVariant("decode", sampler, steps=self.decode_steps_for(batch_bucket))
 
     def token_bucket(self, n: int) -> int:
@@ -203,6 +193,25 @@ class ModelRunner:
         """Start a decode dispatch without waiting for it: (the advanced batch, on device; outputs, on
         device: tokens, logprobs, emitted [n, B], top values, top ids [n, B, K])."""
         self.kv, self.state, advanced, *out = self._call(variant, batch)
+        return advanced, tuple(out)
+
+    def launch_masked_forward(self, batch: DecodeBatch) -> jax.Array:
+        """Start a constrained decode step (structured output) with its forward pass: the logits [B, V], left on
+        the device for `launch_masked_sample`."""
+        self.kv, logits = self._masked_forward(self.params, self.kv, batch)
+        return logits
+
+    def launch_masked_sample(self, batch: DecodeBatch, logits: jax.Array, bitmask, sampler: str
+                             ) -> tuple[DecodeBatch, tuple[jax.Array, ...]]:
+        """Sample a constrained decode step under the host's bitmask [B, ceil(V / 32)] int32: what launch_decode
+        returns for a one-step dispatch."""
+        fn = self._masked_samples.get(sampler)
+        if fn is None:
+            v = StepVariant("decode", sampler)
+            fn = jax.jit(functools.partial(decode_sample, v.n_top(self.max_logprobs), v.greedy, v.method),
+                         donate_argnums=(0,))
+            self._masked_samples[sampler] = fn
+        self.state, advanced, *out = fn(self.state, batch, logits, bitmask)
         return advanced, tuple(out)
 
     def run_mixed(self, batch: StepBatch, variant: StepVariant) -> tuple[np.ndarray, ...]:

@@ -158,10 +158,7 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
                  params: dict, kv: KVCache, state: SamplerState, batch: DecodeBatch, method: str = "branch"):
     """n_steps decode steps in one dispatch. Returns (kv, state, the batch advanced by n_steps,
     tokens [n, B], logprobs [n, B], emitted [n, B], top values [n, B, n_top], top ids [n, B, n_top]).
-    greedy: every row is greedy (argmax only, no branch on the device). method: sample's. A batch with a
-    bitmask (structured output: the host's mask for the next token) takes one step (n_steps == 1)."""
-    if batch.bitmask is not None and n_steps != 1:
-        raise ValueError(f"a decode dispatch with a bitmask takes one step, not {n_steps}")
+    greedy: every row is greedy (argmax only, no branch on the device). method: sample's."""
     B = batch.tokens.shape[0]
     rows = jnp.arange(B, dtype=jnp.int32)
 
@@ -170,21 +167,52 @@ def decode_steps(cfg: ModelConfig, ops: ModuleType, n_steps: int, unroll: bool, 
         slots = jnp.where(active, slot_of(batch.page_table, positions, kv.page_size), SCRATCH_PAGE * kv.page_size)
         kv, logits = model.forward(cfg, ops, params, kv, tokens, positions, slots, rows, batch.page_table, rows,
                                    decode=True, unroll=unroll)
-        pm, oc = _gather_rows(state, batch.state_row)
-        new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, method=method,
-                               bitmask=batch.bitmask)
-        state = _count(state, batch.state_row, new, active)
-        remaining = remaining - active.astype(jnp.int32)
-        stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
-        emitted = active
-        step = active.astype(jnp.int32)
-        carry = (kv, state, jnp.where(active, new, tokens), positions + step, step_index + step,
-                 remaining, active & ~stopped)
-        return carry, (new, logprobs, emitted, *top_logprobs(logits, n_top))
+        state, carried, outs = _decode_sampled(state, batch, logits, (tokens, positions, step_index, remaining, active),
+                                               n_top, greedy, method)
+        return (kv, state, *carried), outs
 
     init = (kv, state, batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
     (kv, state, *carry), outs = jax.lax.scan(one, init, None, length=n_steps)
     return (kv, state, batch.replace(**dict(zip(CARRIED, carry))), *outs)
+
+
+def _decode_sampled(state: SamplerState, batch: DecodeBatch, logits: jax.Array, carried: tuple, n_top: int,
+                    greedy: bool, method: str, bitmask: jax.Array | None = None):
+    """A decode step after its forward pass: sample, count for the penalties, advance the carried fields (tokens,
+    positions, step_index, remaining, active). Returns (state, the carried fields advanced, outputs: tokens [B],
+    logprobs [B], emitted [B], top values [B, n_top], top ids [B, n_top])."""
+    tokens, positions, step_index, remaining, active = carried
+    pm, oc = _gather_rows(state, batch.state_row)
+    new, logprobs = sample(logits, batch.sampling, step_index, pm, oc, greedy_only=greedy, method=method,
+                           bitmask=bitmask)
+    state = _count(state, batch.state_row, new, active)
+    remaining = remaining - active.astype(jnp.int32)
+    stopped = jnp.any(new[:, None] == batch.stop_ids, axis=1) | (remaining <= 0)
+    step = active.astype(jnp.int32)
+    carried = (jnp.where(active, new, tokens), positions + step, step_index + step, remaining, active & ~stopped)
+    return state, carried, (new, logprobs, active, *top_logprobs(logits, n_top))
+
+
+def decode_forward(cfg: ModelConfig, ops: ModuleType, unroll: bool, params: dict, kv: KVCache, batch: DecodeBatch):
+    """A constrained decode step's first dispatch (structured output): the forward pass of B sequences' last tokens.
+    Returns (kv, logits [B, V]), the logits left on the device for `decode_sample`: the host fills the step's
+    bitmask while this runs (it needs the token read back from the step before, which this takes on the device)."""
+    B = batch.tokens.shape[0]
+    rows = jnp.arange(B, dtype=jnp.int32)
+    slots = jnp.where(batch.active, slot_of(batch.page_table, batch.positions, kv.page_size),
+                      SCRATCH_PAGE * kv.page_size)
+    return model.forward(cfg, ops, params, kv, batch.tokens, batch.positions, slots, rows, batch.page_table, rows,
+                         decode=True, unroll=unroll)
+
+
+def decode_sample(n_top: int, greedy: bool, method: str, state: SamplerState, batch: DecodeBatch, logits: jax.Array,
+                  bitmask: jax.Array):
+    """A constrained decode step's second dispatch: `decode_forward`'s logits sampled under the host's bitmask
+    [B, ceil(V / 32)] int32. Returns what a one-step `decode_steps` returns but the KV cache: (state, the batch
+    advanced one step, tokens [1, B], logprobs [1, B], emitted [1, B], top values [1, B, n_top], top ids [1, B, n_top])."""
+    carried = (batch.tokens, batch.positions, batch.step_index, batch.remaining, batch.active)
+    state, carried, outs = _decode_sampled(state, batch, logits, carried, n_top, greedy, method, bitmask)
+    return (state, batch.replace(**dict(zip(CARRIED, carried))), *(o[None] for o in outs))
 
 
 

@@ -32,11 +32,11 @@ class StepVariant:
     sampler: str = "branch"
     attention: str = "paged"
     steps: int = 1             # decode steps per dispatch (decode); rows scored a sequence, Q (verify)
-    masked: bool = False       # its batch carries a structured-output bitmask (made on first use, not at warm-up)
+    masked: bool = False       # a mixed step whose batch carries a structured-output bitmask (compiled on first use)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES or self.sampler not in SAMPLERS or self.attention not in ATTENTIONS or \
-                self.masked and (self.phase == "verify" or self.phase == "decode" and self.steps != 1):
+                self.masked and self.phase not in ("mixed", "prompt-logprobs"):
             raise ValueError(f"no such step variant: {self}")
 
     @property
