@@ -221,3 +221,15 @@ def test_constrained_decode_steps_chain(llm):
     out = engine.take_finished(rid)
     assert re.fullmatch("[a-z]{40}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
     assert steps <= len(out.outputs[0].token_ids) + 4, steps
+
+
+def test_engines_without_constrained_requests_do_not_need_llguidance():
+    """The grammar engine is imported on the first constrained request (the GPU machine's image may lack it)."""
+    import subprocess
+    import sys
+
+    code = "import sys, jaxinfer.engine.engine, jaxinfer.serve.app, jaxinfer.cli; print('llguidance' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+    from jaxinfer.engine.constraints import Constraints
+
+    assert np.array_equal(Constraints(None, 77, [0]).allow_all(3), allocate_bitmask(3, 77))

@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxinfer.sampling.params import StructuredOutput
-from jaxinfer.sampling.structured import GrammarCompiler, Matcher, allocate_bitmask
 from jaxinfer.text import Tokenizer
+
+if TYPE_CHECKING:   # llguidance is imported on the first constrained request: an engine without one runs without it
+    from jaxinfer.sampling.structured import GrammarCompiler, Matcher
 
 log = logging.getLogger("jaxinfer.engine")
 
@@ -43,10 +46,16 @@ class Constraints:
         The server calls it off the engine's thread, before queueing the request."""
         self._compiled().grammar(constraint)
 
+    def allow_all(self, rows: int) -> np.ndarray:
+        """A bitmask of `rows` rows allowing every token (sampling.structured.allocate_bitmask's)."""
+        return np.full((rows, -(-self.vocab_size // 32)), -1, np.int32)
+
     def _compiled(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise ValueError("structured output needs a tokenizer (this engine was started without one)")
         if self._compiler is None:
+            from jaxinfer.sampling.structured import GrammarCompiler
+
             self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._compiler
 
@@ -57,7 +66,7 @@ class Constraints:
         if not filled:
             return None
         t0 = time.perf_counter()
-        mask = allocate_bitmask(rows, self.vocab_size)
+        mask = self.allow_all(rows)
         self._compiler.fill(mask, filled)
         self.mask_seconds += time.perf_counter() - t0
         self.masks += len(filled)

@@ -47,7 +47,6 @@ from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.sampling.sample import SamplingArrays
-from jaxinfer.sampling.structured import allocate_bitmask
 from jaxinfer.settings import EngineConfig
 from jaxinfer.text import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
@@ -479,7 +478,7 @@ class Engine(VerifySteps):
         B = batch.tokens.shape[0]
         bitmask = self.constraints.bitmask([s.grammar if s.finish_reason is None else None for s in seqs], B)
         if bitmask is None:
-            bitmask = allocate_bitmask(B, self.cfg.vocab_size)
+            bitmask = self.constraints.allow_all(B)
         return self.runner.launch_masked_sample(batch, logits, bitmask, self._sampler(seqs, B, decode=True))
 
     def _launch(self, batch: DecodeBatch, seqs: list[Sequence]):
