@@ -5,7 +5,8 @@ plan into padded step arrays, runs the compiled step on the ModelRunner, and tur
 into text (incremental detokenization, stop tokens and strings, finish reasons):
 - a *mixed* step carries prompt chunks (under a token budget) together with one decode token for
   each sequence already generating;
-- a *decode* dispatch runs several decode steps on the device at once;
+- a *decode* dispatch runs several decode steps on the device at once (one, as a forward pass and then a
+  sampling under the host's masks, while a structured-output request runs: constraints.py);
 - with speculative decoding, a *verify* step scores each generating sequence's drafted tokens in one pass
   (beside prompt chunks, or alone in place of a decode dispatch) and keeps those the target accepts.
 """
