@@ -51,6 +51,7 @@ class OracleProposer:
     """Drafts the tokens a first run without speculation produced: every draft is accepted."""
 
     name = "oracle"
+    host_only = True   # its drafts need only the host's tokens: verify steps may be chained
 
     def __init__(self, outputs: list[int]):
         self.outputs = outputs
@@ -140,8 +141,9 @@ def oracle_bound(model_dir: Path, context: int, new: int, ks: list[int]) -> list
     gc.collect()
     rows = [dict(case="decode", k=0, step_ms=plain_ms, tok_s=1e3 / plain_ms, speedup=1.0, equal=True)]
     print(f"# plain decode: {1e3 / plain_ms:.0f} tok/s", flush=True)
-    for k in ks:
-        engine = _engine(model_dir, context, new, decode_steps=16, speculative="ngram", num_speculative_tokens=k)
+    for k, chain in ((k, chain) for k in ks for chain in (False, True)):   # verify steps chained or not (A/B)
+        engine = _engine(model_dir, context, new, decode_steps=16, speculative="ngram", num_speculative_tokens=k,
+                         chain_verify=chain)
         engine.speculator.adaptive = False
         # A verify step's logits round differently from a decode step's (other kernels), so on random weights
         # (near-ties everywhere) its greedy text can part from plain decode's: replay its own text until fixed.
@@ -154,10 +156,12 @@ def oracle_bound(model_dir: Path, context: int, new: int, ks: list[int]) -> list
                 break
             record = out
         st = engine.speculator.stats
-        rows.append(dict(case=f"oracle k={k}", k=k, step_ms=ms, tok_s=1e3 / ms, speedup=plain_ms / ms,
-                         equal=out == tokens, mean_accepted_length=round(st.mean_accepted_length, 2),
-                         verify_steps=st.verify_steps))
-        print(f"# oracle k={k}: {1e3 / ms:.0f} tok/s, x{plain_ms / ms:.2f}, accepted length "
+        rows.append(dict(case=f"oracle k={k}" + (" chained" if chain else ""), k=k, chain=chain, step_ms=ms,
+                         tok_s=1e3 / ms, speedup=plain_ms / ms, equal=out == tokens,
+                         mean_accepted_length=round(st.mean_accepted_length, 2), verify_steps=st.verify_steps,
+                         chained_steps=st.chained_steps, chained_rows_dropped=st.chained_rows_dropped))
+        print(f"# oracle k={k}{' chained' if chain else ''}: {1e3 / ms:.0f} tok/s, x{plain_ms / ms:.2f}, "
+              f"chained steps {st.chained_steps} (rows dropped {st.chained_rows_dropped}), accepted length "
               f"{st.mean_accepted_length:.2f}, tokens equal to plain decode's: {out == tokens}; host phases "
               f"{ {p: round(v, 3) for p, v in engine.phase_seconds.items() if v} }", flush=True)
         del engine
@@ -345,7 +349,7 @@ def main() -> None:
         # projected step: the verify step, the drafter's work, and the host time a verify step costs beyond its
         # device time (from the oracle run at k = 15: its ms a step less the verify step's)
         v16 = next((r["verify_ms"] for r in out.get("verify", []) if r["Q"] == 16 and r["context"] == args.prompt), None)
-        o15 = next((r for r in out.get("oracle", []) if r["k"] == 15), None)
+        o15 = next((r for r in out.get("oracle", []) if r["k"] == 15 and not r.get("chain")), None)
         host = o15["step_ms"] * o15["mean_accepted_length"] - v16 if o15 and v16 else None
         try:
             out["dflash"] = dflash_cost(args.prompt, v16, host)

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1, help="copies of the prompt at once")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
-    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=7, max_num_seqs=args.batch,
+    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=7, max_num_seqs=args.batch, chain_verify=False,
               enable_prefix_caching=False, progress=False, cache_dir="")
     e = llm.engine
     e.speculator.adaptive = False   # every proposal verified

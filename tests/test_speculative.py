@@ -370,13 +370,13 @@ def _steps_seen(llm) -> list[tuple[str, int, int]]:
     """(kind, generating sequences, tokens) of each step carrying prompt chunks or drafts the engine runs from now
     on: kind "ragged" (a verify step beside prompt chunks), "dense" (a verify step alone) or "mixed" (no drafts)."""
     e, seen = llm.engine, []
-    verify, launch = e._verify, e._launch_mixed
+    verify, launch = e._launch_verify, e._launch_mixed
 
     def count(kind, chunks, drafts):
         seen.append((kind, sum(not s.prefilling for s, _ in chunks), sum(n for _, n in chunks) + sum(
             map(len, drafts.values()))))
-    e._verify = lambda chunks, drafts, dense: (
-        count("dense" if dense else "ragged", chunks, drafts), verify(chunks, drafts, dense))[1]
+    e._launch_verify = lambda chunks, drafts, dense, assumed=None: (
+        count("dense" if dense else "ragged", chunks, drafts), verify(chunks, drafts, dense, assumed))[1]
     e._launch_mixed = lambda chunks: (count("mixed", chunks, {}), launch(chunks))[1]
     return seen
 
@@ -412,10 +412,10 @@ def test_no_drafts_that_would_break_the_prompt_steps_chain():
     drafts only where no prompt work follows it."""
     llm = _spec(STORIES, speculative="ngram", max_num_seqs=4, max_num_batched_tokens=16, overlap_mixed=True)
     e = llm.engine
-    seen, verify = [], e._verify
-    e._verify = lambda chunks, drafts, dense: (seen.append((dense, any(
+    seen, verify = [], e._launch_verify
+    e._launch_verify = lambda chunks, drafts, dense, assumed=None: (seen.append((dense, any(
         s.prefilling and s.num_computed + n < len(s.tokens) for s, n in chunks) or bool(e.scheduler.waiting))),
-        verify(chunks, drafts, dense))[1]
+        verify(chunks, drafts, dense, assumed))[1]
     llm.generate(PROMPTS, GREEDY)
     assert seen and not any(follows for _, follows in seen)
 
@@ -429,3 +429,48 @@ def test_a_batch_of_16_with_adaptive_speculation_keeps_greedy_tokens(overlap, ba
     assert _tokens(llm, BATCH_PROMPTS) == batch_reference
     assert llm.engine.speculator.stats.verify_steps > 0
     _no_pages_held(llm)
+
+
+class _Replay:
+    """A proposer of the host's tokens that drafts a known continuation (every draft right): the bench's oracle."""
+
+    name, host_only = "replay", True
+
+    def __init__(self, outputs: list[int]):
+        self.outputs = outputs
+
+    def propose(self, seqs, k: int) -> list[list[int]]:
+        return [self.outputs[len(s.output_ids): len(s.output_ids) + k] for s in seqs]
+
+
+def test_chained_verify_steps_keep_the_tokens_and_drop_what_failed(reference):
+    """Verify steps launched before their predecessor is read back (Tuning.chain_verify): the n-gram's greedy tokens
+    equal plain decoding's and the unchained steps', steps were chained, and rows whose guess failed were dropped;
+    a proposer that is always right has every chained row kept."""
+    chained = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, chain_verify=True)
+    assert _tokens(chained, PROMPTS[:1]) == reference[:1]
+    stats = chained.engine.speculator.stats
+    assert stats.chained_steps > 0 and stats.chained_rows_dropped > 0
+    unchained = _spec(STORIES, speculative="ngram", num_speculative_tokens=4)   # chain_verify off by default
+    assert _tokens(unchained, PROMPTS[:1]) == reference[:1]
+    assert unchained.engine.speculator.stats.chained_steps == 0
+    _no_pages_held(chained)
+
+    exact = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, chain_verify=True)
+    exact.engine.speculator.proposer = _Replay(reference[0])
+    assert _tokens(exact, PROMPTS[:1]) == reference[:1]
+    stats = exact.engine.speculator.stats
+    assert stats.chained_steps > 0 and stats.chained_rows_dropped == 0
+    assert stats.accepted == stats.drafted
+    _no_pages_held(exact)
+
+
+def test_chained_verify_steps_keep_a_seeds_text():
+    """Sampled requests with a seed (no penalties: those are never chained) give the same text chained or not."""
+    params = SamplingParams(max_tokens=60, temperature=0.5, top_p=0.9, seed=7, ignore_eos=True)
+    texts = []
+    for chain in (True, False):
+        llm = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, chain_verify=chain)
+        texts.append(_tokens(llm, PROMPTS[:1], params))
+        assert (llm.engine.speculator.stats.chained_steps > 0) == chain
+    assert texts[0] == texts[1]

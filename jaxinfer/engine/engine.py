@@ -135,6 +135,7 @@ class Engine(VerifySteps):
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
         self._inflight_mixed: MixedInFlight | None = None   # a mixed step not yet read back (overlap_mixed)
+        self._inflight_verify = None             # a dense verify step not yet read back (Tuning.chain_verify)
         self._mixed_read = 0.0                   # when the last mixed step was read back
         self._decode_started = 0.0
         self._drafting_started = 0.0
@@ -299,7 +300,8 @@ class Engine(VerifySteps):
         return True
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self._inflight_mixed is not None or self.scheduler.has_work()
+        return self._inflight is not None or self._inflight_mixed is not None or self._inflight_verify is not None \
+            or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
@@ -355,6 +357,8 @@ class Engine(VerifySteps):
             return deltas
         if self._inflight_mixed is not None:
             return self._step_mixed_ahead()
+        if self._inflight_verify is not None:
+            return self._step_verify_ahead()
         plan = self.scheduler.schedule()
         t1 = time.perf_counter()
         ph["schedule"] += t1 - t0
@@ -363,6 +367,9 @@ class Engine(VerifySteps):
         # a constrained sequence is not drafted for (its drafts would need a mask a position): no drafts in its steps
         constrained = any(seq.grammar is not None for seq, _ in plan.chunks)
         drafts = self._drafts(plan) if self.speculator is not None and not constrained else {}
+        if drafts and plan.kind == "decode" and self.config.tuning.chain_verify:   # read back one step late
+            self._inflight_verify = self._launch_verify(plan.chunks, drafts, dense=True)
+            return []
         if drafts:
             deltas = self._verify(plan.chunks, drafts, dense=plan.kind == "decode")
             t2 = time.perf_counter()

@@ -22,6 +22,8 @@ class SpeculationStats:
     accepted: int = 0          # of them accepted
     emitted: int = 0           # tokens the verify steps emitted (accepted drafts and the target's own)
     sequence_verifies: int = 0   # (sequence, verify step) pairs with drafts
+    chained_steps: int = 0     # verify steps launched before their predecessor was read back
+    chained_rows_dropped: int = 0   # their rows whose predecessor did not go as assumed
 
     @property
     def acceptance_rate(self) -> float:
@@ -59,6 +61,7 @@ class Speculator:
         # a proposer whose state comes from the target's verify steps (DFlash) drafts at every decode step
         self.min_drafts = 1 if getattr(proposer, "needs_every_step", False) else 0
         self._acceptance: dict[int, Acceptance] = {}
+        self._chains: dict[int, Acceptance] = {}   # per sequence: how often a chained step's assumption held
         self.stats = SpeculationStats()
 
     def drafts(self, seqs: list, room: int | None = None, bucket: int | None = None) -> dict:
@@ -151,6 +154,15 @@ class Speculator:
         if kind == "decode":
             self._since_try[bucket] = self._since_try.get(bucket, 0) + 1
 
+    def chain_rate(self, seq) -> float:
+        """The sequence's estimated chance that a chained verify step's assumption holds (its previous step accepts
+        every draft and the guess after them is right): decayed counts with a prior of one in two."""
+        return self._chains.setdefault(seq.request_id, Acceptance()).rate
+
+    def record_chain(self, seq, held: bool) -> None:
+        """A verify step's outcome for chaining: a chained row kept or dropped, or (unchained) all drafts accepted."""
+        self._chains.setdefault(seq.request_id, Acceptance()).record(1, int(held))
+
     def record(self, seq, drafted: int, accepted: int) -> None:
         self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)
         self.stats.drafted += drafted
@@ -164,6 +176,7 @@ class Speculator:
 
     def forget(self, seq) -> None:
         self._acceptance.pop(seq.request_id, None)
+        self._chains.pop(seq.request_id, None)
         if hasattr(self.proposer, "forget"):
             self.proposer.forget(seq)
 

@@ -1,10 +1,23 @@
 """The engine's verify steps (speculative decoding), as methods of Engine: which drafts a planned step verifies
-(`_drafts`), the step itself (`_verify`: built, run, its accepted tokens appended and its rejected drafts rolled
-back), and the captured layer states handed to a DFlash proposer (`_observe`). Engine (engine.py) calls them from
-`step` when its Speculator (speculation.py) has drafts."""
+(`_drafts`), the step itself (`_verify`: built and launched by `_launch_verify`, its accepted tokens appended and
+its rejected drafts rolled back by `_collect_verify`), and the captured layer states handed to a DFlash proposer
+(`_observe`). Engine (engine.py) calls them from `step` when its Speculator (speculation.py) has drafts.
+
+Chained verify steps (`_chain_verify`, Tuning.chain_verify): a verify step's host work (building its arrays, the
+launch, the read-back and the append: ~1.6 ms on the H200 at batch 1) would otherwise run while the device idles,
+because the next step's tokens depend on this one's acceptance. So while step N runs, step N + 1 is built as if N
+accepts every draft and its next token is the proposer's guess (an n-gram proposes one token past N's drafts:
+the guess, then N + 1's drafts), and launched before N is read back. A sequence whose N did not go as assumed
+has its N + 1 row dropped on read-back: its K/V writes lie past the committed tokens, where later steps write
+again (as rejected drafts' do), and the pages it wrote into are in stream order behind it for any new owner.
+Only where nothing else can differ: proposers of the host's tokens (n-gram), no penalties (a dropped row's
+tokens are counted into the device's penalty state), no structured output, and where the acceptance measured
+makes a full accept likely (CHAIN_MIN_CHANCE).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -18,6 +31,40 @@ from jaxinfer.runner.variants import StepVariant, choose_sampler
 from jaxinfer.sampling.sample import SamplingArrays
 
 RAGGED_DRAFTS_MAX_BATCH = 4   # the most generating sequences whose drafts ride beside prompt chunks
+# The least estimated chance (the batch's mean of Speculator.chain_rate) that a chained verify step's assumption
+# holds for it to be chained: a failed guess wastes a device step (~3 ms at batch 1) to save the host's ~1.6 ms, so
+# chaining pays above about 1 - 1.6 / 3.
+CHAIN_MIN_CHANCE = 0.5
+
+
+@dataclasses.dataclass
+class VerifyInFlight:
+    """A verify step launched and not yet read back. assumed: for a chained step, each sequence's tokens it took as
+    committed past the host's tokens when built (its previous step's drafts and the guess after them), and
+    base: the sequence's token count then; dropped: the sequences whose assumption turned out wrong."""
+    chunks: list
+    ds: list
+    emits: list
+    rows: int
+    dense: bool
+    outs: tuple
+    tops: bool
+    launched: float
+    compiling: float
+    build_seconds: float
+    assumed: dict = dataclasses.field(default_factory=dict)
+    base: dict = dataclasses.field(default_factory=dict)
+    dropped: set = dataclasses.field(default_factory=set)
+    full: dict = dataclasses.field(default_factory=dict)   # after read-back: whether each row accepted every draft
+
+
+class _View:
+    """A sequence as a proposer sees it with `extra` tokens appended (a chained step's assumption)."""
+
+    def __init__(self, seq: Sequence, extra: list[int]):
+        self.request_id, self.prompt_ids = seq.request_id, seq.prompt_ids
+        self.output_ids = seq.output_ids + extra
+        self.tokens = self.prompt_ids + self.output_ids
 
 
 class VerifySteps:
@@ -81,11 +128,19 @@ class VerifySteps:
         K/V slots are overwritten later; the pages that held them are returned). dense: every chunk is a
         sequence's decode (a step in place of a decode dispatch), laid out Q rows a sequence for
         ops.verify_attention; otherwise the ragged layout of a mixed step."""
+        return self._collect_verify(self._launch_verify(chunks, drafts, dense))
+
+    def _launch_verify(self, chunks: list[tuple[Sequence, int]], drafts: dict[Sequence, list[int]], dense: bool,
+                       assumed: dict[Sequence, list[int]] | None = None) -> VerifyInFlight:
+        """Build and launch a verify step (see _verify); `assumed` (dense only): tokens each sequence is taken to
+        have committed past its host tokens (a chained step)."""
         r, ps = self.runner, self.config.page_size
         t_build = time.perf_counter()
+        assumed = assumed or {}
         seqs = [seq for seq, _ in chunks]
         B = len(seqs)
         ds = [drafts.get(seq, ()) for seq in seqs]
+        extra = [assumed.get(seq, []) for seq in seqs]
         width = max(r.verify_widths)
         if dense:
             width = min(w for w in r.verify_widths if w > max(map(len, ds)))
@@ -98,10 +153,10 @@ class VerifySteps:
         tokens, positions, slots, token_seq, score_rows, ends = [], [], [], [], [], []
         page_table, pad, t = s["page_table"], SCRATCH_PAGE * ps, 0
         for b, (seq, n) in enumerate(chunks):
-            d, start, pages = ds[b], seq.num_computed, seq.pages
+            d, start, pages = ds[b], seq.num_computed + len(extra[b]), seq.pages
             m = n + len(d)
             span = width if dense else m   # rows it takes (dense: width, those past its drafts padding)
-            tokens += _tokens_at(seq, start, n)
+            tokens += (seq.tokens + extra[b])[start:start + n] if extra[b] else _tokens_at(seq, start, n)
             tokens += d
             tokens += [0] * (span - m)
             slots += [pages[p // ps] * ps + p % ps for p in range(start, start + m)]
@@ -119,10 +174,11 @@ class VerifySteps:
         s["slot_mapping"][:used] = slots
         s["token_seq"][:used] = token_seq
         a["score_rows"][:B] = np.reshape(score_rows, (B, width))
-        emits = [seq.num_computed + n >= len(seq.prompt_ids) + len(seq.output_ids) for seq, n in chunks]
+        emits = [seq.num_computed + len(x) + n >= len(seq.prompt_ids) + len(seq.output_ids) + len(x)
+                 for (seq, n), x in zip(chunks, extra)]
         s["emits"][:B] = emits
         s["state_row"][:B] = [seq.row for seq in seqs]
-        s["step_index"][:B] = [len(seq.output_ids) for seq in seqs]
+        s["step_index"][:B] = [len(seq.output_ids) + len(x) for seq, x in zip(seqs, extra)]
         s["query_start"][1:B + 1] = ends
         s["query_start"][B + 1:] = used
         a["num_drafts"][:B] = [len(d) for d in ds]
@@ -136,20 +192,37 @@ class VerifySteps:
         compiling = r.first_call_seconds
         outs = r.launch_verify(batch, variant)
         self._observe(s)
-        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs) if tops else r.fetch(outs[:3]) + (None, None)
+        return VerifyInFlight(chunks, ds, emits, rows, dense, outs, tops, t0, compiling, t0 - t_build,
+                              {seq: x for seq, x in zip(seqs, extra) if x},
+                              {seq: len(seq.prompt_ids) + len(seq.output_ids) for seq, x in zip(seqs, extra) if x})
+
+    def _collect_verify(self, f: VerifyInFlight) -> list[StreamDelta]:
+        """Read a verify step back: append each emitting sequence's accepted drafts and the target's token, roll
+        back the rest; rows in f.dropped are skipped."""
+        r = self.runner
+        outs = f.outs
+        accepted, tokens, logprobs, top_v, top_i = r.fetch(outs) if f.tops else r.fetch(outs[:3]) + (None, None)
         t1 = time.perf_counter()
-        seconds = t1 - t0 - (r.first_call_seconds - compiling)   # a step compiled on first use: not its time
-        self.phase_seconds["build"] += t0 - t_build
-        self.phase_seconds["run"] += t1 - t0
+        compiled = r.first_call_seconds - f.compiling   # a step compiled on first use: not its time
+        seconds = t1 - f.launched - compiled
+        self.phase_seconds["build"] += f.build_seconds
+        self.phase_seconds["run"] += t1 - f.launched
         stats = self.speculator.stats
         stats.verify_steps += 1
         deltas, emitted = [], 0
-        for b, ((seq, n), emits_b, acc) in enumerate(zip(chunks, emits, accepted[:B].tolist())):
+        for b, ((seq, n), emits_b, acc) in enumerate(zip(f.chunks, f.emits, accepted[:len(f.chunks)].tolist())):
+            if seq in f.dropped:   # its previous step did not go as this row assumed
+                if seq.finish_reason is None:
+                    self.scheduler.trim(seq)
+                continue
+            if seq.finish_reason == "abort":   # aborted while the step was in flight
+                continue
             if not emits_b:
                 seq.num_computed += n
                 continue
-            if ds[b]:
-                self.speculator.record(seq, len(ds[b]), acc)
+            if f.ds[b]:
+                self.speculator.record(seq, len(f.ds[b]), acc)
+            f.full[seq] = acc == len(f.ds[b])
             seq.num_computed += n + acc
             deltas.append(self._append(seq, tokens[b, :acc + 1], logprobs[b, :acc + 1],
                                        None if top_v is None else top_v[b, :acc + 1],
@@ -162,13 +235,67 @@ class VerifySteps:
             else:
                 self.scheduler.trim(seq)
         stats.emitted += emitted
-        if dense:   # wall time from the proposals to the tokens appended (host work included), less compiling
-            self.speculator.measured("verify", rows, emitted, time.perf_counter() - self._drafting_started -
-                                     (r.first_call_seconds - compiling))
-        key = "decode" if dense else "prefill"   # a ragged step counts as a mixed step does: its rows
-        self.stats[f"{key}_tokens"] += emitted if dense else sum(n for _, n in chunks)
+        if f.dense:   # wall time from the proposals (or the last read-back) to the tokens appended, less compiling
+            now = time.perf_counter()
+            since = max(self._drafting_started, getattr(self, "_verify_read", 0.0))
+            self.speculator.measured("verify", f.rows, emitted, now - since - compiled)
+            self._verify_read = now
+        key = "decode" if f.dense else "prefill"   # a ragged step counts as a mixed step does: its rows
+        self.stats[f"{key}_tokens"] += emitted if f.dense else sum(n for _, n in f.chunks)
         self.stats[f"{key}_seconds"] += seconds
         self.phase_seconds["append"] += time.perf_counter() - t1
+        return deltas
+
+    def _chain_verify(self, f: VerifyInFlight) -> VerifyInFlight | None:
+        """Launch the verify step after `f` (in flight) as if f accepts every draft and the token after them is
+        the proposer's guess; None where chaining does not apply (see the module's docstring)."""
+        s, spec = self.scheduler, self.speculator
+        seqs = [seq for seq, _ in f.chunks]
+        if not (self.config.tuning.chain_verify and f.dense and not f.dropped) or s.waiting and s.free_rows \
+                or len(s.running) != len(seqs) or not getattr(spec.proposer, "host_only", False):
+            return None
+        if any(seq.finish_reason is not None or seq.grammar is not None or seq.params.has_penalties
+               for seq in seqs):
+            return None
+        if np.mean([spec.chain_rate(seq) for seq in seqs]) < CHAIN_MIN_CHANCE:
+            return None
+        k = max(len(d) for d in f.ds)
+        assumed, drafts = {}, {}
+        for seq, d in zip(seqs, f.ds):
+            x = list(d)
+            proposal = spec.proposer.propose([_View(seq, x)], k + 1)[0]
+            left = seq.max_new - len(seq.output_ids) - len(x) - 1   # what the chained row may still emit
+            if len(proposal) < 2 or left < 1:
+                return None
+            assumed[seq], drafts[seq] = x + proposal[:1], proposal[1:1 + min(k, left - 1)]
+            if not drafts[seq]:
+                return None
+        for seq in seqs:   # pages for the chained rows' K/V
+            if not s.hold(seq, len(seq.prompt_ids) + len(seq.output_ids) + len(assumed[seq]) + len(drafts[seq])):
+                return None
+        self._drafting_started = time.perf_counter()
+        return self._launch_verify(f.chunks, drafts, dense=True, assumed=assumed)
+
+    def _step_verify_ahead(self) -> list[StreamDelta]:
+        """The verify step in flight: chain its successor (if it applies), then read it back; the successor's rows
+        whose assumption failed are marked dropped."""
+        f = self._inflight_verify
+        nxt = self._chain_verify(f)
+        deltas = self._collect_verify(f)
+        if nxt is not None:
+            for seq, x in nxt.assumed.items():
+                if seq.finish_reason is not None or len(seq.prompt_ids) + len(seq.output_ids) != \
+                        nxt.base[seq] + len(x) or seq.output_ids[len(seq.output_ids) - len(x):] != x:
+                    nxt.dropped.add(seq)
+                self.speculator.record_chain(seq, seq not in nxt.dropped)
+            self.speculator.stats.chained_steps += 1
+            self.speculator.stats.chained_rows_dropped += len(nxt.dropped)
+        else:   # unchained: whether it accepted everything is the evidence that chaining would have held
+            for seq, full in f.full.items():
+                self.speculator.record_chain(seq, full)
+        self._inflight_verify = nxt
+        if nxt is None:
+            self._settle([seq for seq, _ in f.chunks])
         return deltas
 
     def _verify_sampling(self, seqs: list[Sequence], rows: int) -> SamplingArrays:
