@@ -31,11 +31,10 @@ import jax
 import numpy as np
 
 from bench.random_model import SHAPES, write_random_model
+from bench.throughput import greedy_decode_batch
 from jaxinfer.engine.engine import Engine
-from jaxinfer.runner.batch import DecodeBatch
 from jaxinfer.runner.variants import StepVariant
 from jaxinfer.sampling import SamplingParams, StructuredOutput
-from jaxinfer.sampling.sample import SamplingArrays
 
 SHAPES_152K = {**SHAPES, "tiny": {**SHAPES["tiny"], "vocab_size": 151936}}
 
@@ -86,13 +85,7 @@ def device_step_ms(engine: Engine, B: int, context: int, variant: StepVariant | 
     per_seq = -(-(context + 2 * dispatches * steps + 1) // engine.config.page_size)
     pages = engine.pages.allocate(B * per_seq)
     try:
-        a = r.empty_decode(r.batch_bucket(B))
-        for b in range(B):
-            a["page_table"][b, :per_seq] = pages[b * per_seq:(b + 1) * per_seq]
-        a["tokens"][:B], a["positions"][:B], a["remaining"][:B], a["active"][:B] = 7, context, 10**6, True
-        a["state_row"][:B] = np.arange(B)
-        sp = SamplingParams(temperature=0, ignore_eos=True)
-        batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([sp] * B, [0] * B, len(a["tokens"]))))
+        batch = greedy_decode_batch(engine, B, context, pages, per_seq)
 
         def launch(b):
             if variant is not None:

@@ -114,6 +114,25 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
     return rows
 
 
+def greedy_decode_batch(engine, B: int, context: int, pages: list[int], per_seq: int):
+    """A DecodeBatch (on the device) of B greedy rows at `context` tokens over `pages`, per_seq pages a row (from the
+    idle engine's pool: their contents whatever they hold), for timing decode dispatches without requests."""
+    import jax
+
+    from jaxinfer.runner.batch import DecodeBatch
+    from jaxinfer.sampling.sample import SamplingArrays
+
+    r = engine.runner
+    a = r.empty_decode(r.batch_bucket(B))
+    for b in range(B):
+        a["page_table"][b, :per_seq] = pages[b * per_seq:(b + 1) * per_seq]
+    a["tokens"][:B], a["positions"][:B], a["remaining"][:B], a["active"][:B] = 7, context, 10**6, True
+    a["state_row"][:B] = np.arange(B)
+    params = SamplingParams(temperature=0, ignore_eos=True)
+    return jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params] * B, [0] * B,
+                                                                               len(a["tokens"]))))
+
+
 def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy: bool = True,
                        trace_dir: str | None = None) -> float | tuple[float, dict]:
     """The device's decode step at batch B alone: back-to-back decode dispatches of B greedy rows at
@@ -122,9 +141,6 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
     that can sample (the runner's sort, or its branch, which reads a predicate back). With trace_dir, the dispatches are run once
     more under the profiler: returns (ms, the trace's summary)."""
     import jax
-
-    from jaxinfer.runner.batch import DecodeBatch
-    from jaxinfer.sampling.sample import SamplingArrays
 
     r = engine.runner
     sampler = "greedy" if greedy else "sort" if engine.config.tuning.plain_sampling_step else "branch"
@@ -140,14 +156,7 @@ def raw_decode_step_ms(engine, B: int, context: int, dispatches: int = 4, greedy
         jax.block_until_ready(outs)
 
     try:
-        a = r.empty_decode(r.batch_bucket(B))
-        for b in range(B):
-            a["page_table"][b, :per_seq] = pages[b * per_seq:(b + 1) * per_seq]
-        a["tokens"][:B], a["positions"][:B], a["remaining"][:B], a["active"][:B] = 7, context, 10**6, True
-        a["state_row"][:B] = np.arange(B)
-        params = SamplingParams(temperature=0, ignore_eos=True)
-        batch = jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params] * B, [0] * B,
-                                                                                     len(a["tokens"]))))
+        batch = greedy_decode_batch(engine, B, context, pages, per_seq)
         jax.block_until_ready(r.launch_decode(batch, variant)[1])
         t0 = time.perf_counter()
         run(batch)

@@ -139,6 +139,7 @@ class Engine(VerifySteps):
         self._mixed_read = 0.0                   # when the last mixed step was read back
         self._decode_started = 0.0
         self._drafting_started = 0.0
+        self._verify_read = 0.0                  # when the last dense verify step was read back
         self._timing = DispatchTiming()
         self._ids = itertools.count()
         self._rng = random.Random(config.seed)

@@ -174,8 +174,7 @@ class VerifySteps:
         s["slot_mapping"][:used] = slots
         s["token_seq"][:used] = token_seq
         a["score_rows"][:B] = np.reshape(score_rows, (B, width))
-        emits = [seq.num_computed + len(x) + n >= len(seq.prompt_ids) + len(seq.output_ids) + len(x)
-                 for (seq, n), x in zip(chunks, extra)]
+        emits = [seq.num_computed + n >= len(seq.prompt_ids) + len(seq.output_ids) for seq, n in chunks]
         s["emits"][:B] = emits
         s["state_row"][:B] = [seq.row for seq in seqs]
         s["step_index"][:B] = [len(seq.output_ids) + len(x) for seq, x in zip(seqs, extra)]
@@ -237,7 +236,7 @@ class VerifySteps:
         stats.emitted += emitted
         if f.dense:   # wall time from the proposals (or the last read-back) to the tokens appended, less compiling
             now = time.perf_counter()
-            since = max(self._drafting_started, getattr(self, "_verify_read", 0.0))
+            since = max(self._drafting_started, self._verify_read)
             self.speculator.measured("verify", f.rows, emitted, now - since - compiled)
             self._verify_read = now
         key = "decode" if f.dense else "prefill"   # a ragged step counts as a mixed step does: its rows

@@ -140,3 +140,8 @@ def run_mosaic(call, *args, interpret: bool = False):
 
     with mosaic_gpu.force_gpu_interpret_mode():
         return call(*args)
+
+
+# How the kernels turn int8 values into floats, all exact (fused_gemv.weights_to_f32, decode_attention.int8_to):
+# "cvt" the conversion instruction, "bits" integer adds into a float's mantissa, "prmt" byte permutes (inline PTX).
+INT8_CONVERTS = ("cvt", "bits", "prmt")

@@ -48,8 +48,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.tables import SplitConfig
-from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
-                                     pow2_at_least, split_range, to_compute)
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, is_pow2, online_softmax_update, page_compute_dtype,
+                                     page_slots, pow2_at_least, split_range, to_compute)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -67,7 +67,6 @@ prmt.b32 $1, t, 0x64646464, 0x7362;
 sub.f16x2 $0, $0, c;
 sub.f16x2 $1, $1, c;
 }"""
-INT8_CONVERTS = ("cvt", "bits", "prmt")
 
 
 def int8_to(x, dtype, how: str = "cvt"):

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import layer_operands, row_tiles, silu_mul
+from jaxinfer.pallas.blocks import INT8_CONVERTS, layer_operands, row_tiles, silu_mul
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
@@ -51,7 +51,6 @@ prmt.b32 $1, t, 0x4B000000, 0x7541;
 prmt.b32 $2, t, 0x4B000000, 0x7542;
 prmt.b32 $3, t, 0x4B000000, 0x7543;
 }"""
-INT8_CONVERTS = ("cvt", "bits", "prmt")
 
 
 def weights_to_f32(w, int8_convert: str = "cvt", interpret: bool = False):
