@@ -56,13 +56,13 @@ VARIANTS = {  # name: (XLA_FLAGS, greedy-only decode, profile, Engine options be
     "rows4+greedy": ("", True, False, dict(gemv_rows=4)),
     "qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2})),   # Qwen3-4B's QKV only
     "qkv-rows4+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 4})),
-    # Llama-3-8B's QKV at 2 rows (its kernel: 15.73 -> 14.81 us, fifteenth session), Qwen3-4B's entry kept
+    # Llama-3-8B's QKV at 2 rows (its kernel: 15.73 -> 14.81 us, round 15), Qwen3-4B's entry kept
     # decode attention's split count at a 1,024-token context: the table gives batch 1 64 splits of 64 whenever the
     # page table spans more than 1,024 tokens (so 48 of 64 programs are empty at 1k and the merge reads 64 splits)
     "attn-16x64+greedy": ("", True, False, dict(attention_config=(16, 64))),
     "attn-64x64+greedy": ("", True, False, dict(attention_config=(64, 64))),
     "llama-qkv-rows2+greedy": ("", True, False, dict(gemv_rows={(6144, 2560): 2, (6144, 4096): 2})),
-    # Qwen3-4B's o_proj (98 registers, 16 blocks an SM, 1.21 waves under ncu: nineteenth session) at another block_in
+    # Qwen3-4B's o_proj (98 registers, 16 blocks an SM, 1.21 waves under ncu: round 19) at another block_in
     # or at 2 rows a program (1,280 programs: one wave), QKV's 2 rows kept
     "oproj-in128+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 128})),   # the default since s20
     "oproj-in256+greedy": ("", True, False, dict(gemv_block_in={(2560, 4096): 256})),   # the default before

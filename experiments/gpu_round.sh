@@ -91,7 +91,7 @@ case "${1:-1}" in
     fi
     step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --long --out "$OUT"
     ;;
-  warm)      # the fifth session: where a warm server start goes (pallas vs reference: Triton kernels
+  warm)      # round 5: where a warm server start goes (pallas vs reference: Triton kernels
              # reloaded from the persistent cache?), then serving with the fused decode attention,
              # the bucket trimming and the two-stage top-k
     serve_setup
@@ -105,7 +105,7 @@ case "${1:-1}" in
          --plot "$OUT/serving.png"
     [ -z "${DECODE:-}" ] || step 90 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
     ;;
-  steps)     # the sixth session's first call: serving with 8, 2, short-at-small-batch and 4 decode steps per
+  steps)     # round 6's first call: serving with 8, 2, short-at-small-batch and 4 decode steps per
              # dispatch (VARIANTS), after the steps' memory plan; the server's
              # TTFT split (queue / prefill / handoff / parse) printed per rate; the executable cache makes
              # each server's start after the first ~20 s
@@ -155,7 +155,7 @@ case "${1:-1}" in
     # batch 1: the KV share of a step grows with context (8k: ~1.2 of ~8.5 GB)
     step 100 python3 bench/decode.py --shapes qwen3-4b --long qwen3-4b:8192 --paths pallas pallas-fp8 --out "$OUT"
     ;;
-  regress)   # the seventh session: batched decode came back slower (B8 3.52 -> 5.32 ms) after the GEMM's row tiles
+  regress)   # round 7: batched decode came back slower (B8 3.52 -> 5.32 ms) after the GEMM's row tiles
              # and norm prologue; the prologue against XLA's norm per kernel, traces of B8 and B64, and the
              # same at the commit before the prologue (PRE=.ab/pre_norm: that commit's jaxinfer/, carried)
     step 150 python3 bench/kernels/skinny_gemm.py --norm --models qwen3-4b
@@ -189,7 +189,7 @@ case "${1:-1}" in
          --kv-cache-dtype fp8 --out "$OUT"
     step ${GEMM_S:-100} python3 bench/kernels/skinny_gemm.py --prefill --models qwen3-4b
     ;;
-  gaps)      # the eighth session's first call: GPU parity (the greedy-only prompt step is on by default on GPUs,
+  gaps)      # round 8's first call: GPU parity (the greedy-only prompt step is on by default on GPUs,
              # not yet run there); where the server's device idles under load (a third of the time in run 4 of
              # the seventh, in 15-18 ms gaps): the engine thread's phases and Python's collections printed per
              # rate beside a device trace (traces kept as a tarball: the device tool drops deep folders); then
@@ -205,7 +205,7 @@ case "${1:-1}" in
          --serve-args "--dtype bfloat16 --ops pallas --max-num-seqs 64 --overlap-mixed" --request-rates 2,inf \
          --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-overlap.json" --client aiohttp
     ;;
-  gaps3)     # after run 1 of the eighth session (the default server died with CUDA_ERROR_LAUNCH_FAILED in
+  gaps3)     # after run 1 of round 8 (the default server died with CUDA_ERROR_LAUNCH_FAILED in
              # jit_mixed_step 0.7 s into a device trace): the rest of GPU parity, the default server untraced at
              # 2 req/s and all at once (the side-by-side for --overlap-mixed), then offline like the server
              # without and with --overlap-mixed
@@ -238,7 +238,7 @@ case "${1:-1}" in
     step 330 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     step 200 python3 bench/kernels/skinny_gemm.py --prefill --sweep --budget ${SWEEP_S:-110} --models qwen3-4b
     ;;
-  ttft)      # the ninth session's first call: GPU parity (a newcomer's prompt step now goes behind the decode
+  ttft)      # round 9's first call: GPU parity (a newcomer's prompt step now goes behind the decode
              # dispatch in flight, with overlap_mixed, the GPU default), then the server with it and without it
              # (--no-prefill-behind-decode) side by side at 2 and 8 req/s (the light-load TTFT target is 25 ms)
     step 330 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
@@ -250,7 +250,7 @@ case "${1:-1}" in
            --client aiohttp
     done
     ;;
-  tenth)     # the tenth session's first call: the fresh prompt's and the prefixed chunk's bf16 parity against float32
+  tenth)     # round 10's first call: the fresh prompt's and the prefixed chunk's bf16 parity against float32
              # (not yet passed on a GPU; if the fresh one fails, fresh_prompt_attention goes back off by default), the
              # one-sequence ops' GPU tests and
              # kernel times (the prefixed-chunk op is new: cuDNN's log-sum-exp convention is checked there), then
@@ -262,7 +262,7 @@ case "${1:-1}" in
     mkdir -p "$OUT/prefixed"
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 32768 --paths pallas-prefixed --out "$OUT/prefixed"
     ;;
-  parity)    # the tenth session's second call: the cuDNN paths' bf16 parity again (the test now compares the first
+  parity)    # round 10's second call: the cuDNN paths' bf16 parity again (the test now compares the first
              # token's top-20 logprobs: run 1's fresh case parted from float32 at token 0, a near tie where all
              # three bf16 paths parted), the prefixed op's crossover in prefix length (chunks of 1,024 and 2,048
              # after 1,024-2,048 tokens: its prefix is gathered at the page row's whole span), then round sampled
@@ -270,11 +270,11 @@ case "${1:-1}" in
     step 120 python3 bench/kernels/prefill_attention.py --fused
     bash "$0" sampled
     ;;
-  eleventh)  # the eleventh session's first call: the whole GPU parity file (10 tests; plain_sampling_step and the top-k
+  eleventh)  # round 11's first call: the whole GPU parity file (10 tests; plain_sampling_step and the top-k
              # sampler are new defaults: its last test compares them with the branching sampler)
     step 560 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
     ;;
-  host)      # the thirteenth session's first call (the twelfth's last ran an earlier form: run 5): the kernel that now
+  host)      # round 13's first call (the twelfth's last ran an earlier form: run 5): the kernel that now
              # also returns the k/v it writes and the fresh op on them (GPU tests); a 1k prefill's host / launch / device
              # split and prefill.py at 1k and 8k (the skipped sampler-row reset, no gather back; predicted 1k TTFT
              # 16.67 -> ~16.1 ms); the prompt step's host time on the GPU host with the server's shapes, with
@@ -286,7 +286,7 @@ case "${1:-1}" in
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040
     step 60 python3 bench/host_prompt_step.py --max-num-seqs 1 --max-model-len 1040 --repetition-penalty 1.1
     ;;
-  lmhead)    # the thirteenth session's fourth call: the batch-1 lm_head on the fused GEMV with float32 outputs (GPU
+  lmhead)    # round 13's fourth call: the batch-1 lm_head on the fused GEMV with float32 outputs (GPU
              # test at real vocabularies; decode at the three shapes: predicted Qwen3-4B 2.616 -> ~2.59 ms, XLA's
              # reduce fusions 207 us a step against a ~178 us GEMV); the 1k prefill's idle time between kernels
              # (traced: which kernels it follows) and whether XLA flags on command buffers take it
@@ -295,7 +295,7 @@ case "${1:-1}" in
     step 250 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
          --variants default profiled-with-cmdbuf update-skip-temp cmdbuf-every-type graph-min-1 --out "$OUT"
     ;;
-  stacked)   # the thirteenth session's fifth call: greedy parity in float32 and with float8 pages (the lm_head GEMV
+  stacked)   # round 13's fifth call: greedy parity in float32 and with float8 pages (the lm_head GEMV
              # is on every Pallas step now); a jitted call's host time by its number of arrays; the 1k prefill with
              # the layers unrolled over stacked weights (a dozen arrays, not ~300), with and without XLA's dynamic
              # slice fusion (predicted: launch 1.15 -> ~0.4 ms if the arrays are the cost; the raw step grows by
@@ -306,7 +306,7 @@ case "${1:-1}" in
     step 200 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 \
          --variants default stacked-weights stacked-weights-dsf --out "$OUT"
     ;;
-  vectors)   # the thirteenth session's last call (~4 min of budget): split_layers keeps the vectors stacked (the step
+  vectors)   # round 13's last call (~4 min of budget): split_layers keeps the vectors stacked (the step
              # takes 148 arrays, not 292: predicted launch -0.3 ms, 1k TTFT 15.9-16.8 -> ~15.6); decode unchanged
     step 110 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default --out "$OUT"
     step 80 python3 bench/decode.py --shapes qwen3-4b --paths pallas --out "$OUT"
@@ -314,7 +314,7 @@ case "${1:-1}" in
   autotune0) # the gate/up GEMM's 4-byte memset (cuBLAS's own, ~5 us idle a layer) with cuBLAS's heuristic algorithms
     step 170 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-autotune-0 --out "$OUT"
     ;;
-  pairs)     # the seventeenth session's first call: three changes of the sixteenth, each against the package before
+  pairs)     # round 17's first call: three changes of the sixteenth, each against the package before
              # it, in one run, each its own process: the kernels' layer indices as one-entry operands (blocks.
              # layer_operands; before, each [layer, vector_layer] pair was a parameterless XLA fusion run every step:
              # 37 of them, ~0.84 us each, in a batch-1 Qwen3-4B step), the merge kernel reading only the splits that
@@ -344,7 +344,7 @@ case "${1:-1}" in
     mv "$OUT/throughput.json" "$OUT/throughput-b8-after.json"
     ;;
   normflags) # (does not run as written: the flag is not one of jax 0.11.2's XLA, and the variants are gone; seventeenth
-             # session, run 3) XLA's residual add (or split-K finish) and the RMSNorm fusion after it run as two kernels (the norm is a
+             # round, run 3) XLA's residual add (or split-K finish) and the RMSNorm fusion after it run as two kernels (the norm is a
              # Triton softmax-style fusion the add does not join): 72 pairs a 1k prefill step (5.5 + 4.5 us), two a
              # layer at batch 8 (1.7 + 2.4 us). Without Triton's norm fusions the add might join a native norm
              # reduction. The 1k prefill first (one process a variant), then batch 8 (an engine each, ~160 s)
@@ -370,22 +370,22 @@ case "${1:-1}" in
     ;;
   ropeattn)  # the engine's decode attention kernel (RoPE, norm, cache write fused) by split config at batch 1-32
              # (bench/kernels/decode_attention.py sweeps the plain kernel, which the step no longer runs); batch 8's
-             # attention took 17.6 us a layer in the thirteenth session's trace against ~7.5 at the read ceiling
+             # attention took 17.6 us a layer in round 13's trace against ~7.5 at the read ceiling
     step 420 python3 bench/kernels/decode_attention_rope.py --budget 330
     ;;
-  swiglu)    # (the interleaved variant was removed in the seventeenth session: this round no longer runs as written) the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
+  swiglu)    # (the interleaved variant was removed in round 17: this round no longer runs as written) the SwiGLU GEMV on interleaved gate/up rows (gate i at 2i, up i at
              # 2i + 1) against the fused matrix's split rows (26.0 us against the plain GEMV's 23.7), alone and in the
              # batch-1 step (same greedy tokens expected)
     step 150 python3 bench/kernels/fused_gemv.py --shape qwen3-4b --rows 1 2 --out "$OUT"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy interleaved+greedy --out "$OUT"
     mv "$OUT/fused_gemv.json" "$OUT/fused_gemv-swiglu.json"
-    # (pallas/mlp_block.py and --mlp-block were removed in the seventeenth session; at dae4e19)
+    # (pallas/mlp_block.py and --mlp-block were removed in round 17; at dae4e19)
     # the persistent MLP block (pallas/mlp_block.py: one kernel, a grid barrier between SwiGLU and down) against
     # the engine's two kernels; last, and under its own limit: a program count the GPU cannot keep resident
     # would spin forever (prediction in NOTES: 36-42 us against 39.5)
     step 120 python3 bench/kernels/fused_gemv.py --shape qwen3-4b --mlp-block 256 512 1024 --out "$OUT"
     ;;
-  b8redo)    # batch 8's attention row A/B again, each row compiled (the fourteenth session's second run loaded the
+  b8redo)    # batch 8's attention row A/B again, each row compiled (round 14's second run loaded the
              # first run's executables: void); each engine start compiles ~125 s
     step 280 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 8/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-8x64.json"
@@ -429,7 +429,7 @@ case "${1:-1}" in
     step 100 python3 bench/decode_dispatch.py --shape qwen3-4b --variants profiled-pdl-launch+greedy --out "$OUT"
     ;;
   pdl1)      # the decode GEMVs' weight tiles loaded before griddepcontrol.wait (fused_gemv's `prefetch`; twenty-sixth
-             # session): the chain test under default and PDL flags, then batch-1 decode, each variant its own process.
+             # round): the chain test under default and PDL flags, then batch-1 decode, each variant its own process.
              # Measured nothing (bench/NOTES.md) and removed after; kept as the record of calls 1-5: needs f5b6e27's
              # package (0a74942 for the no-cmdbuf variants) to mean anything
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_gemv_gpu.py -k grid_dependency
@@ -440,16 +440,16 @@ case "${1:-1}" in
     ;;
   pdlmosaic) # does XLA launch a Mosaic GPU kernel that uses griddepcontrol (its module marked uses_pdl) programmatically,
              # and what would a Mosaic GEMV overlap? chains of tiny kernels and of weight-streaming kernels at Qwen3-4B's
-             # batch-1 layer sizes, with / without the calls, without and with --xla_gpu_enable_pdl (twenty-sixth session)
+             # batch-1 layer sizes, with / without the calls, without and with --xla_gpu_enable_pdl (round 26)
     step 150 python3 bench/pdl_mosaic_probe.py
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/pdl_mosaic_probe.py
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true --xla_gpu_enable_pdl_launch=true" python3 bench/pdl_mosaic_probe.py
     ;;
   persistent) # fewer kernel boundaries: the batch-1 layer's weights streamed by one kernel a layer / one for 8 layers,
-             # without and with a grid barrier (a global semaphore) at each phase start (twenty-seventh session)
+             # without and with a grid barrier (a global semaphore) at each phase start (round 27)
     step 300 python3 bench/pdl_mosaic_probe.py --mode persistent --only-barrier-count
     ;;
-  persist1)  # the persistent GEMV chain (pallas/persistent_gemv.py, twenty-eighth session; an experiment, not in the ops):
+  persist1)  # the persistent GEMV chain (pallas/persistent_gemv.py, round 28; an experiment, not in the ops):
              # its GPU tests, then Qwen3-4B-shaped layers in one launch (grid barriers, static or ticketed tiles)
              # against the engine's fused_gemv chain
     step 240 python3 -m pytest -q -o addopts= tests/gpu/test_persistent_gemv_gpu.py
@@ -486,12 +486,12 @@ case "${1:-1}" in
     step 570 python3 bench/decode.py --shapes qwen3-0.6b llama3-8b --long --paths pallas reference hf hf-compile \
          --profile pallas --out "$OUT"
     ;;
-  prefix29)  # issue 5's cached-prefix gain again (last measured in the second session, 4.4x, before the prompt kernels
+  prefix29)  # issue 5's cached-prefix gain again (last measured in round 2, 4.4x, before the prompt kernels
              # changed): TTFT of a 2,048-token system prompt + 8 tokens, cold against cached, batch 1's step beside it
     step 400 python3 bench/throughput.py --shape qwen3-4b --batches 1 --requests 10 --system 2048 --lazy-compile \
          --out "$OUT"
     ;;
-  mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, twenty-sixth session; an experiment, not in the ops):
+  mosaicgemv) # the Mosaic GPU decode GEMV (pallas/mosaic_gemv.py, round 26; an experiment, not in the ops):
              # its GPU tests, then a chain of Qwen3-4B-shaped layers against the engine's Triton GEMV, without and with
              # --xla_gpu_enable_pdl (its griddepcontrol variant waits for the kernel before after its first weight tiles)
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_mosaic_gemv_gpu.py
@@ -500,8 +500,8 @@ case "${1:-1}" in
     step 150 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python3 bench/kernels/mosaic_gemv.py --out "$OUT"
     ;;
   norm8)     # batch 8's QKV and gate/up GEMMs with the RMSNorm as their prologue, folded and exactly rounded (run 4 of
-             # the seventeenth session, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh
-             # session). Kept as the record of that run; needs 495a3e6's package in .carry/norm8 to mean anything
+             # round 17, at 495a3e6; reverted after it: 3.17 -> 5.16 / 4.89 ms, as in the seventh
+             # round). Kept as the record of that run; needs 495a3e6's package in .carry/norm8 to mean anything
     step 200 env PYTHONPATH=.carry/before-norm:. python3 bench/throughput.py --shape qwen3-4b --batches 8 \
          --decode-only --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-before.json"
@@ -512,7 +512,7 @@ case "${1:-1}" in
   skinny32ab) # batch 17-32's GEMMs at their own M = 32 configs: the sweep at M = 32 (its winners: the configs that beat
              # XLA at M = 32 in the same run), then batch 32 decode without and with them in the table
              # (throughput.py --skinny-table), engines compiled lazily (only the steps taken). B32's gate/up runs on
-             # XLA's GEMM (32.7 us a layer, sixteenth session). Predicted in NOTES: 4.45 -> ~4.25 ms if gate/up wins
+             # XLA's GEMM (32.7 us a layer, round 16). Predicted in NOTES: 4.45 -> ~4.25 ms if gate/up wins
     step 250 python3 bench/kernels/skinny_gemm.py --sweep --sweep-ms 32 --ms 32 --models qwen3-4b --budget 150
     step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b32-before.json"
@@ -522,7 +522,7 @@ case "${1:-1}" in
     ;;
   skinny32b) # run 5's M = 32 rows that keep the summation order (QKV: split 1 as before; down: split 4 as before,
              # other stages) against none, batch 32; then batch 8 in an engine compiled at start against a lazy one
-             # (run 5's lazy B32 engine measured 4.342 ms where the sixteenth session's eager ones measured 4.45-4.49)
+             # (run 5's lazy B32 engine measured 4.342 ms where round 16's eager ones measured 4.45-4.49)
     for t in none qkv-down; do
       extra=(); [ $t != none ] && extra=(--skinny-table .carry/skinny32-$t.json)
       step 150 python3 bench/throughput.py --shape qwen3-4b --batches 32 --decode-only --lazy-compile "${extra[@]}" \
@@ -546,7 +546,7 @@ case "${1:-1}" in
          --out "$OUT"
     ;;
   b8fp)      # are batch 8's greedy tokens stable across processes once XLA's autotuning is pinned? (the seventeenth
-             # session's runs 4 and 6 gave be47710b4305 and 3f2b72ccf011 with the same package; B1's and B32's were
+             # round's runs 4 and 6 gave be47710b4305 and 3f2b72ccf011 with the same package; B1's and B32's were
              # stable). Two lazily compiled B8 engines as now, then two sharing XLA's per-fusion autotune cache
              # (the first writes it, the second reads it). Predicted: the pinned pair agrees; the plain pair may not
     for i in 1 2; do
@@ -561,27 +561,27 @@ case "${1:-1}" in
     ;;
   ncu)       # the decode step's Pallas kernels under Nsight Compute (never used here before; Firecracker machines read
              # the counters): per kernel duration, DRAM throughput, registers, occupancy and its limiter, at batch 1
-             # and 8 (bench/ncu_kernels.py; what NOTES' eighteenth session predicts for them). On the H200 ncu's own
-             # process segfaults on this workload (nineteenth session, calls 1-8): ncu3 profiles the kernels alone
+             # and 8 (bench/ncu_kernels.py; what NOTES' round 18 predicts for them). On the H200 ncu's own
+             # process segfaults on this workload (round 19, calls 1-8): ncu3 profiles the kernels alone
     step 420 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --timeout 120 --out "$OUT"
     ;;
   ncu2)      # ncu's front-end crashed on the engine's workload (calls 2-8): the decode step on an unwritten cache
              # (no prompt step: no cuDNN, no cuBLAS) at batch 1 and 8, then the engine's requests with the prompt's
-             # attention on our kernel instead of cuDNN (nineteenth session)
+             # attention on our kernel instead of cuDNN (round 19)
     python3 -c "from bench.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     step 160 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 8 --workload synthetic --skip 300 \
          --timeout 70 --out "$OUT"
     step 80 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload no-cudnn --timeout 70 --out "$OUT"
     ;;
   mgpu)      # the Mosaic GPU (wgmma/TMA) prompt GEMM with fused epilogues against XLA's GEMM + epilogue at Qwen3-4B's
-             # prefill projections (twentieth session); then the GPU tests unrun since the nineteenth session
+             # prefill projections (round 20); then the GPU tests unrun since round 19
     step 300 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --out "$OUT"
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_rope_kv_write_gpu.py tests/gpu/test_parity_gpu.py -k \
          "rope or float32"
     ;;
   mgpu2)     # after mgpu: the Mosaic GEMM at the other token buckets (128-4,096 rows), its GPU tests, then the 1k prompt
              # step with it against without (hopper_gemm's table emptied), alternating, each its own process, and
-             # issue 4's TTFT table (twentieth session; predictions in NOTES)
+             # issue 4's TTFT table (round 20; predictions in NOTES)
     step 200 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 128 256 512 2048 4096 --configs best --out "$OUT"
     step 60 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     prefill_ab 90 no-hopper default no-hopper default
@@ -589,21 +589,21 @@ case "${1:-1}" in
     ;;
   mgpu3)     # after mgpu2 (the 1k step only -0.1-0.2 ms faster with the Mosaic GEMM, against -1.7 ms in isolation): the
              # step traced with and without it (each kernel's time in the step), then batch-1 decode with o_proj at
-             # block_in 128 against the default again (twentieth session)
+             # block_in 128 against the default again (round 20)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
          profiled-no-hopper --out "$OUT"
     step 200 python3 bench/decode_dispatch.py --shape qwen3-4b --variants oproj-in128+greedy default+greedy --out "$OUT"
     ;;
   mgpu4)     # mgpu3's trace had no Mosaic kernel in the step (the split layers' matrices reach the ops as one-layer
              # stacks, which the table's lookup refused): with that fixed, the 1k step traced with and without, an
-             # unprofiled pair, then issue 4's TTFT (twentieth session)
+             # unprofiled pair, then issue 4's TTFT (round 20)
     step 120 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants profiled-with-cmdbuf \
          profiled-no-hopper --out "$OUT"
     mv "$OUT/prefill_dispatch.json" "$OUT/prefill_dispatch-profiled.json"
     step 90 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default no-hopper --out "$OUT"
     step 120 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --out "$OUT"
     ;;
-  mgpu5)     # the Mosaic GEMM with its ring kept across a CTA's tiles (HopperConfig.carry; twentieth session, GPU-unrun):
+  mgpu5)     # the Mosaic GEMM with its ring kept across a CTA's tiles (HopperConfig.carry; round 20, GPU-unrun):
              # its GPU tests, the kernel bench at 1k and 8k with the carry configs beside the best plain ones, then
              # the 1k step alternating: the table as committed / its rows at the fastest configs of this run /
              # without the kernel (each its own process; predictions in NOTES), one traced step of the fastest
@@ -618,7 +618,7 @@ case "${1:-1}" in
   mgpu6)     # mgpu5's step A/B again in another order (HOPPER_JSON: mgpu5's kernels_hopper_gemm.json, committed)
     prefill_ab 80 no-hopper hopper-fastest default no-hopper hopper-fastest default
     ;;
-  mgpu7)     # twenty-first session: the Mosaic GEMM's GPU tests without carry / in-flight (removed), its sweep at 1k
+  mgpu7)     # round 21: the Mosaic GEMM's GPU tests without carry / in-flight (removed), its sweep at 1k
              # against XLA on separate weight arrays (the old stacked array's slices suspected of a copy before
              # cuBLAS), with 128-deep k steps and wave-friendly widths; the 1k step traced (the Mosaic kernels
              # named by epilogue), then the table at this sweep's fastest configs against the table as committed
@@ -646,16 +646,16 @@ case "${1:-1}" in
     ;;
   cmdbuf2)   # the 1k prompt step with XLA's command buffers off against on, alternating (the TTFT's ~0.5 ms between
              # the call and the device's start is cuGraphLaunch of a ~340-kernel graph; kernels launched one by one
-             # start at once; twenty-first session, ~4 min)
+             # start at once; round 21, ~4 min)
     prefill_ab 80 default no-cmdbuf default no-cmdbuf
     ;;
-  skinny1)   # twenty-first session, GPU-unrun: the Mosaic GEMM with its warpgroups split along N (HopperConfig.split_n)
+  skinny1)   # round 21, GPU-unrun: the Mosaic GEMM with its warpgroups split along N (HopperConfig.split_n)
              # and K split in ranges (split_k) on decode rows padded to 64: its GPU tests, then
              # kernels_hopper_skinny.py against the engine's skinny GEMM / XLA at 8-64 rows (~6 min; NOTES)
     step 90 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py
     step 300 python3 bench/kernels/hopper_skinny.py --shape qwen3-4b --rows 8 16 32 64 --out "$OUT"
     ;;
-  flash1)    # twenty-second session: the Mosaic GPU flash attention for a fresh prompt (pallas/hopper_attention.py): its
+  flash1)    # round 22: the Mosaic GPU flash attention for a fresh prompt (pallas/hopper_attention.py): its
              # GPU tests beside cuDNN's error, the kernel against cuDNN / XLA at 1k-8k tokens, then the 1k step with
              # it in place of cuDNN against the default, alternating (~8 min)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
@@ -689,14 +689,14 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # executable cache (its key does not see hopper_attention.TABLE); the test now compiles afresh (~2 min)
     step 200 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py -k "cudnn_attention and fresh" -s
     ;;
-  flash6)    # the flash kernel's GPU tests (two Q buffers, ping-pong off; the overlap, run in the twenty-third session, is gone),
+  flash6)    # the flash kernel's GPU tests (two Q buffers, ping-pong off; the overlap, run in round 23, is gone),
              # its configs against cuDNN at 1k-8k, then the 1k step: the default (flash, ring 2) against two Q buffers
              # and cuDNN (~7 min; adopt a config only where both the kernel bench and the step show it)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_attention_gpu.py
     step 150 python3 bench/kernels/hopper_attention.py --tokens 1024 2048 8192 --out "$OUT"
     prefill_ab 80 default hopper-flash-2q cudnn-attention default
     ;;
-  trace1)    # twenty-third session: the 1k step's kernels traced as the step is now (flash attention for the prompt),
+  trace1)    # round 23: the 1k step's kernels traced as the step is now (flash attention for the prompt),
              # the graph cut at custom calls against the default (TTFT: does the device start earlier?), then
              # bench/prefill.py's 1k twice, each its own process (~5 min)
     prefill_ab 80 profiled-with-cmdbuf default cmdbuf-no-custom default cmdbuf-no-custom
@@ -705,7 +705,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
       mv "$OUT/prefill.json" "$OUT/prefill-1k-$i.json"
     done
     ;;
-  rawgaps)   # twenty-third session: does a prompt step's call return before the step before it has run (the
+  rawgaps)   # round 23: does a prompt step's call return before the step before it has run (the
              # raw loop's 13.2 ms a step against a traced device span of 12.16)? Two processes (~2 min)
     prefill_ab 80 default default
     ;;
@@ -746,7 +746,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     ;;
   warmsplit) # the server's cold and warm start with the split prompt step as the GPU default (94 executables at
-             # start against 78 before it; warm was 11.7 s in the sixth session, target 30)
+             # start against 78 before it; warm was 11.7 s in round 6, target 30)
     serve_setup
     step 300 python3 bench/warm_start.py --serve --shape qwen3-4b --max-num-seqs 256 --runs 2 --out "$OUT"
     ;;
@@ -772,7 +772,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     ;;
   ncu3)      # each of our kernel families alone under ncu (it crashed on every engine workload, calls 2-11; alone
              # it works, call 12): registers, occupancy, waves, DRAM throughput; batch 1's GEMVs and attention, batch
-             # 8's attention and tensor-core GEMMs (~2 min; nineteenth session)
+             # 8's attention and tensor-core GEMMs (~2 min; round 19)
     for w in qkv gate-up o-proj down attention-rope; do
       step 60 python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --workload $w --skip 1 --count 2 --tokens 4 \
            --timeout 45 --out "$OUT"
@@ -783,7 +783,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     ;;
   ncugemv)   # the batch-1 GEMVs' registers, occupancy and waves by block_in and rows a program, under ncu (~3 min):
-             # o_proj ran at 98 registers (16 blocks an SM, 1.21 waves) in call 12 of the nineteenth session
+             # o_proj ran at 98 registers (16 blocks an SM, 1.21 waves) in call 12 of round 19
     for w in o-proj down qkv; do
       for bi in 128 256 512; do
         for r in 1 2; do
@@ -794,14 +794,14 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     ;;
   oproj)     # batch-1 Qwen3-4B step with o_proj at block_in 128 / 512 or 2 rows a program against the default, each its
-             # own process (decode_dispatch.py; pick by ncugemv's registers and waves first; nineteenth session)
+             # own process (decode_dispatch.py; pick by ncugemv's registers and waves first; round 19)
     step 420 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy oproj-in128+greedy \
          oproj-in512+greedy oproj-rows2+greedy --out "$OUT"
     ;;
-  hostab)    # the prompt step's host work (nineteenth session: the batch handed to the step as a numpy buffer,
+  hostab)    # the prompt step's host work (round 19: the batch handed to the step as a numpy buffer,
              # pack's dtype names cached, integer prompts checked with numpy) against the package before it
              # (.carry/before-host = `git archive 7f57a06 jaxinfer`), alternating, each its own process; then
-             # issue 4's 1k TTFT share with the package now. Predictions in NOTES (nineteenth session)
+             # issue 4's 1k TTFT share with the package now. Predictions in NOTES (round 19)
     python3 -c "from bench.random_model import bench_model; bench_model('/tmp/jaxinfer-bench-models', 'qwen3-4b')"
     i=0
     for pkg in ${PKGS:-before-host now before-host now}; do
@@ -812,12 +812,12 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
     ;;
-  state)     # the session's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
-             # 1k TTFT share, with the package as it ends the session
+  state)     # the round's last call: issue 3's batch-1 share (Pallas against the XLA reference path) and issue 4's
+             # 1k TTFT share, with the package as it ends the round
     step 170 python3 bench/decode.py --shapes qwen3-4b --paths pallas reference --long --out "$OUT"
     step 90 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --out "$OUT"
     ;;
-  gateup)    # gate/up with its SwiGLU epilogue on the Pallas GEMM at 1k prompt rows (the eighth session's prefill sweep
+  gateup)    # gate/up with its SwiGLU epilogue on the Pallas GEMM at 1k prompt rows (round 8's prefill sweep
              # reached QKV, 0.90x XLA, and o_proj, 0.77x, not gate/up): the sweep, then the 1k prompt step with the
              # sweep's best config in the prefill table (the SiLU-multiply kernel and cuBLAS's memset gap go)
     step 200 python3 bench/kernels/skinny_gemm.py --prefill --sweep --budget 120 --models qwen3-4b --epilogues swiglu \
@@ -828,15 +828,15 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
   tiledparity) # after the prompt kernel's tiles became the default (68c293d), batch 1's and 8's greedy fingerprints
              # moved (run 3): the GPU's float32 greedy parity with the reference and the kernel's GPU test, then batch
              # 1 with the token loop against the tiles (the fingerprints' cause). The token loop and its rope-loop
-             # variant are gone (nineteenth session): the last step no longer runs as written
+             # variant are gone (round 19): the last step no longer runs as written
     step 240 python3 -m pytest -q -o addopts= tests/gpu/test_parity_gpu.py tests/gpu/test_rope_kv_write_gpu.py -k "float32 or rope_kv_write"
     step 150 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy rope-loop+greedy --out "$OUT"
     ;;
-  mergelast) # (no longer runs: merge "last" was removed after this round measured it slower, eighteenth session; the
+  mergelast) # (no longer runs: merge "last" was removed after this round measured it slower, round 18; the
              # code is at 463839f) decode attention's splits merged by the last program to finish (SplitConfig.merge "last": no merge
              # kernel, no launch between; counters threaded through the layers): GPU parity (20 calls threading the
              # counters, bit-equal outputs, exact counters), the kernel sweep with and without, the batch-1 step A/B,
-             # batch 8 (lazy engines, XLA's autotuning shared). Predicted in NOTES (eighteenth session)
+             # batch 8 (lazy engines, XLA's autotuning shared). Predicted in NOTES (round 18)
     step 150 python3 -m pytest -q -o addopts= tests/gpu/test_decode_attention_rope_gpu.py
     step 150 python3 bench/kernels/decode_attention_rope.py --merge-last --budget 100 --points 1:1024 8:1024 8:2048
     step 120 python3 bench/decode_dispatch.py --shape qwen3-4b --variants default+greedy merge-last+greedy \
@@ -849,7 +849,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     ;;
   prefetch)  # (no longer runs: SplitConfig.prefetch was removed after this round measured it slower, eighteenth
-             # session; the code is at f8fd696) the RoPE-fused decode attention with each block's loads a block ahead, the first before the new token's
+             # round; the code is at f8fd696) the RoPE-fused decode attention with each block's loads a block ahead, the first before the new token's
              # norm/RoPE (SplitConfig.prefetch; outputs equal bit for bit in the interpret tests): the kernel sweep
              # with and without it, the batch-1 step A/B (same tokens expected), then batch 8 (engines compiled
              # lazily, XLA's autotuning pinned by a shared cache so that the tokens compare). Predicted in NOTES
@@ -885,7 +885,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 300 python3 bench/prefill_dispatch.py --shape qwen3-4b --prompt 1024 --variants default host-trace \
          profiled-with-cmdbuf --out "$OUT"
     ;;
-  b8ab)      # the fourteenth session's last call: batch 8's new decode attention row (SplitConfig(8, 64), swept in
+  b8ab)      # round 14's last call: batch 8's new decode attention row (SplitConfig(8, 64), swept in
              # b8attn: 13.4 against the old row's 15.7 us at 1k) in the step, against the old row forced
              # (--attention-config 4/64), each its own process. Predicted: B8 step -0.08 ms (2.3 us x 36 layers).
              # First a sweep of batch 16 and 32 at 1-2k contexts (their rows were swept at 8k or not at all)
@@ -896,12 +896,12 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 220 python3 bench/throughput.py --shape qwen3-4b --batches 8 --decode-only --attention-config 4/64 --out "$OUT"
     mv "$OUT/throughput.json" "$OUT/throughput-b8-old-row.json"
     ;;
-  arrays)    # the fourteenth session's first call (~8 min): greedy parity after the vectors stayed stacked (float32,
+  arrays)    # round 14's first call (~8 min): greedy parity after the vectors stayed stacked (float32,
              # float8 pages: the fused GEMV and skinny GEMM now read them at their own layer), then the A/B that the
-             # thirteenth session had no device time for, each variant its own process in one run: the step's arrays
+             # round 13 had no device time for, each variant its own process in one run: the step's arrays
              # 148 (default) against 292 (split-every-array). Predicted: prefill launch -0.3 ms, decode raw unchanged.
              # Then the layers as a rolled scan over stacked arrays (a dozen), with XLA's dynamic slice fusion and the
-             # loop in the command buffer, and without (the thirteenth session's unrolled stacked variant copied the
+             # loop in the command buffer, and without (round 13's unrolled stacked variant copied the
              # slices: raw 14.2 -> 18.1 ms). If rolled-dsf-while's raw step holds and its launch drops, it is the layout.
              # unpacked-batch: the prompt step's batch as ~20 arrays split by a call of its own (predicted +0.1-0.15 ms)
     JAXINFER_PRINT_FAILURES=1 step 170 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py \
@@ -929,7 +929,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 150 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 --paths pallas --profile pallas:1024 --out "$OUT"
     step 270 python3 bench/throughput.py --shape qwen3-4b --batches 1 8 64 --requests 30 --system 64 --profile 8 64 --out "$OUT"
     ;;
-  vminor)    # the sampler table (thirteenth session, run 2: the search laid out [B, 16, V] lost; that variant is gone)
+  vminor)    # the sampler table (round 13, run 2: the search laid out [B, 16, V] lost; that variant is gone)
     step 150 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
   issue6)    # issue 6's targets in one call: the engine's batch-1 step (bench/decode.py), the server with greedy requests
@@ -943,11 +943,11 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     step 120 python3 -m jaxinfer.cli bench --model $M --dtype bfloat16 --ops pallas --input-len 1024 --output-len 128 \
          --batch-size 64 --num-prompts 64 --like-serve --max-model-len 40960
     ;;
-  rows)      # the twelfth session's third call: sampling by rows (a one-sequence prompt step samples its one row;
+  rows)      # round 12's third call: sampling by rows (a one-sequence prompt step samples its one row;
              # "filter" without the radix search, at every row count; filter-p only above 2 rows) through the server
              # with Qwen3's filters (its first server starts cold: ~2 min of compiling, 83 steps in the eleventh
-             # session); then greedy at 1 req/s (issue 6's light load), with the GIL's switch interval at 0.5 ms
-             # (sitecustomize) and without; then top-p 0.9 alone. Eleventh session, 2 req/s: top-p 0.9 TTFT p50
+             # round); then greedy at 1 req/s (issue 6's light load), with the GIL's switch interval at 0.5 ms
+             # (sitecustomize) and without; then top-p 0.9 alone. Round 11, 2 req/s: top-p 0.9 TTFT p50
              # 29.3 ms, TPOT 3.34 ms
     serve_setup
     servers 250 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk ""
@@ -960,19 +960,19 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
              # rows = what the search costs; at 1 row, whether the sort still wins: SORT_MAX_ROWS)
     step 300 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
     ;;
-  twelfth)   # the twelfth session's first call: the whole GPU parity file again (one-sequence prompt steps now sample
+  twelfth)   # round 12's first call: the whole GPU parity file again (one-sequence prompt steps now sample
              # one row: the cuDNN tests run them; the filter split: the sampling test), its engines compiling only
-             # the steps they run (compile_at_start=False; the eleventh session's two calls took ~950 s)
+             # the steps they run (compile_at_start=False; round 11's two calls took ~950 s)
     JAXINFER_PRINT_FAILURES=1 step 560 python3 -m pytest -q -p no:warnings -o addopts= --durations=0 \
          tests/gpu/test_parity_gpu.py
     ;;
-  eleventh2) # the eleventh session's second call: the first call ran 7 of the 10 tests in its 560 s; both cuDNN tests
+  eleventh2) # round 11's second call: the first call ran 7 of the 10 tests in its 560 s; both cuDNN tests
              # failed on the step-name check (steps now carry the sampling variant: "mixed-plain-fresh"), now mended.
              # Those two and the three it did not reach, each failure printed as it happens
     JAXINFER_PRINT_FAILURES=1 step 430 python3 -m pytest -q -p no:warnings -o addopts= --durations=0 \
          tests/gpu/test_parity_gpu.py -k "cudnn or read_back or behind or without_the_sort"
     ;;
-  topk2)     # the eleventh session's fourth call: topk's sampler table reached only 1 row in its 80 s (each row count
+  topk2)     # round 11's fourth call: topk's sampler table reached only 1 row in its 80 s (each row count
              # compiles nine samplers); 8 and 64 rows
     step 250 python3 bench/kernels/sampling.py --rows 8 64 --calls 8 --out "$OUT"
     ;;
@@ -984,7 +984,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     servers 140 '{"temperature": 0.6, "top_k": 20, "top_p": 0.95}' topk plain-sampling-step no-plain-sampling-step
     servers 140 '{"temperature": 0.6, "top_p": 0.9}' topp ""
     ;;
-  plain)     # the tenth session's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
+  plain)     # round 10's fourth call: the sampler's variants alone (plain = no sort), then sampled requests
              # (temperature 0.8) through the server with plain_sampling_step (now the GPU default) and without.
              # (Its third call, `branch`, compared the flag plain_sampling_step replaced, --no-sampling-branch, at e817e44.)
     step 100 python3 bench/kernels/sampling.py --rows 1 8 64 --calls 8 --out "$OUT"
@@ -996,7 +996,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     serve_setup
     servers 90 '{"temperature": 0.8}' sampled fresh-prompt-attention no-fresh-prompt-attention
     ;;
-  ninth)     # the ninth session's second call, after prefill_behind_decode and fresh_prompt_attention became GPU
+  ninth)     # round 9's second call, after prefill_behind_decode and fresh_prompt_attention became GPU
              # defaults: GPU parity (with a fresh 1,000-token prompt on cuDNN against the paged kernel), the fresh op's
              # crossover (prompts 128-8,192), prefill 1k/8k with and without it, the server's defaults at 2 and 8 req/s
     step 300 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py
@@ -1008,7 +1008,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
          --request-rates ${RATES:-2,8} --num-prompts 64 --input-len 1024 --output-len 128 --out "$OUT/serving-defaults.json" \
          --client aiohttp
     ;;
-  chain)     # the ninth session's third call: the fresh prompt's bf16 parity against float32 (beside the other bf16
+  chain)     # round 9's third call: the fresh prompt's bf16 parity against float32 (beside the other bf16
              # paths), the 1k prefill's kernels traced (issue 4's breakdown), then the server's defaults against
              # --chain-early-ms ${CHAIN_MS:-1} side by side at 2 and 8 req/s (issue 6's TPOT)
     step 150 python3 -m pytest -q -s -p no:warnings -o addopts= tests/gpu/test_parity_gpu.py -k fresh_prompt
@@ -1021,7 +1021,7 @@ ha.fresh_prompt_flash(q, k, k, 0.088).block_until_ready()" 2>&1 | grep -iE "spil
     done
     ;;
   attn)      # issue 4's 1k prefill (16.2 ms on the device, ~15 targeted): cuDNN's flash attention for a step that
-             # is one fresh prompt (fresh_prompt_attention, built in the eighth session): its GPU test, the kernel
+             # is one fresh prompt (fresh_prompt_attention, built in round 8): its GPU test, the kernel
              # bench beside the paged flash kernel, then the 1k prefill step with and without it
     step 120 python3 -m pytest -q -p no:warnings -o addopts= tests/gpu/test_fresh_prompt_attention_gpu.py
     step 240 python3 bench/kernels/prefill_attention.py --fused

@@ -2,9 +2,9 @@
 
     PYTHONPATH=. python3 bench/kernels/barrier.py [--programs 128 256 512 1024] [--calls 200]
 
-The persistent MLP block (pallas/mlp_block.py, removed in the seventeenth session after it measured slower than
+The persistent MLP block (pallas/mlp_block.py, removed in round 17 after it measured slower than
 the two kernels; it is at dae4e19) gave outputs off by 1e-2 at 256 and 512 programs and exact at
-1,024 (sixteenth session): its barrier (bar.sync, an acq_rel atomic add at GPU scope, a spin on volatile loads,
+1,024 (round 16): its barrier (bar.sync, an acq_rel atomic add at GPU scope, a spin on volatile loads,
 an acquire atomic, volatile loads of the data) let some programs read another's stores before they were visible,
 or the count went wrong. Anything that orders work across programs (a persistent kernel per layer, a merge done by
 the last split to finish) needs an ordering that holds. Here each of P one-warp programs writes W int32 values that
@@ -15,7 +15,7 @@ expect; the kernel runs `calls` times, threading its counter. Variants:
   last          no spin: the program whose atomic add completes a multiple of P reads every row (what a merge by
                 the last split needs), the others leave;
   last+fence    the same with the fences.
-(Seventeenth session, H200: no wrong value and the exact counter in every variant at 128-1,024 programs.)
+(round 17, H200: no wrong value and the exact counter in every variant at 128-1,024 programs.)
 Prints, per variant and program count, the wrong values over all calls and the counter against calls x P (an
 atomic done by every thread of a program, not once, would show there). JSON to $OUT. A program count the GPU
 cannot keep resident spins forever under `spin`: run it under `timeout`.

@@ -11,7 +11,7 @@ decode GEMVs? Two chains of dependent kernels in one jit each, with and without 
 
 - "persistent": the same bytes as one flat pipeline a CTA, one kernel a layer or one for all layers, without and
   with a grid-wide meeting (a global semaphore) at each phase start: what fewer kernel boundaries would buy, and
-  what a persistent layer's barriers cost (twenty-seventh session: NOTES / RESULTS).
+  what a persistent layer's barriers cost (round 27: NOTES / RESULTS).
 
     PYTHONPATH=. python3 bench/pdl_mosaic_probe.py [--mode tiny stream persistent] [--n 200] [--layers 8]
     (run it without and with XLA_FLAGS=--xla_gpu_enable_pdl=true: gpu_round.sh `pdlmosaic`)

@@ -41,25 +41,25 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     "no-cmdbuf": (NO_COMMAND_BUFFERS, False, {}),
     # the step puts its outputs in pinned host memory itself (EngineConfig.mixed_outputs_on_host): reading the
     # first token back then needs no copy dispatched after the step ends (traced: the device-to-host copies
-    # started ~0.5-0.9 ms after the step's last kernel; twenty-third session)
+    # started ~0.5-0.9 ms after the step's last kernel; round 23)
     "host-outputs": ("", False, {"mixed_outputs_on_host": True}),
     "host-trace-host-outputs": (PROFILED, "host", {"mixed_outputs_on_host": True}),
     # the prompt step as two executables, its first N layers apart (EngineConfig.prompt_step_head_layers): the
-    # device starts on a small graph while the host launches the big one (twenty-third session)
+    # device starts on a small graph while the host launches the big one (round 23)
     "split-3": ("", False, {"prompt_step_head_layers": 3}),
     "split-6": ("", False, {"prompt_step_head_layers": 6}),
     "split-12": ("", False, {"prompt_step_head_layers": 12}),
     "host-trace-split-6": (PROFILED, "host", {"prompt_step_head_layers": 6}),
     # the step's CUDA graph cut at every FFI custom call (the Mosaic GPU GEMMs and flash attention run outside
     # it): ~110 small graphs and ~110 kernel launches instead of one graph of ~340 kernels, so the device could
-    # start after the first small graph while the host launches the rest (twenty-third session)
+    # start after the first small graph while the host launches the rest (round 23)
     "cmdbuf-no-custom": ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN", False, {}),
     "profiled-with-cmdbuf": (PROFILED, True, {}),
     "profiled-no-hopper": (PROFILED, True, {"no_hopper_gemm": True}),
     # what the ~1.3 ms launch is: one request traced on the host side too (the runtime's scopes by total time)
     "host-trace": (PROFILED, "host", {}),
     # the memsets before gate/up's and o_proj's GEMM and cuDNN's attention (3 a layer, each followed by ~5 us
-    # idle; fourteenth session): with XLA's concurrent scheduling in the command buffers, a memset that does
+    # idle; round 14): with XLA's concurrent scheduling in the command buffers, a memset that does
     # not depend on the kernel before it may run beside it; cuBLASLt on and off (another GEMM path and
     # algorithms); and the launch (cuGraphLaunch took most of it): fixed addresses for stable buffers
     "profiled-concurrent": (f"{PROFILED} --xla_gpu_command_buffer_scheduling_mode=CONCURRENT", True, {}),
@@ -72,9 +72,9 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # GEMM algorithms that reduce across tiles with atomics need a zeroed counter; deterministic ones may not
     "profiled-deterministic": (f"{PROFILED} --xla_gpu_exclude_nondeterministic_ops=true", True, {}),
     # is part of the step outside XLA's command buffers? Every command type in them, and command buffers of
-    # any size (H200, thirteenth session: neither helped; the raw step idles 0.4 ms between ~450 kernels)
+    # any size (H200, round 13: neither helped; the raw step idles 0.4 ms between ~450 kernels)
     # the norm/RoPE/cache-write kernel with a program's tokens as tiles of 8 (the default since the eighteenth
-    # session), 16 or 32 (rope_kv_write.TILED; the token loop it replaced is gone since the nineteenth)
+    # round), 16 or 32 (rope_kv_write.TILED; the token loop it replaced is gone since the nineteenth)
     # the Pallas GEMM where kernels_skinny_gemm.py --prefill --sweep (its JSON in $OUT) swept a product: gate/up with
     # its SwiGLU epilogue takes the SiLU-multiply kernel (15 us a layer at 1k) and cuBLAS's memset gap out
     "rope-tiled": ("", False, {"rope_write_tiled": 8}),
@@ -104,12 +104,12 @@ VARIANTS = {  # name: (XLA_FLAGS, profile (False, True: the device, "host"), eng
     # residual adds) fused in, where its autotuner finds that faster than cuBLAS + separate kernels
     "triton-gemm-any": ("--xla_gpu_triton_gemm_any=true", False, {}),
     # the prompt's attention on its own rows by cuDNN's flash attention (EngineConfig.fresh_prompt_attention;
-    # the GPU default since the ninth session), and without it (the paged kernel)
+    # the GPU default since round 9), and without it (the paged kernel)
     "fresh-attention": ("", False, {"fresh_prompt_attention": True, "greedy_mixed_step": True}),
     "paged-attention": ("", False, {"fresh_prompt_attention": False}),
     # the fresh prompt's attention: the Mosaic GPU flash kernel (pallas/hopper_attention.py; the default at 1k-2k
-    # since the twenty-second session) at other configs, or cuDNN's flash attention (31.5 us a layer at 1k and ~6 us
-    # of idle before it for its memset; twenty-first session)
+    # since round 22) at other configs, or cuDNN's flash attention (31.5 us a layer at 1k and ~6 us
+    # of idle before it for its memset; round 21)
     "cudnn-attention": ("", False, {"flash_table": []}),
     "hopper-flash": ("", False, {"flash_table": [[1024, 32768, {"stages": 2}]]}),
     "hopper-flash-2q": ("", False, {"flash_table": [[1024, 2048, {"stages": 1, "q_buffers": 2}]]}),
