@@ -36,8 +36,8 @@ class Tuning:
         help="a greedy-only prompt step, no sampling branch whose predicate the runtime reads back (GPU: on)")
     overlap_decode: bool = setting(True, help="read decode dispatches back one dispatch late")
     chain_verify: bool = setting(
-        False, help="launch a speculative verify step before the previous one is read back, as if it accepted "
-                    "every draft (n-gram; rows whose guess failed are dropped); off until measured on a GPU")
+        True, help="launch a speculative verify step before the previous one is read back, as if it accepted "
+                   "every draft (n-gram; rows whose guess failed are dropped)")
     overlap_mixed: bool | None = setting(help="read prompt steps back one step late (GPU: on)")
     prefill_behind_decode: bool | None = setting(
         help="launch a newcomer's prompt step behind the decode dispatch in flight (GPU: on)")

@@ -451,7 +451,7 @@ def test_chained_verify_steps_keep_the_tokens_and_drop_what_failed(reference):
     assert _tokens(chained, PROMPTS[:1]) == reference[:1]
     stats = chained.engine.speculator.stats
     assert stats.chained_steps > 0 and stats.chained_rows_dropped > 0
-    unchained = _spec(STORIES, speculative="ngram", num_speculative_tokens=4)   # chain_verify off by default
+    unchained = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, chain_verify=False)
     assert _tokens(unchained, PROMPTS[:1]) == reference[:1]
     assert unchained.engine.speculator.stats.chained_steps == 0
     _no_pages_held(chained)
