@@ -1,5 +1,6 @@
 """Shared paths for the tests (../shared beside the checkout, the repo's own test data), the kernel
-tests' error measure, and two engine-test probes (nothing compiled in a block; which steps ran)."""
+tests' error measure, a tiny Qwen3 with the real tokenizer, and two engine-test probes (nothing compiled in a
+block; which steps ran)."""
 
 import contextlib
 import os
@@ -27,6 +28,16 @@ def pytest_runtest_logreport(report):
 def stories_dir() -> Path:
     assert STORIES.is_dir(), f"missing {STORIES}: ../shared must sit beside the checkout"
     return STORIES
+
+
+def write_tiny_qwen3(folder: Path, max_position_embeddings: int) -> Path:
+    """A one-layer random float32 Qwen3 (32 wide) with the real Qwen3 tokenizer and chat template, in `folder`."""
+    from bench.random_model import QWEN3_0_6B, write_random_model
+
+    tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64,
+            "max_position_embeddings": max_position_embeddings}
+    return write_random_model(folder / "qwen3-tiny", tiny, dtype="float32", tokenizer_dir=TOKENIZERS / "qwen3")
 
 
 def rel_err(y, ref) -> float:

@@ -30,12 +30,9 @@ def test_chat_leaves_on_end_of_input():
 
 def test_chat_with_template_on_random_qwen3(tmp_path):
     """A tiny random Qwen3 with the real Qwen3 tokenizer: the chat loop goes through its template."""
-    from conftest import TOKENIZERS
-    from bench.random_model import QWEN3_0_6B, write_random_model
+    from conftest import write_tiny_qwen3
 
-    tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 256}
-    d = write_random_model(tmp_path / "qwen3", tiny, dtype="float32", tokenizer_dir=TOKENIZERS / "qwen3")
+    d = write_tiny_qwen3(tmp_path, max_position_embeddings=256)
     r = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "chat", "--model", str(d), "--max-tokens", "5"],
                        input="Hello!\nAnd again?\n/exit\n", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -18,7 +18,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import DATA, STORIES, TOKENIZERS
+from conftest import DATA, STORIES, write_tiny_qwen3
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.serve.app import create_app
@@ -46,12 +46,7 @@ def stories(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from bench.random_model import QWEN3_0_6B, write_random_model
-
-    tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 256}
-    d = write_random_model(tmp_path_factory.mktemp("qwen3") / "qwen3-tiny", tiny, dtype="float32",
-                           tokenizer_dir=TOKENIZERS / "qwen3")
+    d = write_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), max_position_embeddings=256)
     engine = Engine(d, max_num_seqs=4, max_num_batched_tokens=64, progress=False)
     server = _serve(engine, api_key=KEY, served_model_name="qwen3-tiny")
     yield server

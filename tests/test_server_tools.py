@@ -9,7 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import TOKENIZERS
+from conftest import write_tiny_qwen3
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.serve.app import create_app
@@ -30,12 +30,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    from bench.random_model import QWEN3_0_6B, write_random_model
-
-    tiny = {**QWEN3_0_6B, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64, "max_position_embeddings": 1024}
-    d = write_random_model(tmp_path_factory.mktemp("qwen3") / "qwen3-tiny", tiny, dtype="float32",
-                           tokenizer_dir=TOKENIZERS / "qwen3")
+    d = write_tiny_qwen3(tmp_path_factory.mktemp("qwen3"), max_position_embeddings=1024)
     server = ServerThread(create_app(Engine(d, max_num_seqs=4, max_num_batched_tokens=512, progress=False),
                                      served_model_name="qwen3-tiny")).start()
     yield openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
