@@ -145,3 +145,14 @@ def run_mosaic(call, *args, interpret: bool = False):
 # How the kernels turn int8 values into floats, all exact (fused_gemv.weights_to_f32, decode_attention.int8_to):
 # "cvt" the conversion instruction, "bits" integer adds into a float's mantissa, "prmt" byte permutes (inline PTX).
 INT8_CONVERTS = ("cvt", "bits", "prmt")
+
+
+def resolve_int8_convert(int8_convert: str, interpret: bool) -> str:
+    """The conversion a kernel compiles: "prmt" (inline PTX) runs as "cvt" in interpret mode (the same values)."""
+    return "cvt" if interpret and int8_convert == "prmt" else int8_convert
+
+
+def int8_bits_to_f32(x: jax.Array) -> jax.Array:
+    """int8 -> float32 exactly by "bits": v + 128 (0..255) in the low mantissa bits of 2^23, then 2^23 + 128
+    subtracted: integer adds and one float subtraction."""
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32) + 0x4B000080, jnp.float32) - 8388736.0

@@ -48,8 +48,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.tables import SplitConfig
-from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, is_pow2, online_softmax_update, page_compute_dtype,
-                                     page_slots, pow2_at_least, split_range, to_compute)
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, int8_bits_to_f32, is_pow2, online_softmax_update,
+                                     page_compute_dtype, page_slots, pow2_at_least, resolve_int8_convert, split_range,
+                                     to_compute)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -86,13 +87,7 @@ def int8_to(x, dtype, how: str = "cvt"):
         raise ValueError(f"int8 conversion {how!r}: one of {INT8_CONVERTS}")
     if dtype == jnp.dtype(jnp.float16):
         return jax.lax.bitcast_convert_type(x.astype(jnp.int16) + 0x6480, jnp.float16) - jnp.float16(1152.0)
-    y = jax.lax.bitcast_convert_type(x.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
-    return y.astype(dtype)
-
-
-def resolve_int8_convert(int8_convert: str, interpret: bool) -> str:
-    """The conversion a kernel compiles: "prmt" (inline PTX) runs as "cvt" in interpret mode (the same values)."""
-    return "cvt" if interpret and int8_convert == "prmt" else int8_convert
+    return int8_bits_to_f32(x).astype(dtype)
 
 
 def online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec):

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import INT8_CONVERTS, layer_operands, row_tiles, silu_mul
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, int8_bits_to_f32, layer_operands, resolve_int8_convert, row_tiles,
+                                     silu_mul)
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
@@ -53,18 +54,18 @@ prmt.b32 $3, t, 0x4B000000, 0x7543;
 }"""
 
 
-def weights_to_f32(w, int8_convert: str = "cvt", interpret: bool = False):
+def weights_to_f32(w, int8_convert: str = "cvt"):
     """Weights to float32, exactly. e4m3 through float16 (on Hopper two values an instruction). int8 "cvt": the
     conversion instruction (I2F runs at a quarter of the FMA rate: near 4.5 TB/s of int8 that is the GEMV's limit);
     "bits": v + 128 (0..255) placed in the low mantissa bits of 2^23, which is then subtracted with the 128:
     float(bits(2^23) + v + 128) - (2^23 + 128) = v, in integer adds and one float add; "prmt": the same float built
-    by one byte permute a value on four values a register (inline PTX, _PRMT_INT8X4; in interpret mode "cvt", whose
-    values are the same)."""
+    by one byte permute a value on four values a register (inline PTX, _PRMT_INT8X4; blocks.resolve_int8_convert makes
+    it "cvt", whose values are the same, in interpret mode)."""
     if w.dtype == jnp.float8_e4m3fn:
         w = w.astype(jnp.float16)
     elif w.dtype == jnp.int8 and int8_convert == "bits":
-        return jax.lax.bitcast_convert_type(w.astype(jnp.int32) + 0x4B000080, f32) - 8388736.0
-    elif w.dtype == jnp.int8 and int8_convert == "prmt" and not interpret:
+        return int8_bits_to_f32(w)
+    elif w.dtype == jnp.int8 and int8_convert == "prmt":
         (biased,) = plgpu.elementwise_inline_asm(_PRMT_INT8X4, args=[w], constraints="=r,=r,=r,=r,r", pack=4,
                                                  result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, f32)])
         return biased - 8388736.0
@@ -102,7 +103,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, T, n_in, block_in, has_s
                 return plgpu.load(ref_win, mask=cmask, other=0.0 if ref_win.dtype == jnp.float8_e4m3fn else 0)
             return plgpu.load(ref_win)
 
-        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert, interpret) for r in w_rows]
+        ws = [weights_to_f32(load(w_ref.at[layer, r, idx]), int8_convert) for r in w_rows]
         if w_block is not None:   # this tile's block scales, one a row (wide tiles: one a row of the tile)
             bo, bi = w_block
             if wide:
@@ -197,7 +198,8 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     kernel = functools.partial(_kernel, T=T, n_in=n_in, block_in=block_in, has_scale=scale is not None,
                                has_bias=b is not None, epilogue=epilogue, eps=eps, half=half, rows=rows,
                                w_scaled=w_scale is not None, w_block=w_block,
-                               int8_convert=int8_convert or int8_convert_for(grid_rows, n_in), interpret=interpret)
+                               int8_convert=resolve_int8_convert(int8_convert or int8_convert_for(grid_rows, n_in),
+                                                                 interpret), interpret=interpret)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((T, grid_rows), x.dtype if out_dtype is None else out_dtype),
