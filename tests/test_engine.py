@@ -31,7 +31,7 @@ def test_stories_greedy_200_tokens_match_transformers(stories):
     assert out.outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "qwen3_moe", "mixtral"])
 def test_family_greedy_tokens_match_transformers(family):
     golden = np.load(DATA / "golden" / f"{family}.npz")
     llm = LLM(DATA / "models" / family, max_num_seqs=4, max_num_batched_tokens=32, decode_steps=4,

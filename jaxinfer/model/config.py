@@ -22,6 +22,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GPT2LMHeadModel": "gpt2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -56,6 +58,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"           # compute and storage dtype of the parameters
+    # Mixture of experts (every layer's MLP is one): experts a layer, active a token, each expert's SwiGLU
+    # width, and whether the top-k routing weights are renormalised to sum to 1 (Mixtral always does).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def has_windows(self) -> bool:
@@ -106,6 +114,8 @@ class ModelConfig:
         d, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
         mlp = (3 if self.mlp_kind == "swiglu" else 2) * d * i
+        if self.num_experts:   # every expert's, and the router
+            mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
         pos = self.max_position_embeddings * d if self.position_kind == "learned" else 0
         return L * (attn + mlp) + emb + pos
@@ -157,6 +167,28 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelLoadError("partial rotary embeddings are not supported")
     return out
+
+
+def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts family (none for a dense one). Every layer must be sparse:
+    Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1) would need a second MLP stack."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if family == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = sorted(set(hf.get("mlp_only_layers") or []) |
+                       {i for i in range(int(hf["num_hidden_layers"])) if (i + 1) % step})
+        if dense or experts == 0:
+            raise ModelLoadError(f"Qwen3-MoE with dense layers ({dense or 'num_experts 0'}: mlp_only_layers / "
+                                 f"decoder_sparse_step) is not supported; every layer must be a mixture of experts")
+    top_k = int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts a layer)")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(hf["moe_intermediate_size"] if family == "qwen3_moe"
+                                         else hf["intermediate_size"]),
+            "norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
 
 
 def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -252,13 +284,14 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
             qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
             o_bias=family == "llama" and bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             layer_windows=_layer_windows(hf, arch),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
             dtype=dtype,
             **_rope_fields(hf),
+            **_moe_fields(family, hf),
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r} for {arch}") from None

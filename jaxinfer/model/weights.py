@@ -7,6 +7,8 @@ Our tree (per-layer tensors stacked on a leading layer axis, so the forward pass
             q_norm, k_norm [L, hd]; wo [L, D, Q]; bo [L, D]; mlp_norm {scale, bias?} [L, D];
             w_gate_up [L, 2I, D] (SwiGLU, gate rows first) or w_up [L, I, D], b_up [L, I] (GELU);
             w_down [L, D, I]; b_down [L, D].
+    mixture of experts, in place of the MLP's matrices: router [L, E, D]; moe_gate_up [L, E, 2I, D] (each
+            expert's gate rows first); moe_down [L, E, D, I].
 Linear weights keep the Hugging Face [out, in] layout: decode kernels read one output row per lane
 group. Q/K/V and gate/up are concatenated at load time so each is one projection.
 """
@@ -49,6 +51,11 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.sources[0]
+
+    @property
+    def per_expert(self) -> bool:
+        """"{e}" marks a per-expert tensor: stacked on an expert axis after the layer axis."""
+        return "{e}" in self.sources[0]
 
 
 def _norm_rules(dest: str, hf: str, has_bias: bool) -> list[Rule]:
@@ -102,9 +109,25 @@ GPT2_RULES: list[Rule] = [
     Rule("layers.b_down", (f"{_H}.mlp.c_proj.bias",), lambda c: [(c.hidden_size,)]),
 ]
 
-RULES: dict[str, list[Rule]] = {"llama": LLAMA_RULES, "qwen2": LLAMA_RULES, "qwen3": LLAMA_RULES, "gpt2": GPT2_RULES}
+
+def _moe_rules(block: str, gate: str, up: str, down: str) -> list[Rule]:
+    """Llama's attention and norms, and a mixture of experts in place of its MLP (the router, the experts'
+    matrices stacked per layer); block: the MLP module's HF name, gate/up/down: its experts' matrices'."""
+    experts = f"{block}.experts.{{e}}"
+    return [r for r in LLAMA_RULES if r.dest not in ("layers.w_gate_up", "layers.w_down")] + [
+        Rule("layers.router", (f"{block}.gate.weight",), lambda c: [(c.num_experts, c.hidden_size)]),
+        Rule("layers.moe_gate_up", (f"{experts}.{gate}.weight", f"{experts}.{up}.weight"),
+             lambda c: [(c.moe_intermediate_size, c.hidden_size)] * 2),
+        Rule("layers.moe_down", (f"{experts}.{down}.weight",), lambda c: [(c.hidden_size, c.moe_intermediate_size)]),
+    ]
+
+
+RULES: dict[str, list[Rule]] = {"llama": LLAMA_RULES, "qwen2": LLAMA_RULES, "qwen3": LLAMA_RULES, "gpt2": GPT2_RULES,
+                                "qwen3_moe": _moe_rules(_MLP, "gate_proj", "up_proj", "down_proj"),
+                                "mixtral": _moe_rules("model.layers.{i}.block_sparse_moe", "w1", "w3", "w2")}
 # Prefixes a checkpoint may put before the names above (GPT-2 saved by transformers uses "transformer.").
-PREFIXES: dict[str, tuple[str, ...]] = {"gpt2": ("", "transformer."), "llama": ("",), "qwen2": ("",), "qwen3": ("",)}
+PREFIXES: dict[str, tuple[str, ...]] = {"gpt2": ("", "transformer."), "llama": ("",), "qwen2": ("",), "qwen3": ("",),
+                                        "qwen3_moe": ("",), "mixtral": ("",)}
 
 
 # safetensors dtype names -> numpy dtypes (numpy has no bfloat16 or float8: ml_dtypes provides them)
@@ -196,6 +219,18 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     pre-quantized checkpoint's are read with their scales whatever it is (it must name their format if set)."""
     model_dir = Path(model_dir)
     quant = quantize.plan(model_dir, quantization)
+    if mesh is not None and mesh.size > 1:
+        from jaxinfer.model import tensor_parallel   # it reads RULES from here
+
+        tensor_parallel.check(cfg, mesh.size)
+        if quant.at_load or quant.checkpoint or per_layer:
+            what = "split layers (unroll_layers)" if per_layer else "8-bit weights"
+            raise tensor_parallel.TensorParallelError(f"tensor parallelism does not support {what} yet")
+    else:
+        mesh = None
+    if cfg.num_experts and (quant.at_load or quant.checkpoint):
+        raise quantize.QuantizationError(f"{model_dir}: 8-bit weights of a mixture-of-experts model are not supported "
+                                         "(its experts are held in the checkpoint's float dtype only)")
     reader = CheckpointReader(model_dir)
     prefixes = PREFIXES[cfg.family]
     np_dtype = np.dtype(cfg.jnp_dtype)
@@ -260,6 +295,9 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
                 if per_layer:
                     return rule, [quantized_layer(rule, i) for i in range(cfg.num_layers)]
                 return rule, quantize.stack_layers(lambda i: quantized_layer(rule, i), cfg.num_layers)
+            if per_layer and rule.per_expert:   # each layer's experts assembled on the host, sent as one array
+                return rule, list(layer_pool.map(lambda i: jax.device_put(_fill_layer(rule, cfg, read, i, np.empty(
+                    (cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))), range(cfg.num_layers)))
             if per_layer and rule.per_layer and len(rule.shapes(cfg)[0]) == 2:
                 return rule, list(layer_pool.map(lambda i: _layer_matrix(rule, cfg, read, i), range(cfg.num_layers)))
             return rule, jax.device_put(_assemble(rule, cfg, read, np_dtype, layer_pool.map))
@@ -293,19 +331,27 @@ def _layer_matrix(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool
 
 def _assemble(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool], np.ndarray], dtype,
               map_fn: Callable = map) -> np.ndarray:
-    """The rule's sources concatenated (per layer, then stacked on a leading layer axis), written
-    once into one array of `dtype`; `map_fn` runs the layers (a thread pool's map: side by side)."""
-    shapes = rule.shapes(cfg)
+    """The rule's sources concatenated (per expert and per layer, then stacked on leading layer and expert axes),
+    written once into one array of `dtype`; `map_fn` runs the layers (a thread pool's map: side by side)."""
     layers = list(range(cfg.num_layers)) if rule.per_layer else [None]
-    rows = sum(s[0] for s in shapes)
-    out = np.empty((len(layers), rows, *shapes[0][1:]), dtype)
-
-    def fill(j: int) -> None:
-        r = 0
-        for src, shp in zip(rule.sources, shapes):
-            out[j, r:r + shp[0]] = read(src.format(i=layers[j]), shp, rule.transpose)
-            r += shp[0]
-
-    for _ in map_fn(fill, range(len(layers))):
+    out = np.empty((len(layers), *((cfg.num_experts,) if rule.per_expert else ()), *_rows_shape(rule, cfg)), dtype)
+    for _ in map_fn(lambda j: _fill_layer(rule, cfg, read, layers[j], out[j]), range(len(layers))):
         pass
     return out if rule.per_layer else out[0]
+
+
+def _rows_shape(rule: Rule, cfg: ModelConfig) -> Shape:
+    """The shape of one layer's (one expert's) concatenated sources."""
+    shapes = rule.shapes(cfg)
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
+
+
+def _fill_layer(rule: Rule, cfg: ModelConfig, read: Callable[[str, Shape, bool], np.ndarray], i: int | None,
+                out: np.ndarray) -> np.ndarray:
+    """Write layer i's sources, concatenated, into out ([E, rows, ...] for a per-expert rule, expert by expert)."""
+    for e, dest in (enumerate(out) if rule.per_expert else [(None, out)]):
+        r = 0
+        for src, shp in zip(rule.sources, rule.shapes(cfg)):
+            dest[r:r + shp[0]] = read(src.format(i=i, e=e), shp, rule.transpose)
+            r += shp[0]
+    return out

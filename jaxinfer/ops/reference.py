@@ -101,6 +101,52 @@ def gelu(x: jax.Array, approximate: bool) -> jax.Array:
     return jax.nn.gelu(x, approximate=approximate)
 
 
+def moe_route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """A mixture of experts' routing of the rows x [T, D] (normed): the router's logits in x's dtype, softmax in
+    float32, the top_k experts of each row (ties to the lower index, as torch.topk). Returns (weights [T, top_k]
+    float32, renormalised to sum to 1 if asked; experts [T, top_k] int32)."""
+    probs = jax.nn.softmax(linear(x, router).astype(f32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The T * top_k (row, expert) assignments of experts [T, top_k] in expert order: (order [T * top_k], the
+    flat assignment index of each sorted row, so that its token is order // top_k; group_sizes [E] int32)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    return order, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+# ragged_dot over our [E, out, in] expert stacks: rows grouped by expert, contracted with each group's matrix's in
+_EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                                lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+
+
+def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, in] (rows sorted by group, group_sizes [E] of them each, rows past their sum zero) @ w[group].T for
+    w [E, out, in] (or a LayerWeight of a [L, E, out, in] stack): [M, out] in x's dtype, accumulated in float32."""
+    return jax.lax.ragged_dot_general(x, weight(w), group_sizes, _EXPERT_DOT, precision=HIGHEST,
+                                      preferred_element_type=f32).astype(x.dtype)
+
+
+def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int,
+            renormalize: bool) -> jax.Array:
+    """A mixture of SwiGLU experts on the normed rows x [T, D]: router [E, D], w_gate_up [E, 2I, D] (gate rows
+    first), w_down [E, D, I] (each may be a LayerWeight of its layer stack). Each row goes to its top_k experts
+    (moe_route); the assignments sorted by expert run as two grouped GEMMs (grouped_linear); each expert's output
+    is rounded to x's dtype, weighted and summed in float32, rounded once. Returns [T, D]."""
+    T = x.shape[0]
+    weights, experts = moe_route(x, router, top_k, renormalize)
+    order, group_sizes = sort_by_expert(experts, weight(w_gate_up).shape[0])
+    h = swiglu(grouped_linear(x[order // top_k], w_gate_up, group_sizes))
+    y = grouped_linear(h, w_down, group_sizes)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, -1)
+    return jnp.sum(y.astype(f32) * weights[..., None], axis=1).astype(x.dtype)
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, head_dim] in rotate-half layout (the two halves repeat the frequencies)."""
     freqs = positions.astype(f32)[:, None] * inv_freq[None, :]
