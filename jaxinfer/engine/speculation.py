@@ -73,6 +73,10 @@ class Speculator:
         if not self.may_draft(seqs, bucket):
             self.idle(seqs)
             return {}
+        return self._propose(seqs, room)
+
+    def _propose(self, seqs: list, room: int | None) -> dict:
+        """The proposals for `seqs`, cut to the chosen k and to `room` (drafts, once may_draft has said yes)."""
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         proposals = self.proposer.propose(seqs, self.k_max)
         k = max(choose_drafts(rates, [len(p) for p in proposals], self.k_max, self.adaptive), self.min_drafts)
@@ -108,7 +112,7 @@ class Speculator:
             return False
         if rows_nearly_free(bucket * (self.k_max + 1)) or not getattr(self.proposer, "host_only", False):
             return True
-        if self.drafts(seqs, None, bucket):
+        if self._propose(seqs, None):
             return True
         self.tried(bucket, False)
         return False

@@ -52,6 +52,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
+    # Sliding-window attention, one entry a layer (empty: every layer global): a token at position p sees the
+    # keys at positions in (p - window, p]; 0 is a global layer.
+    layer_windows: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"           # compute and storage dtype of the parameters
@@ -61,6 +64,20 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether any layer attends over a sliding window."""
+        return any(self.layer_windows)
+
+    def window_of(self, layer):
+        """The window of `layer` (a traced index is fine) as an int32 scalar (0: global), or None where no layer
+        has a window, so that a model without windows traces no window at all."""
+        import jax.numpy as jnp
+
+        if not self.has_windows:
+            return None
+        return jnp.asarray(self.layer_windows, jnp.int32)[layer]
 
     @property
     def q_size(self) -> int:
@@ -174,6 +191,33 @@ def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
             "norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
 
 
+def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's sliding window as transformers applies it (0: global; () where every layer is global).
+    Mistral: `sliding_window` on every layer. Qwen2/Qwen3: only with `use_sliding_window`, on the layers that
+    `layer_types` calls "sliding_attention" (by default those from `max_window_layers` on). Llama ignores the
+    field, as transformers' Llama does. A window as long as the positions the model takes never bites: 0."""
+    n = int(hf["num_hidden_layers"])
+    window = hf.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        sliding = [True] * n
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window", False):
+        types = hf.get("layer_types")
+        if types is None:
+            first = int(hf.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ModelLoadError(f"layer_types {types!r}: want {n} of 'sliding_attention' / 'full_attention'")
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        return ()
+    if window in (None, 0) or int(window) >= int(hf.get("max_position_embeddings", 2048)):
+        return ()
+    if int(window) < 1:
+        raise ModelLoadError(f"sliding_window {window!r}: want a positive number of positions")
+    windows = tuple(int(window) if s else 0 for s in sliding)
+    return windows if any(windows) else ()
+
+
 def checkpoint_dtype(hf: dict[str, Any]) -> str:
     """The dtype a Hugging Face config.json says its weights are in ("dtype", or the older "torch_dtype");
     float32 where it says none, bfloat16 for a float8 or other low-precision checkpoint."""
@@ -225,9 +269,6 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
         d = int(hf["hidden_size"])
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r}")
-        if family == "llama" and hf.get("sliding_window") not in (None, 0):
-            if int(hf["sliding_window"]) < int(hf.get("max_position_embeddings", 0)):
-                raise ModelLoadError("sliding-window attention is not supported")
         return ModelConfig(
             family=family,
             vocab_size=int(hf["vocab_size"]),
@@ -245,6 +286,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            layer_windows=_layer_windows(hf, arch),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=_eos_ids(hf.get("eos_token_id")),
             dtype=dtype,

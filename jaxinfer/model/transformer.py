@@ -42,11 +42,14 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
                      attention="paged"):
     positions, slot_mapping, token_seq, page_table = tokens_arrays
     T = x.shape[0]
+    # this layer's sliding window, a traced scalar (the layer index is one); no keyword at all without windows
+    windowed = {} if not cfg.has_windows else {"window": cfg.window_of(layer)}
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
     if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
         attn, kv_k, kv_v = ops.decode_qkv_attention(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
                                                     kv_k, kv_v, layer, slot_mapping, page_table, positions + 1,
-                                                    page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads)
+                                                    page_size, cfg.head_dim ** -0.5, cfg.num_heads, cfg.num_kv_heads,
+                                                    **windowed)
     else:
         # A fresh prompt's attention takes its K/V from the write where the cache holds them as computed (no
         # gather back: two fewer kernels a layer); from a float8 cache it reads them back, as the paged kernels do
@@ -56,19 +59,19 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
                                                 with_kv=with_kv)
         if attention == "fresh":   # the step is one prompt from position 0: attention over its own rows
             k, v = kv if with_kv else ops.gather_kv(kv_k, kv_v, layer, slot_mapping, q.dtype)
-            attn = ops.fresh_prompt_attention(q, k, v, cfg.head_dim ** -0.5)
+            attn = ops.fresh_prompt_attention(q, k, v, cfg.head_dim ** -0.5, **windowed)
         elif attention == "verify":   # B sequences of Q rows each, in order (a speculative verify step)
             B = page_table.shape[0]
             qb = q.reshape(B, T // B, *q.shape[1:])
             context_lens = positions.reshape(B, T // B)[:, -1] + 1
             attn = ops.verify_attention(qb, kv_k, kv_v, layer, page_table, context_lens, page_size,
-                                        cfg.head_dim ** -0.5)
+                                        cfg.head_dim ** -0.5, **windowed)
         elif attention == "prefixed":   # one sequence's chunk after its cached prefix (row 0 of the page table)
             attn = ops.prefixed_chunk_attention(q, kv_k, kv_v, layer, page_table[0], positions[0], slot_mapping,
-                                                page_size, cfg.head_dim ** -0.5)
+                                                page_size, cfg.head_dim ** -0.5, **windowed)
         else:
             attn = ops.paged_attention(q, kv_k, kv_v, layer, page_table, token_seq, positions,
-                                       page_size, cfg.head_dim ** -0.5)
+                                       page_size, cfg.head_dim ** -0.5, **windowed)
     return attn.reshape(T, cfg.q_size), kv_k, kv_v
 
 

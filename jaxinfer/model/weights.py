@@ -219,6 +219,15 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     pre-quantized checkpoint's are read with their scales whatever it is (it must name their format if set)."""
     model_dir = Path(model_dir)
     quant = quantize.plan(model_dir, quantization)
+    if mesh is not None and mesh.size > 1:
+        from jaxinfer.model import tensor_parallel   # it reads RULES from here
+
+        tensor_parallel.check(cfg, mesh.size)
+        if quant.at_load or quant.checkpoint or per_layer:
+            what = "split layers (unroll_layers)" if per_layer else "8-bit weights"
+            raise tensor_parallel.TensorParallelError(f"tensor parallelism does not support {what} yet")
+    else:
+        mesh = None
     if cfg.num_experts and (quant.at_load or quant.checkpoint):
         raise quantize.QuantizationError(f"{model_dir}: 8-bit weights of a mixture-of-experts model are not supported "
                                          "(its experts are held in the checkpoint's float dtype only)")

@@ -302,9 +302,14 @@ def _caches_of(written):
 
 
 def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, page_table,
-                         context_lens, page_size, scale, num_heads, num_kv_heads, *, interpret=False):
+                         context_lens, page_size, scale, num_heads, num_kv_heads, window=None, *, interpret=False):
     """The fused kernel where it takes the head dim; else the norm/RoPE/cache-write kernel, then decode attention."""
     hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
+    if window is not None:
+        q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
+                                             slot_mapping, num_heads, num_kv_heads, interpret=interpret)
+        return (reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
+                                                 scale, window=window), k_cache, v_cache)
     if not decode_attention_rope.supports(hd):
         q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
                                              slot_mapping, num_heads, num_kv_heads, interpret=interpret)
@@ -320,52 +325,60 @@ def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, la
     return out, *_caches_of(written)
 
 
-def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *, interpret=False):
+def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, window=None, *,
+                     interpret=False):
     """Q query rows a sequence (a speculative verify step): the split-sequence kernel where its tile takes the Q x
     group rows and the head dim (verify_attention.supports: up to 128 rows), else the reference op."""
     _, Q, H, hd = q.shape
-    if not verify_supports(Q * (H // k_cache.shape[1]), hd):
-        return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale)
+    if window is not None or not verify_supports(Q * (H // k_cache.shape[1]), hd):
+        return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
+                                          window=window)
     k_values, v_values, scales = _cache_operands(k_cache, v_cache)
     return paged_verify_attention(q, k_values, v_values, layer, page_table, context_lens, page_size, scale,
                                   interpret=interpret, **scales)
 
 
-def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, *,
+def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, window=None, *,
                            interpret=False):
     """The split-sequence kernel (pallas/decode_attention.py), an INT8 cache's scales as operands of their own."""
+    if window is not None:
+        return reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
+                                                scale, window=window)
     k_values, v_values, scales = _cache_operands(k_cache, v_cache)
     return decode_attention.paged_decode_attention(q, k_values, v_values, layer, page_table, context_lens, page_size,
                                                    scale, interpret=interpret, **scales)
 
 
-def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, *,
-                    interpret=False):
+def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, window=None,
+                    *, interpret=False):
     """The prefill kernel (pallas/prefill_attention.py); with the INT8 cache the reference op (the prefill kernel does
     not take int8 pages yet)."""
-    if isinstance(k_cache, QuantizedCache):
+    if isinstance(k_cache, QuantizedCache) or window is not None:
         return reference.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
-                                         scale)
+                                         scale, window=window)
     return prefill_attention.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
                                              scale, interpret=interpret)
 
 
-def fresh_prompt_attention(q, k, v, scale, *, interpret=False):
+def fresh_prompt_attention(q, k, v, scale, window=None, *, interpret=False):
     """A step that is one fresh prompt (EngineConfig.fresh_prompt_attention): the Mosaic GPU flash attention at the
     lengths of its measured table (on a Hopper GPU, or in interpret mode), else cuDNN's flash attention on GPUs
     (16-bit only; XLA's attention otherwise)."""
+    if window is not None:
+        return reference.fresh_prompt_attention(q, k, v, scale, window=window)
     config = hopper_attention.table_config(q, k) if interpret or hopper_gemm.available() else None
     if config is not None:
         return hopper_attention.fresh_prompt_flash(q, k, v, scale, config=config, interpret=interpret)
     return reference.fresh_prompt_attention(q, k, v, scale, implementation=_one_sequence_implementation(q, interpret))
 
 
-def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale, *,
-                             interpret=False):
+def prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping, page_size, scale,
+                             window=None, *, interpret=False):
     """A step that is one sequence's chunk after a cached prefix (EngineConfig.prefixed_chunk_attention): two cuDNN
     flash attentions merged by their log-sum-exps on GPUs (16-bit only; XLA's otherwise)."""
     return reference.prefixed_chunk_attention(q, k_cache, v_cache, layer, page_row, prefix_len, slot_mapping,
-                                              page_size, scale, implementation=_one_sequence_implementation(q, interpret))
+                                              page_size, scale, implementation=_one_sequence_implementation(q, interpret),
+                                              window=window)
 
 
 def _one_sequence_implementation(q, interpret) -> str:

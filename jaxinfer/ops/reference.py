@@ -194,13 +194,27 @@ def gather_kv(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array, slot_map
     return read_rows(k_cache, layer, slot_mapping, dtype), read_rows(v_cache, layer, slot_mapping, dtype)
 
 
+def window_floor(positions: jax.Array, window: jax.Array | int | None) -> jax.Array | int:
+    """The first key position that a query at `positions` sees under a sliding `window` (an int32 scalar, 0:
+    global; None: no window): keys in (position - window, position]. 0 where the layer is global."""
+    if window is None:
+        return 0
+    return jnp.where(window > 0, positions - window + 1, 0)
+
+
 def fresh_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: float,
-                           implementation: str = "xla") -> jax.Array:
+                           implementation: str = "xla", window: jax.Array | int | None = None) -> jax.Array:
     """Causal attention of one fresh prompt over itself: q [T, H, hd], k, v [T, KVH, hd] at positions
     0..T-1 (model.py passes the K/V just written: from qkv_rope_write where the cache holds them as
     computed, gathered back from a float8 cache, as the paged kernels read it). Rows past the prompt
     (padding, at the end) see it and themselves; their output is unused. `implementation`:
-    jax.nn.dot_product_attention's ("cudnn": its flash attention on NVIDIA GPUs)."""
+    jax.nn.dot_product_attention's ("cudnn": its flash attention on NVIDIA GPUs). `window`: a sliding window
+    (window_floor), as a mask through XLA's attention."""
+    if window is not None:
+        rows = jnp.arange(q.shape[0])
+        mask = (rows[None, :] <= rows[:, None]) & (rows[None, :] >= window_floor(rows, window)[:, None])
+        return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None], scale=scale,
+                                            implementation="xla")[0]
     out = jax.nn.dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
                                        implementation=implementation)
     return out[0]
@@ -208,7 +222,8 @@ def fresh_prompt_attention(q: jax.Array, k: jax.Array, v: jax.Array, scale: floa
 
 def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                              page_row: jax.Array, prefix_len: jax.Array, slot_mapping: jax.Array, page_size: int,
-                             scale: float, implementation: str = "xla") -> jax.Array:
+                             scale: float, implementation: str = "xla",
+                             window: jax.Array | int | None = None) -> jax.Array:
     """Causal attention of one sequence's chunk q [T, H, hd] at positions prefix_len.. over its cached
     prefix (positions < prefix_len, through its pages page_row [P]) and itself (K/V just written at
     slot_mapping [T]), as two attentions merged by their log-sum-exps: the prefix part unmasked but for
@@ -216,12 +231,15 @@ def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
     is aligned top-left, so one call over prefix + chunk cannot express it). The prefix is gathered at
     the page row's full span (a static shape), its length given as the keys' valid length. Rows past
     the chunk (padding, at the end) see the prefix, the chunk and themselves; their output is unused.
-    `implementation`: "cudnn" (cuDNN's flash attention, which returns its log-sum-exp) or "xla"."""
-    part = _cudnn_attention_with_lse if implementation == "cudnn" else _attention_with_lse
+    `implementation`: "cudnn" (cuDNN's flash attention, which returns its log-sum-exp) or "xla". `window`: a
+    sliding window (window_floor; XLA's attention, where a prefix row may see no key: its weight is 0)."""
+    part = _cudnn_attention_with_lse if implementation == "cudnn" and window is None else _attention_with_lse
+    windowed = {} if window is None else {"window": window}
     prefix_slots = (page_row[:, None] * page_size + jnp.arange(page_size)[None, :]).reshape(-1)
     out_p, lse_p = part(q, *gather_kv(k_cache, v_cache, layer, prefix_slots, q.dtype), scale, causal=False,
-                        kv_len=prefix_len)
-    out_c, lse_c = part(q, *gather_kv(k_cache, v_cache, layer, slot_mapping, q.dtype), scale, causal=True)
+                        kv_len=prefix_len, **windowed, **({"q_offset": prefix_len} if windowed else {}))
+    out_c, lse_c = part(q, *gather_kv(k_cache, v_cache, layer, slot_mapping, q.dtype), scale, causal=True,
+                        **windowed)
     m = jnp.maximum(lse_p, lse_c)     # the chunk part always sees a key: finite
     w_p, w_c = jnp.exp(lse_p - m)[..., None], jnp.exp(lse_c - m)[..., None]
     out = (out_p.astype(f32) * w_p + out_c.astype(f32) * w_c) / (w_p + w_c)
@@ -233,22 +251,24 @@ def prefixed_chunk_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Arra
 LSE_BLOCK_ROWS = 1024
 
 
-def _attention_with_lse(q, k, v, scale, causal, kv_len=None):
+def _attention_with_lse(q, k, v, scale, causal, kv_len=None, window=None, q_offset=0):
     """q [T, H, hd] over k, v [S, KVH, hd] (grouped heads): (out [T, H, hd], log-sum-exp [T, H] float32;
-    -inf where a row sees no key). causal: row t sees keys 0..t; kv_len: only keys < kv_len. More than
+    -inf where a row sees no key). causal: row t sees keys 0..t; kv_len: only keys < kv_len; window: only keys
+    s >= window_floor(q_offset + t, window) (row t at position q_offset + t, key s at s). More than
     LSE_BLOCK_ROWS rows run a block of rows at a time (each row's arithmetic is its own: the same values)."""
     T, H, hd = q.shape
     rows = LSE_BLOCK_ROWS
     if T <= rows:
-        return _attention_rows_with_lse(q, k, v, scale, causal, kv_len, 0)
+        return _attention_rows_with_lse(q, k, v, scale, causal, kv_len, 0, window, q_offset)
     n = -(-T // rows)
     qb = jnp.pad(q, ((0, n * rows - T), (0, 0), (0, 0))).reshape(n, rows, H, hd)
-    out, lse = jax.lax.map(lambda a: _attention_rows_with_lse(a[0], k, v, scale, causal, kv_len, a[1]),
+    out, lse = jax.lax.map(lambda a: _attention_rows_with_lse(a[0], k, v, scale, causal, kv_len, a[1], window,
+                                                              q_offset),
                            (qb, jnp.arange(n, dtype=jnp.int32) * rows))
     return out.reshape(n * rows, H, hd)[:T], lse.reshape(n * rows, H)[:T]
 
 
-def _attention_rows_with_lse(q, k, v, scale, causal, kv_len, row0):
+def _attention_rows_with_lse(q, k, v, scale, causal, kv_len, row0, window=None, q_offset=0):
     """_attention_with_lse for query rows row0.. (row0 matters only to the causal mask)."""
     T, H, hd = q.shape
     S, kvh, _ = k.shape
@@ -259,6 +279,9 @@ def _attention_rows_with_lse(q, k, v, scale, causal, kv_len, row0):
         visible = jnp.arange(S)[None, :] <= row0 + jnp.arange(T)[:, None]
     if kv_len is not None:
         visible = visible & (jnp.arange(S) < kv_len)[None, :]
+    if window is not None:
+        floor = window_floor(q_offset + row0 + jnp.arange(T), window)
+        visible = visible & (jnp.arange(S)[None, :] >= floor[:, None])
     s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -289,11 +312,13 @@ def _cudnn_attention_with_lse(q, k, v, scale, causal, kv_len=None):
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                     page_table: jax.Array, token_seq: jax.Array, positions: jax.Array,
-                    page_size: int, scale: float, chunk: int | None = None) -> jax.Array:
+                    page_size: int, scale: float, chunk: int | None = None,
+                    window: jax.Array | int | None = None) -> jax.Array:
     """Causal attention of ragged query tokens over their own sequence's pages.
 
     q [T, H, hd]; caches [L, KVH, slots, hd]; page_table [B, P]; token_seq [T] (row of page_table
-    for each token); positions [T] (a token sees cached positions 0..position).
+    for each token); positions [T] (a token sees cached positions 0..position; with a sliding `window`,
+    window_floor(position)..position).
 
     Two layouts of the same math, chosen by size: with few sequences the keys of each sequence are
     gathered once ([KVH, B, ctx, hd]) and every query scores all of them, masked to its own; with
@@ -314,11 +339,13 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
 
     def attend(args):
         qc, seq, pos = args
+        floor = window_floor(pos, window) + jnp.zeros_like(pos)
         qg = qc.reshape(qc.shape[0], kvh, group, hd)
         if per_sequence:
             scores = jnp.einsum("tkgd,bckd->tkgbc", qg, k_seq, precision=HIGHEST, preferred_element_type=f32)
             own = seq[:, None] == jnp.arange(B)[None, :]                            # [Tc, B]
-            visible = own[:, :, None] & (jnp.arange(ctx)[None, None, :] <= pos[:, None, None])
+            key = jnp.arange(ctx)[None, None, :]
+            visible = own[:, :, None] & (key <= pos[:, None, None]) & (key >= floor[:, None, None])
             scores = jnp.where(visible[:, None, None], scores * scale, -jnp.inf)
             shape = scores.shape
             probs = jax.nn.softmax(scores.reshape(*shape[:3], B * ctx), axis=-1).reshape(shape).astype(q.dtype)
@@ -327,7 +354,8 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
             s = slots[seq]                                      # [Tc, ctx]
             k, v = gather_kv(k_cache, v_cache, layer, s, q.dtype)   # [Tc, ctx, KVH, hd]
             scores = jnp.einsum("tkgd,tckd->tkgc", qg, k, precision=HIGHEST, preferred_element_type=f32) * scale
-            visible = jnp.arange(ctx)[None, :] <= pos[:, None]
+            key = jnp.arange(ctx)[None, :]
+            visible = (key <= pos[:, None]) & (key >= floor[:, None])
             scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
             probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
             out = jnp.einsum("tkgc,tckd->tkgd", probs, v, precision=HIGHEST, preferred_element_type=f32)
@@ -349,34 +377,38 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
 def decode_qkv_attention(qkv: jax.Array, cos_sin, q_norm, k_norm, eps: float, k_cache: jax.Array,
                          v_cache: jax.Array, layer: jax.Array, slot_mapping: jax.Array, page_table: jax.Array,
                          context_lens: jax.Array, page_size: int, scale: float, num_heads: int,
-                         num_kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                         num_kv_heads: int, window: jax.Array | int | None = None
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A decode step's attention from the QKV projection on: qkv_rope_write for the one new token per
-    sequence, then paged_decode_attention over context_lens[b] positions (the new one included).
+    sequence, then paged_decode_attention over context_lens[b] positions (the new one included; with a
+    sliding `window`, the last `window` of them).
     Returns (out [B, H, hd], k_cache, v_cache). An op of its own so that a kernel can do both."""
     q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping,
                                          num_heads, num_kv_heads)
-    return (paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale),
-            k_cache, v_cache)
+    return (paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
+                                   window=window), k_cache, v_cache)
 
 
 def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                            page_table: jax.Array, context_lens: jax.Array, page_size: int,
-                           scale: float) -> jax.Array:
-    """One query token per sequence (q [B, H, hd]) over that sequence's first context_lens[b] positions."""
+                           scale: float, window: jax.Array | int | None = None) -> jax.Array:
+    """One query token per sequence (q [B, H, hd]) over that sequence's first context_lens[b] positions (with a
+    sliding `window`: the last `window` of them)."""
     B = q.shape[0]
     return paged_attention(q, k_cache, v_cache, layer, page_table, jnp.arange(B, dtype=jnp.int32),
-                           context_lens - 1, page_size, scale)
+                           context_lens - 1, page_size, scale, window=window)
 
 
 def verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
-                     page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float) -> jax.Array:
+                     page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float,
+                     window: jax.Array | int | None = None) -> jax.Array:
     """Q query rows per sequence (q [B, Q, H, hd]: a speculative verify step's last token and Q - 1 drafts), their
     K/V already in the cache: row j of sequence b sees positions 0..context_lens[b] - Q + j (context_lens[b]: the
-    last row's position + 1). Returns [B, Q, H, hd]."""
+    last row's position + 1; with a sliding `window`, from window_floor of that position). Returns [B, Q, H, hd]."""
     B, Q, H, hd = q.shape
     rows = jnp.arange(Q, dtype=jnp.int32)
     positions = (context_lens[:, None] - Q + rows[None, :]).reshape(B * Q)
     token_seq = jnp.repeat(jnp.arange(B, dtype=jnp.int32), Q)
     out = paged_attention(q.reshape(B * Q, H, hd), k_cache, v_cache, layer, page_table, token_seq,
-                          jnp.maximum(positions, 0), page_size, scale)
+                          jnp.maximum(positions, 0), page_size, scale, window=window)
     return out.reshape(B, Q, H, hd)
