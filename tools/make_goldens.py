@@ -41,10 +41,14 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -201,6 +205,41 @@ def qwen2_swa_config() -> tuple[type, Qwen2Config]:
     )
 
 
+def qwen3_moe_config() -> tuple[type, Qwen3MoeConfig]:
+    """Qwen3-MoE: 8 experts of width 32, 3 active a token, top-k weights not renormalised (norm_topk_prob
+    False), q/k norms, untied."""
+    return Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **COMMON,
+        vocab_size=1070,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
+
+
+def mixtral_config() -> tuple[type, MixtralConfig]:
+    """Mixtral: 4 experts of width 48, 2 active a token (weights renormalised), GQA, untied."""
+    return MixtralForCausalLM, MixtralConfig(
+        **COMMON,
+        vocab_size=1077,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rms_norm_eps=1e-5,
+        sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False,
+    )
+
+
 def gpt2_config() -> tuple[type, GPT2Config]:
     """GPT-2: learned positions, LayerNorm, gelu_new, Conv1D weights, tied.
     n_inner=None (=4*n_embd=256) like every real GPT-2 checkpoint."""
@@ -232,7 +271,10 @@ FAMILIES = {
     "gpt2": gpt2_config,
     "mistral_swa": mistral_swa_config,
     "qwen2_swa": qwen2_swa_config,
+    "qwen3_moe": qwen3_moe_config,
+    "mixtral": mixtral_config,
 }
+SEED_OF.update({"qwen3_moe": 3000, "mixtral": 3001})
 
 
 # --------------------------------------------------------------------------- helpers
