@@ -259,7 +259,7 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
     values = sd((L, K, (batch * P + 1) * ps, hd), jnp.int8)
     scales = sd(values.shape[:-1], jnp.float32)
     rows, pt, i32 = sd((batch,), jnp.int32), sd((batch, P), jnp.int32), sd((), jnp.int32)
-    config = DA.choose_config(batch, K, P * ps, 1)
+    config = DA.choose_config(batch, K, P * ps, 1, kv_int8=True)
 
     def fused(qkv, cs, qn, kc, vc, ks, vs, layer, slots, pt, cl):
         return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,

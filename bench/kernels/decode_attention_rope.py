@@ -204,7 +204,7 @@ def main() -> None:
             p = make_problem(B, ctx, seed=i, interpret=ip)
             ref = reference_out(p)
             n = 2 if ip else int(min(32, max(8, round(400e-6 / max(p.kv_bytes / 3.5e12, 4e-6)))))
-            engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS, 1 if INT8 else 2)
+            engine = DA.choose_config(B, K, int(1.5 * ctx) // PS * PS, 1 if INT8 else 2, INT8)
             cfgs = candidates(p)[:3] if ip else candidates(p)
             cfgs = list(dict.fromkeys([engine] + cfgs))
             target = 0.0 if ip else 0.1

@@ -293,11 +293,12 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
     )(context_lens.astype(jnp.int32), o_part, lse)
 
 
-def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2) -> SplitConfig:
+def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2, kv_int8: bool = False) -> SplitConfig:
     """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`,
-    pages of `kv_itemsize`-byte values (1: float8 or int8)."""
+    pages of `kv_itemsize`-byte values (1: float8, or int8 with `kv_int8`)."""
     seq_heads = batch * kv_heads
-    table = tables.DECODE_ATTENTION_FP8 if kv_itemsize == 1 else tables.DECODE_ATTENTION
+    table = (tables.DECODE_ATTENTION_INT8 if kv_int8 else tables.DECODE_ATTENTION_FP8) if kv_itemsize == 1 \
+        else tables.DECODE_ATTENTION
     cfg = next(c for max_sh, max_span, c in table if seq_heads <= max_sh and span <= max_span)
     # Never more splits than blocks in the span (the extra ones would only be empty programs).
     s = cfg.num_splits
@@ -319,7 +320,8 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     `config` overrides the table (tests and benchmarks).
     """
     if config is None:
-        config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize)
+        config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize,
+                               k_cache.dtype == jnp.int8)
     return paged_decode_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,

@@ -199,7 +199,8 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     int8_convert = resolve_int8_convert(int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret)
     quantized = check_int8_operands("decode_attention_rope_write", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if config is None:
-        config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize)
+        config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize,
+                               k_cache.dtype == jnp.int8)
     group = H // K
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None

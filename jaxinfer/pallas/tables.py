@@ -337,6 +337,10 @@ ROPE_KV_WRITE_TILE = 8
 # H200, 2026-12-03, `bench/kernels/decode_attention_rope.py --points 1:32768 --kv-cache-dtype int8 --int8-convert
 # C` (batch 1, 32,768 positions, best config / the table's; bf16 pages 38.26 us): cvt 37.08 / 38.35 us, bits 35.48 /
 # 36.58, prmt 30.46 / 35.31 (prmt from a later machine start; logs bench/results/2026-12-03-kvint8-h200-kernel-*).
-# Int8 pages take the float8 split table (DECODE_ATTENTION_FP8: 1-byte pages); its choice there (2 stages) was not
-# the best at 32k (3 stages).
 DECODE_ATTENTION_INT8_CONVERT = "prmt"
+
+# Int8 pages' split table: the float8 one (1-byte pages), but batch 1 past 1,024 positions with 3 pipeline stages: at
+# 32,768 positions with prmt, 32x128/w4/s3 30.46 us against the float8 row's s2 35.31 (the same sweep as above).
+DECODE_ATTENTION_INT8: list[tuple[int, int, SplitConfig]] = [
+    (sh, span, SplitConfig(32, 128, num_stages=3) if (sh, span) == (8, _BIG) else c)
+    for sh, span, c in DECODE_ATTENTION_FP8]
