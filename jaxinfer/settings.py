@@ -105,6 +105,9 @@ class EngineConfig:
     num_speculative_tokens: int | None = setting(
         None, "the most tokens drafted a step (default: 4; a DFlash drafter's block size less one)")
     gpu_memory_fraction: float = setting(0.9, "share of device memory for weights and KV cache")
+    tensor_parallel_size: int = setting(
+        1, "devices one model is split over (tensor parallelism: heads, MLP width and vocabulary sharded; "
+        "docs/tensor_parallel.md)")
     decode_steps: int = setting(8, "decode steps per device dispatch; fewer let a new request start sooner")
     max_logprobs: int = setting(20, "the most top logprobs a request may ask for")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of prompts' shared prefixes")
@@ -153,7 +156,7 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}, got {getattr(self, f.name)!r}")
-        for name in ("max_num_seqs", "page_size", "decode_steps"):
+        for name in ("max_num_seqs", "page_size", "decode_steps", "tensor_parallel_size"):
             _at_least(name, getattr(self, name), 1)
         _at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _at_least("max_model_len", self.max_model_len, 2)

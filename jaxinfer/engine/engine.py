@@ -39,10 +39,13 @@ from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model.quantize import describe as describe_weights
+from jaxinfer.model.tensor_parallel import device_page_bytes
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
+from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
 from jaxinfer.runner.batch import DecodeBatch, StepBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
+from jaxinfer.runner.mesh import make_mesh, tensor_parallel_config
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
@@ -85,7 +88,8 @@ class Engine(VerifySteps):
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **settings):
         backend = jax.default_backend()
-        config = EngineConfig.from_options(config, **settings).resolved(backend, sys.stderr.isatty())
+        config = tensor_parallel_config(EngineConfig.from_options(config, **settings)).resolved(backend,
+                                                                                               sys.stderr.isatty())
         config.validate()
         config = resolve_speculative(config)
         self.config = config
@@ -101,12 +105,15 @@ class Engine(VerifySteps):
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
         self.ops_name = config.ops if config.ops != "auto" else "pallas" if backend == "gpu" else "reference"
         ops = get_ops(self.ops_name)
+        self.mesh = make_mesh(config.tensor_parallel_size)   # None: one device
+        if self.mesh is not None:
+            ops = tensor_parallel_ops(ops, self.mesh)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
         self.sampling_defaults = read_generation_defaults(config.generation_config, model_dir)
         self.max_model_len = min(config.max_model_len or self.cfg.max_position_embeddings,
                                  self.cfg.max_position_embeddings)
         params = load_params(model_dir, self.cfg, progress=config.progress, per_layer=t.unroll_layers,
-                             quantization=config.quantization)
+                             quantization=config.quantization, mesh=self.mesh)
         self.weights_summary = describe_weights(params, self.cfg.tie_embeddings)   # dtype and bytes held
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         proposer = make_proposer(config, self) if config.speculative else None   # a draft model loads here
@@ -167,7 +174,8 @@ class Engine(VerifySteps):
             free -= 4 * c.max_num_batched_tokens * (self.cfg.hidden_size * 8 + self.cfg.vocab_size)
             if c.speculative:   # a verify step's acceptance holds ~6 float32 [rows, k + 1, V] arrays (rejection.verify)
                 free -= 6 * 4 * c.max_num_seqs * (c.num_speculative_tokens + 1) * self.cfg.vocab_size
-            page_bytes = bytes_per_page(self.cfg, c.page_size, self.kv_dtype) + self._draft_page_bytes
+            page_bytes = device_page_bytes(self.cfg, c.tensor_parallel_size, c.page_size, self.kv_dtype) + \
+                self._draft_page_bytes
             num_pages = min(int(free // page_bytes),
                             2 * c.max_num_seqs * pages_per_seq + 1)
             if num_pages - 1 < pages_per_seq:

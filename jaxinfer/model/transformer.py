@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.model.config import ModelConfig
+from jaxinfer.model import tensor_parallel
 from jaxinfer.model.kv_cache import KVCache
 from jaxinfer.ops import LayerWeight
 from jaxinfer.ops.quantized import QuantizedWeight
@@ -181,6 +182,10 @@ def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: 
     layers, params["layers"][i] is layer i's (entries outside the range may be None: a step that runs part of
     the model takes only its part's matrices as arguments). capture: layers (within first..last-1) whose
     outputs are also returned, (kv, x, their outputs [len(capture), T, D]) (a DFlash drafter reads them)."""
+    if getattr(ops, "mesh", None) is not None:   # tensor parallel: the same layers per shard, under shard_map
+        return tensor_parallel.run_layers_sharded(run_layers, cfg, ops, params, kv, x, positions, slot_mapping,
+                                                  token_seq, page_table, first=first, last=last, decode=decode,
+                                                  unroll=unroll, attention=attention, capture=capture)
     captured = {}
     cos_sin = None
     if cfg.position_kind == "rope":
@@ -229,6 +234,8 @@ def split_layers(params: dict) -> dict:
 def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> jax.Array:
     """float32 logits [R, V] for the rows h [R, D]. (Quantized tied embeddings keep a quantized copy as lm_head.)"""
     w = params["lm_head"] if "lm_head" in params else params["embed"]
+    if getattr(ops, "mesh", None) is not None:   # vocabulary-parallel: logits stay sharded by vocabulary
+        return tensor_parallel.sharded_logits(ops, h, w, cfg.vocab_size)
     return ops.logits(h, w)
 
 
@@ -247,7 +254,7 @@ def prompt_logits(cfg: ModelConfig, ops: ModuleType, params: dict, token_ids: np
     """Logits [T, V] of every position of one prompt, through a throwaway cache (tests, research)."""
     T = len(token_ids)
     n_pages = -(-T // page_size)
-    kv = KVCache.allocate(cfg, n_pages + 1, page_size)
+    kv = tensor_parallel.allocate_kv(cfg, getattr(ops, "mesh", None), n_pages + 1, page_size)
     pages = np.arange(1, n_pages + 1, dtype=np.int32)
     pos = np.arange(T, dtype=np.int32)
     slots = pages[pos // page_size] * page_size + pos % page_size

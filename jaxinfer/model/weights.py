@@ -47,6 +47,8 @@ class Rule:
     shapes: Callable[[ModelConfig], list[Shape]]  # expected shape of each source, in our layout
     transpose: bool = False                       # GPT-2 Conv1D stores [in, out]
     when: Callable[[ModelConfig], bool] = lambda c: True
+    shard: str | None = None                      # tensor parallel split (model.tensor_parallel): None, "out", "in",
+                                                  # "qkv" (rows by head), "heads" (columns by q head)
 
     @property
     def per_layer(self) -> bool:
@@ -72,40 +74,46 @@ def _qkv_shapes(c: ModelConfig) -> list[Shape]:
 _ATT = "model.layers.{i}.self_attn"
 _MLP = "model.layers.{i}.mlp"
 LLAMA_RULES: list[Rule] = [
-    Rule("embed", ("model.embed_tokens.weight",), lambda c: [(c.vocab_size, c.hidden_size)]),
+    Rule("embed", ("model.embed_tokens.weight",), lambda c: [(c.vocab_size, c.hidden_size)], shard="out"),
     Rule("lm_head", ("lm_head.weight",), lambda c: [(c.vocab_size, c.hidden_size)],
-         when=lambda c: not c.tie_embeddings),
+         when=lambda c: not c.tie_embeddings, shard="out"),
     *_norm_rules("final_norm", "model.norm", False),
     *_norm_rules("layers.attn_norm", "model.layers.{i}.input_layernorm", False),
     *_norm_rules("layers.mlp_norm", "model.layers.{i}.post_attention_layernorm", False),
-    Rule("layers.wqkv", (f"{_ATT}.q_proj.weight", f"{_ATT}.k_proj.weight", f"{_ATT}.v_proj.weight"), _qkv_shapes),
+    Rule("layers.wqkv", (f"{_ATT}.q_proj.weight", f"{_ATT}.k_proj.weight", f"{_ATT}.v_proj.weight"), _qkv_shapes,
+         shard="qkv"),
     Rule("layers.bqkv", (f"{_ATT}.q_proj.bias", f"{_ATT}.k_proj.bias", f"{_ATT}.v_proj.bias"),
-         lambda c: [(c.q_size,), (c.kv_size,), (c.kv_size,)], when=lambda c: c.qkv_bias),
+         lambda c: [(c.q_size,), (c.kv_size,), (c.kv_size,)], when=lambda c: c.qkv_bias, shard="qkv"),
     Rule("layers.q_norm", (f"{_ATT}.q_norm.weight",), lambda c: [(c.head_dim,)], when=lambda c: c.qk_norm),
     Rule("layers.k_norm", (f"{_ATT}.k_norm.weight",), lambda c: [(c.head_dim,)], when=lambda c: c.qk_norm),
-    Rule("layers.wo", (f"{_ATT}.o_proj.weight",), lambda c: [(c.hidden_size, c.q_size)]),
+    Rule("layers.wo", (f"{_ATT}.o_proj.weight",), lambda c: [(c.hidden_size, c.q_size)], shard="heads"),
     Rule("layers.bo", (f"{_ATT}.o_proj.bias",), lambda c: [(c.hidden_size,)], when=lambda c: c.o_bias),
     Rule("layers.w_gate_up", (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight"),
-         lambda c: [(c.intermediate_size, c.hidden_size)] * 2),
-    Rule("layers.w_down", (f"{_MLP}.down_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)]),
+         lambda c: [(c.intermediate_size, c.hidden_size)] * 2, shard="out"),
+    Rule("layers.w_down", (f"{_MLP}.down_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)],
+         shard="in"),
 ]
 
 _H = "h.{i}"
 GPT2_RULES: list[Rule] = [
-    Rule("embed", ("wte.weight",), lambda c: [(c.vocab_size, c.hidden_size)]),
+    Rule("embed", ("wte.weight",), lambda c: [(c.vocab_size, c.hidden_size)], shard="out"),
     Rule("pos_embed", ("wpe.weight",), lambda c: [(c.max_position_embeddings, c.hidden_size)]),
     Rule("lm_head", ("lm_head.weight",), lambda c: [(c.vocab_size, c.hidden_size)],
-         when=lambda c: not c.tie_embeddings),
+         when=lambda c: not c.tie_embeddings, shard="out"),
     *_norm_rules("final_norm", "ln_f", True),
     *_norm_rules("layers.attn_norm", f"{_H}.ln_1", True),
     *_norm_rules("layers.mlp_norm", f"{_H}.ln_2", True),
-    Rule("layers.wqkv", (f"{_H}.attn.c_attn.weight",), lambda c: [(3 * c.hidden_size, c.hidden_size)], transpose=True),
-    Rule("layers.bqkv", (f"{_H}.attn.c_attn.bias",), lambda c: [(3 * c.hidden_size,)]),
-    Rule("layers.wo", (f"{_H}.attn.c_proj.weight",), lambda c: [(c.hidden_size, c.hidden_size)], transpose=True),
+    Rule("layers.wqkv", (f"{_H}.attn.c_attn.weight",), lambda c: [(3 * c.hidden_size, c.hidden_size)], transpose=True,
+         shard="qkv"),
+    Rule("layers.bqkv", (f"{_H}.attn.c_attn.bias",), lambda c: [(3 * c.hidden_size,)], shard="qkv"),
+    Rule("layers.wo", (f"{_H}.attn.c_proj.weight",), lambda c: [(c.hidden_size, c.hidden_size)], transpose=True,
+         shard="heads"),
     Rule("layers.bo", (f"{_H}.attn.c_proj.bias",), lambda c: [(c.hidden_size,)]),
-    Rule("layers.w_up", (f"{_H}.mlp.c_fc.weight",), lambda c: [(c.intermediate_size, c.hidden_size)], transpose=True),
-    Rule("layers.b_up", (f"{_H}.mlp.c_fc.bias",), lambda c: [(c.intermediate_size,)]),
-    Rule("layers.w_down", (f"{_H}.mlp.c_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)], transpose=True),
+    Rule("layers.w_up", (f"{_H}.mlp.c_fc.weight",), lambda c: [(c.intermediate_size, c.hidden_size)], transpose=True,
+         shard="out"),
+    Rule("layers.b_up", (f"{_H}.mlp.c_fc.bias",), lambda c: [(c.intermediate_size,)], shard="out"),
+    Rule("layers.w_down", (f"{_H}.mlp.c_proj.weight",), lambda c: [(c.hidden_size, c.intermediate_size)], transpose=True,
+         shard="in"),
     Rule("layers.b_down", (f"{_H}.mlp.c_proj.bias",), lambda c: [(c.hidden_size,)]),
 ]
 
@@ -209,8 +217,10 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 
 
 def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, per_layer: bool = False,
-                quantization: str | None = None) -> dict:
-    """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device.
+                quantization: str | None = None, mesh: Any = None) -> dict:
+    """Read a Hugging Face folder's weights into our tree, checked against `cfg`, on the default device (or
+    with `mesh`, a jax.sharding.Mesh of more than one device, split over it as each Rule's `shard` says:
+    model.tensor_parallel; each device's slices read alone).
 
     per_layer: the layer matrices as one array per layer (transformer.split_layers' layout, which unrolled
     layers read), sent to the device straight from the mapped files and joined there: no stacked copy on the
@@ -219,6 +229,15 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     pre-quantized checkpoint's are read with their scales whatever it is (it must name their format if set)."""
     model_dir = Path(model_dir)
     quant = quantize.plan(model_dir, quantization)
+    if mesh is not None and mesh.size > 1:
+        from jaxinfer.model import tensor_parallel   # it reads RULES from here
+
+        tensor_parallel.check(cfg, mesh.size)
+        if quant.at_load or quant.checkpoint or per_layer:
+            what = "split layers (unroll_layers)" if per_layer else "8-bit weights"
+            raise tensor_parallel.TensorParallelError(f"tensor parallelism does not support {what} yet")
+    else:
+        mesh = None
     if mesh is not None and mesh.size > 1:
         from jaxinfer.model import tensor_parallel   # it reads RULES from here
 
@@ -289,6 +308,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     with tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar, \
             ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(threads) as layer_pool:
         def build(rule: Rule):
+            if mesh is not None:
+                return rule, tensor_parallel.load_sharded(rule, cfg, read, np_dtype, mesh)
             if quantized(rule):   # a layer at a time: only the 8-bit stack stays on the device
                 if not rule.per_layer:
                     return rule, quantized_layer(rule, None)

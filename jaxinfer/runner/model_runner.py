@@ -22,7 +22,8 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxinfer.model.config import ModelConfig
-from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache
+from jaxinfer.model.kv_cache import SCRATCH_PAGE
+from jaxinfer.model.tensor_parallel import allocate_kv
 from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.split_step import SplitStep
@@ -77,7 +78,7 @@ class ModelRunner:
         self.token_buckets = sorted(set(t.token_buckets) | {budget}) if t.token_buckets else \
             pow2_buckets(min(16, budget), budget)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
-        self.kv = KVCache.allocate(cfg, num_pages, config.page_size, kv_dtype)
+        self.kv = allocate_kv(cfg, getattr(ops, "mesh", None), num_pages, config.page_size, kv_dtype)
         self.state = SamplerState.allocate(config.max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = config.max_num_seqs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)

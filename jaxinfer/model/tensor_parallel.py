@@ -1,0 +1,238 @@
+"""Tensor parallelism (Megatron's layout) over a one-axis device mesh: the partition of each weight, its loading
+straight into the shards, the KV cache's, and the layers under `shard_map`.
+
+Every weight Rule of the declarative map (model/weights.py) names how its tensor splits over the N devices:
+    None   replicated (norms, position embeddings, the biases added after an all-reduce);
+    "out"  rows split: each source's rows cut in N contiguous parts, padded with zero rows to a multiple of N,
+           device d holding part d of every source (gate|up: its own gate rows then its own up rows; the
+           vocabulary of embed and lm_head);
+    "in"   columns split the same way (down: the intermediate columns);
+    "qkv"  rows by attention head: device d holds its q heads' rows, then its KV heads', then its V heads';
+    "heads" columns by q head (o_proj): device d's q heads' columns.
+Heads split evenly where there are at least N of them; where there are fewer, each head is held by a group of
+N / heads devices (the KV cache "replicated in groups"): every device of the group computes the head's attention,
+and all but the first hold zero o_proj columns for it, so the all-reduce after o_proj counts it once. Zero
+padding (the MLP's width, the vocabulary) is exact: silu(0) * 0 and gelu(0) are 0, and padded logits are cut off.
+
+Inside `shard_map` each device runs the same forward pass on a local ModelConfig (its heads, KV heads and MLP
+width) and an op set whose output projections all-reduce (ops.tensor_parallel); outside it the embedding,
+final norm and sampling run under the mesh as XLA partitions them, and the lm_head is a vocabulary-parallel
+product (logits stay sharded by vocabulary; greedy argmax and the sums of sampling reduce across the shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.kv_cache import KVCache, bytes_per_page
+from jaxinfer.model.weights import RULES
+
+AXIS = "tp"   # the mesh's one axis
+SHARDS = (None, "out", "in", "qkv", "heads")
+
+
+class TensorParallelError(ValueError):
+    """A model and a tensor-parallel size that do not fit together."""
+
+
+def check(cfg: ModelConfig, n: int) -> None:
+    """One clear error where the model cannot be split over n devices."""
+    if n < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {n}")
+    if n == 1:
+        return
+    for what, heads in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)):
+        if heads % n and n % heads:
+            raise TensorParallelError(
+                f"tensor_parallel_size {n} does not fit the model's {heads} {what}: one must divide the other "
+                f"(sizes that work: {', '.join(str(k) for k in _workable(cfg))})")
+    if getattr(cfg, "num_experts", 0):
+        raise TensorParallelError("tensor parallelism of a mixture-of-experts model is not supported")
+
+
+def _workable(cfg: ModelConfig) -> list[int]:
+    ok = lambda k, h: h % k == 0 or k % h == 0
+    return [k for k in (1, 2, 4, 8, 16, 32) if ok(k, cfg.num_heads) and ok(k, cfg.num_kv_heads)]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _heads_of(total: int, n: int, d: int) -> list[int]:
+    """Device d's heads of `total` split over n (a group of n / total devices shares one where total < n)."""
+    if total >= n:
+        per = total // n
+        return list(range(d * per, (d + 1) * per))
+    return [d * total // n]
+
+
+def _owns(total: int, n: int, d: int) -> bool:
+    """Whether device d is the first of its head's group (it alone counts the head in the all-reduce)."""
+    return total >= n or d % (n // total) == 0
+
+
+def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model as one device of n sees it inside shard_map: its heads, KV heads and MLP width."""
+    if n == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_heads=max(cfg.num_heads // n, 1), num_kv_heads=max(cfg.num_kv_heads // n, 1),
+                               intermediate_size=_ceil_div(cfg.intermediate_size, n))
+
+
+def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The model as the sharded KV cache is allocated for it: each device's KV heads, times n."""
+    return dataclasses.replace(cfg, num_kv_heads=local_config(cfg, n).num_kv_heads * n)
+
+
+def device_page_bytes(cfg: ModelConfig, n: int, page_size: int, dtype=None) -> int:
+    """K and V bytes of one page on each of n devices (KV heads held in groups count once per device)."""
+    return bytes_per_page(cache_config(cfg, n), page_size, dtype) // n
+
+
+def order(shard: str | None, cfg: ModelConfig, n: int, sizes: list[int]) -> np.ndarray | None:
+    """The global layout of a sharded axis: for each position, the row (or column) of the sources' concatenation
+    it holds, -1 where it holds zeros. sizes: the sources' extents along the axis. None: no reordering."""
+    if shard is None or n == 1:
+        return None
+    offsets = np.cumsum([0] + sizes[:-1])
+    if shard in ("out", "in"):
+        parts = []
+        for d in range(n):
+            for off, size in zip(offsets, sizes):
+                c = _ceil_div(size, n)
+                idx = np.arange(d * c, (d + 1) * c)
+                parts.append(np.where(idx < size, off + idx, -1))
+        return np.concatenate(parts)
+    hd, q, kv = cfg.head_dim, cfg.q_size, cfg.kv_size
+    heads = lambda hs, base: np.concatenate([base + h * hd + np.arange(hd) for h in hs])
+    if shard == "qkv":
+        if sum(sizes) != q + 2 * kv:
+            raise TensorParallelError(f"a qkv-sharded tensor of {sum(sizes)} rows, expected {q + 2 * kv}")
+        return np.concatenate([np.concatenate([heads(_heads_of(cfg.num_heads, n, d), 0),
+                                               heads(_heads_of(cfg.num_kv_heads, n, d), q),
+                                               heads(_heads_of(cfg.num_kv_heads, n, d), q + kv)]) for d in range(n)])
+    if shard == "heads":
+        return np.concatenate([heads(_heads_of(cfg.num_heads, n, d), 0) if _owns(cfg.num_heads, n, d)
+                               else np.full(len(_heads_of(cfg.num_heads, n, d)) * hd, -1) for d in range(n)])
+    raise ValueError(f"unknown shard {shard!r} (one of {SHARDS})")
+
+
+def _axis(shard: str | None) -> int | None:
+    """The sharded axis of a rule's [out, in] matrix (or vector)."""
+    return None if shard is None else 1 if shard in ("in", "heads") else 0
+
+
+def spec(shard: str | None, per_layer: bool) -> P:
+    """A rule's PartitionSpec over the mesh (a leading layer axis unsharded)."""
+    axis = _axis(shard)
+    dims = [] if axis is None else [None] * axis + [AXIS]
+    return P(*([None] * per_layer + dims))
+
+
+@functools.cache
+def param_specs(cfg: ModelConfig) -> dict:
+    """The parameter tree's PartitionSpecs, one per tensor, from the weight map's rules (those that apply)."""
+    tree: dict = {}
+    for rule in [r for r in RULES[cfg.family] if r.when(cfg)]:
+        node = tree
+        *parents, leaf = rule.dest.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = spec(rule.shard, rule.per_layer)
+    return tree
+
+
+def load_sharded(rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.ndarray], dtype,
+                 mesh: Mesh) -> jax.Array:
+    """A rule's tensor laid out for the mesh and made shard by shard: each device's block is read from the mapped
+    files alone (a process touches only the bytes of its own devices' slices)."""
+    n = mesh.size
+    shapes = [tuple(s) for s in rule.shapes(cfg)]
+    axis = _axis(rule.shard)
+    natural = (sum(s[0] for s in shapes), *shapes[0][1:])
+    layers = [None] if not rule.per_layer else list(range(cfg.num_layers))
+    if axis is not None and axis >= len(natural):
+        raise TensorParallelError(f"{rule.dest}: shard {rule.shard!r} of a {len(natural)}-D tensor")
+    sizes = [s[axis] for s in shapes] if axis == 0 else [natural[axis]] if axis is not None else []
+    idx = order(rule.shard, cfg, n, sizes)
+    shape = list(natural)
+    if idx is not None:
+        shape[axis] = len(idx)
+    lead = [len(layers)] if rule.per_layer else []
+
+    def block(index: tuple) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(lead) + len(shape) - len(index))
+        layer_sel = range(len(layers))[index[0]] if rule.per_layer else [0]
+        local = index[len(lead):]
+        want = [np.arange(dim)[s] for dim, s in zip(shape, local)]
+        out = np.zeros((len(layer_sel), *(len(w) for w in want)), dtype)
+        rows = want[0] if idx is None or axis != 0 else idx[want[0]]
+        for j, layer in enumerate(layer_sel):
+            off = 0
+            for src, shp in zip(rule.sources, shapes):
+                name = src.format(i=layers[layer])
+                mine = (rows >= off) & (rows < off + shp[0])
+                if mine.any():
+                    arr = read(name, shp, rule.transpose)
+                    picked = arr[rows[mine] - off]
+                    if len(shape) == 2:
+                        cols = want[1] if idx is None or axis != 1 else idx[want[1]]
+                        keep = cols >= 0
+                        sub = np.zeros((picked.shape[0], len(cols)), dtype)
+                        sub[:, keep] = picked[:, cols[keep]]
+                        picked = sub
+                    out[j, np.nonzero(mine)[0]] = picked
+                off += shp[0]
+        return out if rule.per_layer else out[0]
+
+    sharding = NamedSharding(mesh, spec(rule.shard, rule.per_layer))
+    return jax.make_array_from_callback(tuple(lead + shape), sharding, block)
+
+
+def allocate_kv(cfg: ModelConfig, mesh: Mesh | None, num_pages: int, page_size: int, dtype=None) -> KVCache:
+    """The KV cache, sharded by KV head over the mesh (each device allocates only its own heads)."""
+    if mesh is None:
+        return KVCache.allocate(cfg, num_pages, page_size, dtype)
+    full = cache_config(cfg, mesh.size)
+    shape = jax.eval_shape(lambda: KVCache.allocate(full, num_pages, page_size, dtype))
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P(None, AXIS)), shape)
+    return jax.jit(lambda: KVCache.allocate(full, num_pages, page_size, dtype), out_shardings=shardings)()
+
+
+def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops, params: dict, kv: KVCache, x: jax.Array,
+                       *token_arrays: jax.Array, **options: Any):
+    """transformer.run_layers over the mesh of `ops` (ops.tensor_parallel.ShardedOps): each device runs the layers
+    on its shards with the local config and the all-reducing op set. token_arrays: positions, slot_mapping,
+    token_seq, page_table; options: run_layers' keywords after them."""
+    mesh = ops.mesh
+    local = local_config(cfg, mesh.size)
+    capture = options.get("capture", ())
+    cache_spec = P(None, AXIS)
+
+    def body(layers, k, v, x, *arrays):
+        kv_local = kv.replace(k=k, v=v)
+        kv_out, x, *states = run_layers(local, ops.shard_ops, {"layers": layers}, kv_local, x, *arrays, **options)
+        return (kv_out.k, kv_out.v, x, *states)
+
+    in_specs = (param_specs(cfg)["layers"], cache_spec, cache_spec, P(), *([P()] * len(token_arrays)))
+    out_specs = (cache_spec, cache_spec, P(), *([P()] if capture else []))
+    k, v, x, *states = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        params["layers"], kv.k, kv.v, x, *token_arrays)
+    return (kv.replace(k=k, v=v), x, *states)
+
+
+def sharded_logits(ops, h: jax.Array, w, vocab_size: int) -> jax.Array:
+    """The vocabulary-parallel lm_head: each device's logits [R, V / N] by its own kernel, left sharded by
+    vocabulary (no gather); the padding beyond `vocab_size` cut off."""
+    logits = jax.shard_map(lambda h, w: ops.logits(h, w), mesh=ops.mesh, in_specs=(P(), P(AXIS)),
+                           out_specs=P(None, AXIS), check_vma=False)(h, w)
+    return logits if logits.shape[-1] == vocab_size else logits[:, :vocab_size]

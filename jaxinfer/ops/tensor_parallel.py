@@ -1,0 +1,60 @@
+"""An op set over a device mesh (tensor parallelism): the base ops, plus the mesh, plus the op set each device
+runs inside shard_map, in which the output projections (o_proj, down: input rows split over the devices) sum
+their partial products across the mesh with one all-reduce (XLA's collective: NCCL on GPUs).
+
+The model (model.tensor_parallel) puts the layers under shard_map when an op set carries a mesh; every kernel of
+the base set then runs per shard, on per-device shapes.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxinfer.ops import weight
+from jaxinfer.ops.pallas import OpSet
+
+AXIS = "tp"   # the mesh's one axis (model.tensor_parallel.AXIS)
+
+
+def _members(base) -> dict:
+    if isinstance(base, ModuleType):
+        return {k: getattr(base, k) for k in dir(base) if not k.startswith("_")}
+    return dict(vars(base))
+
+
+def shard_ops(base) -> OpSet:
+    """The ops one device runs inside shard_map: the base set, with the row-split projections all-reduced."""
+
+    def reduced(x, w, b):
+        y = jax.lax.psum(base.linear(x, w), AXIS)   # the partial products in x's dtype: one all-reduce
+        if b is not None:   # added once, after the sum
+            y = (y.astype(jnp.float32) + weight(b).astype(jnp.float32)).astype(x.dtype)
+        return y
+
+    def linear_residual(x, w, b, residual):
+        return residual + reduced(x, w, b)
+
+    def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up):
+        r = linear_residual(x, w, b, residual)
+        return r, base.rms_norm_swiglu(r, scale, eps, w_gate_up)
+
+    members = _members(base)
+    return OpSet(**{**members, "linear_residual": linear_residual,
+                    "linear_residual_norm_swiglu": linear_residual_norm_swiglu,
+                    "name": f"{members.get('name', getattr(base, '__name__', 'ops'))}/shard"})
+
+
+@functools.cache
+def tensor_parallel_ops(base, mesh: Mesh) -> OpSet:
+    """`base` over `mesh` (a one-axis mesh named "tp"): the same ops outside the layers, `mesh`, and `shard_ops`
+    for inside them. Cached: one op set (a static jit argument, hashed by identity) per base and mesh."""
+    if mesh.axis_names != (AXIS,):
+        raise ValueError(f"a tensor-parallel mesh has the one axis {AXIS!r}, got {mesh.axis_names}")
+    members = _members(base)
+    name = members.get("name", getattr(base, "__name__", "ops").rsplit(".", 1)[-1])
+    return OpSet(**{**members, "name": f"{name}+tp{mesh.size}", "mesh": mesh, "shard_ops": shard_ops(base)})

@@ -1,0 +1,48 @@
+"""The device mesh of tensor parallelism, and the settings a tensor-parallel engine cannot take.
+
+One process drives the mesh's devices: its own (`jax.local_devices()`), or, after `jax.distributed.initialize`
+(runner.distributed), every process's (`jax.devices()`): one mesh over all hosts, the same compiled steps on each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxinfer.model.tensor_parallel import AXIS, TensorParallelError
+from jaxinfer.settings import EngineConfig
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh | None:
+    """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices; None for 1 (no mesh: the single-device
+    path, unchanged). One clear error where there are fewer devices."""
+    n = tensor_parallel_size
+    if n < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {n}")
+    if n == 1:
+        return None
+    devices = jax.devices()
+    if n > len(devices):
+        raise TensorParallelError(f"tensor_parallel_size {n} needs {n} devices; this machine has {len(devices)} "
+                                  f"({devices[0].platform}: {len(devices)} in {jax.process_count()} process(es))")
+    return Mesh(np.array(devices[:n]), (AXIS,))
+
+
+def tensor_parallel_config(config: EngineConfig) -> EngineConfig:
+    """The settings for tensor parallelism: the layers stay stacked (split layers and a prompt step in two
+    executables are single-device fast paths) where the user left them to the machine; what it cannot run is
+    one clear error."""
+    if config.tensor_parallel_size == 1:
+        return config
+    t = config.tuning
+    if t.unroll_layers:
+        raise TensorParallelError("tensor parallelism runs stacked layers: unroll_layers must be off")
+    if config.quantization:
+        raise TensorParallelError("tensor parallelism does not support 8-bit weights (quantization) yet")
+    if config.speculative and config.speculative != "ngram":
+        raise TensorParallelError("tensor parallelism supports n-gram speculation only (not draft or DFlash models)")
+    return dataclasses.replace(config, tuning=dataclasses.replace(
+        t, unroll_layers=False, prompt_step_head_layers=0))

@@ -1,0 +1,80 @@
+"""Run by tests/test_tensor_parallel.py in a process of its own, with 8 CPU devices (the device count is fixed
+before jax starts, so the other tests' processes keep theirs). Prints one JSON line per result.
+
+    python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
+    python tests/tensor_parallel_worker.py greedy OPS FAMILY... the engine's greedy tokens at TP 1, 2 and 8
+    python tests/tensor_parallel_worker.py distributed RANK N PORT  greedy tokens, one of N processes (TP 2 over 2)
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = REPO / "tests" / "data" / "models"
+STORIES = REPO.parent / "shared" / "models" / "stories260k"
+PROMPTS = [[1, 5, 9, 33, 2], [1, 7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
+
+
+def model_dir(family: str) -> Path:
+    return STORIES if family == "stories260k" else MODELS / family
+
+
+def logits(families: list[str]) -> None:
+    import jax
+    import numpy as np
+
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.transformer import prompt_logits
+    from jaxinfer.model.weights import load_params
+    from jaxinfer.ops import get_ops
+    from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
+    from jaxinfer.runner.mesh import make_mesh
+
+    ops = get_ops("reference")
+    for family in families:
+        d = model_dir(family)
+        cfg = load_config(d)
+        ids = np.random.default_rng(len(family)).integers(0, cfg.vocab_size, 21)
+        ref = np.asarray(prompt_logits(cfg, ops, load_params(d, cfg, progress=False), ids))
+        for n in (2, 4, 8):
+            mesh = make_mesh(n)
+            params = load_params(d, cfg, progress=False, mesh=mesh)
+            sharded = sum(not a.sharding.is_fully_replicated for a in jax.tree.leaves(params))
+            out = np.asarray(prompt_logits(cfg, tensor_parallel_ops(ops, mesh), params, ids))
+            print(json.dumps(dict(family=family, n=n, shape=list(out.shape), ref_shape=list(ref.shape),
+                                  max_abs=float(np.abs(out - ref).max()), sharded=sharded,
+                                  argmax_equal=bool((out.argmax(-1) == ref.argmax(-1)).all()))), flush=True)
+
+
+def greedy(ops: str, families: list[str], sizes=(1, 2, 8)) -> None:
+    from jaxinfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for family in families:
+        for n in sizes:
+            llm = LLM(model_dir(family), tensor_parallel_size=n, ops=ops, max_num_seqs=4, max_num_batched_tokens=16,
+                      decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="")
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
+
+
+def distributed(rank: int, processes: int, port: int) -> None:
+    from jaxinfer.runner.distributed import initialize
+
+    initialize(f"localhost:{port}", processes, rank)
+    import jax
+
+    print(json.dumps(dict(rank=rank, devices=len(jax.devices()), local=len(jax.local_devices()))), flush=True)
+    greedy("reference", ["qwen3"], sizes=(len(jax.devices()),))
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    if mode == "distributed":
+        distributed(int(args[0]), int(args[1]), int(args[2]))
+    elif mode == "logits":
+        logits(args)
+    else:
+        greedy(args[0], args[1:])

@@ -1,0 +1,95 @@
+"""Tensor parallelism on the CPU: 8 host devices in a process of its own (tests/tensor_parallel_worker.py), so
+that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32 and the same greedy
+tokens, for every family (the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their
+vocabularies and MLP widths do not all divide by 8); the layout; the errors."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxinfer.model.config import load_config
+from jaxinfer.model.tensor_parallel import TensorParallelError, check, local_config, order
+from jaxinfer.runner.mesh import make_mesh
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "tensor_parallel_worker.py"
+MODELS = REPO / "tests" / "data" / "models"
+FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "stories260k"]
+
+
+def run_worker(*args: str, devices: int = 8, timeout: int = 600) -> list[dict]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
+    out = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True,
+                         timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_logits_equal_tp1_for_every_family():
+    rows = run_worker("logits", *FAMILIES)
+    assert {(r["family"], r["n"]) for r in rows} == {(f, n) for f in FAMILIES for n in (2, 4, 8)}
+    for r in rows:
+        assert r["shape"] == r["ref_shape"], r   # padded vocabulary cut back
+        assert r["sharded"] > 0, r
+        assert r["max_abs"] < 1e-4, r
+        assert r["argmax_equal"], r
+
+
+@pytest.mark.parametrize("ops,families", [("reference", FAMILIES), ("pallas-interpret", ["qwen3", "gpt2"])])
+def test_greedy_tokens_equal_tp1(ops, families):
+    rows = run_worker("greedy", ops, *families)
+    by = {(r["family"], r["n"]): r["tokens"] for r in rows}
+    for family in families:
+        assert by[(family, 1)] and all(len(t) == 10 for t in by[(family, 1)])
+        for n in (2, 8):
+            assert by[(family, n)] == by[(family, 1)], (family, n)
+
+
+def test_qkv_rows_are_each_devices_heads():
+    cfg = load_config(MODELS / "llama3")   # 4 heads, 2 KV heads, head_dim 16
+    q, kv, hd = cfg.q_size, cfg.kv_size, cfg.head_dim
+    rows = order("qkv", cfg, 4, [q, kv, kv]).reshape(4, -1)   # a device's block: one q head, its KV head
+    for d in range(4):
+        kv_head = d // 2
+        want = np.concatenate([d * hd + np.arange(hd), q + kv_head * hd + np.arange(hd),
+                               q + kv + kv_head * hd + np.arange(hd)])
+        np.testing.assert_array_equal(rows[d], want)
+    cols = order("heads", cfg, 8, [q]).reshape(8, -1)   # 8 devices, 4 heads: the second of each pair holds zeros
+    assert (cols[1::2] == -1).all() and (cols[0::2] >= 0).all()
+    gate_up = order("out", cfg, 8, [cfg.intermediate_size] * 2)   # 176 = 8 * 22: no padding; gate then up
+    assert sorted(gate_up) == list(range(2 * cfg.intermediate_size))
+    assert local_config(cfg, 8).num_heads == 1 and local_config(cfg, 8).num_kv_heads == 1
+
+
+def test_padding_of_a_width_that_does_not_divide():
+    cfg = load_config(MODELS / "llama2")   # intermediate 172: 22 a device of 8, the last 4 rows zeros
+    rows = order("out", cfg, 8, [cfg.intermediate_size])
+    assert len(rows) == 176 and (rows == -1).sum() == 4
+    assert sorted(rows[rows >= 0]) == list(range(172))
+
+
+def test_bad_sizes_are_one_clear_error():
+    cfg = load_config(MODELS / "llama3")
+    with pytest.raises(TensorParallelError, match="does not fit the model's 4 attention heads"):
+        check(cfg, 3)
+    with pytest.raises(TensorParallelError, match="needs 4096 devices"):
+        make_mesh(4096)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        from jaxinfer import LLM
+
+        LLM(MODELS / "llama3", tensor_parallel_size=0, skip_tokenizer_init=True, progress=False)
+
+
+def test_unsupported_combinations_are_one_clear_error():
+    from jaxinfer import LLM
+
+    for settings, message in ((dict(quantization="int8"), "8-bit weights"), (dict(unroll_layers=True), "unroll_layers"),
+                              (dict(speculative="draft:x"), "n-gram speculation only")):
+        with pytest.raises(TensorParallelError, match=message):
+            LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
