@@ -105,7 +105,12 @@ def moe_route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) ->
     """A mixture of experts' routing of the rows x [T, D] (normed): the router's logits in x's dtype, softmax in
     float32, the top_k experts of each row (ties to the lower index, as torch.topk). Returns (weights [T, top_k]
     float32, renormalised to sum to 1 if asked; experts [T, top_k] int32)."""
-    probs = jax.nn.softmax(linear(x, router).astype(f32), axis=-1)
+    return route(linear(x, router), top_k, renormalize)
+
+
+def route(logits: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
+    """moe_route from the router's logits [T, E] (the Pallas ops make them with their own product)."""
+    probs = jax.nn.softmax(logits.astype(f32), axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     if renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)

@@ -1,0 +1,200 @@
+"""Grouped GEMM for a mixture of experts: y[r] = x[r] @ W[layer, group(r)].T over rows grouped by expert.
+
+The work is a list of items (group, lo, hi): rows lo..hi-1 of x (at most block_m of them) belong to expert
+`group`. Each program takes one item and `block_n` output columns (and with split K a share of the depth),
+streams W[layer, group, n0:n0+block_n, :] in [block_n, block_k] tiles (software pipeline, `num_stages`) and
+multiplies them with the item's rows on tensor cores (float32 accumulation); rows outside lo..hi are masked on
+load and store, so two items may share a tile of rows. Only the experts that some row chose are read. W is the
+stacked [L, E, N, K] array read in place at `layer` (a one-layer [E, N, K] stack as well).
+
+Two schedules make the items (XLA, small arrays):
+- sorted_items: the rows sorted by expert with group_sizes [E] (prompts, batched decode): each expert's rows
+  cut at block_m boundaries of the sorted order; at most cdiv(M, block_m) + E - 1 items, the rest empty.
+- row_items: one item a row, its expert given (a batch-1 decode step: top_k rows of one token, no sort).
+
+Epilogues, rounding as the reference ops do: none (round to x.dtype); "swiglu": W is each expert's fused
+[2I, K] gate/up matrix, the program for columns n also reads rows I + n, and writes silu(gate) * up [M, I].
+With split K (split_k > 1) the programs write float32 partial sums that a small XLA epilogue adds and rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, silu_mul, tile_mask
+
+f32 = jnp.float32
+i32 = jnp.int32
+EPILOGUES = ("none", "swiglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    block_m: int = 64     # rows an item holds at most (a power of two >= 16: tensor-core tiles)
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+def choose_config(rows_per_group: float, N: int, K: int, epilogue: str = "none") -> GroupedGemmConfig:
+    """A config for groups of about rows_per_group rows: items of the next power of two (16..128) rows; where
+    there are few rows a group (decode), split K so that each expert's matrix is streamed by several programs.
+    Not yet measured on a GPU (bench/kernels/grouped_gemm.py sweeps it)."""
+    bm = 16
+    while bm < 128 and bm < rows_per_group:
+        bm *= 2
+    split = 1
+    if bm <= 16:
+        while split < 4 and K // (64 * split) >= 8:
+            split *= 2
+    return GroupedGemmConfig(block_m=bm, block_n=64 if bm <= 64 else 128, block_k=64, num_warps=4,
+                             num_stages=3 if bm <= 64 else 2, split_k=split)
+
+
+def max_items(M: int, num_groups: int, block_m: int) -> int:
+    """The most items sorted_items can make: every tile of rows, plus one more at each boundary between groups."""
+    return -(-M // block_m) + num_groups - 1
+
+
+def sorted_items(group_sizes: jax.Array, M: int, block_m: int) -> jax.Array:
+    """Items int32 [max_items, 3] (group, lo, hi) over M rows sorted by group (group_sizes [E], summing to at most
+    M): each group's rows cut where they cross a multiple of block_m. Unused items are (0, 0, 0): empty."""
+    E = group_sizes.shape[0]
+    gs = group_sizes.astype(i32)
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    first = starts // block_m
+    tiles = jnp.where(gs > 0, (ends - 1) // block_m - first + 1, 0)
+    tile_ends = jnp.cumsum(tiles)
+    W = max_items(M, E, block_m)
+    w = jnp.arange(W, dtype=i32)
+    g = jnp.minimum(jnp.searchsorted(tile_ends, w, side="right"), E - 1).astype(i32)
+    tile = first[g] + w - (tile_ends[g] - tiles[g])
+    lo = jnp.maximum(starts[g], tile * block_m)
+    hi = jnp.minimum(ends[g], tile * block_m + block_m)
+    valid = w < tile_ends[-1]
+    return jnp.stack([jnp.where(valid, g, 0), jnp.where(valid, lo, 0), jnp.where(valid, hi, 0)], axis=1)
+
+
+def row_items(groups: jax.Array) -> jax.Array:
+    """Items int32 [R, 3]: row r alone, of expert groups[r] (groups [R])."""
+    r = jnp.arange(groups.shape[0], dtype=i32)
+    return jnp.stack([groups.astype(i32), r, r + 1], axis=1)
+
+
+def _kernel(layer_ref, items_ref, x_ref, w_ref, o_ref, *, M, N, K, cfg: GroupedGemmConfig, epilogue, half,
+            tiles_per_split):
+    BM, BN, BK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k
+    item = pl.program_id(0)
+    g = plgpu.load(items_ref.at[item, i32(0)])
+    lo = plgpu.load(items_ref.at[item, i32(1)])
+    hi = plgpu.load(items_ref.at[item, i32(2)])
+    layer = plgpu.load(layer_ref.at[i32(0)])
+    n0 = pl.program_id(1) * BN
+    split = pl.program_id(2)   # (read outside pl.when: interpret mode cannot read it inside)
+
+    @pl.when(hi > lo)
+    def _():
+        cols_n = half if epilogue == "swiglu" else N
+        ragged_n = cols_n % BN != 0
+        ragged_k = K % BK != 0 or (S > 1 and pl.cdiv(K, BK) % S != 0)
+        rows = lo + jnp.arange(BM, dtype=i32)
+        row_ok = rows < hi
+        rows_ld = jnp.minimum(rows, M - 1)
+        n = n0 + jnp.arange(BN, dtype=i32)
+        n_ok = n < cols_n
+        n_ld = jnp.minimum(n, cols_n - 1)
+        lanes = jnp.arange(BK, dtype=i32)
+        bases = (0, half) if epilogue == "swiglu" else (0,)
+        prec = dot_precision(x_ref.dtype)
+        k_tiles = pl.cdiv(K, BK)
+        t_lo = split * tiles_per_split if S > 1 else 0
+        t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if S > 1 else k_tiles
+
+        def body(t, accs):
+            k0 = pl.multiple_of(t * BK, BK)
+            k = k0 + lanes
+            k_ok = k < K
+            kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
+            x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=tile_mask(row_ok, k_ok if ragged_k else None,
+                                                                          (BM, BK)), other=0)
+            w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
+            out = []
+            for base, acc in zip(bases, accs):
+                if w_mask is None:
+                    w = plgpu.load(w_ref.at[layer, g, pl.ds(base + n0, BN), pl.ds(k0, BK)])
+                else:
+                    w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
+                out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
+                                                     preferred_element_type=f32))
+            return tuple(out)
+
+        accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+        mask = row_ok[:, None] & n_ok[None, :]
+        if S > 1:   # [S, M, N] float32 partial sums
+            for base, acc in zip(bases, accs):
+                plgpu.store(o_ref.at[split, rows[:, None], (base + n)[None, :]], acc, mask=mask)
+            return
+        ys = [acc.astype(o_ref.dtype) for acc in accs]
+        y = silu_mul(*ys) if epilogue == "swiglu" else ys[0]
+        plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(o_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
+def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array | int = 0, *,
+                 epilogue: str = "none", config: GroupedGemmConfig | None = None,
+                 interpret: bool = False) -> jax.Array:
+    """x [M, K] @ W[layer, group].T for each item's rows: w [L, E, N, K] (or [E, N, K], one layer), items
+    int32 [W, 3] (group, lo, hi) from sorted_items or row_items (an item holds at most config.block_m rows).
+    Returns [M, N] in x's dtype ("swiglu": [M, N // 2], w each expert's [gate; up] rows); rows no item holds
+    are left unwritten (undefined). config: None picks choose_config for M / E rows a group."""
+    if w.ndim == 3:
+        w = w[None]
+    if w.ndim != 4 or x.ndim != 2:
+        raise ValueError(f"grouped_gemm: x [M, K] and w [L, E, N, K], got {x.shape} and {w.shape}")
+    M, K = x.shape
+    _, E, N, K_w = w.shape
+    if K_w != K:
+        raise ValueError(f"grouped_gemm: x {x.shape} and w {w.shape} disagree on K")
+    if w.dtype != x.dtype:
+        raise ValueError(f"grouped_gemm: x {x.dtype} and w {w.dtype} must share a dtype")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"grouped_gemm: unknown epilogue {epilogue!r}")
+    if epilogue == "swiglu" and N % 2:
+        raise ValueError(f"grouped_gemm: swiglu needs an even number of rows, got {N}")
+    if items.ndim != 2 or items.shape[1] != 3:
+        raise ValueError(f"grouped_gemm: items int32 [W, 3] (group, lo, hi), got {items.shape}")
+    cfg = config or choose_config(M / E, N, K, epilogue)
+    if not (is_pow2(cfg.block_m) and is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_m >= 16
+            and cfg.block_n >= 16 and cfg.block_k >= 16 and cfg.split_k >= 1):
+        raise ValueError(f"grouped_gemm: bad config {cfg}")
+    half = N // 2
+    cols = half if epilogue == "swiglu" else N
+    k_tiles = -(-K // cfg.block_k)
+    S = min(cfg.split_k, k_tiles)
+    cfg = dataclasses.replace(cfg, split_k=S)
+    tiles_per_split = -(-k_tiles // S)
+    if S > 1:
+        out_shape = jax.ShapeDtypeStruct((S, M, N), f32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
+    kernel = functools.partial(_kernel, M=M, N=N, K=K, cfg=cfg, epilogue="none" if S > 1 else epilogue,
+                               half=half, tiles_per_split=tiles_per_split)
+    y = pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(items.shape[0], pl.cdiv(N if S > 1 else cols, cfg.block_n), S),
+        interpret=interpret, name=f"grouped_gemm_{epilogue}",
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(layer_operands(layer)[0], items.astype(i32), x, w)
+    if S > 1:
+        y = jnp.sum(y, axis=0).astype(x.dtype)
+        if epilogue == "swiglu":
+            y = silu_mul(*jnp.split(y, 2, axis=-1))
+    return y
