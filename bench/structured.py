@@ -62,18 +62,20 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
 
 
-def decode_step_ms(engine: Engine, prompts, params, steps: int) -> tuple[float, float, int]:
-    """(end-to-end decode step ms, host mask ms per decode step, tokens generated): warm runs first (a masked step
-    compiles on its first use)."""
+def decode_step_ms(engine: Engine, prompts, params, steps: int) -> tuple[float, float, int, dict]:
+    """(end-to-end decode step ms, host mask ms per decode step, tokens generated, the engine's phases (its
+    phase_seconds: chain, collect) in ms per decode step): warm runs first (a masked step compiles on its first
+    use)."""
     for n in (1, steps):
         run_all(engine, prompts, [dataclasses.replace(p, max_tokens=n) for p in params])
     c = engine.constraints
     m0 = c.mask_seconds
     one, _ = run_all(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in params])
-    m1 = c.mask_seconds
+    m1, p1 = c.mask_seconds, dict(engine.phase_seconds)
     full, outs = run_all(engine, prompts, params)
     mask_ms = 1e3 * ((c.mask_seconds - m1) - (m1 - m0)) / (steps - 1)
-    return 1e3 * (full - one) / (steps - 1), mask_ms, sum(len(o.outputs[0].token_ids) for o in outs)
+    phases = {k: 1e3 * (engine.phase_seconds[k] - p1[k]) / (steps - 1) for k in ("chain", "collect")}
+    return 1e3 * (full - one) / (steps - 1), mask_ms, sum(len(o.outputs[0].token_ids) for o in outs), phases
 
 
 def device_step_ms(engine: Engine, B: int, context: int, variant: StepVariant | None, bitmask,
@@ -135,13 +137,17 @@ def main() -> None:
                      temperature=args.temperature, vocab=vocab)
 
     print("\n## end to end: decode step ms ((wall(n tokens) - wall(1)) / (n - 1))")
-    print("| requests | decode step ms | host mask ms / step | mask us / row | tokens |")
-    print("|---|---|---|---|---|")
+    print("| requests | decode step ms | host mask ms / step | mask us / row | chain ms / step | collect ms / step "
+          "| tokens |")
+    print("|---|---|---|---|---|---|---|")
     rows = {}
     for name, params in (("unconstrained", free), ("json schema each", constrained)):
-        ms, mask_ms, tokens = decode_step_ms(engine, prompts, params, steps)
-        rows[name] = dict(step_ms=ms, mask_ms_per_step=mask_ms, tokens=tokens)
-        print(f"| {name} | {ms:.3f} | {mask_ms:.3f} | {1e3 * mask_ms / B:.1f} | {tokens} |", flush=True)
+        ms, mask_ms, tokens, phases = decode_step_ms(engine, prompts, params, steps)
+        rows[name] = dict(step_ms=ms, mask_ms_per_step=mask_ms, tokens=tokens, phases_ms_per_step=phases)
+        print(f"| {name} | {ms:.3f} | {mask_ms:.3f} | {1e3 * mask_ms / B:.1f} | {phases['chain']:.3f} | "
+              f"{phases['collect']:.3f} | {tokens} |", flush=True)
+    print("(chain: launching the next dispatch, a constrained step's forward pass; collect: the read-back, the tokens "
+          "appended and, constrained, the masks and the sampling's launch)")
     ratio = rows["json schema each"]["step_ms"] / rows["unconstrained"]["step_ms"]
     print(f"\nconstrained / unconstrained decode step: {ratio:.3f}x", flush=True)
     out["end_to_end"], out["ratio"] = rows, ratio

@@ -435,7 +435,7 @@ class Engine(VerifySteps):
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}
         for seq in seqs:
-            last = min(len(seq.tokens) - 1 + 2 * steps, len(seq.prompt_ids) + seq.max_new)
+            last = min(len(seq.prompt_ids) + len(seq.output_ids) - 1 + 2 * steps, len(seq.prompt_ids) + seq.max_new)
             need[seq] = max(0, -(-last // self.config.page_size) - len(seq.pages))
         if sum(need.values()) > self.pages.num_free:
             return None
@@ -493,7 +493,7 @@ class Engine(VerifySteps):
         token (filled while the forward pass runs; a sequence known finished gets no mask, its token is dropped),
         then the sampling. Returns what `_launch` returns."""
         B = batch.tokens.shape[0]
-        bitmask = self.constraints.bitmask([s.grammar if s.finish_reason is None else None for s in seqs], B)
+        bitmask = self.constraints.bitmask([s.grammar if s.finish_reason is None else None for s in seqs], B, reuse=True)
         if bitmask is None:
             bitmask = self.constraints.allow_all(B)
         return self.runner.launch_masked_sample(batch, logits, bitmask, self._sampler(seqs, B, decode=True))
@@ -518,13 +518,18 @@ class Engine(VerifySteps):
         self.stats["decode_seconds"] += now - self._decode_started
         self._decode_started = now
         deltas = []
+        # rows as lists (numpy's per-row indexing, ~7 us a row, was most of a one-token row's cost)
+        emitted_rows, token_rows, logprob_rows = emitted.T.tolist(), tokens.T.tolist(), logprobs.T.tolist()
         for b, seq in enumerate(seqs):
-            steps = np.nonzero(emitted[:, b])[0]
             if seq.finish_reason is not None:   # finished in the previous dispatch: drop what followed
                 continue
+            steps = [j for j, e in enumerate(emitted_rows[b]) if e]
+            every = len(steps) == len(token_rows[b])
             self.stats["decode_tokens"] += len(steps)
             seq.num_computed += len(steps)
-            deltas.append(self._append(seq, tokens[steps, b], logprobs[steps, b], top_v[steps, b], top_i[steps, b]))
+            tops = (top_v[steps, b], top_i[steps, b]) if seq.params.logprobs is not None else (None, None)
+            deltas.append(self._append(seq, token_rows[b] if every else [token_rows[b][j] for j in steps],
+                                       logprob_rows[b] if every else [logprob_rows[b][j] for j in steps], *tops))
             if seq.finish_reason is not None:
                 self._finished[seq.request_id] = seq
         return deltas
