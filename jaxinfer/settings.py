@@ -108,6 +108,9 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices one model is split over (tensor parallelism: heads, MLP width and vocabulary sharded; "
         "docs/tensor_parallel.md)")
+    distributed: str | None = setting(
+        None, "join a run over several hosts, one process each: HOST:PORT,NUM_PROCESSES,PROCESS_ID (process 0 at "
+        "HOST:PORT coordinates; jax.distributed; docs/tensor_parallel.md)")
     decode_steps: int = setting(8, "decode steps per device dispatch; fewer let a new request start sooner")
     max_logprobs: int = setting(20, "the most top logprobs a request may ask for")
     enable_prefix_caching: bool = setting(True, "reuse the KV pages of prompts' shared prefixes")

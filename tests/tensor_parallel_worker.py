@@ -2,8 +2,8 @@
 before jax starts, so the other tests' processes keep theirs). Prints one JSON line per result.
 
     python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
-    python tests/tensor_parallel_worker.py greedy OPS FAMILY... the engine's greedy tokens at TP 1, 2 and 8
-    python tests/tensor_parallel_worker.py distributed RANK N PORT  greedy tokens, one of N processes (TP 2 over 2)
+    python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
+    python tests/tensor_parallel_worker.py distributed RANK N PORT  the same, one of N processes (TP N over all)
 """
 
 import json
@@ -13,8 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "tests" / "data" / "models"
+GOLDEN = REPO / "tests" / "data" / "golden"
 STORIES = REPO.parent / "shared" / "models" / "stories260k"
-PROMPTS = [[1, 5, 9, 33, 2], [1, 7, 8], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
 
 def model_dir(family: str) -> Path:
@@ -48,26 +48,25 @@ def logits(families: list[str]) -> None:
                                   argmax_equal=bool((out.argmax(-1) == ref.argmax(-1)).all()))), flush=True)
 
 
-def greedy(ops: str, families: list[str], sizes=(1, 2, 8)) -> None:
+def greedy(ops: str, n: int, families: list[str], **settings) -> None:
+    """The greedy tokens of the golden files' prompts (tests/data/golden), 16 a prompt, at TP n."""
+    import numpy as np
+
     from jaxinfer import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for family in families:
-        for n in sizes:
-            llm = LLM(model_dir(family), tensor_parallel_size=n, ops=ops, max_num_seqs=4, max_num_batched_tokens=16,
-                      decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="")
-            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-            print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
+        golden = np.load(GOLDEN / f"{family}.npz")
+        prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
+        llm = LLM(model_dir(family), tensor_parallel_size=n, ops=ops, max_num_seqs=4, max_num_batched_tokens=32,
+                  decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="", **settings)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
 
 
 def distributed(rank: int, processes: int, port: int) -> None:
-    from jaxinfer.runner.distributed import initialize
-
-    initialize(f"localhost:{port}", processes, rank)
-    import jax
-
-    print(json.dumps(dict(rank=rank, devices=len(jax.devices()), local=len(jax.local_devices()))), flush=True)
-    greedy("reference", ["qwen3"], sizes=(len(jax.devices()),))
+    """One of `processes` processes (one CPU device each): greedy tokens at TP over all of them."""
+    greedy("reference", processes, ["qwen3"], distributed=f"localhost:{port},{processes},{rank}")
 
 
 if __name__ == "__main__":
@@ -77,4 +76,4 @@ if __name__ == "__main__":
     elif mode == "logits":
         logits(args)
     else:
-        greedy(args[0], args[1:])
+        greedy(args[0], int(args[1]), args[2:])

@@ -1,10 +1,13 @@
 """Tensor parallelism on the CPU: 8 host devices in a process of its own (tests/tensor_parallel_worker.py), so
-that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32 and the same greedy
-tokens, for every family (the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their
-vocabularies and MLP widths do not all divide by 8); the layout; the errors."""
+that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32, for every family
+(the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their vocabularies and MLP widths
+do not all divide by 8); the greedy tokens of TP 8 (and of the Pallas kernels in interpret mode at TP 2) against
+the golden files, which TP 1 matches (test_engine); two processes through jax.distributed; the layout; the
+errors."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,8 @@ from jaxinfer.runner.mesh import make_mesh
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tensor_parallel_worker.py"
 MODELS = REPO / "tests" / "data" / "models"
-FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "stories260k"]
+GOLDEN_FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
+FAMILIES = GOLDEN_FAMILIES + ["stories260k"]
 
 
 def run_worker(*args: str, devices: int = 8, timeout: int = 600) -> list[dict]:
@@ -41,14 +45,37 @@ def test_logits_equal_tp1_for_every_family():
         assert r["argmax_equal"], r
 
 
-@pytest.mark.parametrize("ops,families", [("reference", FAMILIES), ("pallas-interpret", ["qwen3", "gpt2"])])
-def test_greedy_tokens_equal_tp1(ops, families):
-    rows = run_worker("greedy", ops, *families)
-    by = {(r["family"], r["n"]): r["tokens"] for r in rows}
-    for family in families:
-        assert by[(family, 1)] and all(len(t) == 10 for t in by[(family, 1)])
-        for n in (2, 8):
-            assert by[(family, n)] == by[(family, 1)], (family, n)
+def golden_tokens(family: str) -> list[list[int]]:
+    golden = np.load(REPO / "tests" / "data" / "golden" / f"{family}.npz")
+    return [golden[f"greedy_{i}"][:16].tolist() for i in range(4)]   # TP 1's (test_engine checks it)
+
+
+@pytest.mark.parametrize("ops,n,families", [("reference", 8, GOLDEN_FAMILIES), ("pallas-interpret", 2, ["qwen3"])])
+def test_greedy_tokens_equal_tp1(ops, n, families):
+    rows = run_worker("greedy", ops, str(n), *families)
+    assert [r["family"] for r in rows] == families
+    for r in rows:
+        assert r["tokens"] == golden_tokens(r["family"]), r["family"]
+
+
+def test_two_processes_give_the_tokens_of_one():
+    """jax.distributed on localhost, one CPU device a process, gloo collectives: TP 2 across the two."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "distributed", str(rank), "2", str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert rows and rows[0]["n"] == 2 and rows[0]["tokens"] == golden_tokens("qwen3")
 
 
 def test_qkv_rows_are_each_devices_heads():

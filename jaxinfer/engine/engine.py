@@ -44,6 +44,7 @@ from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
 from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
 from jaxinfer.runner.batch import DecodeBatch, StepBatch
+from jaxinfer.runner.distributed import initialize as initialize_distributed
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.mesh import make_mesh, tensor_parallel_config
 from jaxinfer.runner.model_runner import ModelRunner
@@ -87,6 +88,9 @@ class Engine(VerifySteps):
     or Tuning field (jaxinfer/settings.py) by name; an unknown name is an error."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None, **settings):
+        spec = settings.get("distributed", config.distributed if config else None)
+        if spec:
+            initialize_distributed(spec)   # before anything starts JAX's backends
         backend = jax.default_backend()
         config = tensor_parallel_config(EngineConfig.from_options(config, **settings)).resolved(backend,
                                                                                                sys.stderr.isatty())
@@ -167,7 +171,7 @@ class Engine(VerifySteps):
         c = self.config
         pages_per_seq = -(-self.max_model_len // c.page_size)
         num_pages = c.tuning.num_pages
-        stats = jax.devices()[0].memory_stats() if num_pages is None else None
+        stats = jax.local_devices()[0].memory_stats() if num_pages is None else None
         if num_pages is None and stats and "bytes_limit" in stats:
             free = stats["bytes_limit"] * c.gpu_memory_fraction - stats.get("bytes_in_use", 0)
             # Leave room for the activations of the largest step.
