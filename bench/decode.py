@@ -47,9 +47,10 @@ from jaxinfer.sampling import SamplingParams
 
 
 def step_bytes(cfg, context: float, kv_item: float = 2) -> float:
-    """Bytes one batch-1 decode step must read: bf16 weights (the input embedding is one row) + KV at
-    `context` (kv_item bytes a value: 1 with a float8 cache, kv_item_bytes)."""
-    weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
+    """Bytes one batch-1 decode step must read: bf16 weights (the input embedding is one row; of a mixture of
+    experts the router and the active experts only) + KV at `context` (kv_item bytes a value: 1 with a float8
+    cache, kv_item_bytes)."""
+    weights = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings else 1)
     return 2 * weights + kv_step_bytes(cfg, context, kv_item)
 
 

@@ -38,7 +38,7 @@ from jaxinfer.sampling import SamplingParams
 
 
 def prefill_flops(cfg, T: int) -> float:
-    body = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    body = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
     attention = 4 * cfg.num_layers * cfg.q_size * T * (T + 1) / 2
     return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size + attention
 

@@ -38,7 +38,33 @@ LLAMA3_8B = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_s
 # A 2-layer, 64-wide Qwen3: the benchmarks' CPU smoke runs.
 TINY = {**QWEN3_0_6B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128, "max_position_embeddings": 8192}
-SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B, "tiny": TINY}
+# Mixtures of experts: 61 GB and 93 GB in bf16. A shape name "NAME@N" takes its first N layers (bench_model), so
+# that the model and the transformers peer fit one GPU (and its disk) side by side; per layer nothing changes.
+QWEN3_30B_A3B = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+                     eos_token_id=151645, hidden_act="silu")
+MIXTRAL_8X7B = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
+                    num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                    rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
+                    eos_token_id=2, hidden_act="silu")
+# A 2-layer, 64-wide Qwen3-MoE (8 experts, 2 active): the MoE benchmarks' CPU smoke runs.
+TINY_MOE = {**QWEN3_30B_A3B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
+            "num_experts_per_tok": 2, "max_position_embeddings": 8192}
+SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B, "tiny": TINY,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny-moe": TINY_MOE}
+
+
+def shape_config(shape: str) -> dict[str, Any]:
+    """SHAPES[name] for "name", or its first N layers for "name@N"."""
+    name, _, layers = shape.partition("@")
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r} ({', '.join(SHAPES)})")
+    return {**SHAPES[name], **({"num_hidden_layers": int(layers)} if layers else {})}
 
 
 def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: str = "bfloat16", seed: int = 0,
@@ -55,16 +81,21 @@ def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: st
         if not rule.when(cfg):
             continue
         layers = range(cfg.num_layers) if rule.per_layer else [None]
+        experts = cfg.num_experts if rule.per_expert else 0   # a layer's experts drawn at once, [E, ...]
         for src, shape in zip(rule.sources, rule.shapes(cfg)):
             for i in layers:
                 key, sub = jax.random.split(key)
                 if src.endswith(("norm.weight", "layernorm.weight")) or ".ln_" in src:
                     value = jnp.ones(shape, jnp.float32)
                 else:
-                    value = std * jax.random.normal(sub, shape, jnp.float32)
+                    value = std * jax.random.normal(sub, (experts, *shape) if experts else shape, jnp.float32)
                 if rule.transpose and len(shape) == 2:
                     value = value.T
-                tensors[prefix + src.format(i=i)] = np.asarray(value.astype(dtype)).astype(np_dtype)
+                value = np.asarray(value.astype(dtype)).astype(np_dtype)
+                for e in range(experts):
+                    tensors[prefix + src.format(i=i, e=e)] = value[e]
+                if not experts:
+                    tensors[prefix + src.format(i=i)] = value
     # written under another name, then renamed: a process killed mid-write (a bench's time limit) leaves no
     # truncated model.safetensors for bench_model to take as written
     partial = out / "model.safetensors.partial"
@@ -81,10 +112,10 @@ def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: st
 
 
 def bench_model(models_dir: str | Path, shape: str) -> Path:
-    """models_dir/shape, written (random bf16 weights at SHAPES[shape], seed 0) if not there yet."""
+    """models_dir/shape, written (random bf16 weights at shape_config(shape), seed 0) if not there yet."""
     out = Path(models_dir) / shape
     if not (out / "model.safetensors").is_file():
         t0 = time.perf_counter()
-        write_random_model(out, SHAPES[shape], dtype="bfloat16", seed=0)
+        write_random_model(out, shape_config(shape), dtype="bfloat16", seed=0)
         print(f"# wrote {shape} in {time.perf_counter() - t0:.0f} s", flush=True)
     return out

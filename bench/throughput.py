@@ -93,10 +93,14 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         full, outs = run_all(engine, prompts, params)
         tokens_sha = tokens_fingerprint([o.outputs[0].token_ids for o in outs])
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
-        weights = weight_bytes or 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_embeddings
-                                                                                              else 1))
+        # a mixture of experts reads the experts that B tokens' top-k choices are expected to touch (uniform routing,
+        # as random weights route) and multiplies each token by its top-k
+        touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** B) if cfg.num_experts \
+            else None
+        weights = weight_bytes or 2 * (cfg.active_params(touched) - cfg.vocab_size * cfg.hidden_size *
+                                       (0 if cfg.tie_embeddings else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
-        flops = 2 * cfg.num_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
+        flops = 2 * cfg.active_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
         roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
         raw_ms = raw_decode_step_ms(engine, B, context)
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,

@@ -24,6 +24,8 @@ def _run(tmp_path, script, *args, timeout=300):
 @pytest.mark.parametrize("script,args,out", [
     ("decode.py", ["--shapes", "tiny", "--long", "--paths", "reference", "reference-scan", "reference-fp8", "--prompt", "40",
                    "--new", "9", "--steps", "4"], "decode.json"),
+    ("decode.py", ["--shapes", "tiny-moe@1", "--long", "--paths", "reference", "--prompt", "24", "--new", "6", "--steps",
+                   "3"], "decode.json"),
     ("prefill.py", ["--shapes", "tiny", "--prompts", "40", "--paths", "reference", "--chunk", "32"], "prefill.json"),
     ("throughput.py", ["--shape", "tiny", "--ops", "reference", "--batches", "1", "3", "--context", "40", "--steps", "6",
                        "--requests", "5", "--system", "64", "--kv-cache-dtype", "fp8"], "throughput.json"),

@@ -95,3 +95,25 @@ def test_bad_operands_are_one_clear_error():
         grouped_gemm(x, w.astype(jnp.bfloat16), items, interpret=True)
     with pytest.raises(ValueError, match="bad config"):
         grouped_gemm(x, w, items, config=GroupedGemmConfig(block_m=8), interpret=True)
+
+
+@pytest.mark.parametrize("T", [1, 64, 1024])
+def test_lowers_to_triton_at_real_shapes(monkeypatch, T):
+    """ops.pallas.moe_mlp at the Qwen3-30B-A3B shape lowers to Triton IR for an H200 (on the CPU, the GPU's
+    description stubbed in as tests/test_triton_lowering.py does): what interpret mode cannot check."""
+    from jax._src.pallas.triton import gpu_info
+
+    from jaxinfer.ops import get_ops
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    E, k, D, I, L = 128, 8, 2048, 768, 48
+    s = jax.ShapeDtypeStruct
+    args = (s((T, D), jnp.bfloat16), s((L, E, D), jnp.bfloat16), s((L, E, 2 * I, D), jnp.bfloat16),
+            s((L, E, D, I), jnp.bfloat16), s((), jnp.int32))
+    ops = get_ops("pallas")
+
+    def fn(x, router, gate_up, down, layer):
+        return ops.moe_mlp(x, *(LayerWeight(w, layer) for w in (router, gate_up, down)), k, True)
+
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2

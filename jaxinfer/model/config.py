@@ -120,6 +120,14 @@ class ModelConfig:
         pos = self.max_position_embeddings * d if self.position_kind == "learned" else 0
         return L * (attn + mlp) + emb + pos
 
+    def active_params(self, experts: float | None = None) -> float:
+        """The parameters a token's pass multiplies by: num_params with `experts` experts a layer (default
+        num_experts_per_tok; a batch's expected distinct experts, say) in place of all of a mixture's."""
+        if not self.num_experts:
+            return self.num_params()
+        unused = self.num_experts - (self.num_experts_per_tok if experts is None else experts)
+        return self.num_params() - self.num_layers * unused * 3 * self.hidden_size * self.moe_intermediate_size
+
 
 def read_json(path: Path) -> dict[str, Any]:
     """A JSON object from a model folder's file; one clear ModelLoadError for a missing or malformed one."""
