@@ -93,7 +93,7 @@ def kv_of(path: str) -> str:
 
 
 def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps: int,
-                 profile_dir: str | None = None) -> dict:
+                 profile_dir: str | None = None, tensor_parallel_size: int = 1) -> dict:
     """path: an ops backend ("pallas", "reference"); "-unroll" / "-scan" force the layer loop's form
     (default: the engine's, unrolled on GPUs); a final "-fp8" keeps the KV cache in float8, "-int8kv" in int8."""
     kv_cache_dtype = kv_of(path)
@@ -108,6 +108,7 @@ def run_jaxinfer(model_dir: Path, path: str, prompt: list[int], new: int, steps:
                     max_num_batched_tokens=chunk, token_buckets=[chunk], decode_steps=steps, progress=False,
                     skip_tokenizer_init=True, max_logprobs=0, kv_cache_dtype=kv_cache_dtype,  # max_logprobs 0: no top-k
                     num_pages=-(-(len(prompt) + new + 16) // 16) + 1,  # one sequence's pages, as measured
+                    tensor_parallel_size=tensor_parallel_size,
                     **(dict(quantization=quantization) if quantization else {}))
     weight_bytes = param_step_bytes(engine.runner.params)
     params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
@@ -228,6 +229,9 @@ def main() -> None:
                     help="run each of our paths again with this KV cache dtype (path-int8kv, path-fp8)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="our paths over this many devices (the roofline: each reads 1/N of the bytes; "
+                         "leave out the hf paths)")
     args = ap.parse_args()
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     args.paths += [without_kv(p) + f"+{q}" + KV_SUFFIXES.get(kv_of(p), "")
@@ -245,7 +249,7 @@ def main() -> None:
         cfg = load_config(model_dir, "bfloat16")
         prompt = np.random.default_rng(0).integers(100, cfg.vocab_size - 100, ctx).tolist()
         roof_bytes = step_bytes(cfg, ctx + args.new / 2)
-        roof_ms = 1e3 * roof_bytes / bw
+        roof_ms = 1e3 * roof_bytes / bw / args.tensor_parallel_size
         results = {}
         for path in args.paths:
             if path.startswith("hf") and args.hf_for is not None and shape not in args.hf_for:
@@ -259,7 +263,8 @@ def main() -> None:
                 else:
                     results[path] = run_hf(model_dir, prompt, args.new) if path == "hf" else \
                         run_jaxinfer(model_dir, path, prompt, args.new, args.steps,
-                                     profile_dir=f"/tmp/trace-{shape}-{ctx}-{path}" if path in args.profile else None)
+                                     profile_dir=f"/tmp/trace-{shape}-{ctx}-{path}" if path in args.profile else None,
+                                     tensor_parallel_size=args.tensor_parallel_size)
                 results[path]["wall_s"] = time.perf_counter() - t0
             except Exception as e:  # a path that fails is reported, not fatal to the table
                 results[path] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
