@@ -193,10 +193,6 @@ def _engine(args, preset: dict[str, Any]):
 
     engine = Engine(args.model, **engine_settings(args, preset))
     print(engine.summary, file=sys.stderr)
-    import jax
-
-    if jax.process_index() > 0:   # several hosts run the same command; process 0 alone prints its output
-        sys.stdout = open(os.devnull, "w")
     return engine
 
 
@@ -329,9 +325,6 @@ def cmd_bench(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "distributed", None) and args.command in ("serve", "chat"):
-            raise ValueError(f"{args.command} runs on one host; over several (--distributed) every process runs the "
-                             "same generate or bench, or the same LLM script (docs/tensor_parallel.md)")
         {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except (JaxinferError, ValueError, OSError) as e:
         message = " ".join(str(e).split())  # one line, whatever the exception carried

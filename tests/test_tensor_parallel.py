@@ -58,13 +58,6 @@ def test_greedy_tokens_equal_tp1(ops, n, families):
         assert r["tokens"] == golden_tokens(r["family"]), r["family"]
 
 
-def test_sampling_speculation_and_int8_cache_equal_tp1():
-    rows = run_worker("settings")
-    assert [r["n"] for r in rows] == [1, 2]
-    assert all(len(t) == 16 for t in rows[0]["tokens"])
-    assert rows[1]["tokens"] == rows[0]["tokens"]
-
-
 def test_two_processes_give_the_tokens_of_one():
     """jax.distributed on localhost, one CPU device a process, gloo collectives: TP 2 across the two."""
     with socket.socket() as s:

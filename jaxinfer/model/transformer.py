@@ -45,6 +45,8 @@ def _attention_block(cfg, ops, lp, x, kv_k, kv_v, layer, cos_sin, tokens_arrays,
     T = x.shape[0]
     # this layer's sliding window, a traced scalar (the layer index is one); no keyword at all without windows
     windowed = {} if not cfg.has_windows else {"window": cfg.window_of(layer)}
+    if windowed and attention in ("fresh", "prefixed"):   # one sequence's prompt: the paged kernels skip by window
+        attention = "paged"
     qkv = _norm_linear(ops, cfg, x, lp["attn_norm"], lp["wqkv"], lp.get("bqkv"))
     if decode:  # one token per sequence, in sequence order: the split-sequence decode kernel's case
         attn, kv_k, kv_v = ops.decode_qkv_attention(qkv, cos_sin, lp.get("q_norm"), lp.get("k_norm"), cfg.norm_eps,
@@ -87,8 +89,8 @@ def _attention_out_mlp(cfg, ops, lp, attn, x):
     if cfg.num_experts:
         x = ops.linear_residual(attn, lp["wo"], lp.get("bo"), x)
         h = ops.rms_norm(x, lp["mlp_norm"]["scale"], cfg.norm_eps)
-        return ops.moe_mlp(h, lp["router"], lp["moe_gate_up"], lp["moe_down"], cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, residual=x)
+        return x + ops.moe_mlp(h, lp["router"], lp["moe_gate_up"], lp["moe_down"], cfg.num_experts_per_tok,
+                               cfg.norm_topk_prob)
     if cfg.mlp_kind == "swiglu" and cfg.norm_kind == "rms":
         # one op, so that a batched step can fuse the projection's finish with the norm (ops.pallas)
         x, h = ops.linear_residual_norm_swiglu(attn, lp["wo"], lp.get("bo"), x, lp["mlp_norm"]["scale"],

@@ -48,8 +48,7 @@ from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_att
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
-from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
-from jaxinfer.pallas.moe_gemv import routed_gemv
+from jaxinfer.pallas.grouped_gemm import grouped_gemm, row_items, sorted_items
 from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
@@ -309,23 +308,18 @@ def decode_qkv_attention(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, la
                          context_lens, page_size, scale, num_heads, num_kv_heads, window=None, *, interpret=False):
     """The fused kernel where it takes the head dim; else the norm/RoPE/cache-write kernel, then decode attention."""
     hd = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
-    if window is not None:
-        q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
-                                             slot_mapping, num_heads, num_kv_heads, interpret=interpret)
-        return (reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
-                                                 scale, window=window), k_cache, v_cache)
     if not decode_attention_rope.supports(hd):
         q, k_cache, v_cache = qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer,
                                              slot_mapping, num_heads, num_kv_heads, interpret=interpret)
         return (paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
-                                       interpret=interpret), k_cache, v_cache)
+                                       window, interpret=interpret), k_cache, v_cache)
     cos, sin = cos_sin if cos_sin is not None else (None, None)
     qn, kn, norm_layer = _norm_weights(q_norm, k_norm)
     k_values, v_values, scales = _cache_operands(k_cache, v_cache)
     out, *written = decode_attention_rope.decode_attention_rope_write(
         qkv, cos, sin, qn, kn, k_values, v_values, layer, slot_mapping, page_table, context_lens,
         page_size=page_size, scale=float(scale), num_heads=num_heads, num_kv_heads=num_kv_heads, eps=eps,
-        norm_layer=norm_layer, interpret=interpret, **scales)
+        norm_layer=norm_layer, window=window, interpret=interpret, **scales)
     return out, *_caches_of(written)
 
 
@@ -334,34 +328,31 @@ def verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_
     """Q query rows a sequence (a speculative verify step): the split-sequence kernel where its tile takes the Q x
     group rows and the head dim (verify_attention.supports: up to 128 rows), else the reference op."""
     _, Q, H, hd = q.shape
-    if window is not None or not verify_supports(Q * (H // k_cache.shape[1]), hd):
+    if not verify_supports(Q * (H // k_cache.shape[1]), hd):
         return reference.verify_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale,
                                           window=window)
     k_values, v_values, scales = _cache_operands(k_cache, v_cache)
     return paged_verify_attention(q, k_values, v_values, layer, page_table, context_lens, page_size, scale,
-                                  interpret=interpret, **scales)
+                                  window=window, interpret=interpret, **scales)
 
 
 def paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size, scale, window=None, *,
                            interpret=False):
     """The split-sequence kernel (pallas/decode_attention.py), an INT8 cache's scales as operands of their own."""
-    if window is not None:
-        return reference.paged_decode_attention(q, k_cache, v_cache, layer, page_table, context_lens, page_size,
-                                                scale, window=window)
     k_values, v_values, scales = _cache_operands(k_cache, v_cache)
     return decode_attention.paged_decode_attention(q, k_values, v_values, layer, page_table, context_lens, page_size,
-                                                   scale, interpret=interpret, **scales)
+                                                   scale, window=window, interpret=interpret, **scales)
 
 
 def paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size, scale, window=None,
                     *, interpret=False):
     """The prefill kernel (pallas/prefill_attention.py); with the INT8 cache the reference op (the prefill kernel does
     not take int8 pages yet)."""
-    if isinstance(k_cache, QuantizedCache) or window is not None:
+    if isinstance(k_cache, QuantizedCache):
         return reference.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
                                          scale, window=window)
     return prefill_attention.paged_attention(q, k_cache, v_cache, layer, page_table, token_seq, positions, page_size,
-                                             scale, interpret=interpret)
+                                             scale, window=window, interpret=interpret)
 
 
 def fresh_prompt_attention(q, k, v, scale, window=None, *, interpret=False):
@@ -403,33 +394,35 @@ def cudnn_flash_attention_available() -> bool:
         return False
 
 
-def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None, *, interpret=False):
-    """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
-    is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py)
-    that route from the logits themselves and read only the chosen experts' matrices, the second summing the
-    experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by expert
-    (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
-    each expert's output weighted and summed in float32 as reference.moe_mlp."""
+def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, *, interpret=False):
+    """A mixture of experts on the grouped GEMM (pallas/grouped_gemm.py), weights read in place from the layer's
+    [E, N, K] expert stack. The router's product is `linear` (the GEMV at batch 1), softmax and top-k XLA's. One
+    token (a batch-1 decode step): its top_k rows go one an item, no sort, and only the chosen experts' matrices
+    are read. More rows: the assignments sorted by expert, each expert's rows in tiles (reference.sort_by_expert,
+    grouped_gemm.sorted_items). Each expert's output is weighted and summed in float32 as reference.moe_mlp."""
     T, D = x.shape
-    logits = linear(x, router, interpret=interpret)
+    weights, experts = reference.route(linear(x, router, interpret=interpret), top_k, renormalize)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
     E, two_i, _ = gate_up.shape[1:]
     if T == 1:
-        route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
-        h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", **route)
-        return routed_gemv(h, logits, down, down_layer, epilogue="combine", residual=residual, **route)
-    weights, experts = reference.route(logits, top_k, renormalize)
-    order, group_sizes = reference.sort_by_expert(experts, E)
-    per_group = T * top_k / E
-    cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
-    cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
-    items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
-    h = grouped_gemm(x[order // top_k], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret)
+        items = row_items(experts[0])
+        rows = jnp.broadcast_to(x, (top_k, D))
+        cfg_up, cfg_down = grouped_config(1, two_i, D, "swiglu"), grouped_config(1, D, two_i // 2)
+        order = None
+    else:
+        order, group_sizes = reference.sort_by_expert(experts, E)
+        rows = x[order // top_k]
+        per_group = T * top_k / E
+        cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
+        cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
+        items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
+    h = grouped_gemm(rows, gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret)
     y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
-    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
-    return out if residual is None else residual + out
+    if order is not None:
+        y = jnp.zeros_like(y).at[order].set(y)
+    y = y.reshape(T, top_k, D)
+    return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
 
 
 # The ops this module overrides, each bound to `interpret` by `make`.

@@ -74,10 +74,12 @@ def tile_mask(row_ok, col_ok, shape):
     return row_ok[:, None] & col_ok[None, :]
 
 
-def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int):
-    """Cache slots of positions `pos` of page-table row `row`, read in place (slot 0 at pos >= limit)."""
+def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int, first=None):
+    """Cache slots of positions `pos` of page-table row `row`, read in place (slot 0 at pos >= limit, and with a
+    sliding window's `first` position below it: its pages may have been freed, their table entries are not read)."""
     page_idx = jnp.minimum(pos // page_size, n_pages - 1)
-    page = plgpu.load(pt_ref.at[row, page_idx], mask=pos < limit, other=0)
+    inside = pos < limit if first is None else (pos < limit) & (pos >= first)
+    page = plgpu.load(pt_ref.at[row, page_idx], mask=inside, other=0)
     return page * page_size + pos % page_size
 
 

@@ -29,6 +29,11 @@ key's scale multiplies its column of scores, and each value's scale its column o
 (online_softmax_update_scaled: divided by the block's largest value scale, which multiplies the block's p v in
 float32 instead, so the scaled probabilities keep float16's range).
 
+A sliding window (`window`, a traced int32 scalar, 0 for a global layer) reaches the kernels as each sequence's
+first visible position (window_start: keys in (position - window, position]): the splits share out only the blocks
+from the one holding it, positions before it are masked, and the page-table entries before it are never read (the
+engine frees those pages and points their entries at the scratch page).
+
 Every block dimension is a power of two and the tails are masked (a block over a non-power-of-two
 dimension gave silently wrong results on the GPU: ../shared/GPU_FACTS.md). Masked positions score a
 large finite negative, never -inf, and a split with no positions writes lse = -1e30 and zeros, so
@@ -105,14 +110,16 @@ def online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec):
     return acc * alpha[:, None] + pv * v_max, m_new, l
 
 
-def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, G, hd, D, page_size,
-                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert):
+def _split_kernel(layer_ref, pt_ref, cl_ref, *refs, group, G, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert, windowed=False):
+    ws_ref, q_ref, k_ref, v_ref, *refs = refs if windowed else (None, *refs)
     ks_ref, vs_ref, *out_refs = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     h = pl.program_id(1)
     s = pl.program_id(2)
     layer = plgpu.load(layer_ref.at[jnp.int32(0)])
     ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), n_pages * page_size)
+    first = plgpu.load(ws_ref.at[b]) if windowed else None   # a sliding window's first position
 
     rows = jnp.arange(G, dtype=jnp.int32)
     cols = jnp.arange(D, dtype=jnp.int32)
@@ -125,7 +132,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, 
     else:
         q = plgpu.load(q_ref.at[b, pl.ds(h * group, G), pl.ds(0, D)])
 
-    start, stop = split_range(pl.cdiv(ctx, block_k), s, num_splits)
+    start, stop = window_split_range(ctx, first, block_k, s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     cdt = page_compute_dtype(k_ref.dtype, q.dtype)   # float8 pages: float16 products
     q = to_compute(q, cdt)
@@ -133,13 +140,15 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, 
 
     def slots_of(i):
         """Cache slots of block i's positions, gathered from the page table (slot 0 past ctx)."""
-        return page_slots(pt_ref, b, i * block_k + offs, ctx, page_size, n_pages)
+        return page_slots(pt_ref, b, i * block_k + offs, ctx, page_size, n_pages, first)
 
     pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
 
     def body(i, carry):
         acc, m, l, slot = carry
         valid = i * block_k + offs < ctx
+        if windowed:
+            valid = valid & (i * block_k + offs >= first)
         # The next block's page-table entries are loaded now, beside this block's K and V, so the
         # table lookup is off the loop's latency chain.
         nxt = slots_of(i + 1)
@@ -176,7 +185,8 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, group, 
         plgpu.store(lse_ref.at[b, h * group + rows, s], lse, mask=row_mask)
 
 
-def _merge_kernel(cl_ref, o_part_ref, lse_ref, o_ref, *, hd, D, num_splits, block_k, max_ctx, cached_offset):
+def _merge_kernel(cl_ref, *refs, hd, D, num_splits, block_k, max_ctx, cached_offset, windowed=False):
+    ws_ref, o_part_ref, lse_ref, o_ref = refs if windowed else (None, *refs)
     b = pl.program_id(0)
     hq = pl.program_id(1)
     cols = jnp.arange(D, dtype=jnp.int32)
@@ -185,7 +195,8 @@ def _merge_kernel(cl_ref, o_part_ref, lse_ref, o_ref, *, hd, D, num_splits, bloc
     # empty split wrote o = 0 and lse = NEG, exactly the masked loads' `other`, so the tile and its sums are
     # the same as reading everything: at a 1k context in a 40k page table 16 of 64 splits hold positions.
     ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), max_ctx) - cached_offset
-    start, stop = split_range(pl.cdiv(ctx, block_k), splits, num_splits)
+    start, stop = window_split_range(ctx, plgpu.load(ws_ref.at[b]) if windowed else None, block_k, splits,
+                                     num_splits)
     live = (start < stop) | (splits == 0)
     col_mask = cols < hd
     o = plgpu.load(o_part_ref.at[b, hq, splits[:, None], cols[None, :]], mask=live[:, None] & col_mask[None, :],
@@ -197,6 +208,23 @@ def _merge_kernel(cl_ref, o_part_ref, lse_ref, o_ref, *, hd, D, num_splits, bloc
         plgpu.store(o_ref.at[b, hq, cols], out.astype(o_ref.dtype), mask=col_mask)
     else:
         plgpu.store(o_ref.at[b, hq, pl.ds(0, D)], out.astype(o_ref.dtype))
+
+
+def window_start(context_lens: jax.Array, window: jax.Array | int) -> jax.Array:
+    """The first position [B] int32 that a query at context_lens - 1 sees under a sliding `window` (a scalar; 0 a
+    global layer): keys in (position - window, position], as reference.window_floor."""
+    cl = jnp.asarray(context_lens, jnp.int32)
+    return jnp.where(window > 0, jnp.maximum(cl - window, 0), 0).astype(jnp.int32)
+
+
+def window_split_range(ctx, first, block_k: int, split, num_splits: int):
+    """Blocks [start, stop) of `split` over positions 0..ctx-1, or with a sliding window only the blocks from the
+    one holding its `first` position: the blocks before it are never visited (their pages may have been freed)."""
+    if first is None:
+        return split_range(pl.cdiv(ctx, block_k), split, num_splits)
+    skip = first // block_k
+    start, stop = split_range(pl.cdiv(ctx, block_k) - skip, split, num_splits)
+    return start + skip, stop + skip
 
 
 def check_int8_operands(name: str, k_cache, v_cache, k_scale, v_scale, int8_convert: str) -> bool:
@@ -224,9 +252,10 @@ def check_int8_operands(name: str, k_cache, v_cache, k_scale, v_scale, int8_conv
 def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
                                  scale: float, *, num_splits: int = 1, block_k: int = 64,
                                  num_warps: int = 4, num_stages: int = 2, merge: str = "pallas",
-                                 k_scale=None, v_scale=None, int8_convert: str = "cvt",
+                                 k_scale=None, v_scale=None, int8_convert: str = "cvt", kv_start=None,
                                  interpret: bool = False):
-    """The two kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches."""
+    """The two kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches;
+    kv_start [B] int32: a sliding window's first position in each sequence (window_start)."""
     B, H, hd = q.shape
     L, KVH, n_slots, hd_k = k_cache.shape
     if v_cache.shape != k_cache.shape or hd_k != hd:
@@ -253,7 +282,8 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     kernel = functools.partial(
         _split_kernel, group=group, G=G, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
         block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E, quantized=quantized,
-        int8_convert=int8_convert)
+        int8_convert=int8_convert, windowed=kv_start is not None)
+    windowed = () if kv_start is None else (kv_start.astype(jnp.int32),)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((B, H, hd), q.dtype)
     else:
@@ -263,20 +293,21 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
         kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret,
         name="decode_attention_split",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(layer, page_table, context_lens, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
+    )(layer, page_table, context_lens, *windowed, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
     if num_splits == 1:
         return res
     return merge_splits(*res, q.dtype, hd, merge, interpret, context_lens=context_lens, block_k=block_k,
-                        max_ctx=n_pages * page_size)
+                        max_ctx=n_pages * page_size, kv_start=kv_start)
 
 
 def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str = "pallas",
                  interpret: bool = False, *, context_lens: jax.Array, block_k: int, max_ctx: int,
-                 cached_offset: int = 0) -> jax.Array:
+                 cached_offset: int = 0, kv_start: jax.Array | None = None) -> jax.Array:
     """Kernel 2: the splits' normalised outputs o_part [B, H, S, hd] (float32) and base-2
     log-sum-exps lse [B, H, S] merged into [B, H, hd] in `dtype` (merge "jnp": the same in XLA).
     context_lens [B], block_k, max_ctx (the page table's span) and cached_offset (1 where kernel 1 split
-    context_lens - 1 cached positions) say which splits had positions: the kernel reads only those."""
+    context_lens - 1 cached positions), and a sliding window's kv_start [B], say which splits had positions: the
+    kernel reads only those."""
     B, H, num_splits, _ = o_part.shape
     if merge == "jnp":
         w = jnp.exp2(lse - jnp.max(lse, axis=2, keepdims=True))
@@ -285,12 +316,12 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
     D = pow2_at_least(hd, 16)
     return pl.pallas_call(
         functools.partial(_merge_kernel, hd=hd, D=D, num_splits=num_splits, block_k=block_k, max_ctx=max_ctx,
-                          cached_offset=cached_offset),
+                          cached_offset=cached_offset, windowed=kv_start is not None),
         out_shape=jax.ShapeDtypeStruct((B, H, hd), dtype), grid=(B, H), interpret=interpret,
         name="decode_attention_merge",
         compiler_params=plgpu.CompilerParams(num_warps=4 if num_splits * D >= 4096 else 2,
                                              num_stages=1),
-    )(context_lens.astype(jnp.int32), o_part, lse)
+    )(context_lens.astype(jnp.int32), *(() if kv_start is None else (kv_start.astype(jnp.int32),)), o_part, lse)
 
 
 def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2, kv_int8: bool = False) -> SplitConfig:
@@ -311,13 +342,14 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float,
                            *, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            config: SplitConfig | None = None, int8_convert: str | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           window: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """`reference.paged_decode_attention` with the split-sequence Pallas kernels.
 
     q [B, H, hd]; k_cache, v_cache [L, KVH, slots, hd]; layer int32 scalar; page_table [B, P] int32;
     context_lens [B] int32 (>= 1; 0 gives zeros). Returns [B, H, hd] in q's dtype. An INT8 cache: int8 k_cache,
     v_cache with their scales k_scale, v_scale [L, KVH, slots] float32 (int8_convert: default the table's).
-    `config` overrides the table (tests and benchmarks).
+    `config` overrides the table (tests and benchmarks). `window`: a sliding window (int32 scalar, 0 global): only
+    the last `window` positions are seen, and the blocks before them are skipped.
     """
     if config is None:
         config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize,
@@ -326,4 +358,5 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, merge=config.merge, k_scale=k_scale, v_scale=v_scale,
-        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret=interpret)
+        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT,
+        kv_start=None if window is None else window_start(context_lens, window), interpret=interpret)

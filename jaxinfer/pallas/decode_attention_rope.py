@@ -39,11 +39,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.numerics import to_cache
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
-                                     page_compute_dtype, page_slots, pow2_at_least, rope_halves, split_range,
+                                     page_compute_dtype, page_slots, pow2_at_least, rope_halves,
                                      to_compute)
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.decode_attention import (LOG2E, NEG, SplitConfig, check_int8_operands, choose_config, int8_to,
-                                              merge_splits, online_softmax_update_scaled, resolve_int8_convert)
+                                              merge_splits, online_softmax_update_scaled, resolve_int8_convert,
+                                              window_split_range, window_start)
 from jaxinfer.pallas.rope_kv_write import quantize_vectors
 
 f32 = jnp.float32
@@ -54,8 +55,10 @@ def supports(head_dim: int) -> bool:
 
 
 def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs, H, K, group, G, hd, page_size,
-            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps, quantized, int8_convert):
+            n_pages, block_k, num_splits, qk_scale, has_norm, has_rope, eps, quantized, int8_convert,
+            windowed=False):
     refs = list(refs)
+    ws_ref = refs.pop(0) if windowed else None   # a sliding window's first position of each sequence
     cos_ref, sin_ref = (refs.pop(0), refs.pop(0)) if has_rope else (None, None)
     qn_ref, kn_ref = (refs.pop(0), refs.pop(0)) if has_norm else (None, None)
     k_ref, v_ref = refs.pop(0), refs.pop(0)        # the caches, as inputs (aliased to kc_ref, vc_ref)
@@ -122,20 +125,23 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
 
     # The cached positions 0..ctx-2, split as pallas/decode_attention.py splits them.
     cached = ctx - 1
-    start, stop = split_range(pl.cdiv(cached, block_k), s, num_splits)
+    window_first = plgpu.load(ws_ref.at[b]) if windowed else None   # the new token is always inside the window
+    start, stop = window_split_range(cached, window_first, block_k, s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     cdt = page_compute_dtype(kc_ref.dtype, dtype)   # float8 pages: float16 products
     q1c, q2c = to_compute(q1, cdt), to_compute(q2, cdt)
     prec = dot_precision(cdt)
 
     def slots_of(i):
-        return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages)
+        return page_slots(pt_ref, b, i * block_k + offs, cached, page_size, n_pages, window_first)
 
     pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
 
     def body(i, carry):
         acc, m, l, slot = carry
         valid = i * block_k + offs < cached
+        if windowed:
+            valid = valid & (i * block_k + offs >= window_first)
         nxt = slots_of(i + 1)
         ka = plgpu.load(k_ref.at[layer, h, slot[:, None], hcols[None, :]], mask=valid[:, None], other=pad)
         kb = plgpu.load(k_ref.at[layer, h, slot[:, None], half + hcols[None, :]], mask=valid[:, None], other=pad)
@@ -183,13 +189,14 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
 def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache, layer, slot_mapping, page_table,
                                 context_lens, *, page_size: int, scale: float, num_heads: int, num_kv_heads: int,
                                 eps: float = 1e-6, norm_layer=None, config: SplitConfig | None = None,
-                                k_scale=None, v_scale=None, int8_convert: str | None = None,
+                                k_scale=None, v_scale=None, int8_convert: str | None = None, window=None,
                                 interpret: bool = False):
     """qkv [B, (H+2K)*hd]; cos, sin [B, hd] or None; q_norm, k_norm [Ln, hd] or None (read at
     norm_layer, default layer); caches [L, K, slots, hd] (written at layer, slot_mapping [B]);
     page_table [B, P]; context_lens [B] (>= 1, counting the new token). Returns (out [B, H, hd],
     k_cache, v_cache). An INT8 cache: int8 caches with k_scale, v_scale [L, K, slots] float32 (written in place too;
-    int8_convert: default tables.DECODE_ATTENTION_INT8_CONVERT); returns (out, k_cache, v_cache, k_scale, v_scale)."""
+    int8_convert: default tables.DECODE_ATTENTION_INT8_CONVERT); returns (out, k_cache, v_cache, k_scale, v_scale).
+    window: a sliding window (int32 scalar, 0 global): the last `window` positions, the blocks before skipped."""
     B = qkv.shape[0]
     H, K = num_heads, num_kv_heads
     hd = qkv.shape[1] // (H + 2 * K)
@@ -205,8 +212,10 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None
     extra = ([cos, sin] if has_rope else []) + ([q_norm, k_norm] if has_norm else [])
+    kv_start = None if window is None else window_start(context_lens, window)
+    windowed = [] if kv_start is None else [kv_start]
     args = [*layer_operands(layer, norm_layer), slot_mapping.astype(jnp.int32), page_table.astype(jnp.int32),
-            context_lens.astype(jnp.int32), qkv.reshape(B, H + 2 * K, hd), *extra, k_cache, v_cache]
+            context_lens.astype(jnp.int32), qkv.reshape(B, H + 2 * K, hd), *windowed, *extra, k_cache, v_cache]
     caches = [k_cache, v_cache, *((k_scale, v_scale) if quantized else ())]
     args += caches[2:]
     S = config.num_splits
@@ -217,7 +226,7 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     kernel = functools.partial(
         _kernel, H=H, K=K, group=group, G=G, hd=hd, page_size=page_size, n_pages=page_table.shape[1],
         block_k=config.block_k, num_splits=S, qk_scale=float(scale) * LOG2E, has_norm=has_norm,
-        has_rope=has_rope, eps=eps, quantized=quantized, int8_convert=int8_convert)
+        has_rope=has_rope, eps=eps, quantized=quantized, int8_convert=int8_convert, windowed=kv_start is not None)
     n = len(args)
     results = pl.pallas_call(
         kernel,
@@ -232,5 +241,6 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     if S == 1:
         return res[0], *written
     merged = merge_splits(*res, qkv.dtype, hd, config.merge, interpret, context_lens=context_lens,
-                          block_k=config.block_k, max_ctx=page_table.shape[1] * page_size, cached_offset=1)
+                          block_k=config.block_k, max_ctx=page_table.shape[1] * page_size, cached_offset=1,
+                          kv_start=kv_start)
     return merged, *written

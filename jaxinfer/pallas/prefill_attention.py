@@ -29,6 +29,12 @@ the tensor cores, online softmax in float32 (base 2, scale folded in), acc += p 
 min(position)+1 are visible to every row and run without the causal mask; the remaining (diagonal)
 blocks apply it per row (key position <= the row's own position, so rows need not be sorted).
 
+A sliding window (`window`, a traced int32 scalar, 0 for a global layer): row t sees positions[t] - window + 1 ..
+positions[t]. A program starts at the block of its rows' lowest such position (the blocks before it, and their
+page-table entries, are never read), masks the blocks that the window cuts into per row, and runs the blocks that
+every row sees whole unmasked as before. (Padding rows sit at position 0 of sequence 0: where they share a program
+with sequence 0's rows, it reads from position 0, through the scratch page of a freed entry.)
+
 Every block dimension is a power of two and the tails are masked (../shared/GPU_FACTS.md: a block over a
 non-power-of-two dimension gave silently wrong results): the head group is padded to a power of two,
 hd to a power of two >= 16, and row/column masks guard every load and store. Masked scores are a
@@ -134,8 +140,9 @@ def schedule_from_token_seq(token_seq: jax.Array, positions: jax.Array, num_seqs
 # ---------------------------------------------------------------------------------------------------
 # Kernel
 
-def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *, hd, D, group, heads, HP,
-            block_q, block_k, page_size, n_pages, qk_scale):
+def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, *refs, hd, D, group, heads, HP,
+            block_q, block_k, page_size, n_pages, qk_scale, windowed=False):
+    win_ref, q_ref, k_ref, v_ref, o_ref = refs if windowed else (None, *refs)
     i = pl.program_id(0)
     hp = pl.program_id(1)
     seq = plgpu.load(sched_ref.at[jnp.int32(0), i])
@@ -174,16 +181,26 @@ def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *
         pt_row = jnp.maximum(seq, 0)
         offs = jnp.arange(block_k, dtype=i32)
         prec = dot_precision(q.dtype)
+        first = unmasked_from = jnp.int32(0)    # blocks [first, unmasked_from) and [n_full, n_blocks) are masked
+        qfloor = min_floor = None
+        if windowed:   # row t sees keys qfloor[t]..qpos[t]: the blocks before the lowest floor are never visited
+            window = plgpu.load(win_ref.at[jnp.int32(0)])
+            qfloor = jnp.where(window > 0, jnp.maximum(qpos - window + 1, 0), 0)               # [M]
+            min_floor = jnp.min(jnp.where(row_ok, qfloor, span))
+            max_floor = jnp.max(jnp.where(row_ok, qfloor, 0))                  # keys [max_floor, lo): every row
+            first = jnp.minimum(min_floor // block_k, n_blocks)
+            unmasked_from = jnp.clip(pl.cdiv(max_floor, block_k), first, n_blocks)
+            n_full = jnp.maximum(n_full, unmasked_from)
 
         def slots_of(j):
-            return page_slots(pt_ref, pt_row, j * block_k + offs, hi, page_size, n_pages)
+            return page_slots(pt_ref, pt_row, j * block_k + offs, hi, page_size, n_pages, min_floor)
 
         def step(j, carry, causal):
             acc, m, l, slot = carry
             nxt = slots_of(j + 1)
             pos = j * block_k + offs
             if causal:
-                in_range = pos < hi
+                in_range = pos < hi if min_floor is None else (pos < hi) & (pos >= min_floor)
                 kv_mask = in_range[:, None] & col_ok[None, :] if ragged_cols else in_range[:, None]
             else:
                 kv_mask = col_ok[None, :] if ragged_cols else None
@@ -195,11 +212,16 @@ def _kernel(layer_ref, sched_ref, pos_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, *
             sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                      preferred_element_type=f32) * qk_scale        # [M, block_k]
             if causal:
-                sc = jnp.where(pos[None, :] <= qpos[:, None], sc, NEG)
+                seen = pos[None, :] <= qpos[:, None]
+                if windowed:
+                    seen = seen & (pos[None, :] >= qfloor[:, None])
+                sc = jnp.where(seen, sc, NEG)
             return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
 
-        init = (jnp.zeros((M, D), f32), jnp.full((M,), NEG, f32), jnp.zeros((M,), f32), slots_of(jnp.int32(0)))
-        carry = jax.lax.fori_loop(0, n_full, functools.partial(step, causal=False), init)
+        init = (jnp.zeros((M, D), f32), jnp.full((M,), NEG, f32), jnp.zeros((M,), f32), slots_of(first))
+        if windowed:   # the blocks that the window cuts into, below those every row sees whole
+            init = jax.lax.fori_loop(first, unmasked_from, functools.partial(step, causal=True), init)
+        carry = jax.lax.fori_loop(unmasked_from, n_full, functools.partial(step, causal=False), init)
         acc, _, l, _ = jax.lax.fori_loop(n_full, n_blocks, functools.partial(step, causal=True), carry)
 
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
@@ -233,8 +255,8 @@ def _validate(q, k_cache, v_cache, page_table, cfg: PrefillConfig):
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scale", "config", "interpret"))
-def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, *, page_size: int, scale: float,
-          config: PrefillConfig, interpret: bool):
+def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, window=None, *, page_size: int,
+          scale: float, config: PrefillConfig, interpret: bool):
     T, H, hd = q.shape
     group, heads = _validate(q, k_cache, v_cache, page_table, config)
     HP = pow2_at_least(heads)
@@ -242,13 +264,15 @@ def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, *, page_s
     N = schedule.shape[1]
     kernel = functools.partial(
         _kernel, hd=hd, D=D, group=group, heads=heads, HP=HP, block_q=config.block_q, block_k=config.block_k,
-        page_size=page_size, n_pages=page_table.shape[1], qk_scale=float(scale) * LOG2E)
+        page_size=page_size, n_pages=page_table.shape[1], qk_scale=float(scale) * LOG2E,
+        windowed=window is not None)
+    windowed = () if window is None else (jnp.asarray(window, i32).reshape(1),)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((T, H, hd), q.dtype), grid=(N, H // heads),
         interpret=interpret, name="prefill_attention",
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
     )(jnp.asarray(layer, i32).reshape(1), schedule.astype(i32), positions.astype(i32),
-      page_table.astype(i32), q, k_cache, v_cache)
+      page_table.astype(i32), *windowed, q, k_cache, v_cache)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,7 +304,8 @@ def choose_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: 
 def paged_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                             page_table: jax.Array, query_start: jax.Array, positions: jax.Array,
                             page_size: int, scale: float, *, config: PrefillConfig | None = None,
-                            schedule: jax.Array | None = None, interpret: bool = False) -> jax.Array:
+                            schedule: jax.Array | None = None, window: jax.Array | int | None = None,
+                            interpret: bool = False) -> jax.Array:
     """Causal attention of ragged query rows over their own sequence's pages (flash-attention kernel).
 
     q [T, H, hd]; k_cache, v_cache [L, KVH, slots, hd]; layer int32 scalar; page_table [B, P] int32;
@@ -288,7 +313,9 @@ def paged_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     is normally 0); positions [T] int32 (row t sees positions 0..positions[t] of its sequence).
     Returns [T, H, hd] in q's dtype; rows outside query_start[0]..query_start[B]-1 are zeros.
     `config` overrides the table; `schedule` (from `prefill_schedule` with the same block_q and T)
-    skips recomputing the per-call schedule, e.g. once per step instead of once per layer.
+    skips recomputing the per-call schedule, e.g. once per step instead of once per layer. `window`: a sliding
+    window (int32 scalar, 0 global): row t sees positions positions[t] - window + 1..positions[t], and the key
+    blocks before its program's lowest such position are skipped.
     """
     T, H, hd = q.shape
     if config is None:
@@ -302,13 +329,14 @@ def paged_prefill_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     elif schedule.shape != (3, num_programs(T, page_table.shape[0] + 2, config.block_q)):
         raise ValueError(f"paged_prefill_attention: schedule {schedule.shape} is not prefill_schedule's "
                          f"for T={T}, B={page_table.shape[0]}, block_q={config.block_q}")
-    return _call(q, k_cache, v_cache, layer, page_table, positions, schedule, page_size=page_size,
+    return _call(q, k_cache, v_cache, layer, page_table, positions, schedule, window, page_size=page_size,
                  scale=float(scale), config=config, interpret=interpret)
 
 
 def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array,
                     page_table: jax.Array, token_seq: jax.Array, positions: jax.Array, page_size: int,
-                    scale: float, *, config: PrefillConfig | None = None, interpret: bool = False) -> jax.Array:
+                    scale: float, *, config: PrefillConfig | None = None, window: jax.Array | int | None = None,
+                    interpret: bool = False) -> jax.Array:
     """`reference.paged_attention` (token_seq [T] instead of query_start) on the prefill kernel.
 
     Requires the engine's layout: each sequence's rows contiguous, at most B + 1 runs of equal token_seq
@@ -319,5 +347,5 @@ def paged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer:
         config = choose_config(T, H, k_cache.shape[1], hd)
     _validate(q, k_cache, v_cache, page_table, config)
     schedule = schedule_from_token_seq(token_seq, positions, page_table.shape[0], config.block_q, config.order)
-    return _call(q, k_cache, v_cache, layer, page_table, positions, schedule, page_size=page_size,
+    return _call(q, k_cache, v_cache, layer, page_table, positions, schedule, window, page_size=page_size,
                  scale=float(scale), config=config, interpret=interpret)

@@ -19,6 +19,9 @@ With several splits the partials are laid out as [B, Q * H, S, hd] (row j, head 
 decode_attention's merge kernel (grid (B, Q * H); split 0 always holds position 0, which every row sees); the
 output [B, Q * H, hd] is [B, Q, H, hd] by a free reshape. With one split kernel 1 writes the output.
 
+A sliding window (`window`, a traced int32 scalar, 0 global): row j sees its last `window` positions; the splits
+share out the blocks from row 0's first position on (window_kv_start), each row masked at its own floor.
+
 num_splits, block_k and num_warps (static: the grid and the tile) come from `choose_config`, tables.VERIFY_ATTENTION,
 keyed by tile rows, sequence-heads (batch x KVH) and the page table's span. Float8 pages multiply in float16 as in
 the decode kernel (blocks.page_compute_dtype). An INT8 cache comes as its values and two more operands, k_scale and
@@ -41,10 +44,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
-                                     pow2_at_least, split_range, to_compute)
+                                     pow2_at_least, to_compute)
 from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to,
                                               resolve_int8_convert, merge_splits,
-                                              online_softmax_update_scaled)
+                                              online_softmax_update_scaled, window_split_range)
 from jaxinfer.pallas.tables import SplitConfig
 
 f32 = jnp.float32
@@ -58,8 +61,9 @@ def supports(rows: int, head_dim: int) -> bool:
     return 1 <= rows <= MAX_ROWS and pow2_at_least(rows, 16) * pow2_at_least(head_dim, 16) <= MAX_TILE
 
 
-def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, group, M, hd, D, page_size,
-                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert):
+def _split_kernel(layer_ref, pt_ref, cl_ref, *refs, Q, H, group, M, hd, D, page_size,
+                  n_pages, block_k, num_splits, qk_scale, quantized, int8_convert, windowed=False):
+    win_ref, q_ref, k_ref, v_ref, *refs = refs if windowed else (None, *refs)
     ks_ref, vs_ref, *out_refs = refs if quantized else (None, None, *refs)
     b = pl.program_id(0)
     h = pl.program_id(1)
@@ -82,7 +86,12 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, g
     tile_mask = row_mask[:, None] & col_mask[None, :]
     q = plgpu.load(q_ref.at[b, j[:, None], head[:, None], cols[None, :]], mask=tile_mask, other=0)
 
-    start, stop = split_range(pl.cdiv(last, block_k), s, num_splits)
+    first = floor = None
+    if windowed:   # row j sees from limit - window on; the program from row 0's floor (window_kv_start's)
+        window = plgpu.load(win_ref.at[jnp.int32(0)])
+        floor = jnp.where(window > 0, jnp.maximum(limit - window, 0), 0)
+        first = jnp.where(window > 0, jnp.maximum(jnp.clip(ctx - Q + 1, 1, last) - window, 0), 0)
+    start, stop = window_split_range(last, first, block_k, s, num_splits)
     offs = jnp.arange(block_k, dtype=jnp.int32)
     cdt = page_compute_dtype(k_ref.dtype, q.dtype)   # float8 pages: float16 products
     q = to_compute(q, cdt)
@@ -91,7 +100,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, g
 
     def slots_of(i):
         """Cache slots of block i's positions, gathered from the page table (slot 0 past the last row's limit)."""
-        return page_slots(pt_ref, b, i * block_k + offs, last, page_size, n_pages)
+        return page_slots(pt_ref, b, i * block_k + offs, last, page_size, n_pages, first)
 
     pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
 
@@ -99,7 +108,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, g
         acc, m, l, slot = carry
         pos = i * block_k + offs
         nxt = slots_of(i + 1)   # the next block's page-table entries, off the loop's latency chain
-        valid = pos < last
+        valid = pos < last if first is None else (pos < last) & (pos >= first)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
         k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
         v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
@@ -108,12 +117,15 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, q_ref, k_ref, v_ref, *refs, Q, H, g
         elif k.dtype != cdt:   # a float8 cache: to the compute dtype
             k, v = k.astype(cdt), v.astype(cdt)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+        seen = pos[None, :] < limit[:, None]                                    # [M, block_k], causal per row
+        if windowed:
+            seen = seen & (pos[None, :] >= floor[:, None])
         if not quantized:
-            sc = jnp.where(pos[None, :] < limit[:, None], sc * qk_scale, NEG)      # [M, block_k], causal per row
+            sc = jnp.where(seen, sc * qk_scale, NEG)
             return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)
         k_scale = plgpu.load(ks_ref.at[layer, h, slot], mask=valid, other=0.0)   # [block_k]
         v_scale = plgpu.load(vs_ref.at[layer, h, slot], mask=valid, other=0.0)
-        sc = jnp.where(pos[None, :] < limit[:, None], sc * (k_scale * qk_scale)[None, :], NEG)
+        sc = jnp.where(seen, sc * (k_scale * qk_scale)[None, :], NEG)
         return (*online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec), nxt)
 
     init = (jnp.zeros((M, D), f32), jnp.full((M,), M_INIT, f32), jnp.zeros((M,), f32), slots_of(start))
@@ -155,8 +167,9 @@ def _check_shapes(q, k_cache, v_cache, page_table, context_lens) -> None:
 def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context_lens, page_size: int,
                                  scale: float, *, num_splits: int = 1, block_k: int = 64, num_warps: int = 4,
                                  num_stages: int = 2, merge: str = "pallas", k_scale=None, v_scale=None,
-                                 int8_convert: str = "cvt", interpret: bool = False):
-    """The kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches."""
+                                 int8_convert: str = "cvt", window=None, interpret: bool = False):
+    """The kernels with an explicit configuration (see SplitConfig); k_scale, v_scale with int8 caches; window: a
+    sliding window (int32 scalar, 0 global)."""
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
     int8_convert = resolve_int8_convert(int8_convert, interpret)
     quantized = check_int8_operands("verify_attention", k_cache, v_cache, k_scale, v_scale, int8_convert)
@@ -177,7 +190,8 @@ def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context
     kernel = functools.partial(
         _split_kernel, Q=Q, H=H, group=group, M=M, hd=hd, D=D, page_size=page_size, n_pages=n_pages,
         block_k=block_k, num_splits=num_splits, qk_scale=float(scale) * LOG2E, quantized=quantized,
-        int8_convert=int8_convert)
+        int8_convert=int8_convert, windowed=window is not None)
+    windowed = () if window is None else (jnp.asarray(window, jnp.int32).reshape(1),)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((B, Q, H, hd), q.dtype)
     else:
@@ -186,13 +200,22 @@ def paged_verify_attention_split(q, k_cache, v_cache, layer, page_table, context
     res = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B, KVH, num_splits), interpret=interpret, name="verify_attention_split",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(layer, page_table, context_lens, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
+    )(layer, page_table, context_lens, *windowed, q, k_cache, v_cache, *((k_scale, v_scale) if quantized else ()))
     if num_splits == 1:
         return res
-    # Split 0 holds position 0 for every row (context_lens <= 0 included: the merge then reads split 0 alone).
+    # Split 0 holds position 0 for every row (context_lens <= 0 included: the merge then reads split 0 alone); with
+    # a window, row 0's first position, which every row sees
+    kv_start = None if window is None else window_kv_start(context_lens, Q, window, n_pages * page_size)
     out = merge_splits(*res, q.dtype, hd, merge, interpret, context_lens=context_lens, block_k=block_k,
-                       max_ctx=n_pages * page_size)
+                       max_ctx=n_pages * page_size, kv_start=kv_start)
     return out.reshape(B, Q, H, hd)
+
+
+def window_kv_start(context_lens: jax.Array, Q: int, window: jax.Array | int, span: int) -> jax.Array:
+    """The first position [B] of row 0's sliding window (the kernel's `first`): every row sees it, and the blocks
+    before it are skipped."""
+    last = jnp.clip(context_lens, 1, span)
+    return jnp.where(window > 0, jnp.maximum(jnp.clip(context_lens - Q + 1, 1, last) - window, 0), 0).astype(jnp.int32)
 
 
 def choose_config(rows: int, batch: int, kv_heads: int, span: int) -> SplitConfig:
@@ -211,13 +234,15 @@ def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                            page_table: jax.Array, context_lens: jax.Array, page_size: int, scale: float, *,
                            k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                            config: SplitConfig | None = None, int8_convert: str | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           window: jax.Array | int | None = None, interpret: bool = False) -> jax.Array:
     """`reference.verify_attention` with the split-sequence Pallas kernels.
 
     q [B, Q, H, hd]; k_cache, v_cache [L, KVH, slots, hd] (bf16, f32, float8, or int8 with their scales k_scale,
     v_scale [L, KVH, slots] float32); layer int32 scalar; page_table [B, P] int32; context_lens [B] int32 (the last
     row's position + 1). Returns [B, Q, H, hd] in q's dtype. `config` overrides the table (tests and benchmarks);
     int8_convert the int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). Needs supports(Q * H / KVH, hd).
+    `window`: a sliding window (int32 scalar, 0 global): row j sees its last `window` positions; the blocks before
+    row 0's first are skipped.
     """
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
     if config is None:
@@ -227,4 +252,4 @@ def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages, merge=config.merge, k_scale=k_scale, v_scale=v_scale,
-        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, interpret=interpret)
+        int8_convert=int8_convert or tables.DECODE_ATTENTION_INT8_CONVERT, window=window, interpret=interpret)

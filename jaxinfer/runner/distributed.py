@@ -32,13 +32,3 @@ def initialize(spec: str) -> None:
             raise ValueError(f"this process already joined a run as {jax.process_index()} of {jax.process_count()}")
         return
     jax.distributed.initialize(coordinator_address=address, num_processes=num_processes, process_id=process_id)
-
-
-def shared_seed() -> int:
-    """A random seed that every process of the run agrees on (process 0's, broadcast): requests that bring no
-    seed of their own must draw the same keys on every host, which run the same steps."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    mine = np.int64(np.random.SeedSequence().entropy % (1 << 62))
-    return int(multihost_utils.broadcast_one_to_all(mine))
