@@ -22,6 +22,9 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GPT2LMHeadModel": "gpt2",
+    "Phi3ForCausalLM": "phi3",
+    "ApertusForCausalLM": "apertus",
+    "Gemma3ForCausalLM": "gemma3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
 }
@@ -45,8 +48,8 @@ class ModelConfig:
     # Llama-3 style frequency scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos).
     rope_llama3: tuple[float, float, float, int] | None = None
     rope_linear_factor: float = 1.0
-    mlp_kind: str = "swiglu"         # "swiglu" | "gelu"
-    activation: str = "silu"         # "silu" | "gelu_tanh" | "gelu"
+    mlp_kind: str = "swiglu"         # "swiglu" | "gelu" | "geglu" (gelu_tanh(gate) * up) | "xielu" (no gate)
+    activation: str = "silu"         # "silu" | "gelu_tanh" | "gelu" | "xielu"
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -64,17 +67,30 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Dense families' differences (Phi-3/4, Apertus, Gemma 3); the defaults are Llama's.
+    rope_partial: float = 1.0        # share of head_dim that RoPE rotates (partial_rotary_factor); the rest passes
+    # LongRoPE (Phi-3): per-frequency divisors for short and for long contexts, original_max_position_embeddings
+    # (a sequence longer than it takes the long ones) and the attention factor on cos and sin.
+    rope_longrope: tuple[tuple[float, ...], tuple[float, ...], int, float] | None = None
+    # Gemma 3: plain RoPE at base rope_local_theta on the layers marked True (its sliding-attention layers)
+    rope_local_theta: float = 0.0
+    rope_local_layers: tuple[bool, ...] = ()
+    # Gemma 3: query_pre_attn_scalar ** -0.5 as the score scale (0: head_dim ** -0.5); weights.py folds the ratio of
+    # the two into q_norm's weight, so that the attention ops keep head_dim ** -0.5
+    query_scale: float = 0.0
+    embed_scale: float = 1.0         # Gemma 3: the embedding times sqrt(hidden_size), in the model's dtype
+    sandwich_norms: bool = False     # Gemma 3: RMSNorm also on the attention's and the MLP's outputs
+    final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims that RoPE rotates (all but for a partial rotary factor)."""
+        return int(self.head_dim * self.rope_partial)
 
     @property
     def has_windows(self) -> bool:
         """Whether any layer attends over a sliding window."""
         return any(self.layer_windows)
-
-    @property
-    def kv_window(self) -> int:
-        """The most positions any layer's query sees where every layer has a window (the largest window): the
-        K/V behind it are never read again. 0 where some layer is global."""
-        return max(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
     def window_of(self, layer):
         """The window of `layer` (a traced index is fine) as an int32 scalar (0: global), or None where no layer
@@ -99,11 +115,20 @@ class ModelConfig:
 
         return jnp.dtype(self.dtype)
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """Inverse frequencies [head_dim // 2] in float32, scaled as the config asks."""
+    def rope_inv_freq(self, long: bool = False, theta: float | None = None) -> np.ndarray:
+        """Inverse frequencies [head_dim // 2] in float32, scaled as the config asks (long: LongRoPE's long
+        factors; theta: plain RoPE at that base instead). With a partial rotary factor, the rotated dims'
+        frequencies and then zeros (cos 1, sin 0): model/rotary.py orders each head's q/k rows so that the
+        dims that pass come last in each half."""
         # float32 throughout, as transformers computes it, so that angles agree to the last bit.
-        exponent = np.arange(0, self.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(self.head_dim)
-        inv = (np.float32(1.0) / (np.float32(self.rope_theta) ** exponent)).astype(np.float32)
+        dim = self.rotary_dim if theta is None else self.head_dim
+        exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+        base = np.float32(self.rope_theta if theta is None else theta) ** exponent
+        if self.rope_longrope is not None and theta is None:
+            base = np.asarray(self.rope_longrope[1 if long else 0], np.float32) * base
+        inv = (np.float32(1.0) / base).astype(np.float32)
+        if theta is not None:
+            return inv
         inv = inv / np.float32(self.rope_linear_factor)
         if self.rope_llama3 is not None:
             factor, low, high, old_len = self.rope_llama3
@@ -114,12 +139,12 @@ class ModelConfig:
             mid = (1 - smooth) * scaled / factor + smooth * scaled
             is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = np.where(is_mid, mid, scaled)
-        return inv.astype(np.float32)
+        return np.pad(inv.astype(np.float32), (0, self.head_dim // 2 - dim // 2))
 
     def num_params(self) -> int:
         d, i, L = self.hidden_size, self.intermediate_size, self.num_layers
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
-        mlp = (3 if self.mlp_kind == "swiglu" else 2) * d * i
+        mlp = (3 if self.mlp_kind in ("swiglu", "geglu") else 2) * d * i
         if self.num_experts:   # every expert's, and the router
             mlp = self.num_experts * (3 * d * self.moe_intermediate_size + d)
         emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -157,8 +182,9 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from either transformers 5 `rope_parameters` or older `rope_theta`/`rope_scaling`."""
+def _rope_fields(hf: dict[str, Any], phi3: bool = False) -> dict[str, Any]:
+    """RoPE settings from either transformers 5 `rope_parameters` or older `rope_theta`/`rope_scaling`. phi3:
+    Phi-3's own readings too (LongRoPE, which it also calls "su" and "yarn"; a partial rotary factor)."""
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -176,33 +202,31 @@ def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
         )
     elif kind == "linear":
         out["rope_linear_factor"] = float(params["factor"])
+    elif phi3 and kind in ("longrope", "su", "yarn"):
+        out["rope_longrope"] = _longrope(hf, params)
     else:
         raise ModelLoadError(f"unsupported rope type {kind!r}")
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ModelLoadError("partial rotary embeddings are not supported")
+    partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        if not phi3:
+            raise ModelLoadError("partial rotary embeddings are not supported")
+        out["rope_partial"] = partial
     return out
 
 
-def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
-    """The expert fields of a mixture-of-experts family (none for a dense one). Every layer must be sparse:
-    Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1) would need a second MLP stack."""
-    if family not in ("qwen3_moe", "mixtral"):
-        return {}
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-    if family == "qwen3_moe":
-        step = int(hf.get("decoder_sparse_step") or 1)
-        dense = sorted(set(hf.get("mlp_only_layers") or []) |
-                       {i for i in range(int(hf["num_hidden_layers"])) if (i + 1) % step})
-        if dense or experts == 0:
-            raise ModelLoadError(f"Qwen3-MoE with dense layers ({dense or 'num_experts 0'}: mlp_only_layers / "
-                                 f"decoder_sparse_step) is not supported; every layer must be a mixture of experts")
-    top_k = int(hf["num_experts_per_tok"])
-    if not 0 < top_k <= experts:
-        raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts a layer)")
-    return {"num_experts": experts, "num_experts_per_tok": top_k,
-            "moe_intermediate_size": int(hf["moe_intermediate_size"] if family == "qwen3_moe"
-                                         else hf["intermediate_size"]),
-            "norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
+def _longrope(hf: dict[str, Any], params: dict[str, Any]) -> tuple:
+    """(short factors, long factors, original_max_position_embeddings, attention factor) as transformers'
+    _compute_longrope_parameters reads them (Phi-3 keeps the original length beside rope_parameters)."""
+    orig = int(hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+               or hf["max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = int(hf["max_position_embeddings"]) / orig
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return (tuple(float(f) for f in params["short_factor"]), tuple(float(f) for f in params["long_factor"]), orig,
+            float(attention))
 
 
 def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
@@ -230,6 +254,100 @@ def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
         raise ModelLoadError(f"sliding_window {window!r}: want a positive number of positions")
     windows = tuple(int(window) if s else 0 for s in sliding)
     return windows if any(windows) else ()
+
+
+def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts family (none for a dense one). Every layer must be sparse:
+    Qwen3-MoE's dense layers (`mlp_only_layers`, `decoder_sparse_step` > 1) would need a second MLP stack."""
+    if family not in ("qwen3_moe", "mixtral"):
+        return {}
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if family == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = sorted(set(hf.get("mlp_only_layers") or []) |
+                       {i for i in range(int(hf["num_hidden_layers"])) if (i + 1) % step})
+        if dense or experts == 0:
+            raise ModelLoadError(f"Qwen3-MoE with dense layers ({dense or 'num_experts 0'}: mlp_only_layers / "
+                                 f"decoder_sparse_step) is not supported; every layer must be a mixture of experts")
+    top_k = int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} must be in 1..{experts} (the experts a layer)")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": int(hf["moe_intermediate_size"] if family == "qwen3_moe"
+                                         else hf["intermediate_size"]),
+            "norm_topk_prob": family == "mixtral" or bool(hf.get("norm_topk_prob", False))}
+
+
+def _dense_family_config(family: str, hf: dict[str, Any], dtype: str) -> ModelConfig:
+    """Phi-3/4, Apertus and Gemma 3: Llama's layout, each family's differences as fields (transformers' defaults
+    of each config class where config.json leaves a field out)."""
+    heads = int(hf["num_attention_heads"])
+    d = int(hf["hidden_size"])
+    n = int(hf["num_hidden_layers"])
+    gemma = family == "gemma3"
+    common = dict(family=family, vocab_size=int(hf["vocab_size"]), hidden_size=d, num_layers=n, num_heads=heads,
+                  num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                  head_dim=int(hf.get("head_dim") or (256 if gemma else d // heads)),
+                  intermediate_size=int(hf["intermediate_size"]),
+                  max_position_embeddings=int(hf.get("max_position_embeddings", 131072 if gemma else 4096)),
+                  norm_eps=float(hf.get("rms_norm_eps", 1e-6 if gemma else 1e-5)),
+                  tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)), bos_token_id=hf.get("bos_token_id"),
+                  eos_token_ids=_eos_ids(hf.get("eos_token_id")), dtype=dtype)
+    max_pos = common["max_position_embeddings"]
+    if family == "phi3":
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r} for Phi-3 (silu)")
+        rope = _rope_fields(hf, phi3=True)
+        rotary = int(common["head_dim"] * rope.get("rope_partial", 1.0))
+        if rotary <= 0 or rotary % 2:
+            raise ModelLoadError(f"partial_rotary_factor {rope.get('rope_partial')} leaves {rotary} rotated dims "
+                                 f"of {common['head_dim']}: want a positive even number")
+        if "rope_longrope" in rope and any(len(f) != rotary // 2 for f in rope["rope_longrope"][:2]):
+            raise ModelLoadError(f"LongRoPE short_factor and long_factor must have {rotary // 2} entries each")
+        # transformers' Phi-3 applies `sliding_window` on every layer
+        window = hf.get("sliding_window")
+        windows = () if window in (None, 0) or int(window) >= max_pos else (int(window),) * n
+        return ModelConfig(**common, layer_windows=windows, **rope)
+    if family == "apertus":
+        if hf.get("hidden_act", "xielu") != "xielu":
+            raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r} for Apertus (xielu)")
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(**common, mlp_kind="xielu", activation="xielu", qk_norm=True, qkv_bias=bias, o_bias=bias,
+                           **_rope_fields({"rope_theta": 12000000.0, **hf}))
+    # Gemma 3 (text)
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_new"):
+        raise ModelLoadError(f"unsupported hidden_activation {act!r} for Gemma 3 (gelu_pytorch_tanh)")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError("Gemma 3's attn_logit_softcapping is not supported (the attention kernels do not cap)")
+    if hf.get("use_bidirectional_attention"):
+        raise ModelLoadError("Gemma 3's use_bidirectional_attention is not supported (causal attention only)")
+    types = hf.get("layer_types")
+    if types is None:   # transformers' default: every `sliding_window_pattern`-th layer global
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"layer_types {types!r}: want {n} of 'sliding_attention' / 'full_attention'")
+    window = int(hf.get("sliding_window") or 4096)
+    windows = tuple(window if t == "sliding_attention" and window < max_pos else 0 for t in types)
+    params = dict(hf.get("rope_parameters") or {})
+    if "full_attention" in params or "sliding_attention" in params:   # transformers 5: a dict per layer type
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:   # older configs: rope_theta, rope_scaling (global layers), rope_local_base_freq
+        full, local = {**(hf.get("rope_scaling") or {}), **params}, {}
+    full.setdefault("rope_theta", hf.get("rope_theta", 1000000.0))
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ModelLoadError(f"Gemma 3 sliding-window layers' rope type {local.get('rope_type')!r} is not "
+                             "supported (default only)")
+    bias = bool(hf.get("attention_bias", False))
+    cap = hf.get("final_logit_softcapping")
+    return ModelConfig(**common, mlp_kind="geglu", activation="gelu_tanh", qk_norm=True, qkv_bias=bias, o_bias=bias,
+                       layer_windows=windows if any(windows) else (),
+                       rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0))),
+                       rope_local_layers=tuple(t == "sliding_attention" for t in types),
+                       query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5, embed_scale=d ** 0.5,
+                       sandwich_norms=True, final_logit_softcap=float(cap or 0.0),
+                       **_rope_fields({"rope_parameters": full}))
 
 
 def checkpoint_dtype(hf: dict[str, Any]) -> str:
@@ -279,6 +397,8 @@ def config_from_hf(hf: dict[str, Any], dtype: str = "auto") -> ModelConfig:
                 eos_token_ids=_eos_ids(hf.get("eos_token_id")),
                 dtype=dtype,
             )
+        if family in ("phi3", "apertus", "gemma3"):
+            return _dense_family_config(family, hf, dtype)
         heads = int(hf["num_attention_heads"])
         d = int(hf["hidden_size"])
         if hf.get("hidden_act", "silu") != "silu":

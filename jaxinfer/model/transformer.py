@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.model import rotary
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model import tensor_parallel
 from jaxinfer.model.kv_cache import KVCache
@@ -96,22 +97,40 @@ def _attention_out_mlp(cfg, ops, lp, attn, x):
         x, h = ops.linear_residual_norm_swiglu(attn, lp["wo"], lp.get("bo"), x, lp["mlp_norm"]["scale"],
                                                cfg.norm_eps, lp["w_gate_up"])
         return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
+    if cfg.sandwich_norms:
+        return _sandwich_blocks(cfg, ops, lp, attn, x)
     return _mlp_block(cfg, ops, lp, ops.linear_residual(attn, lp["wo"], lp.get("bo"), x))
 
 
+def _sandwich_blocks(cfg, ops, lp, attn, x):
+    """Gemma 3's output projection and MLP: each block's output RMS-normed before it joins the residual stream."""
+    x = x + ops.rms_norm(ops.linear(attn, lp["wo"], lp.get("bo")), lp["attn_out_norm"]["scale"], cfg.norm_eps)
+    h = _mlp_activation(cfg, ops, lp, x)
+    return x + ops.rms_norm(ops.linear(h, lp["w_down"], lp.get("b_down")), lp["mlp_out_norm"]["scale"], cfg.norm_eps)
+
+
 def _mlp_block(cfg, ops, lp, x):
+    return ops.linear_residual(_mlp_activation(cfg, ops, lp, x), lp["w_down"], lp.get("b_down"), x)
+
+
+def _mlp_activation(cfg, ops, lp, x):
+    """The MLP's norm, up (and gate) projection and activation: the rows that w_down takes."""
     if cfg.mlp_kind == "swiglu":
         h = ops.swiglu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_gate_up"], None))
+    elif cfg.mlp_kind == "geglu":
+        h = ops.geglu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_gate_up"], None))
+    elif cfg.mlp_kind == "xielu":
+        h = ops.xielu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_up"], lp.get("b_up")), lp["xielu"])
     else:
         h = ops.gelu(_norm_linear(ops, cfg, x, lp["mlp_norm"], lp["w_up"], lp.get("b_up")),
                      approximate=cfg.activation == "gelu_tanh")
-    return ops.linear_residual(h, lp["w_down"], lp.get("b_down"), x)
+    return h
 
 
 def _layer(cfg, ops, page_size, decode, carry, lp, index, cos_sin, token_arrays, attention="paged"):
     x, kv_k, kv_v = carry
-    attn, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, cos_sin, token_arrays, page_size,
-                                        decode, attention)
+    attn, kv_k, kv_v = _attention_block(cfg, ops, lp, x, kv_k, kv_v, index, rotary.layer_cos_sin(cfg, cos_sin, index),
+                                        token_arrays, page_size, decode, attention)
     return _attention_out_mlp(cfg, ops, lp, attn, x), kv_k, kv_v
 
 
@@ -167,6 +186,8 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
 def embed(cfg: ModelConfig, params: dict, tokens: jax.Array, positions: jax.Array) -> jax.Array:
     """The residual stream [T, D] before the first layer."""
     x = params["embed"][tokens]
+    if cfg.embed_scale != 1.0:   # Gemma 3: the scale rounded to the model's dtype first, as transformers does
+        x = x * jnp.asarray(np.float32(cfg.embed_scale)).astype(x.dtype)
     if cfg.position_kind == "learned":
         x = x + params["pos_embed"][positions]
     return x
@@ -191,7 +212,7 @@ def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: 
     captured = {}
     cos_sin = None
     if cfg.position_kind == "rope":
-        cos_sin = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), x.dtype)
+        cos_sin = rotary.cos_sin(cfg, ops, positions, token_seq, page_table.shape[0], x.dtype, decode)
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
     def layer(carry, lp, index):
@@ -237,8 +258,12 @@ def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> ja
     """float32 logits [R, V] for the rows h [R, D]. (Quantized tied embeddings keep a quantized copy as lm_head.)"""
     w = params["lm_head"] if "lm_head" in params else params["embed"]
     if getattr(ops, "mesh", None) is not None:   # vocabulary-parallel: logits stay sharded by vocabulary
-        return tensor_parallel.sharded_logits(ops, h, w, cfg.vocab_size)
-    return ops.logits(h, w)
+        logits = tensor_parallel.sharded_logits(ops, h, w, cfg.vocab_size)
+    else:
+        logits = ops.logits(h, w)
+    if cfg.final_logit_softcap:   # Gemma: c * tanh(logits / c)
+        logits = cfg.final_logit_softcap * jnp.tanh(logits / cfg.final_logit_softcap)
+    return logits
 
 
 def forward(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,

@@ -30,7 +30,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from jaxinfer.model import quantize
+from jaxinfer.model import quantize, rotary
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.errors import ModelLoadError
 
@@ -47,6 +47,8 @@ class Rule:
     shapes: Callable[[ModelConfig], list[Shape]]  # expected shape of each source, in our layout
     transpose: bool = False                       # GPT-2 Conv1D stores [in, out]
     when: Callable[[ModelConfig], bool] = lambda c: True
+    # (cfg, source index, array) -> the array as our tree holds it: a row order, a folded constant
+    convert: Callable[[ModelConfig, int, np.ndarray], np.ndarray] | None = None
     shard: str | None = None                      # tensor parallel split (model.tensor_parallel): None, "out", "in",
                                                   # "qkv" (rows by head), "heads" (columns by q head)
 
@@ -136,6 +138,54 @@ RULES: dict[str, list[Rule]] = {"llama": LLAMA_RULES, "qwen2": LLAMA_RULES, "qwe
 # Prefixes a checkpoint may put before the names above (GPT-2 saved by transformers uses "transformer.").
 PREFIXES: dict[str, tuple[str, ...]] = {"gpt2": ("", "transformer."), "llama": ("",), "qwen2": ("",), "qwen3": ("",),
                                         "qwen3_moe": ("",), "mixtral": ("",)}
+
+
+def _derived(base: list[Rule], changes: dict[str, dict[str, Any] | None], extra: tuple[Rule, ...] = ()) -> list[Rule]:
+    """The rules of `base` with some fields replaced (by dest; None drops the rule), then `extra`."""
+    return [dataclasses.replace(r, **changes.get(r.dest, {})) for r in base if changes.get(r.dest, {}) is not None] \
+        + list(extra)
+
+
+def _fused_qkv_rows(c: ModelConfig, k: int, a: np.ndarray) -> np.ndarray:
+    """A fused q/k/v projection's q and k rows in model/rotary.py's order (a partial rotary factor)."""
+    order = rotary.qk_rows(c, a.shape[0], q_rows=True, fused=True)
+    return a if order is None else a[order]
+
+
+def _one_plus(c: ModelConfig, k: int, a: np.ndarray) -> np.ndarray:
+    """Gemma's RMSNorm weight w scales by 1 + w (in float32, as transformers adds it)."""
+    return a.astype(np.float32) + np.float32(1)
+
+
+def _gemma_q_norm(c: ModelConfig, k: int, a: np.ndarray) -> np.ndarray:
+    """1 + w, times query_pre_attn_scalar ** -0.5 / head_dim ** -0.5: the attention ops keep head_dim ** -0.5."""
+    ratio = c.query_scale / c.head_dim ** -0.5 if c.query_scale else 1.0
+    return _one_plus(c, k, a) * np.float32(ratio)
+
+
+_LAYER = "model.layers.{i}"
+_UP = Rule("layers.w_up", (f"{_MLP}.up_proj.weight",), lambda c: [(c.intermediate_size, c.hidden_size)])
+PHI3_RULES = _derived(LLAMA_RULES, {
+    "layers.wqkv": dict(sources=(f"{_ATT}.qkv_proj.weight",), convert=_fused_qkv_rows,
+                        shapes=lambda c: [(c.q_size + 2 * c.kv_size, c.hidden_size)]),
+    "layers.w_gate_up": dict(sources=(f"{_MLP}.gate_up_proj.weight",),
+                             shapes=lambda c: [(2 * c.intermediate_size, c.hidden_size)]),
+    "layers.bqkv": None, "layers.q_norm": None, "layers.k_norm": None, "layers.bo": None})
+APERTUS_RULES = _derived(LLAMA_RULES, {
+    "layers.attn_norm.scale": dict(sources=(f"{_LAYER}.attention_layernorm.weight",)),
+    "layers.mlp_norm.scale": dict(sources=(f"{_LAYER}.feedforward_layernorm.weight",)),
+    "layers.w_gate_up": dict(dest="layers.w_up", sources=_UP.sources, shapes=_UP.shapes),
+}, (Rule("layers.xielu", tuple(f"{_MLP}.act_fn.{p}" for p in ("alpha_p", "alpha_n", "beta", "eps")),
+         lambda c: [(1,)] * 4, convert=lambda c, k, a: np.reshape(a, (1,))),))   # beta and eps are scalars
+_GEMMA_NORMS = {"final_norm.scale": "model.norm", "layers.attn_norm.scale": f"{_LAYER}.input_layernorm",
+                "layers.mlp_norm.scale": f"{_LAYER}.pre_feedforward_layernorm"}
+GEMMA3_RULES = _derived(LLAMA_RULES, {
+    **{dest: dict(sources=(f"{hf}.weight",), convert=_one_plus) for dest, hf in _GEMMA_NORMS.items()},
+    "layers.q_norm": dict(convert=_gemma_q_norm), "layers.k_norm": dict(convert=_one_plus),
+}, tuple(Rule(f"layers.{dest}.scale", (f"{_LAYER}.{hf}.weight",), lambda c: [(c.hidden_size,)], convert=_one_plus)
+         for dest, hf in (("attn_out_norm", "post_attention_layernorm"), ("mlp_out_norm", "post_feedforward_layernorm"))))
+RULES.update(phi3=PHI3_RULES, apertus=APERTUS_RULES, gemma3=GEMMA3_RULES)
+PREFIXES.update(phi3=("",), apertus=("",), gemma3=("",))
 
 
 # safetensors dtype names -> numpy dtypes (numpy has no bfloat16 or float8: ml_dtypes provides them)
@@ -265,6 +315,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         arr = reader.get(full)
         if transpose and arr.ndim == 2:
             arr = arr.T
+        if name in converts:
+            arr = converts[name](arr)
         if tuple(arr.shape) != tuple(shape):
             want = shape[::-1] if transpose else shape
             got = arr.shape[::-1] if transpose else arr.shape
@@ -275,6 +327,12 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         return next((reader.get(p + name) for p in prefixes if p + name in reader), None)
 
     rules = [r for r in RULES[cfg.family] if r.when(cfg)]
+    # Rule.convert by the checkpoint name of each source it applies to (read applies it)
+    converts = {src.format(i=i): functools.partial(r.convert, cfg, k) for r in rules if r.convert is not None
+                for k, src in enumerate(r.sources) for i in range(cfg.num_layers)}
+    if quant.checkpoint and cfg.rotary_dim != cfg.head_dim:
+        raise quantize.QuantizationError(f"{model_dir}: a pre-quantized checkpoint with a partial rotary factor is not "
+                                         "supported (its q/k rows are reordered at load, their scales are not)")
     if quant.checkpoint:   # scales only beside the linear matrices' tensors (a quantized embedding: an error)
         quantize.check_scaled(reader.keys(), [p + src.format(i=i) for r in rules if r.dest in quantize.LINEAR_DESTS
                                               for src in r.sources for i in range(cfg.num_layers) for p in prefixes],

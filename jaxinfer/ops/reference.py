@@ -101,6 +101,23 @@ def gelu(x: jax.Array, approximate: bool) -> jax.Array:
     return jax.nn.gelu(x, approximate=approximate)
 
 
+def geglu(gate_up: jax.Array) -> jax.Array:
+    """gelu_tanh(gate) * up of the fused [T, 2I] gate/up projection (Gemma's MLP)."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.gelu(gate, approximate=True) * up
+
+
+def xielu(x: jax.Array, params: jax.Array) -> jax.Array:
+    """Apertus' xIELU activation in float32 (transformers' XIELUActivation); params [4] (or a LayerWeight of them):
+    alpha_p and alpha_n before their softplus, beta, eps."""
+    p = weight(params).astype(f32)
+    beta, eps = p[2], p[3]
+    alpha_p, alpha_n = jax.nn.softplus(p[0]), beta + jax.nn.softplus(p[1])
+    h = x.astype(f32)
+    out = jnp.where(h > 0, alpha_p * h * h + beta * h, (jnp.expm1(jnp.minimum(h, eps)) - h) * alpha_n + beta * h)
+    return out.astype(x.dtype)
+
+
 def moe_route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool) -> tuple[jax.Array, jax.Array]:
     """A mixture of experts' routing of the rows x [T, D] (normed): the router's logits in x's dtype, softmax in
     float32, the top_k experts of each row (ties to the lower index, as torch.topk). Returns (weights [T, top_k]

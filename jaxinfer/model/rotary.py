@@ -1,0 +1,84 @@
+"""RoPE beyond one table of full-width frequencies: partial rotary dims, LongRoPE, a second base for some layers.
+
+Partial rotary (Phi-4-mini rotates 3/4 of each head): transformers rotates the first `rotary_dim` dims in
+rotate-half pairs (i, i + rotary_dim / 2) and passes the rest. We order each head's q and k rows at load time
+(`head_row_order`) so that the rotated pairs sit at (i, i + head_dim / 2) and the passing dims fill the rest of
+each half, with frequency 0 there (cos 1, sin 0): every RoPE op and kernel then runs unchanged, and the scores
+are the same sums in another order (q and k are ordered alike; v and the output are not touched).
+
+LongRoPE (Phi-3): transformers takes the short factors while a forward's sequence is at most
+original_max_position_embeddings long and the long ones past it. Here a token takes the long ones when its
+sequence's last position in the step is past that length: a prompt in one step, and every decode step, as
+transformers computes them (cached keys keep the factors they were written with, as in transformers).
+
+A second base (Gemma 3's sliding-window layers): both tables are computed once a step and each layer picks its own.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.model.config import ModelConfig
+
+Tables = tuple[jax.Array, jax.Array]
+
+
+def head_row_order(cfg: ModelConfig) -> np.ndarray | None:
+    """The order of one head's q/k dims (new dim j reads transformers' dim order[j]) that puts the rotated
+    pairs at (i, i + head_dim / 2); None without a partial rotary factor."""
+    hd, rd = cfg.head_dim, cfg.rotary_dim
+    if rd == hd:
+        return None
+    half, r = hd // 2, rd // 2
+    passing = np.arange(rd, hd)
+    return np.concatenate([np.arange(r), passing[:half - r], np.arange(r, rd), passing[half - r:]])
+
+
+def qk_rows(cfg: ModelConfig, rows: int, q_rows: bool, fused: bool) -> np.ndarray | None:
+    """The row order of a projection's q or k part (or of a fused q/k/v one: fused) with `rows` rows (or
+    entries: a bias, a per-head norm's head_dim), each head's dims as head_row_order says; None without one."""
+    order = head_row_order(cfg)
+    if order is None:
+        return None
+    hd = cfg.head_dim
+    if rows == hd:   # a per-head norm's weight
+        return order
+    heads = cfg.num_heads + 2 * cfg.num_kv_heads if fused else rows // hd
+    ordered = cfg.num_heads + cfg.num_kv_heads if fused else heads   # v keeps its order
+    per_head = [h * hd + (order if h < ordered else np.arange(hd)) for h in range(heads)]
+    return np.concatenate(per_head)
+
+
+def cos_sin(cfg: ModelConfig, ops: ModuleType, positions: jax.Array, token_seq: jax.Array, num_seqs: int,
+            dtype, decode: bool) -> Tables:
+    """The step's cos and sin [T, head_dim] (two bases: [2, T, head_dim] each, the global layers' first; pick a
+    layer's with layer_cos_sin). decode: token t is sequence t's one token; else token_seq [T] maps tokens to their
+    sequence (LongRoPE's choice of factors reads each sequence's last position)."""
+    if cfg.rope_longrope is not None:
+        short, long_, orig, factor = cfg.rope_longrope
+        end = positions if decode else jax.ops.segment_max(positions, token_seq, num_segments=num_seqs)[token_seq]
+        scale = np.ones(cfg.head_dim // 2, np.float32)
+        scale[:cfg.rotary_dim // 2] = factor   # transformers scales cos and sin of the rotated dims in float32
+        scale = jnp.asarray(np.concatenate([scale, scale]))
+        tables = [ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq(long=lg)), jnp.float32)
+                  for lg in (False, True)]
+        use_long = (end + 1 > orig)[:, None]
+        return tuple(jnp.where(use_long, a_long * scale, a_short * scale).astype(dtype)
+                     for a_short, a_long in zip(*tables))
+    table = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq()), dtype)
+    if not cfg.rope_local_theta:
+        return table
+    local = ops.rope_cos_sin(positions, jnp.asarray(cfg.rope_inv_freq(theta=cfg.rope_local_theta)), dtype)
+    return jnp.stack([table[0], local[0]]), jnp.stack([table[1], local[1]])
+
+
+def layer_cos_sin(cfg: ModelConfig, tables: Tables | None, layer: jax.Array) -> Tables | None:
+    """The cos and sin of `layer` (a traced index is fine) from cos_sin's tables."""
+    if tables is None or not cfg.rope_local_theta:
+        return tables
+    local = jnp.asarray(cfg.rope_local_layers, jnp.int32)[layer]
+    return tables[0][local], tables[1][local]
