@@ -1,0 +1,129 @@
+"""Mixture-of-experts kernels at real shapes against their ceilings and XLA: the batch-1 routed GEMVs
+(pallas/moe_gemv.py) and the grouped GEMM's configs (pallas/grouped_gemm.py) for batched decode and prompt rows.
+
+    PYTHONPATH=. python3 bench/kernels/moe.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 1024]
+                                               [--interpret] [--out DIR]
+
+Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 read in place):
+- "op": ops.pallas.moe_mlp against reference.moe_mlp (XLA: top-k, sort, ragged_dot), both jitted alone, the
+  relative error between them; at T = 1 the bytes the active experts and the router hold over the time, against
+  the HBM read bandwidth measured in the same run.
+- T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
+  expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work).
+Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err  # noqa: E402
+from jaxinfer.ops import LayerWeight, get_ops, reference  # noqa: E402
+from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, choose_config, grouped_gemm, sorted_items  # noqa: E402
+
+# (experts, active, D, I)
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "tiny-moe": (8, 2, 64, 32)}
+CONFIGS = [GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+           for bm, bn, bk, w, s in [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
+                                    (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 2),
+                                    (128, 128, 32, 4, 3)]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 1024])
+    ap.add_argument("--interpret", action="store_true", help="CPU smoke run (interpret mode)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    interpret = args.interpret
+    if interpret:
+        args.shapes, args.tokens = ["tiny-moe"], [t for t in args.tokens if t <= 16] or [1, 8]
+    pallas = get_ops("pallas-interpret" if interpret else "pallas")
+    from bench.ceilings import hbm_read_ceiling
+
+    bw = hbm_read_ceiling(0.125 if interpret else 4)
+    log(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read {bw / 1e12:.2f} TB/s")
+    rows = []
+    print("| shape | T | what | config | ms | vs XLA | GB/s or TFLOP/s | share of HBM read | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for shape in args.shapes:
+        E, k, D, I = SHAPES[shape]
+        keys = jax.random.split(jax.random.PRNGKey(0), 4)
+        bf = jnp.bfloat16
+        router = jax.random.normal(keys[0], (2, E, D), bf) * bf(D ** -0.5)
+        gate_up = jax.random.normal(keys[1], (2, E, 2 * I, D), bf) * bf(D ** -0.5)
+        down = jax.random.normal(keys[2], (2, E, D, I), bf) * bf(I ** -0.5)
+        for T in args.tokens:
+            x = jax.random.normal(jax.random.fold_in(keys[3], T), (T, D), bf)
+
+            def op(ops):
+                return jax.jit(lambda x, r, g, d: ops.moe_mlp(x, *(LayerWeight(w, jnp.int32(1)) for w in (r, g, d)),
+                                                              k, True))
+
+            ours, ms = best_ms_per_call(op(pallas), (x, router, gate_up, down), 1, target_s=None if interpret else 0.3)
+            ref, xla_ms = best_ms_per_call(op(reference), (x, router, gate_up, down), 1,
+                                           target_s=None if interpret else 0.3)
+            row = dict(shape=shape, T=T, what="moe_mlp", config="-", ms=ms, xla_ms=xla_ms, rel_err=rel_err(ours, ref))
+            if T == 1:   # the bytes the op must read: the router and the active experts
+                row["gb_s"] = (E * D + k * 3 * D * I) * 2 / (ms * 1e-3) / 1e9
+                row["share"] = row["gb_s"] * 1e9 / bw
+            rows.append(row)
+            _print(row)
+            if T == 1:
+                continue
+            h = reference.rms_norm(x, jnp.ones(D, bf), 1e-6)
+            _, experts = reference.route(reference.linear(h, router[1]), k, True)
+            order, group_sizes = reference.sort_by_expert(experts, E)
+            xs = h[order // k]
+            hs = jax.random.normal(keys[3], (T * k, I), bf)
+            for name, w, a, n_out in (("gate_up", gate_up, xs, 2 * I), ("down", down, hs, D)):
+                ep = "swiglu" if name == "gate_up" else "none"
+                xla = jax.jit(lambda a, w, gs: reference.grouped_linear(a, w[1], gs))
+                ref, xla_ms = best_ms_per_call(xla, (a, w, group_sizes), 1, target_s=None if interpret else 0.3)
+                if ep == "swiglu":
+                    ref = reference.swiglu(ref)
+                flops = 2 * T * k * n_out * a.shape[1]
+                for cfg in [choose_config(T * k / E, n_out, a.shape[1], ep)] + ([] if interpret else CONFIGS):
+                    f = jax.jit(lambda a, w, gs, cfg=cfg, ep=ep: grouped_gemm(
+                        a, w, sorted_items(gs, a.shape[0], cfg.block_m), 1, epilogue=ep, config=cfg,
+                        interpret=interpret))
+                    try:
+                        y, ms = best_ms_per_call(f, (a, w, group_sizes), 1, target_s=None if interpret else 0.3)
+                        row = dict(shape=shape, T=T, what=name, config=_name(cfg), ms=ms, xla_ms=xla_ms,
+                                   tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref))
+                    except Exception as e:   # a config that fails to compile is reported, not fatal
+                        row = dict(shape=shape, T=T, what=name, config=_name(cfg), error=f"{type(e).__name__}: {e}"[:200])
+                    rows.append(row)
+                    _print(row)
+            (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
+                                                                     rows=rows), indent=1))
+    (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
+                                                             rows=rows), indent=1))
+
+
+def _name(cfg: GroupedGemmConfig) -> str:
+    return "/".join(str(v) for v in dataclasses.astuple(cfg))
+
+
+def _print(r: dict) -> None:
+    if "error" in r:
+        print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | failed: {r['error'][:80]} | | | | |", flush=True)
+        return
+    rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.1f} TFLOP/s" if "tflops" in r else "-"
+    share = f"{100 * r['share']:.1f}%" if "share" in r else "-"
+    print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | {r['ms']:.3f} | {r['xla_ms'] / r['ms']:.2f}x | "
+          f"{rate} | {share} | {r['rel_err']:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
