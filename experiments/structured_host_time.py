@@ -21,7 +21,6 @@ import pstats
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 
 from bench.structured import model_with_tokenizer, schema

@@ -140,3 +140,43 @@ def test_sampling_params_takes_a_structured_output():
     assert SamplingParams(structured=s).structured.kind == "json"
     with pytest.raises(SamplingParamsError, match="structured"):
         SamplingParams(structured={"json": {}})
+
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_draft_masks_equal_a_matcher_advanced_token_by_token(compiler, one_char, seed):
+    """Speculative decoding's masks (fill_with_drafts: row first + j after drafts[:j], several requests at once)
+    against the reference: a fresh matcher advanced token by token, one fill a position; the matchers do not move.
+    Drafts are cut before the first token the grammar refuses (valid_prefix)."""
+    tok, c = compiler
+    rng = np.random.default_rng(seed)
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3},
+                                               "person": PERSON}, "required": ["tags", "person"],
+              "additionalProperties": False}
+    constraint = StructuredOutput(json=schema)
+    padding = c.vocab_size - 1   # past the tokenizer's ids: never allowed
+    rows, width = [], 5
+    for r in range(3):
+        full = walk(c, constraint, 10 * seed + r, one_char)
+        start, k = int(rng.integers(0, len(full) - 4)), int(rng.integers(0, width))
+        m = c.matcher(constraint)
+        for t in full[:start]:
+            assert m.advance(t)
+        drafts = full[start:start + k]
+        assert m.valid_prefix(drafts) == len(drafts)
+        assert m.valid_prefix(drafts[:1] + [padding] + drafts[1:]) == min(1, len(drafts))
+        rows.append((m, r * width, drafts, full[:start], full[start:]))
+    mask = allocate_bitmask(3 * width, c.vocab_size)
+    mask[:] = 7   # the rows not written below must stay as they were
+    c.fill_with_drafts(mask, [(m, first, d) for m, first, d, _, _ in rows])
+    ref = allocate_bitmask(1, c.vocab_size)
+    for m, first, drafts, before, rest in rows:
+        for j in range(len(drafts) + 1):
+            fresh = c.matcher(constraint)
+            for t in before + drafts[:j]:
+                assert fresh.advance(t)
+            ref[0] = 0
+            fresh.fill(ref, 0)
+            assert np.array_equal(mask[first + j], ref[0]), (first, j)
+        assert np.all(mask[first + len(drafts) + 1:first + width] == 7)
+        assert m.valid_prefix(rest) == len(rest)   # the matcher did not move

@@ -3,6 +3,7 @@ output parses and validates against its JSON Schema at several temperatures and 
 schemas in one batch; regex, choice and grammar outputs match; unconstrained requests beside constrained
 ones are unchanged and unconstrained batches never take a masked step."""
 
+import dataclasses
 import json
 import re
 
@@ -123,14 +124,81 @@ def test_invalid_constraint_is_refused_when_added(llm):
     assert not llm.engine.has_unfinished()
 
 
-def test_constrained_requests_with_speculative_decoding():
-    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64,
+@pytest.fixture(scope="module")
+def spec_llm():
+    """stories260k with n-gram speculation, every proposal verified (the cost model would skip some on the CPU)."""
+    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=3, max_num_seqs=8, max_num_batched_tokens=64,
               progress=False)
-    params = [SamplingParams(max_tokens=160, temperature=0.0, structured=StructuredOutput(json=s)) for s in SCHEMAS[:2]]
+    llm.engine.speculator.adaptive = False
+    return llm
+
+
+def _echo_prompts(llm, params) -> list[str]:
+    """Prompts that hold each request's own greedy output once (so that n-gram proposals find it), with the schemas'
+    outputs of `llm` (no speculation)."""
+    first = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(params))], params)
+    return [f"{PROMPTS[i % len(PROMPTS)]} {o.outputs[0].text} {PROMPTS[(i + 1) % len(PROMPTS)]}"
+            for i, o in enumerate(first)]
+
+
+def test_greedy_constrained_output_is_the_same_with_speculation(llm, spec_llm):
+    """Greedy constrained requests with n-gram drafts (cut to what each grammar allows, one mask a verified row)
+    give token for token what they give without speculation, at every schema, beside an unconstrained request;
+    every output validates, and drafts were verified and accepted for them under masked verify steps."""
+    params = [SamplingParams(max_tokens=160, temperature=0.0, structured=StructuredOutput(json=s)) for s in SCHEMAS]
+    prompts = _echo_prompts(llm, params)
     plain = SamplingParams(max_tokens=40, temperature=0.0)
-    outs = llm.generate(PROMPTS[:3], params + [plain])
+    off = llm.generate(prompts + PROMPTS[:1], params + [plain])
+    stats = spec_llm.engine.speculator.stats
+    drafted, accepted = stats.drafted, stats.accepted
+    ran = record_steps(spec_llm.engine.runner)
+    on = spec_llm.generate(prompts + PROMPTS[:1], params + [plain])
+    for a, b, schema in zip(off, on, SCHEMAS):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].text, b.outputs[0].text)
+        _valid(b, schema)
+    assert on[-1].outputs[0].token_ids == off[-1].outputs[0].token_ids
+    assert stats.drafted > drafted and stats.accepted > accepted, (stats.drafted - drafted, stats.accepted - accepted)
+    assert any(name.startswith("verify") and "masked" in name for name in ran), ran
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_sampled_constrained_output_with_speculation_validates(llm, spec_llm, temperature):
+    """Seeded sampled constrained requests under n-gram speculation: every output validates (and, the draw coupled
+    to plain sampling's, is the one it gives without speculation)."""
+    params = [SamplingParams(max_tokens=160, temperature=temperature, seed=i, structured=StructuredOutput(json=s))
+              for i, s in enumerate(SCHEMAS)]
+    prompts = _echo_prompts(llm, [dataclasses.replace(p, temperature=0.0) for p in params])
+    on = spec_llm.generate(prompts, params)
+    for out, schema in zip(on, SCHEMAS):
+        _valid(out, schema)
+    off = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+
+
+def test_chained_verify_steps_leave_constrained_batches_alone():
+    """Tuning.chain_verify (a verify step launched before the one before it is read back) never chains a batch that
+    holds a constrained request (its masks need the tokens before it): none chained, outputs valid."""
+    llm = LLM(STORIES, speculative="ngram", num_speculative_tokens=3, max_num_seqs=4, max_num_batched_tokens=64,
+              chain_verify=True, progress=False)
+    llm.engine.speculator.adaptive = False
+    params = [SamplingParams(max_tokens=160, temperature=0.0, structured=StructuredOutput(json=s)) for s in SCHEMAS[:2]]
+    e = llm.engine
+    chained = []   # per chained verify step: whether it carried a constrained request
+    launch = e._launch_verify
+
+    def launch_verify(chunks, drafts, dense, assumed=None):
+        if assumed:
+            chained.append(any(seq.grammar is not None for seq, _ in chunks))
+        return launch(chunks, drafts, dense, assumed)
+    e._launch_verify = launch_verify
+    story = llm.generate(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0))[0].outputs[0].text
+    assert chained   # an unconstrained request alone chains
+    plain = SamplingParams(max_tokens=60, temperature=0.0)
+    verified = e.speculator.stats.verify_steps
+    outs = llm.generate(PROMPTS[:2] + [PROMPTS[0] + story + PROMPTS[0]], params + [plain])
     for out, schema in zip(outs, SCHEMAS[:2]):
         _valid(out, schema)
+    assert e.speculator.stats.verify_steps > verified and not any(chained)
 
 
 def test_bitmask_drops_the_tokens_whose_bit_is_clear():
@@ -152,6 +220,55 @@ def test_bitmask_drops_the_tokens_whose_bit_is_clear():
     for method in ("branch", "plain"):
         tokens, _ = sample(logits, arrays, np.zeros(3, np.int32), *zeros, method=method, bitmask=mask)
         assert allowed[0, tokens[0]] and allowed[1, tokens[1]] and tokens[2] == np.argmax(logits[2])
+
+
+def _random_bitmask(rng, rows: int, V: int, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """(bitmask [rows, ceil(V / 32)], allowed [rows, V]): each token allowed with probability `share`, at least one."""
+    allowed = rng.random((rows, V)) < share
+    allowed[np.arange(rows), rng.integers(0, V, rows)] = True
+    mask = np.zeros((rows, -(-V // 32)), np.int32)
+    for r, t in zip(*np.nonzero(allowed)):
+        mask[r, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    return mask, allowed
+
+
+@pytest.mark.parametrize("method", ["branch", "sort"])
+@pytest.mark.parametrize("seed", range(2))
+def test_verify_under_masks_takes_the_tokens_sample_takes_under_them(method, seed):
+    """A verify step's acceptance with one mask a scored row (structured output under speculative decoding): every
+    token it emits is the one `sample` takes at that row under that row's mask (greedy: the argmax among the allowed;
+    sampled: the same Gumbel draw from the masked, renormalised distribution), drafts are accepted while they equal
+    it, and each emitted token is allowed."""
+    from jaxinfer.sampling.rejection import verify
+
+    rng = np.random.default_rng(seed)
+    B, Q, V = 4, 4, 77
+    logits = rng.normal(size=(B, Q, V)).astype(np.float32) * 3
+    mask, allowed = _random_bitmask(rng, B * Q, V, 0.15)
+    masked = np.where(allowed.reshape(B, Q, V), logits, -np.inf)
+    # drafts: row b's first b drafts are its masked argmax (greedy rows accept them), then one that is not
+    drafts = np.zeros((B, Q - 1), np.int32)
+    for b in range(B):
+        for j in range(Q - 1):
+            best = int(np.argmax(masked[b, j]))
+            drafts[b, j] = best if j < b else (best + 1) % V
+    num_drafts = np.full(B, Q - 1, np.int32)
+    arrays = SamplingArrays.from_params([SamplingParams(temperature=t, seed=b) for b, t in enumerate((0.0, 1.0, 0.0, 0.7))],
+                                        list(range(B)), B)
+    step_index = np.arange(B, dtype=np.int32) * 3
+    pm, oc = np.zeros((B, V), bool), np.zeros((B, V), np.int32)
+    accepted, tokens, _ = verify(logits, drafts, num_drafts, arrays, step_index, pm, oc, method=method,
+                                 bitmask=mask.reshape(B, Q, -1))
+    accepted, tokens = np.asarray(accepted), np.asarray(tokens)
+    for b in range(B):
+        one = SamplingArrays.from_params([SamplingParams(temperature=float(arrays.temperature[b]), seed=b)], [b], 1)
+        expected = [int(sample(logits[b, j:j + 1], one, step_index[b:b + 1] + j, pm[:1], oc[:1], method=method,
+                               bitmask=mask[b * Q + j:b * Q + j + 1])[0][0]) for j in range(Q)]
+        a = int(accepted[b])
+        assert a == next((j for j in range(Q - 1) if drafts[b, j] != expected[j]), Q - 1), (b, a, expected)
+        assert tokens[b, :a + 1].tolist() == expected[:a + 1], b
+        assert all(allowed[b * Q + j, tokens[b, j]] for j in range(a + 1))
+    assert accepted[0] == 0 and accepted[2] == 2   # greedy rows: exactly their masked argmaxes
 
 
 def test_gpu_scheduling_paths_keep_outputs_valid():

@@ -4,9 +4,10 @@ bitmask of a step's rows built on the host before the step is launched, and each
 A constrained sequence's next mask depends on the token it just emitted, so the host must see that token
 before the step that samples the next one: such a sequence runs one decode step a dispatch, in two parts (the
 forward pass, launched before the previous token is read back, then the sampling under the masks made
-meanwhile: Engine._sample_masked), is not planned into a prompt step ahead of its read-back, and is not drafted
-for (speculative decoding skips every step that carries one). Unconstrained batches are untouched: their steps
-carry no bitmask and compile no mask.
+meanwhile: Engine._sample_masked) and is not planned into a prompt step ahead of its read-back. With speculative
+decoding its drafts are cut at the first token the grammar refuses and a verify step carries one mask a scored
+position (the matcher advanced through the drafts before it: `draft_bitmask`); the matcher then consumes only the
+tokens the step accepts. Unconstrained batches are untouched: their steps carry no bitmask and compile no mask.
 """
 
 from __future__ import annotations
@@ -82,6 +83,17 @@ class Constraints:
         return mask
 
 
+    def draft_bitmask(self, rows: Seq[tuple[Matcher, int, Seq[int]]], total: int) -> np.ndarray:
+        """A verify step's bitmask [total, ceil(V / 32)]: for each (matcher, first row, drafts), row first + j holds
+        the mask of the token after drafts[:j] (j = 0..len(drafts)); every other row allows every token. The drafts
+        must be ones the grammar allows (cut with `allowed_drafts`)."""
+        t0 = time.perf_counter()
+        mask = self.allow_all(total)
+        self._compiler.fill_with_drafts(mask, rows)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks += sum(len(d) + 1 for _, _, d in rows)
+        return mask
+
     def _reused(self, rows: int, constrained: set[int]) -> np.ndarray:
         """The next buffer of `rows` rows, its rows that llguidance wrote last time and will not now set to all ones."""
         pair = self._buffers.get(rows)
@@ -94,6 +106,12 @@ class Constraints:
             mask[sorted(stale)] = -1
         pair[pair[2]][1] = constrained
         return mask
+
+
+def allowed_drafts(matcher: Matcher, drafts: list[int]) -> list[int]:
+    """A constrained request's drafts cut before the first token its grammar refuses (what follows could never be
+    accepted under the masks)."""
+    return drafts[:matcher.valid_prefix(drafts)]
 
 
 def advance(matcher: Matcher, token: int) -> str | None:

@@ -377,9 +377,8 @@ class Engine(VerifySteps):
         ph["schedule"] += t1 - t0
         if plan is None:
             return []
-        # a constrained sequence is not drafted for (its drafts would need a mask a position): no drafts in its steps
-        constrained = any(seq.grammar is not None for seq, _ in plan.chunks)
-        drafts = self._drafts(plan) if self.speculator is not None and not constrained else {}
+        # (a constrained sequence's drafts are cut to what its grammar allows; its verify rows get a mask each)
+        drafts = self._drafts(plan) if self.speculator is not None else {}
         if drafts and plan.kind == "decode" and self.config.tuning.chain_verify:   # read back one step late
             self._inflight_verify = self._launch_verify(plan.chunks, drafts, dense=True)
             return []
@@ -432,8 +431,8 @@ class Engine(VerifySteps):
             return None
         if any(seq.finish_reason is not None for seq in seqs):   # known finished: settle first
             return None
-        constrained = any(seq.grammar is not None for seq in seqs)   # never drafted for
-        if self.speculator is not None and not constrained and \
+        constrained = any(seq.grammar is not None for seq in seqs)
+        if self.speculator is not None and \
                 self.speculator.would_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.

@@ -11,7 +11,8 @@ the guess, then N + 1's drafts), and launched before N is read back. A sequence 
 has its N + 1 row dropped on read-back: its K/V writes lie past the committed tokens, where later steps write
 again (as rejected drafts' do), and the pages it wrote into are in stream order behind it for any new owner.
 Only where nothing else can differ: proposers of the host's tokens (n-gram), no penalties (a dropped row's
-tokens are counted into the device's penalty state), no structured output, and where the acceptance measured
+tokens are counted into the device's penalty state), no structured output (a row's masks need the tokens before
+it on the host), and where the acceptance measured
 makes a full accept likely (CHAIN_MIN_CHANCE).
 """
 
@@ -22,6 +23,7 @@ import time
 
 import numpy as np
 
+from jaxinfer.engine.constraints import allowed_drafts
 from jaxinfer.engine.outputs import StreamDelta
 from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
@@ -96,6 +98,8 @@ class VerifySteps:
         out = {}
         for seq, d in drafts.items():
             d = d[:seq.max_new - len(seq.output_ids) - 1]   # it emits up to len(d) + 1 tokens
+            if seq.grammar is not None:   # structured output: none past the first token its grammar refuses
+                d = allowed_drafts(seq.grammar, d)
             if d and self.scheduler.hold(seq, len(seq.prompt_ids) + len(seq.output_ids) + len(d)):
                 out[seq] = d
         for seq in generating:   # pages held for drafts that did not come
@@ -182,10 +186,17 @@ class VerifySteps:
         s["query_start"][B + 1:] = used
         a["num_drafts"][:B] = [len(d) for d in ds]
         params = [seq.params for seq in seqs]
-        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=self._verify_sampling(seqs, rows)), **{
+        # structured output: a mask for each of an emitting constrained sequence's scored rows (row b * width + j: the
+        # grammar after its drafts[:j]); the matcher moves only with the tokens the step accepts (_append)
+        constrained = [(seq.grammar, b * width, ds[b]) for b, (seq, e) in enumerate(zip(seqs, emits))
+                       if e and seq.grammar is not None and seq.finish_reason is None]
+        bitmask = self.constraints.draft_bitmask(constrained, rows * width) if constrained else None
+        batch = to_device_packed(VerifyBatch(step=StepBatch(**s, sampling=self._verify_sampling(seqs, rows),
+                                                            bitmask=bitmask), **{
             k: a[k] for k in ("score_rows", "drafts", "num_drafts")}))
         greedy = choose_sampler(params, rows, plain_sampling=False) == "greedy"   # verify steps sample by sorting
-        variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width)
+        variant = StepVariant("verify", "greedy" if greedy else "sort", "verify" if dense else "paged", width,
+                              masked=bitmask is not None)
         tops = any(q.logprobs is not None for q in params)   # top logprobs read back only where asked for
         t0 = time.perf_counter()
         compiling = r.first_call_seconds

@@ -223,7 +223,9 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
     (num_drafts of them; a sequence without drafts, a plain decode or a prompt chunk, scores one row as
     mixed_step samples it). The drafts are accepted or rejected on the device (sampling.rejection.verify:
     greedy rows keep the drafts equal to the target's argmax; sampled rows by rejection sampling, so the output
-    follows the target's distribution), and the tokens they lead to are counted into the penalty state.
+    follows the target's distribution), and the tokens they lead to are counted into the penalty state. A
+    structured-output step's batch carries a bitmask [B * Q, ceil(V / 32)]: row b * Q + j, sequence b's row j's
+    allowed tokens.
     attention: "paged" (ragged rows), or "verify" (every sequence Q rows in order: ops.verify_attention).
     method: sampling.sample's, for the sampled rows.
     Returns (kv, state, accepted drafts [B], tokens [B, Q] (the first accepted + 1 are emitted), logprobs [B, Q],
@@ -235,8 +237,9 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
                                          sb.token_seq, sb.page_table, attention=attention, capture=capture)
     logits = model.lm_head(cfg, ops, params, h[batch.score_rows.reshape(B * Q)])
     pm, oc = _gather_rows(state, sb.state_row)
+    masks = None if sb.bitmask is None else sb.bitmask.reshape(B, Q, -1)   # structured output: one a scored row
     accepted, tokens, logprobs = verify(logits.reshape(B, Q, -1), batch.drafts, batch.num_drafts, sb.sampling,
-                                        sb.step_index, pm, oc, greedy_only=greedy, method=method)
+                                        sb.step_index, pm, oc, greedy_only=greedy, method=method, bitmask=masks)
     emitted = sb.emits[:, None] & (jnp.arange(Q)[None, :] <= accepted[:, None])
     rows = jnp.where(emitted, sb.state_row[:, None], state.output_counts.shape[0] - 1)   # the rest: scratch row
     state = state.replace(output_counts=state.output_counts.at[rows, tokens].add(1))

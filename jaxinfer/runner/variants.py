@@ -32,11 +32,12 @@ class StepVariant:
     sampler: str = "branch"
     attention: str = "paged"
     steps: int = 1             # decode steps per dispatch (decode); rows scored a sequence, Q (verify)
-    masked: bool = False       # a mixed step whose batch carries a structured-output bitmask (compiled on first use)
+    masked: bool = False       # a mixed or verify step whose batch carries a structured-output bitmask (compiled
+                               # on first use)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES or self.sampler not in SAMPLERS or self.attention not in ATTENTIONS or \
-                self.masked and self.phase not in ("mixed", "prompt-logprobs"):
+                self.masked and self.phase not in ("mixed", "prompt-logprobs", "verify"):
             raise ValueError(f"no such step variant: {self}")
 
     @property

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxinfer.sampling.sample import (
     SamplingArrays,
+    apply_bitmask,
     apply_penalties,
     filtered_logits,
     greedy_with_logprob,
@@ -66,7 +67,8 @@ def target_probs(
     return jax.nn.softmax(_target_logits(penalised, arrays, method), axis=-1)
 
 
-def _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs):
+def _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs,
+                  bitmask=None):
     if logits.ndim != 3:
         raise ValueError(f"logits must be [B, Q, V], got shape {logits.shape}")
     B, Q, V = logits.shape
@@ -81,6 +83,8 @@ def _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, o
     }
     if draft_probs is not None:
         expected["draft_probs"] = (draft_probs, (B, Q - 1, V))
+    if bitmask is not None:
+        expected["bitmask"] = (bitmask, (B, Q, -(-V // 32)))
     for name, (x, shape) in expected.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape {shape} for logits of shape {(B, Q, V)}, got {tuple(x.shape)}")
@@ -97,6 +101,7 @@ def verify(
     draft_probs: jax.Array | None = None,
     greedy_only: bool = False,
     method: str = "branch",
+    bitmask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Accept or reject each sequence's drafts: (num_accepted [B] i32, tokens [B, Q] i32, logprobs [B, Q] f32).
 
@@ -108,12 +113,15 @@ def verify(
     ``greedy_only`` (static): the argmax alone, no sort and no noise, for batches of greedy rows only.
     ``method`` (static): `sample`'s ("branch", "sort", "plain", "filter", "filter-p"), for the rows
     `sampler_for` gives it; it picks how the filters find their kept tokens, not which.
+    bitmask [B, Q, ceil(V / 32)] int32 (structured output): row j's allowed tokens (the grammar after
+    drafts[b, :j]), applied after the penalties as `sample` applies its bitmask, so that a row's target is the
+    masked, renormalised distribution (greedy: the argmax among the allowed tokens).
 
     With a = num_accepted[b]: tokens[b, :a] are the accepted drafts, tokens[b, a] the correction (or the
     bonus when a == num_drafts[b]); tokens[b, a+1:] are 0. logprobs[b, j] is log_softmax of the raw
     logits at row j at tokens[b, j] (as `sample` returns), 0 past a.
     """
-    _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs)
+    _check_shapes(logits, drafts, num_drafts, arrays, step_index, prompt_mask, output_counts, draft_probs, bitmask)
     if method not in METHODS:
         raise ValueError(f"unknown sampling method {method!r}; one of {METHODS}")
     B, Q, V = logits.shape
@@ -135,6 +143,8 @@ def verify(
     row_step = (step_index.astype(i32)[:, None] + jnp.arange(Q, dtype=i32)[None, :]).reshape(N)
     flat = logits.astype(f32).reshape(N, V)
     penalised = apply_penalties(flat, row_arrays, rows(prompt_mask), counts.reshape(N, V))
+    if bitmask is not None:
+        penalised = apply_bitmask(penalised, bitmask.reshape(N, -1))
 
     if greedy_only:
         picked, picked_logprob = greedy_with_logprob(flat, penalised)

@@ -60,6 +60,10 @@ class Matcher:
         """Consume an emitted token; False if the grammar does not allow it (the matcher is then in error)."""
         return self._m.consume_token(int(token))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (drafts) the grammar allows in a row from here; the matcher does not move."""
+        return self._m.validate_tokens([int(t) for t in tokens]) if tokens else 0
+
     @property
     def finished(self) -> bool:
         """No token but end-of-sequence may follow: the output is complete (or the matcher is in error)."""
@@ -133,6 +137,19 @@ class GrammarCompiler:
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self._threads)
         llnp.fill_next_token_bitmask_par(self._executor, [(m._m, row) for m, row in rows], bitmask)
+
+
+    def fill_with_drafts(self, bitmask: np.ndarray, rows: Sequence[tuple[Matcher, int, Sequence[int]]]) -> None:
+        """For each (matcher, row, drafts): write into bitmask[row + j] the mask of the token after drafts[:j], for
+        j = 0..len(drafts) (speculative decoding: one mask a verified position), on llguidance's threads. The drafts
+        must be ones the grammar allows (`Matcher.valid_prefix`); the matchers are left where they were."""
+        drafted = [(m._m, row, [int(t) for t in d]) for m, row, d in rows if len(d)]
+        if len(drafted) < len(rows):   # llguidance's drafted fill takes no empty drafts
+            self.fill(bitmask, [(m, row) for m, row, d in rows if not len(d)])
+        if drafted:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self._threads)
+            llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
 
 
 def _first_line(message: str) -> str:
