@@ -189,3 +189,102 @@ def test_verify_attention_window(case):
     out = paged_verify_attention(q, pk, pv, layer, ppages, jnp.asarray(lens), ps, scale, window=w,
                                  config=DA.SplitConfig(num_splits=S, block_k=bk), interpret=True)
     _check(out, ref)
+
+
+# ---- the windowed kernels and engine steps lower to Triton IR for an H200 (tests/test_triton_lowering.py's way) ----
+
+def _lower(fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+
+
+TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("batch,splits", [(1, 16), (8, 1)])
+def test_windowed_kernels_lower_at_mistral_shape(h200, batch, splits):
+    H, K, hd, ps, L, P, Q = 32, 8, 128, 16, 2, 1024, 4
+    sd = jax.ShapeDtypeStruct
+    cache = sd((L, K, (batch * P + 1) * ps, hd), jnp.bfloat16)
+    rows, pt, i32 = sd((batch,), jnp.int32), sd((batch, P), jnp.int32), sd((), jnp.int32)
+    config = DA.SplitConfig(num_splits=splits, block_k=64)
+
+    def fused(qkv, cs, kc, vc, layer, slots, pt, cl, w):
+        return decode_attention_rope_write(qkv, cs, cs, None, None, kc, vc, layer, slots, pt, cl, page_size=ps,
+                                           scale=hd ** -0.5, num_heads=H, num_kv_heads=K, config=config, window=w)
+
+    assert TRITON_CALL in _lower(fused, sd((batch, (H + 2 * K) * hd), jnp.bfloat16), sd((batch, hd), jnp.bfloat16),
+                                 cache, cache, i32, rows, pt, rows, i32)
+
+    def plain(q, kc, vc, layer, pt, cl, w):
+        return DA.paged_decode_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config, window=w)
+
+    assert TRITON_CALL in _lower(plain, sd((batch, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows, i32)
+
+    def verify(q, kc, vc, layer, pt, cl, w):
+        return paged_verify_attention(q, kc, vc, layer, pt, cl, ps, hd ** -0.5, config=config, window=w)
+
+    assert TRITON_CALL in _lower(verify, sd((batch, Q, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows, i32)
+
+    T = 512
+    tok = sd((T,), jnp.int32)
+
+    def prefill(q, kc, vc, layer, pt, seq, pos, w):
+        return PA.paged_attention(q, kc, vc, layer, pt, seq, pos, ps, hd ** -0.5, window=w)
+
+    assert TRITON_CALL in _lower(prefill, sd((T, H, hd), jnp.bfloat16), cache, cache, i32, pt, tok, tok, i32)
+
+
+def test_windowed_engine_steps_lower(h200, tmp_path):
+    """Every compiled step of a Qwen3 whose layers 1.. have a window (layer 0 global), straight-line and scanned."""
+    from bench.random_model import QWEN3_0_6B, write_random_model
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.transformer import split_layers
+    from jaxinfer.model.weights import load_params
+    from jaxinfer.ops import get_ops
+    from jaxinfer.runner.model_runner import ModelRunner
+    from jaxinfer.settings import EngineConfig
+
+    small = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 512, "max_position_embeddings": 1024,
+             "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}
+    d = write_random_model(tmp_path / "m", {**QWEN3_0_6B, **small}, dtype="bfloat16")
+    cfg = load_config(d, "bfloat16")
+    assert cfg.layer_windows == (0, 64)
+    params = load_params(d, cfg, progress=False)
+    for unroll in (True, False):
+        config = EngineConfig.from_options(max_num_seqs=4, max_num_batched_tokens=64, greedy_mixed_step=True,
+                                           fresh_prompt_attention=True, fresh_prompt_min_tokens=32, decode_steps=2,
+                                           unroll_layers=unroll).resolved("cpu", False)
+        runner = ModelRunner(cfg, split_layers(params) if unroll else params, get_ops("pallas"), config, num_pages=33,
+                             max_model_len=256)
+        for variant, batch in runner.bucket_calls():
+            traced = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch)
+            assert TRITON_CALL in traced.lower(lowering_platforms=("cuda",)).as_text(), variant.name
+
+
+@pytest.mark.parametrize("case", [DECODE_CASES[0], DECODE_CASES[1]], ids=[DECODE_IDS[0], DECODE_IDS[1]])
+def test_int8_cache_decode_window(case):
+    """An INT8 cache (values and scales as operands) through the windowed decode kernel, against the reference op
+    on the same QuantizedCache; the values and scales of the pages before the window poisoned (int8 values can
+    hold no NaN: their scales do)."""
+    from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
+
+    B, H, KVH, hd, ps, lens, window, S, bk = case
+    rng, k, v, pages, lens, first, nan_page = _decode_problem(case)
+    q = jnp.asarray(rng.standard_normal((B, H, hd), np.float32))
+    kq, vq = QuantizedCache(*quantize(k)), QuantizedCache(*quantize(v))
+    layer, scale, w = jnp.int32(1), hd ** -0.5, jnp.int32(window)
+    ref = jax.jit(reference.paged_decode_attention, static_argnums=(6, 7))(
+        q, kq, vq, layer, jnp.asarray(pages), jnp.asarray(lens), ps, scale, window=w)
+    ks, vs, ppages = _poison(kq.scale[..., None], vq.scale[..., None], pages, first, ps, nan_page)
+    out = DA.paged_decode_attention(q, kq.values, vq.values, layer, ppages, jnp.asarray(lens), ps, scale,
+                                    k_scale=ks[..., 0], v_scale=vs[..., 0], window=w,
+                                    config=DA.SplitConfig(num_splits=S, block_k=bk), interpret=True)
+    _check(out, ref)
