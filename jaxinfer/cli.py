@@ -193,6 +193,10 @@ def _engine(args, preset: dict[str, Any]):
 
     engine = Engine(args.model, **engine_settings(args, preset))
     print(engine.summary, file=sys.stderr)
+    import jax
+
+    if jax.process_index() > 0:   # several hosts run the same command; process 0 alone prints its output
+        sys.stdout = open(os.devnull, "w")
     return engine
 
 
@@ -325,6 +329,9 @@ def cmd_bench(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "distributed", None) and args.command == "chat":
+            raise ValueError("chat runs on one host; over several (--distributed) serve, or run the same generate, "
+                             "bench or LLM script on every host (docs/tensor_parallel.md)")
         {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
     except (JaxinferError, ValueError, OSError) as e:
         message = " ".join(str(e).split())  # one line, whatever the exception carried

@@ -3,7 +3,9 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
 
     python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
     python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
+    python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache
     python tests/tensor_parallel_worker.py distributed RANK N PORT  the same, one of N processes (TP N over all)
+    python tests/tensor_parallel_worker.py follower RANK N PORT     process 0 generates, the others follow its calls
 """
 
 import json
@@ -64,15 +66,59 @@ def greedy(ops: str, n: int, families: list[str], **settings) -> None:
         print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
 
 
+def settings() -> None:
+    """Sampled tokens (a seed, top-k and top-p) with n-gram speculation and an int8 KV cache, at TP 1 and 2."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+
+    golden = np.load(GOLDEN / "qwen3.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=3, ignore_eos=True)
+    for n in (1, 2):
+        llm = LLM(model_dir("qwen3"), tensor_parallel_size=n, max_num_seqs=4, max_num_batched_tokens=32,
+                  decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="", speculative="ngram",
+                  kv_cache_dtype="int8")
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        print(json.dumps(dict(n=n, tokens=tokens)), flush=True)
+
+
 def distributed(rank: int, processes: int, port: int) -> None:
     """One of `processes` processes (one CPU device each): greedy tokens at TP over all of them."""
     greedy("reference", processes, ["qwen3"], distributed=f"localhost:{port},{processes},{rank}")
 
 
+def follower(rank: int, processes: int, port: int) -> None:
+    """Process 0 generates through a Leader (engine.followers); the others follow its engine calls."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.engine.followers import Leader, follow
+
+    llm = LLM(model_dir("qwen3"), tensor_parallel_size=processes, max_num_seqs=4, max_num_batched_tokens=32,
+              decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="",
+              distributed=f"localhost:{port},{processes},{rank}")
+    if rank > 0:
+        print(json.dumps(dict(rank=rank, calls=follow(llm.engine))), flush=True)
+        return
+    llm.engine = Leader(llm.engine)
+    golden = np.load(GOLDEN / "qwen3.npz")
+    prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
+    rest = [o.outputs[0].token_ids for o in llm.generate(prompts[2:], params)]   # a second batch, later
+    llm.engine.stop_followers()
+    print(json.dumps(dict(rank=rank, n=processes, tokens=first + rest)), flush=True)
+
+
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    if mode == "distributed":
+    if mode == "follower":
+        follower(int(args[0]), int(args[1]), int(args[2]))
+    elif mode == "distributed":
         distributed(int(args[0]), int(args[1]), int(args[2]))
+    elif mode == "settings":
+        settings()
     elif mode == "logits":
         logits(args)
     else:

@@ -2,7 +2,7 @@
 that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32, for every family
 (the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their vocabularies and MLP widths
 do not all divide by 8); the greedy tokens of TP 8 (and of the Pallas kernels in interpret mode at TP 2) against
-the golden files, which TP 1 matches (test_engine); two processes through jax.distributed; the layout; the
+the golden files, which TP 1 matches (test_engine); two processes through jax.distributed, running the same generate or following process 0's engine calls; the layout; the
 errors."""
 
 import json
@@ -58,24 +58,43 @@ def test_greedy_tokens_equal_tp1(ops, n, families):
         assert r["tokens"] == golden_tokens(r["family"]), r["family"]
 
 
-def test_two_processes_give_the_tokens_of_one():
-    """jax.distributed on localhost, one CPU device a process, gloo collectives: TP 2 across the two."""
+def test_sampling_speculation_and_int8_cache_equal_tp1():
+    rows = run_worker("settings")
+    assert [r["n"] for r in rows] == [1, 2]
+    assert all(len(t) == 16 for t in rows[0]["tokens"])
+    assert rows[1]["tokens"] == rows[0]["tokens"]
+
+
+def run_two_processes(mode: str) -> list[list[dict]]:
+    """The worker's `mode` in two processes on localhost (jax.distributed, one CPU device each, gloo)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), "distributed", str(rank), "2", str(port)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), "2", str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for rank in (0, 1)]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outs]
+
+
+def test_two_processes_give_the_tokens_of_one():
+    """Both processes run the same generate: TP 2 across the two."""
+    for rows in run_two_processes("distributed"):
         assert rows and rows[0]["n"] == 2 and rows[0]["tokens"] == golden_tokens("qwen3")
+
+
+def test_process_zero_leads_and_the_other_follows():
+    """Process 0 alone schedules (two batches, one after the other); process 1 makes its engine calls after it."""
+    lead, follow = run_two_processes("follower")
+    assert lead[0]["tokens"] == golden_tokens("qwen3")
+    assert follow[0]["calls"] > 8   # four requests added, steps, outputs taken
 
 
 def test_qkv_rows_are_each_devices_heads():

@@ -45,6 +45,7 @@ from jaxinfer.ops import get_ops
 from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
 from jaxinfer.runner.batch import DecodeBatch, StepBatch
 from jaxinfer.runner.distributed import initialize as initialize_distributed
+from jaxinfer.runner.distributed import shared_seed
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.mesh import make_mesh, tensor_parallel_config
 from jaxinfer.runner.model_runner import ModelRunner
@@ -96,6 +97,8 @@ class Engine(VerifySteps):
                                                                                                sys.stderr.isatty())
         config.validate()
         config = resolve_speculative(config)
+        if jax.process_count() > 1 and config.seed is None:   # every host draws the same request seeds
+            config = dataclasses.replace(config, seed=shared_seed())
         self.config = config
         t = config.tuning
         # JAX's own cache as well (keyed by the lowered module), except where XLA:CPU executables are also saved

@@ -183,14 +183,13 @@ def load_sharded(rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.n
                 mine = (rows >= off) & (rows < off + shp[0])
                 if mine.any():
                     arr = read(name, shp, rule.transpose)
-                    picked = arr[rows[mine] - off]
-                    if len(shape) == 2:
+                    at = np.nonzero(mine)[0]
+                    if len(shape) == 2:   # only the block's own elements are copied out of the mapped file
                         cols = want[1] if idx is None or axis != 1 else idx[want[1]]
-                        keep = cols >= 0
-                        sub = np.zeros((picked.shape[0], len(cols)), dtype)
-                        sub[:, keep] = picked[:, cols[keep]]
-                        picked = sub
-                    out[j, np.nonzero(mine)[0]] = picked
+                        keep = np.nonzero(cols >= 0)[0]
+                        out[j][np.ix_(at, keep)] = arr[np.ix_(rows[mine] - off, cols[keep])]
+                    else:
+                        out[j, at] = arr[rows[mine] - off]
                 off += shp[0]
         return out if rule.per_layer else out[0]
 

@@ -32,3 +32,45 @@ def initialize(spec: str) -> None:
             raise ValueError(f"this process already joined a run as {jax.process_index()} of {jax.process_count()}")
         return
     jax.distributed.initialize(coordinator_address=address, num_processes=num_processes, process_id=process_id)
+
+
+def shared_seed() -> int:
+    """A random seed that every process of the run agrees on (process 0's, broadcast): requests that bring no
+    seed of their own must draw the same keys on every host, which run the same steps."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    mine = np.int64(np.random.SeedSequence().entropy % (1 << 62))
+    return int(multihost_utils.broadcast_one_to_all(mine))
+
+
+class CommandChannel:
+    """Numbered messages from process 0 to the others through the key-value store of JAX's distributed runtime
+    (its coordination service, which jax.distributed.initialize started): the followers of a multi-host server
+    read the engine calls that process 0 makes (engine.followers). Old messages are deleted `KEEP` behind."""
+
+    KEEP = 100_000
+    PREFIX = "jaxinfer/command/"
+
+    def __init__(self):
+        from jax._src import distributed   # JAX's own client of its coordination service (no public handle)
+
+        self._client = distributed.global_state.client
+        if self._client is None:
+            raise RuntimeError("a command channel needs jax.distributed.initialize first")
+        self.sent = 0
+
+    def send(self, message: bytes) -> None:
+        self._client.key_value_set_bytes(f"{self.PREFIX}{self.sent}", message)
+        if self.sent >= self.KEEP:
+            self._client.key_value_delete(f"{self.PREFIX}{self.sent - self.KEEP}")
+        self.sent += 1
+
+    def receive(self, n: int, timeout_s: float = 60.0) -> bytes | None:
+        """Message n, waiting up to timeout_s for it (None if it has not come by then)."""
+        try:
+            return self._client.blocking_key_value_get_bytes(f"{self.PREFIX}{n}", int(timeout_s * 1000))
+        except Exception as e:   # the runtime's DEADLINE_EXCEEDED (its error type is not public)
+            if "DEADLINE_EXCEEDED" in str(e):
+                return None
+            raise

@@ -9,9 +9,11 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import uvicorn
 
 from jaxinfer.serve.app import create_app
+from jaxinfer.engine.followers import Leader, follow
 from jaxinfer.serve.gc_pauses import freeze_heap
 from jaxinfer.settings import ServerConfig
 
@@ -25,6 +27,12 @@ def serve(model: str, server: ServerConfig | None = None, **engine_settings) -> 
     chat_template = Path(server.chat_template).read_text() if server.chat_template else None
     engine = Engine(model, **{"compile_all_at_start": True, **engine_settings})
     print(engine.summary, file=sys.stderr)
+    if jax.process_count() > 1:   # several hosts: process 0 serves, the others make its engine calls after it
+        if jax.process_index() > 0:
+            print(f"[process {jax.process_index()}: following process 0's engine]", file=sys.stderr)
+            follow(engine)
+            return
+        engine = Leader(engine)
     app = create_app(engine, served_model_name=server.served_model_name, api_key=server.api_key,
                      max_waiting=server.max_waiting, chat_template=chat_template)
     if server.freeze_gc:   # start-up's objects out of every later collection's scan (gc_pauses.py)
@@ -33,8 +41,12 @@ def serve(model: str, server: ServerConfig | None = None, **engine_settings) -> 
     print(f"[serving '{name}' on http://{server.host}:{server.port}/v1 (max_model_len {engine.max_model_len}, "
           f"max_num_seqs {engine.config.max_num_seqs}, waiting queue {server.max_waiting}"
           f"{', API key required' if server.api_key else ''})]", file=sys.stderr)
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level,
-                access_log=server.log_level == "debug", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level,
+                    access_log=server.log_level == "debug", timeout_graceful_shutdown=5)
+    finally:
+        if isinstance(engine, Leader):
+            engine.stop_followers()
 
 
 def check_port_free(host: str, port: int) -> None:
