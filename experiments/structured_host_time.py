@@ -1,7 +1,8 @@
 """Host time of a constrained decode step on the CPU, by part, with the device's work taken out: where the ~1 ms a
 step that the H200 did not hide behind the device goes (bench/structured.py: 64 requests with a JSON schema each).
 
-    PYTHONPATH=. python3 experiments/structured_host_time.py [--batch 64] [--context 64] [--steps 32] [--profile]
+    PYTHONPATH=. python3 experiments/structured_host_time.py [--batch 64] [--context 64] [--steps 32] [--ab]
+                                                            [--profile] [--tokenizer DIR]
 
 bench/structured.py's "tiny" model (2 layers, Qwen3's 151,936-token vocabulary and tokenizer) and its schemas, one
 request each. The prompt steps run on the CPU; then the device is faked: the forward pass does nothing and the
@@ -56,12 +57,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
+    ap.add_argument("--tokenizer", default=str(TOKENIZER),
+                    help="Qwen3's tokenizer folder (on the GPU machine: .carry/qwen3)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ab", action="store_true", help="alternate runs with the host path before 2026-12-04 (per-row "
                     "numpy indexing in _collect_decode, a new bitmask every step): a same-process A/B")
     args = ap.parse_args()
     B = args.batch
-    model = model_with_tokenizer(args.models, "tiny", str(TOKENIZER))
+    model = model_with_tokenizer(args.models, "tiny", args.tokenizer)
     e = Engine(model, dtype="bfloat16", max_num_seqs=B, max_model_len=args.context + args.steps + 16,
                max_num_batched_tokens=max(2048, B * args.context), enable_prefix_caching=False,
                compile_all_at_start=False, progress=False, max_logprobs=0, cache_dir="")
@@ -157,8 +160,10 @@ def main() -> None:
     for k in PARTS:
         print(f"| {k} |" + "".join(f" {least[m][k]:.3f} |" for m in modes))
     print("| **host, all** |" + "".join(f" **{sum(least[m][k] for k in PARTS):.3f}** |" for m in modes))
-    print("| (fake device: the host's draw under the mask, apart) |" + "".join(f" {least[m]['device']:.3f} |" for m in modes))
-    print(f"\nmask rows: {e.constraints.masks}; mask ms a row: {1e3 * e.constraints.mask_seconds / e.constraints.masks:.4f}")
+    print("| (fake device: the host's draw under the mask, apart) |" +
+          "".join(f" {least[m]['device']:.3f} |" for m in modes))
+    c = e.constraints
+    print(f"\nmask rows: {c.masks}; mask ms a row: {1e3 * c.mask_seconds / c.masks:.4f}")
     if profile:
         pstats.Stats(profile).sort_stats("tottime").print_stats(25)
 
