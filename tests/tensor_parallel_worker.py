@@ -3,7 +3,7 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
 
     python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
     python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
-    python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache
+    python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache, split layers
     python tests/tensor_parallel_worker.py distributed RANK N PORT  the same, one of N processes (TP N over all)
     python tests/tensor_parallel_worker.py follower RANK N PORT     process 0 generates, the others follow its calls
 """
@@ -67,7 +67,8 @@ def greedy(ops: str, n: int, families: list[str], **settings) -> None:
 
 
 def settings() -> None:
-    """Sampled tokens (a seed, top-k and top-p) with n-gram speculation and an int8 KV cache, at TP 1 and 2."""
+    """Sampled tokens (a seed, top-k and top-p) with n-gram speculation, an int8 KV cache and split layers, at TP 1
+    and 2."""
     import numpy as np
 
     from jaxinfer import LLM, SamplingParams
@@ -78,7 +79,8 @@ def settings() -> None:
     for n in (1, 2):
         llm = LLM(model_dir("qwen3"), tensor_parallel_size=n, max_num_seqs=4, max_num_batched_tokens=32,
                   decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="", speculative="ngram",
-                  kv_cache_dtype="int8")
+                  kv_cache_dtype="int8", unroll_layers=True)
+        assert isinstance(llm.engine.runner.params["layers"], list)   # split layers
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         print(json.dumps(dict(n=n, tokens=tokens)), flush=True)
 

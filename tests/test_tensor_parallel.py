@@ -58,7 +58,7 @@ def test_greedy_tokens_equal_tp1(ops, n, families):
         assert r["tokens"] == golden_tokens(r["family"]), r["family"]
 
 
-def test_sampling_speculation_and_int8_cache_equal_tp1():
+def test_sampling_speculation_int8_cache_and_split_layers_equal_tp1():
     rows = run_worker("settings")
     assert [r["n"] for r in rows] == [1, 2]
     assert all(len(t) == 16 for t in rows[0]["tokens"])
@@ -135,7 +135,7 @@ def test_bad_sizes_are_one_clear_error():
 def test_unsupported_combinations_are_one_clear_error():
     from jaxinfer import LLM
 
-    for settings, message in ((dict(quantization="int8"), "8-bit weights"), (dict(unroll_layers=True), "unroll_layers"),
+    for settings, message in ((dict(quantization="int8"), "8-bit weights"),
                               (dict(speculative="draft:x"), "n-gram speculation only")):
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)

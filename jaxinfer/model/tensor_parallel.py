@@ -152,9 +152,13 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def load_sharded(rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.ndarray], dtype,
-                 mesh: Mesh) -> jax.Array:
+                 mesh: Mesh, per_layer: bool = False) -> jax.Array | list[jax.Array]:
     """A rule's tensor laid out for the mesh and made shard by shard: each device's block is read from the mapped
-    files alone (a process touches only the bytes of its own devices' slices)."""
+    files alone (a process touches only the bytes of its own devices' slices). per_layer: a layer matrix as one
+    array per layer (weights.load_params' split layers)."""
+    if per_layer and rule.per_layer and len(rule.shapes(cfg)[0]) == 2:
+        return [load_sharded(dataclasses.replace(rule, sources=tuple(s.replace("{i}", str(i)) for s in rule.sources)),
+                             cfg, read, dtype, mesh) for i in range(cfg.num_layers)]
     n = mesh.size
     shapes = [tuple(s) for s in rule.shapes(cfg)]
     axis = _axis(rule.shard)
@@ -219,14 +223,34 @@ def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops, params: dict
 
     def body(layers, k, v, x, *arrays):
         kv_local = kv.replace(k=k, v=v)
-        kv_out, x, *states = run_layers(local, ops.shard_ops, {"layers": layers}, kv_local, x, *arrays, **options)
+        kv_out, x, *states = run_layers(local, ops.shard_ops, layers, kv_local, x, *arrays, **options)
         return (kv_out.k, kv_out.v, x, *states)
 
-    in_specs = (param_specs(cfg)["layers"], cache_spec, cache_spec, P(), *([P()] * len(token_arrays)))
+    layers = {k: params[k] for k in ("layers", "layer_vectors") if k in params}
+    in_specs = (layer_specs(cfg, layers), cache_spec, cache_spec, P(), *([P()] * len(token_arrays)))
     out_specs = (cache_spec, cache_spec, P(), *([P()] if capture else []))
     k, v, x, *states = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        params["layers"], kv.k, kv.v, x, *token_arrays)
+        layers, kv.k, kv.v, x, *token_arrays)
     return (kv.replace(k=k, v=v), x, *states)
+
+
+def layer_specs(cfg: ModelConfig, layers: dict) -> dict:
+    """The specs of the layer parameters as they are held: stacked ({"layers": tree of [L, ...]}), or split
+    (transformer.split_layers: "layers" a list of per-layer matrix trees, "layer_vectors" the stacked rest)."""
+    stacked = param_specs(cfg)["layers"]
+    if not isinstance(layers["layers"], (list, tuple)):
+        return {"layers": stacked}
+
+    def spec_at(path, _, drop_layer_axis: bool) -> P:
+        node = stacked
+        for key in path:
+            if isinstance(key, jax.tree_util.DictKey):
+                node = node[key.key]
+        return P(*node[1:]) if drop_layer_axis else node
+
+    return {"layers": jax.tree_util.tree_map_with_path(lambda p, a: spec_at(p, a, True), layers["layers"]),
+            "layer_vectors": jax.tree_util.tree_map_with_path(lambda p, a: spec_at(p, a, False),
+                                                              layers["layer_vectors"])}
 
 
 def sharded_logits(ops, h: jax.Array, w, vocab_size: int) -> jax.Array:

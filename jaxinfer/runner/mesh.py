@@ -32,19 +32,17 @@ def make_mesh(tensor_parallel_size: int) -> Mesh | None:
 
 
 def tensor_parallel_config(config: EngineConfig) -> EngineConfig:
-    """The settings for tensor parallelism: the layers stay stacked (split layers and a prompt step in two
-    executables are single-device fast paths) and compiled steps are not saved whole (the executable cache holds
-    single-device executables; JAX's own compilation cache still keeps them) where the user left these to the
-    machine; what it cannot run is one clear error."""
+    """The settings for tensor parallelism: a prompt step is one executable (not the single-device head and tail),
+    and compiled steps are not saved whole (the executable cache holds single-device executables; JAX's own
+    compilation cache still keeps them) where the user left that to the machine; what it cannot run is one clear
+    error."""
     if config.tensor_parallel_size == 1:
         return config
     t = config.tuning
-    if t.unroll_layers:
-        raise TensorParallelError("tensor parallelism runs stacked layers: unroll_layers must be off")
     if config.quantization:
         raise TensorParallelError("tensor parallelism does not support 8-bit weights (quantization) yet")
     if config.speculative and config.speculative != "ngram":
         raise TensorParallelError("tensor parallelism supports n-gram speculation only (not draft or DFlash models)")
     return dataclasses.replace(config, tuning=dataclasses.replace(
-        t, unroll_layers=False, prompt_step_head_layers=0,
+        t, prompt_step_head_layers=0,
         executable_cache=False if t.executable_cache is None else t.executable_cache))
