@@ -48,7 +48,8 @@ from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_att
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
-from jaxinfer.pallas.grouped_gemm import grouped_gemm, row_items, sorted_items
+from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
+from jaxinfer.pallas.moe_gemv import routed_gemv
 from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
@@ -394,35 +395,33 @@ def cudnn_flash_attention_available() -> bool:
         return False
 
 
-def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, *, interpret=False):
-    """A mixture of experts on the grouped GEMM (pallas/grouped_gemm.py), weights read in place from the layer's
-    [E, N, K] expert stack. The router's product is `linear` (the GEMV at batch 1), softmax and top-k XLA's. One
-    token (a batch-1 decode step): its top_k rows go one an item, no sort, and only the chosen experts' matrices
-    are read. More rows: the assignments sorted by expert, each expert's rows in tiles (reference.sort_by_expert,
-    grouped_gemm.sorted_items). Each expert's output is weighted and summed in float32 as reference.moe_mlp."""
+def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None, *, interpret=False):
+    """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
+    is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py)
+    that route from the logits themselves and read only the chosen experts' matrices, the second summing the
+    experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by expert
+    (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
+    each expert's output weighted and summed in float32 as reference.moe_mlp."""
     T, D = x.shape
-    weights, experts = reference.route(linear(x, router, interpret=interpret), top_k, renormalize)
+    logits = linear(x, router, interpret=interpret)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
     E, two_i, _ = gate_up.shape[1:]
     if T == 1:
-        items = row_items(experts[0])
-        rows = jnp.broadcast_to(x, (top_k, D))
-        cfg_up, cfg_down = grouped_config(1, two_i, D, "swiglu"), grouped_config(1, D, two_i // 2)
-        order = None
-    else:
-        order, group_sizes = reference.sort_by_expert(experts, E)
-        rows = x[order // top_k]
-        per_group = T * top_k / E
-        cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
-        cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
-        items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
-    h = grouped_gemm(rows, gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret)
+        route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
+        h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", **route)
+        return routed_gemv(h, logits, down, down_layer, epilogue="combine", residual=residual, **route)
+    weights, experts = reference.route(logits, top_k, renormalize)
+    order, group_sizes = reference.sort_by_expert(experts, E)
+    per_group = T * top_k / E
+    cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
+    cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
+    items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
+    h = grouped_gemm(x[order // top_k], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret)
     y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret)
-    if order is not None:
-        y = jnp.zeros_like(y).at[order].set(y)
-    y = y.reshape(T, top_k, D)
-    return jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
+    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+    return out if residual is None else residual + out
 
 
 # The ops this module overrides, each bound to `interpret` by `make`.

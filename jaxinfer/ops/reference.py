@@ -155,18 +155,20 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int,
-            renormalize: bool) -> jax.Array:
+            renormalize: bool, residual: jax.Array | None = None) -> jax.Array:
     """A mixture of SwiGLU experts on the normed rows x [T, D]: router [E, D], w_gate_up [E, 2I, D] (gate rows
     first), w_down [E, D, I] (each may be a LayerWeight of its layer stack). Each row goes to its top_k experts
     (moe_route); the assignments sorted by expert run as two grouped GEMMs (grouped_linear); each expert's output
-    is rounded to x's dtype, weighted and summed in float32, rounded once. Returns [T, D]."""
+    is rounded to x's dtype, weighted and summed in float32, rounded once. Returns [T, D] (+ residual [T, D], rounded
+    again, if given: the residual stream's add, as transformers adds the block's output)."""
     T = x.shape[0]
     weights, experts = moe_route(x, router, top_k, renormalize)
     order, group_sizes = sort_by_expert(experts, weight(w_gate_up).shape[0])
     h = swiglu(grouped_linear(x[order // top_k], w_gate_up, group_sizes))
     y = grouped_linear(h, w_down, group_sizes)
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, -1)
-    return jnp.sum(y.astype(f32) * weights[..., None], axis=1).astype(x.dtype)
+    out = jnp.sum(y.astype(f32) * weights[..., None], axis=1).astype(x.dtype)
+    return out if residual is None else residual + out
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,151 @@
+"""Batch-1 decode of a mixture of experts: GEMVs over the top-k experts' matrices only, the routing in the kernels.
+
+At one token the experts' products are GEMVs: of Qwen3-30B-A3B's 128 experts a layer the token reads 8. Two
+kernels make the whole block after the router's product (its logits [1, E], a GEMV of their own):
+
+    h[j]  = silu(x @ G[e_j].T) * (x @ U[e_j].T)              routed_gemv(..., epilogue="swiglu")   [top_k, I]
+    out   = residual + sum_j p_j * round(h[j] @ D[e_j].T)     routed_gemv(..., epilogue="combine")  [1, D]
+
+Every program reads the E logits (a few hundred bytes) and routes as reference.route does (softmax in float32,
+the top_k probabilities, ties to the lower index, optionally renormalised): no top-k, sort or gather kernel
+between them, and no index array in memory. Weights stay in the stacked [L, E, N, K] array, read in place at
+`layer` and the chosen expert. As pallas/fused_gemv.py: one warp a program, `rows` output rows each a
+[block_in] vector of consecutive weights, float32 sums, rounded where the reference rounds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxinfer.pallas.blocks import layer_operands, pow2_at_least, row_tiles, silu_mul
+
+f32 = jnp.float32
+i32 = jnp.int32
+NEG = -1e30   # a masked logit (finite: exp gives 0 without inf arithmetic)
+EPILOGUES = ("swiglu", "combine")
+
+
+def _route(logits_ref, E: int, top_k: int, renormalize: bool):
+    """(experts, weights): top_k int32 and float32 scalars, as reference.route computes them."""
+    EP = pow2_at_least(E, 16)
+    lanes = jnp.arange(EP, dtype=i32)
+    valid = lanes < E
+    logits = plgpu.load(logits_ref.at[i32(0), jnp.minimum(lanes, E - 1)], mask=valid, other=0).astype(f32)
+    logits = jnp.where(valid, logits, NEG)
+    p = jnp.exp(logits - jnp.max(logits))
+    p = jnp.where(valid, p, 0.0)
+    p = p / jnp.sum(p)
+    experts, weights = [], []
+    for _ in range(top_k):
+        best = jnp.max(p)
+        idx = jnp.min(jnp.where(valid & (p == best), lanes, EP))
+        experts.append(idx)
+        weights.append(best)
+        p = jnp.where(lanes == idx, -1.0, p)   # probabilities are >= 0: taken out of the next rounds
+    if renormalize:
+        total = weights[0]
+        for w in weights[1:]:
+            total = total + w
+        weights = [w / total for w in weights]
+    return experts, weights
+
+
+def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in):
+    """float32 dot products of x_ref[x_row] with rows w_rows of W[layer, expert]."""
+    accs = [jnp.zeros((block_in,), f32) for _ in w_rows]
+    for idx, cmask in row_tiles(n_in, block_in):
+        def load(ref_win):
+            return plgpu.load(ref_win) if cmask is None else plgpu.load(ref_win, mask=cmask, other=0)
+
+        xt = load(x_ref.at[x_row, idx]).astype(f32)
+        accs = [a + load(w_ref.at[layer, expert, r, idx]).astype(f32) * xt for a, r in zip(accs, w_rows)]
+    return [jnp.sum(a) for a in accs]
+
+
+def _kernel(layer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows,
+            block_in):
+    o_ref = refs[-1]
+    res_ref = refs[0] if len(refs) > 1 else None
+    layer = layer_ref[0]
+    experts, weights = _route(logits_ref, E, top_k, renormalize)
+    dtype = o_ref.dtype
+    if epilogue == "swiglu":   # program (j, r): rows r * rows.. of h[j], expert e_j
+        j = pl.program_id(0)
+        first = pl.program_id(1) * rows
+        expert = experts[0]
+        for jj in range(1, top_k):
+            expert = jnp.where(j == jj, experts[jj], expert)
+        out_rows = [first + r for r in range(rows)]
+        ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in)
+        ys = [y.astype(dtype) for y in ys]   # the projection rounds, then SwiGLU as the reference rounds it
+        for r, row in enumerate(out_rows):
+            o_ref[j, row] = silu_mul(ys[r], ys[rows + r]).astype(dtype)
+        return
+    # combine: program r, rows r * rows.. of the output, summed over the top_k experts
+    first = pl.program_id(0) * rows
+    out_rows = [first + r for r in range(rows)]
+    totals = [jnp.zeros((), f32) for _ in out_rows]
+    for jj in range(top_k):
+        ys = _row_sums(x_ref, i32(jj), w_ref, layer, experts[jj], out_rows, n_in, block_in)
+        totals = [t + y.astype(dtype).astype(f32) * weights[jj] for t, y in zip(totals, ys)]
+    for t, row in zip(totals, out_rows):
+        y = t.astype(dtype)
+        if res_ref is not None:
+            y = res_ref[i32(0), row] + y
+        o_ref[i32(0), row] = y.astype(dtype)
+
+
+def choose_rows(n_out: int) -> int:
+    """Output rows a program: 4 where they divide the rows (fewer loads of x a weight), else 2 or 1."""
+    return next(r for r in (4, 2, 1) if n_out % r == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "rows", "block_in", "num_warps",
+                                             "interpret"))
+def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
+                renormalize: bool, epilogue: str, residual: jax.Array | None = None, rows: int | None = None,
+                block_in: int = 512, num_warps: int = 1, interpret: bool = False) -> jax.Array:
+    """One token's mixture of experts, one product a call, routed by its router logits [1, E].
+    epilogue "swiglu": x [1, K] (normed), w [L, E, 2I, K] each expert's [gate; up]: returns h [top_k, I].
+    epilogue "combine": x = h [top_k, K], w [L, E, N, K]: returns [1, N], the experts' outputs rounded, weighted
+    by their routing probabilities and summed in float32, rounded (+ residual [1, N], rounded again).
+    A 3-D w is one layer."""
+    if w.ndim == 3:
+        w = w[None]
+    if w.ndim != 4 or x.ndim != 2 or logits.ndim != 2 or logits.shape[0] != 1:
+        raise ValueError(f"routed_gemv: x [R, K], logits [1, E], w [L, E, N, K]; got {x.shape}, {logits.shape}, "
+                         f"{w.shape}")
+    _, E, N, K = w.shape
+    if logits.shape[1] != E or x.shape[1] != K:
+        raise ValueError(f"routed_gemv: logits {logits.shape} / x {x.shape} do not fit w {w.shape}")
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"routed_gemv: unknown epilogue {epilogue!r}")
+    if not 0 < top_k <= E:
+        raise ValueError(f"routed_gemv: top_k {top_k} of {E} experts")
+    want_rows = 1 if epilogue == "swiglu" else top_k
+    if x.shape[0] != want_rows or (residual is not None and (epilogue != "combine" or residual.shape != (1, N))):
+        raise ValueError(f"routed_gemv: {epilogue} takes x of {want_rows} rows (got {x.shape[0]}) and a residual "
+                         f"[1, {N}] only with combine")
+    if epilogue == "swiglu" and N % 2:
+        raise ValueError(f"routed_gemv: swiglu needs an even number of rows, got {N}")
+    n_out = N // 2 if epilogue == "swiglu" else N
+    rows = rows or choose_rows(n_out)
+    if n_out % rows:
+        raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
+    block_in = min(block_in, pow2_at_least(K))
+    kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
+                               half=N // 2, rows=rows, block_in=block_in)
+    if epilogue == "swiglu":
+        grid, out_shape = (top_k, n_out // rows), jax.ShapeDtypeStruct((top_k, n_out), x.dtype)
+    else:
+        grid, out_shape = (n_out // rows,), jax.ShapeDtypeStruct((1, n_out), x.dtype)
+    args = [layer_operands(layer)[0], logits, x, w] + ([] if residual is None else [residual])
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=f"routed_gemv_{epilogue}",
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+    )(*args)

@@ -1,0 +1,68 @@
+"""The routed GEMVs of a batch-1 mixture-of-experts step (pallas/moe_gemv.py) in interpret mode against the
+reference ops: routing read from the logits in the kernel (experts not a power of two, with and without
+renormalisation), depths that are not multiples of the tile, 1-4 rows a program, a layer of a [L, E, N, K] stack,
+the combine with and without the residual.
+
+Tolerances: float32 1e-5 relative (another summation order); bfloat16 1e-2 relative (outputs round to bf16; SwiGLU
+rounds silu in float32 where the reference rounds it in bf16).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from jaxinfer.ops import reference
+from jaxinfer.pallas.moe_gemv import routed_gemv
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+HP = jax.lax.Precision.HIGHEST
+# (E, top_k, D, I, block_in, rows)
+CASES = [(6, 3, 72, 40, 32, None), (8, 2, 64, 48, 64, 2), (5, 5, 40, 24, 16, 1), (16, 4, 128, 64, 512, 4)]
+
+
+def _operands(case, dtype, L=2):
+    E, k, D, I, _, _ = CASES[case]
+    keys = jax.random.split(jax.random.PRNGKey(case), 5)
+    x = jax.random.normal(keys[0], (1, D), jnp.float32).astype(dtype)
+    logits = (2 * jax.random.normal(keys[1], (1, E), jnp.float32)).astype(dtype)
+    gate_up = (jax.random.normal(keys[2], (L, E, 2 * I, D)) / np.sqrt(D)).astype(dtype)
+    down = (jax.random.normal(keys[3], (L, E, D, I)) / np.sqrt(I)).astype(dtype)
+    residual = jax.random.normal(keys[4], (1, D), jnp.float32).astype(dtype)
+    return x, logits, gate_up, down, residual
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_routed_gemvs_match_reference(case, renormalize, dtype):
+    E, k, D, I, block_in, rows = CASES[case]
+    x, logits, gate_up, down, residual = _operands(case, dtype)
+    layer = 1
+    weights, experts = reference.route(logits, k, renormalize)
+    kw = dict(top_k=k, renormalize=renormalize, block_in=block_in, interpret=True)
+    h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", rows=rows, **kw)
+    h_ref = reference.swiglu(jnp.einsum("d,knd->kn", x[0], gate_up[layer, experts[0]], precision=HP,
+                                        preferred_element_type=jnp.float32).astype(dtype))
+    assert h.shape == (k, I) and h.dtype == dtype
+    assert rel_err(h, h_ref) <= TOL[dtype]
+    y_ref = jnp.einsum("ki,kdi->kd", h_ref, down[layer, experts[0]], precision=HP,
+                       preferred_element_type=jnp.float32).astype(dtype)
+    out_ref = jnp.sum(y_ref.astype(jnp.float32) * weights[0][:, None], axis=0).astype(dtype)[None]
+    out = routed_gemv(h_ref, logits, down, layer, epilogue="combine", rows=rows if rows != 4 or D % 4 == 0 else None,
+                      **kw)
+    assert out.shape == (1, D) and rel_err(out, out_ref) <= TOL[dtype]
+    with_res = routed_gemv(h_ref, logits, down, layer, epilogue="combine", residual=residual, **kw)
+    assert rel_err(with_res, residual + out_ref) <= TOL[dtype]
+
+
+def test_bad_operands_are_one_clear_error():
+    x, logits, gate_up, down, residual = _operands(0, jnp.float32)
+    kw = dict(top_k=3, renormalize=True, interpret=True)
+    with pytest.raises(ValueError, match="do not fit"):
+        routed_gemv(x, logits[:, :5], gate_up, epilogue="swiglu", **kw)
+    with pytest.raises(ValueError, match="takes x of 3 rows"):
+        routed_gemv(jnp.zeros((1, 40)), logits, down, epilogue="combine", **kw)
+    with pytest.raises(ValueError, match="top_k"):
+        routed_gemv(x, logits, gate_up, epilogue="swiglu", top_k=7, renormalize=True, interpret=True)
