@@ -145,7 +145,9 @@ class Engine(VerifySteps):
         self.scheduler = Scheduler(self.pages, config.page_size, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.decode_steps, on_start=_weakly(self._on_start),
                                    prefix_caching=config.enable_prefix_caching,
-                                   token_buckets=self.runner.token_buckets)
+                                   token_buckets=self.runner.token_buckets,
+                                   # (a drafter with a pool of its own reads every position through the tables)
+                                   window=0 if hasattr(proposer, "attach") else self.cfg.kv_window)
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
         self._inflight_mixed: MixedInFlight | None = None   # a mixed step not yet read back (overlap_mixed)
@@ -422,6 +424,8 @@ class Engine(VerifySteps):
         for seq in seqs:
             if seq.finish_reason != "abort":
                 self.scheduler.register_blocks(seq)   # finished ones too: their blocks stay cached
+            if seq.finish_reason is None:   # K/V behind every layer's window: their pages go back to the pool
+                self.scheduler.free_behind_window(seq)
             if seq.finish_reason is not None:
                 self.scheduler.release(seq)
                 if self.speculator is not None:
@@ -438,6 +442,10 @@ class Engine(VerifySteps):
         if self.speculator is not None and \
                 self.speculator.would_draft(seqs, self.runner.batch_bucket(len(seqs))):
             return None
+        if s.window:   # the pages behind every layer's window go back to the pool while the chain runs
+            for seq in seqs:
+                s.register_blocks(seq)
+                s.free_behind_window(seq)
         # The host's view lags one dispatch: hold pages for two dispatches beyond it.
         need = {}
         for seq in seqs:

@@ -12,6 +12,9 @@ hold them.
 - Pages are taken as sequences grow. When none are left, the youngest running sequence is
   preempted: its pages are released (they stay cached), and it goes back to the front of the
   waiting queue to be recomputed later, ending with the same tokens it would have had.
+- Sliding windows: where every layer attends over a window (`window`, the largest), the pages entirely
+  behind the window of a sequence's next token are released as it advances (they stay cached, as a
+  finished sequence's do) and its page-table entries for them become the scratch page.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections import deque
 from typing import Any, Callable
 
 from jaxinfer.engine.paging import PageAllocator, block_hashes
+from jaxinfer.model.kv_cache import SCRATCH_PAGE
 from jaxinfer.sampling import SamplingParams
 
 
@@ -46,7 +50,7 @@ class Sequence:
     # per prompt token: None for the first, else (logprob, top [(id, logprob)]) when asked for
     prompt_logprobs: list = dataclasses.field(default_factory=lambda: [None])
     text: str = ""
-    pages: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)   # page j: positions j * page_size..; freed: scratch
     hashes: list[int] = dataclasses.field(default_factory=list)   # of its registered full blocks
     row: int = -1                     # sampler-state row while running
     num_computed: int = 0             # tokens whose K/V are in the cache
@@ -80,8 +84,10 @@ class Plan:
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  decode_steps: int, on_start: Callable[[Sequence], None], prefix_caching: bool = True,
-                 token_buckets: list[int] | None = None):
+                 token_buckets: list[int] | None = None, window: int = 0):
         self.pages = pages
+        self.window = window              # positions a query sees at most, where every layer has a window; else 0
+        self.num_freed_pages = 0          # pages released behind a window (a running count)
         self.token_buckets = sorted(token_buckets or [])
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -124,7 +130,7 @@ class Scheduler:
 
     # ---- pages ----
     def _preempt(self, seq: Sequence) -> None:
-        self.pages.release(seq.pages)
+        self.pages.release(_held(seq.pages))
         seq.pages, seq.hashes, seq.num_computed = [], [], 0
         self.free_rows.append(seq.row)
         seq.row = -1
@@ -158,7 +164,7 @@ class Scheduler:
         last = min(len(seq.tokens) - 1 + self.decode_steps, len(seq.prompt_ids) + seq.max_new)
         keep = max(-(-last // self.page_size), -(-seq.num_computed // self.page_size))
         if len(seq.pages) > keep:
-            self.pages.release(seq.pages[keep:])
+            self.pages.release(_held(seq.pages[keep:]))
             del seq.pages[keep:]
 
     def register_blocks(self, seq: Sequence) -> None:
@@ -168,14 +174,30 @@ class Scheduler:
             prev = seq.hashes[-1] if seq.hashes else None
             new = block_hashes(seq.tokens[: full * self.page_size], self.page_size, len(seq.hashes), prev)
             for i, h in enumerate(new, start=len(seq.hashes)):
-                self.pages.register(seq.pages[i], h)
+                if seq.pages[i] != SCRATCH_PAGE:   # (a page freed behind a window is never one not yet registered)
+                    self.pages.register(seq.pages[i], h)
             seq.hashes += new
+
+    def free_behind_window(self, seq: Sequence) -> int:
+        """Release the sequence's pages that lie entirely behind the window of its next token (every position
+        below num_computed - window + 1: no later query of any layer sees them); their entries become the scratch
+        page, which the attention kernels never read for a real row (they start at the window's first position).
+        Call after register_blocks, so that they stay in the prefix cache. Returns the pages released."""
+        if not self.window:
+            return 0
+        behind = max(seq.num_computed - self.window + 1, 0) // self.page_size
+        gone = _held(seq.pages[:behind])
+        if gone:
+            self.pages.release(gone)
+            seq.pages[:behind] = [SCRATCH_PAGE] * min(behind, len(seq.pages))
+            self.num_freed_pages += len(gone)
+        return len(gone)
 
     def release(self, seq: Sequence) -> None:
         """A finished or aborted sequence leaves."""
         if seq in self.running:
             self.running.remove(seq)
-            self.pages.release(seq.pages)
+            self.pages.release(_held(seq.pages))
             self.free_rows.append(seq.row)
             seq.pages, seq.row = [], -1
         elif seq in self.waiting:
@@ -276,3 +298,9 @@ class Scheduler:
                 self._reserve(seq, last)
         seqs = sorted(self.running, key=lambda s: s.admitted)
         return Plan("decode", [(s, 1) for s in seqs]) if seqs else self.schedule()
+
+
+def _held(pages: list[int]) -> list[int]:
+    """The pages a sequence holds among its page-table entries (not the scratch page of those freed behind a
+    window)."""
+    return [p for p in pages if p != SCRATCH_PAGE]

@@ -92,6 +92,12 @@ class ModelConfig:
         """Whether any layer attends over a sliding window."""
         return any(self.layer_windows)
 
+    @property
+    def kv_window(self) -> int:
+        """The most positions any layer's query sees where every layer has a window (the largest window): the
+        K/V behind it are never read again. 0 where some layer is global."""
+        return max(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
+
     def window_of(self, layer):
         """The window of `layer` (a traced index is fine) as an int32 scalar (0: global), or None where no layer
         has a window, so that a model without windows traces no window at all."""
