@@ -107,3 +107,19 @@ def test_unsupported_moe_settings_are_one_clear_error(tmp_path):
     assert load_config(DATA / "models" / "mixtral").norm_topk_prob   # Mixtral always renormalises
     with pytest.raises(ModelLoadError, match="mixture-of-experts"):
         load_params(d, cfg, progress=False, quantization="int8")
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_pallas_norm_and_moe_block_matches_reference(T):
+    """rms_norm_moe_mlp (a layer's whole MoE block) on the split layers' operands: one-layer expert stacks, the norm
+    scale in the stacked vectors at its own layer; at one token the norm is folded into the GEMVs."""
+    E, D, I, k = 6, 64, 40, 2
+    keys = jax.random.split(jax.random.PRNGKey(10 + T), 5)
+    x = jax.random.normal(keys[0], (T, D))
+    scale = LayerWeight(1 + 0.2 * jax.random.normal(keys[1], (3, D)), jnp.int32(2))
+    router = LayerWeight(jax.random.normal(keys[2], (1, E, D)), jnp.int32(0))
+    gate_up = LayerWeight(jax.random.normal(keys[3], (1, E, 2 * I, D)) / 8, jnp.int32(0))
+    down = LayerWeight(jax.random.normal(keys[4], (1, E, D, I)) / 6, jnp.int32(0))
+    want = reference.rms_norm_moe_mlp(x, scale, 1e-6, router, gate_up, down, k, True)
+    got = get_ops("pallas-interpret").rms_norm_moe_mlp(x, scale, 1e-6, router, gate_up, down, k, True)
+    assert rel_err(got, want) <= 1e-5

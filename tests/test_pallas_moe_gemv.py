@@ -66,3 +66,17 @@ def test_bad_operands_are_one_clear_error():
         routed_gemv(jnp.zeros((1, 40)), logits, down, epilogue="combine", **kw)
     with pytest.raises(ValueError, match="top_k"):
         routed_gemv(x, logits, gate_up, epilogue="swiglu", top_k=7, renormalize=True, interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_norm_prologue_matches_rms_norm_first(dtype):
+    """swiglu with scale: rms_norm(x) folded in, the scale read at its own layer of a [L, D] stack (the split
+    layers' one-layer matrix with stacked vectors)."""
+    E, k, D, I, block_in, _ = CASES[0]
+    x, logits, gate_up, _, _ = _operands(0, dtype)
+    scale = (1 + 0.2 * jax.random.normal(jax.random.PRNGKey(9), (3, D))).astype(dtype)
+    h = routed_gemv(x, logits, gate_up[1][None], 0, top_k=k, renormalize=False, epilogue="swiglu", scale=scale,
+                    eps=1e-5, vector_layer=2, block_in=block_in, interpret=True)
+    ref = routed_gemv(reference.rms_norm(x, scale[2], 1e-5), logits, gate_up, 1, top_k=k, renormalize=False,
+                      epilogue="swiglu", block_in=block_in, interpret=True)
+    assert rel_err(h, ref) <= TOL[dtype]

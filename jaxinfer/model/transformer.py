@@ -89,9 +89,8 @@ def _attention_out_mlp(cfg, ops, lp, attn, x):
     """The attention's output projection into the residual stream x, then the MLP block (or mixture of experts)."""
     if cfg.num_experts:
         x = ops.linear_residual(attn, lp["wo"], lp.get("bo"), x)
-        h = ops.rms_norm(x, lp["mlp_norm"]["scale"], cfg.norm_eps)
-        return ops.moe_mlp(h, lp["router"], lp["moe_gate_up"], lp["moe_down"], cfg.num_experts_per_tok,
-                           cfg.norm_topk_prob, residual=x)
+        return ops.rms_norm_moe_mlp(x, lp["mlp_norm"]["scale"], cfg.norm_eps, lp["router"], lp["moe_gate_up"],
+                                    lp["moe_down"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if cfg.mlp_kind == "swiglu" and cfg.norm_kind == "rms":
         # one op, so that a batched step can fuse the projection's finish with the norm (ops.pallas)
         x, h = ops.linear_residual_norm_swiglu(attn, lp["wo"], lp.get("bo"), x, lp["mlp_norm"]["scale"],

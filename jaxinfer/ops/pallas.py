@@ -424,10 +424,26 @@ def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None, *, 
     return out if residual is None else residual + out
 
 
+def rms_norm_moe_mlp(x, scale, eps, router, w_gate_up, w_down, top_k, renormalize, *, interpret=False):
+    """x + the mixture of experts of rms_norm(x). One token: the norm is the prologue of the router's GEMV and of the
+    gate/up routed GEMV (no kernel of its own), so that the block is three kernels. More rows: the norm in XLA,
+    then moe_mlp."""
+    if x.shape[0] != 1:
+        return moe_mlp(reference.rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize, residual=x,
+                       interpret=interpret)
+    logits = rms_norm_linear(x, scale, eps, router, interpret=interpret)
+    gate_up, layer, vector_layer, (scale_stack,) = _stacked(w_gate_up, scale)
+    down, down_layer, _, _ = _stacked(w_down)
+    route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
+    h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
+                    vector_layer=vector_layer, **route)
+    return routed_gemv(h, logits, down, down_layer, epilogue="combine", residual=x, **route)
+
+
 # The ops this module overrides, each bound to `interpret` by `make`.
 KERNEL_OPS = (linear, rms_norm_linear, rms_norm_swiglu, linear_residual, linear_residual_norm_swiglu, logits,
               qkv_rope_write, decode_qkv_attention, fresh_prompt_attention, prefixed_chunk_attention,
-              paged_decode_attention, paged_attention, verify_attention, moe_mlp)
+              paged_decode_attention, paged_attention, verify_attention, moe_mlp, rms_norm_moe_mlp)
 
 
 def make(interpret: bool = False) -> OpSet:

@@ -171,6 +171,13 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     return out if residual is None else residual + out
 
 
+def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Array, w_gate_up: jax.Array,
+                     w_down: jax.Array, top_k: int, renormalize: bool) -> jax.Array:
+    """The residual stream x [T, D] plus the mixture of experts (moe_mlp) of rms_norm(x): a layer's whole MoE block,
+    so that a kernel may fold the norm into its products."""
+    return moe_mlp(rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize, residual=x)
+
+
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """cos, sin [T, head_dim] in rotate-half layout (the two halves repeat the frequencies)."""
     freqs = positions.astype(f32)[:, None] * inv_freq[None, :]

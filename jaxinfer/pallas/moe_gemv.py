@@ -3,10 +3,11 @@
 At one token the experts' products are GEMVs: of Qwen3-30B-A3B's 128 experts a layer the token reads 8. Two
 kernels make the whole block after the router's product (its logits [1, E], a GEMV of their own):
 
-    h[j]  = silu(x @ G[e_j].T) * (x @ U[e_j].T)              routed_gemv(..., epilogue="swiglu")   [top_k, I]
+    h[j]  = silu(n @ G[e_j].T) * (n @ U[e_j].T)              routed_gemv(..., epilogue="swiglu")   [top_k, I]
     out   = residual + sum_j p_j * round(h[j] @ D[e_j].T)     routed_gemv(..., epilogue="combine")  [1, D]
 
-Every program reads the E logits (a few hundred bytes) and routes as reference.route does (softmax in float32,
+n is x, or rms_norm(x) with `scale`: the norm as the GEMV's prologue (pallas/fused_gemv.py's: the sum of squares from
+the same x tiles, applied to the sums). Every program reads the E logits (a few hundred bytes) and routes as reference.route does (softmax in float32,
 the top_k probabilities, ties to the lower index, optionally renormalised): no top-k, sort or gather kernel
 between them, and no index array in memory. Weights stay in the stacked [L, E, N, K] array, read in place at
 `layer` and the chosen expert. As pallas/fused_gemv.py: one warp a program, `rows` output rows each a
@@ -55,23 +56,34 @@ def _route(logits_ref, E: int, top_k: int, renormalize: bool):
     return experts, weights
 
 
-def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in):
-    """float32 dot products of x_ref[x_row] with rows w_rows of W[layer, expert]."""
+def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_ref=None, vlayer=None, eps=0.0):
+    """float32 dot products of x_ref[x_row] (with scale_ref: rms_norm(x) with scale_ref[vlayer]) with rows w_rows of
+    W[layer, expert]."""
     accs = [jnp.zeros((block_in,), f32) for _ in w_rows]
+    sumsq = jnp.zeros((block_in,), f32)
     for idx, cmask in row_tiles(n_in, block_in):
         def load(ref_win):
             return plgpu.load(ref_win) if cmask is None else plgpu.load(ref_win, mask=cmask, other=0)
 
         xt = load(x_ref.at[x_row, idx]).astype(f32)
+        if scale_ref is not None:
+            sumsq = sumsq + xt * xt
+            xt = xt * load(scale_ref.at[vlayer, idx]).astype(f32)
         accs = [a + load(w_ref.at[layer, expert, r, idx]).astype(f32) * xt for a, r in zip(accs, w_rows)]
-    return [jnp.sum(a) for a in accs]
+    ys = [jnp.sum(a) for a in accs]
+    if scale_ref is not None:
+        inv = jax.lax.rsqrt(jnp.sum(sumsq) / n_in + eps)
+        ys = [y * inv for y in ys]
+    return ys
 
 
-def _kernel(layer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows,
-            block_in):
-    o_ref = refs[-1]
-    res_ref = refs[0] if len(refs) > 1 else None
-    layer = layer_ref[0]
+def _kernel(layer_ref, vlayer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, renormalize, epilogue, n_in, half,
+            rows, block_in, has_scale, eps):
+    refs = list(refs)
+    o_ref = refs.pop()
+    scale_ref = refs.pop(0) if has_scale else None
+    res_ref = refs.pop(0) if refs else None
+    layer, vlayer = layer_ref[0], vlayer_ref[0]
     experts, weights = _route(logits_ref, E, top_k, renormalize)
     dtype = o_ref.dtype
     if epilogue == "swiglu":   # program (j, r): rows r * rows.. of h[j], expert e_j
@@ -81,7 +93,8 @@ def _kernel(layer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, renormalize, e
         for jj in range(1, top_k):
             expert = jnp.where(j == jj, experts[jj], expert)
         out_rows = [first + r for r in range(rows)]
-        ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in)
+        ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in,
+                       scale_ref, vlayer, eps)
         ys = [y.astype(dtype) for y in ys]   # the projection rounds, then SwiGLU as the reference rounds it
         for r, row in enumerate(out_rows):
             o_ref[j, row] = silu_mul(ys[r], ys[rows + r]).astype(dtype)
@@ -105,13 +118,15 @@ def choose_rows(n_out: int) -> int:
     return next(r for r in (4, 2, 1) if n_out % r == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "rows", "block_in", "num_warps",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "rows", "block_in",
+                                             "num_warps", "interpret"))
 def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
-                renormalize: bool, epilogue: str, residual: jax.Array | None = None, rows: int | None = None,
+                renormalize: bool, epilogue: str, residual: jax.Array | None = None, scale: jax.Array | None = None,
+                eps: float = 1e-6, vector_layer: jax.Array | int | None = None, rows: int | None = None,
                 block_in: int = 512, num_warps: int = 1, interpret: bool = False) -> jax.Array:
     """One token's mixture of experts, one product a call, routed by its router logits [1, E].
-    epilogue "swiglu": x [1, K] (normed), w [L, E, 2I, K] each expert's [gate; up]: returns h [top_k, I].
+    epilogue "swiglu": x [1, K], w [L, E, 2I, K] each expert's [gate; up]: returns h [top_k, I]; with scale
+    ([Ls, K] read at vector_layer, default `layer`; or [K]) x is RMS-normed first (eps).
     epilogue "combine": x = h [top_k, K], w [L, E, N, K]: returns [1, N], the experts' outputs rounded, weighted
     by their routing probabilities and summed in float32, rounded (+ residual [1, N], rounded again).
     A 3-D w is one layer."""
@@ -131,6 +146,10 @@ def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array 
     if x.shape[0] != want_rows or (residual is not None and (epilogue != "combine" or residual.shape != (1, N))):
         raise ValueError(f"routed_gemv: {epilogue} takes x of {want_rows} rows (got {x.shape[0]}) and a residual "
                          f"[1, {N}] only with combine")
+    if scale is not None and epilogue != "swiglu":
+        raise ValueError("routed_gemv: the norm prologue (scale) goes with swiglu")
+    if scale is not None and scale.ndim == 1:
+        scale, vector_layer = scale[None], 0
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"routed_gemv: swiglu needs an even number of rows, got {N}")
     n_out = N // 2 if epilogue == "swiglu" else N
@@ -139,12 +158,12 @@ def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array 
         raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
     block_in = min(block_in, pow2_at_least(K))
     kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
-                               half=N // 2, rows=rows, block_in=block_in)
+                               half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None, eps=eps)
     if epilogue == "swiglu":
         grid, out_shape = (top_k, n_out // rows), jax.ShapeDtypeStruct((top_k, n_out), x.dtype)
     else:
         grid, out_shape = (n_out // rows,), jax.ShapeDtypeStruct((1, n_out), x.dtype)
-    args = [layer_operands(layer)[0], logits, x, w] + ([] if residual is None else [residual])
+    args = [*layer_operands(layer, vector_layer), logits, x, w] + [a for a in (scale, residual) if a is not None]
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=f"routed_gemv_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
