@@ -15,6 +15,10 @@ pallas/prefill_attention.py. A step that is one fresh prompt runs its attention 
 attention (Q rows a sequence) is the split-sequence kernel with the Q rows of a KV head's query heads in one tile
 (pallas/verify_attention.py), the reference op where the tile would pass its limit.
 
+A mixture of experts (moe_mlp, rms_norm_moe_mlp): at one token two routed GEMVs (pallas/moe_gemv.py) that route in the
+kernel and read only the chosen experts' rows, the MLP norm folded into the router's GEMV and the gate/up one; more
+rows the grouped GEMM over expert-sorted rows (pallas/grouped_gemm.py), routing and sorting in XLA.
+
 8-bit weights (ops.quantized.QuantizedWeight, bare or in a LayerWeight) take the same kernels' 8-bit variants:
 batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no more kernels a layer), batched
 decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
