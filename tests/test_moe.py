@@ -123,3 +123,18 @@ def test_pallas_norm_and_moe_block_matches_reference(T):
     want = reference.rms_norm_moe_mlp(x, scale, 1e-6, router, gate_up, down, k, True)
     got = get_ops("pallas-interpret").rms_norm_moe_mlp(x, scale, 1e-6, router, gate_up, down, k, True)
     assert rel_err(got, want) <= 1e-5
+
+
+def test_per_layer_loading_gives_the_split_layers_tree():
+    """load_params(per_layer=True) (the GPU engine's unrolled layers): each layer's experts assembled on the host
+    and sent as one [E, N, K] array, equal to split_layers of the stacked tree."""
+    from jaxinfer.model.transformer import split_layers
+
+    d = DATA / "models" / "qwen3_moe"
+    cfg = load_config(d)
+    ours = load_params(d, cfg, progress=False, per_layer=True)
+    want = split_layers(load_params(d, cfg, progress=False))
+    assert jax.tree.structure(ours) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert ours["layers"][0]["moe_gate_up"].shape == (8, 64, 64)
