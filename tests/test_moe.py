@@ -138,3 +138,14 @@ def test_per_layer_loading_gives_the_split_layers_tree():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert ours["layers"][0]["moe_gate_up"].shape == (8, 64, 64)
+
+
+def test_sliding_windows_on_every_layer_as_transformers_applies_them():
+    """Mixtral's `sliding_window` and Qwen3-MoE's (with `use_sliding_window`) on every layer (transformers' masks);
+    Qwen3-MoE's without use_sliding_window is ignored, as transformers' config drops it."""
+    for family, extra in (("mixtral", {}), ("qwen3_moe", {"use_sliding_window": True})):
+        hf = json.loads((DATA / "models" / family / "config.json").read_text())
+        assert config_from_hf({**hf, "sliding_window": 16, **extra}).layer_windows == (16, 16, 16)
+        assert config_from_hf({**hf, "sliding_window": None}).layer_windows == ()
+    hf = json.loads((DATA / "models" / "qwen3_moe" / "config.json").read_text())
+    assert config_from_hf({**hf, "sliding_window": 16, "use_sliding_window": False}).layer_windows == ()

@@ -239,10 +239,12 @@ def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
     """Each layer's sliding window as transformers applies it (0: global; () where every layer is global).
     Mistral: `sliding_window` on every layer. Qwen2/Qwen3: only with `use_sliding_window`, on the layers that
     `layer_types` calls "sliding_attention" (by default those from `max_window_layers` on). Llama ignores the
-    field, as transformers' Llama does. A window as long as the positions the model takes never bites: 0."""
+    field, as transformers' Llama does. Mixtral, and Qwen3-MoE with `use_sliding_window`: on every layer. A window as
+    long as the positions the model takes never bites: 0."""
     n = int(hf["num_hidden_layers"])
     window = hf.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM") or (arch == "Qwen3MoeForCausalLM" and
+                                                              hf.get("use_sliding_window", False)):
         sliding = [True] * n
     elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf.get("use_sliding_window", False):
         types = hf.get("layer_types")
