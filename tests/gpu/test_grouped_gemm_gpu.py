@@ -1,6 +1,7 @@
-"""The grouped (mixture-of-experts) GEMM and ops.pallas.moe_mlp on the GPU at real shapes, against the reference
-ops (ragged_dot), with the configs choose_config picks: Qwen3-30B-A3B (128 experts of 768, 8 active, D 2048) and
-Mixtral-8x7B (8 experts of 14336, 2 active, D 4096); one token (row items), batched decode and prompt rows (sorted).
+"""The mixture-of-experts kernels through ops.pallas.moe_mlp / rms_norm_moe_mlp on the GPU at real shapes, against
+the reference ops (ragged_dot), with the configs choose_config picks: Qwen3-30B-A3B (128 experts of 768, 8 active, D 2048) and
+Mixtral-8x7B (8 experts of 14336, 2 active, D 4096); one token (the routed GEMVs), batched decode and prompt rows
+(the grouped GEMM over sorted rows); moe_mlp and rms_norm_moe_mlp (the norm folded into the batch-1 GEMVs).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py
@@ -37,8 +38,14 @@ def test_moe_mlp_at_real_shapes(shape, T):
     gate_up = jax.random.normal(keys[2], (L, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5)
     down = jax.random.normal(keys[3], (L, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5)
 
-    def run(ops):   # layer 1 of the stacks, read in place
-        return jax.jit(lambda *ws: ops.moe_mlp(x, *(LayerWeight(w, jnp.int32(1)) for w in ws), k, True))(
-            router, gate_up, down)
+    scale = (1 + 0.1 * jax.random.normal(keys[0], (L, D))).astype(jnp.bfloat16)
 
-    assert _rel(run(get_ops("pallas")), run(reference)) <= 1e-2
+    def run(ops):   # layer 1 of the stacks, read in place: the MoE op, and the block with its norm folded in
+        moe = jax.jit(lambda *ws: ops.moe_mlp(x, *(LayerWeight(w, jnp.int32(1)) for w in ws), k, True))(
+            router, gate_up, down)
+        block = jax.jit(lambda s, *ws: ops.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(1)), 1e-6, *(
+            LayerWeight(w, jnp.int32(1)) for w in ws), k, True))(scale, router, gate_up, down)
+        return moe, block - x   # the block's MoE output (x is far larger: compare what the experts add)
+
+    for ours, want in zip(run(get_ops("pallas")), run(reference)):
+        assert _rel(ours, want) <= 1e-2
