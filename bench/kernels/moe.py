@@ -102,7 +102,8 @@ def main() -> None:
                         row = dict(shape=shape, T=T, what=name, config=_name(cfg), ms=ms, xla_ms=xla_ms,
                                    tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref))
                     except Exception as e:   # a config that fails to compile is reported, not fatal
-                        row = dict(shape=shape, T=T, what=name, config=_name(cfg), error=f"{type(e).__name__}: {e}"[:200])
+                        row = dict(shape=shape, T=T, what=name, config=_name(cfg),
+                                   error=f"{type(e).__name__}: {e}"[:200])
                     rows.append(row)
                     _print(row)
             (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
@@ -117,7 +118,8 @@ def _name(cfg: GroupedGemmConfig) -> str:
 
 def _print(r: dict) -> None:
     if "error" in r:
-        print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | failed: {r['error'][:80]} | | | | |", flush=True)
+        print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | failed: {r['error'][:80]} | | | | |",
+              flush=True)
         return
     rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.1f} TFLOP/s" if "tflops" in r else "-"
     share = f"{100 * r['share']:.1f}%" if "share" in r else "-"

@@ -1,7 +1,7 @@
 """The mixture-of-experts kernels through ops.pallas.moe_mlp / rms_norm_moe_mlp on the GPU at real shapes, against
-the reference ops (ragged_dot), with the configs choose_config picks: Qwen3-30B-A3B (128 experts of 768, 8 active, D 2048) and
-Mixtral-8x7B (8 experts of 14336, 2 active, D 4096); one token (the routed GEMVs), batched decode and prompt rows
-(the grouped GEMM over sorted rows); moe_mlp and rms_norm_moe_mlp (the norm folded into the batch-1 GEMVs).
+the reference ops (ragged_dot), with the configs choose_config picks: Qwen3-30B-A3B (128 experts of 768, 8 active,
+D 2048) and Mixtral-8x7B (8 experts of 14336, 2 active, D 4096); one token (the routed GEMVs), batched decode and
+prompt rows (the grouped GEMM over sorted rows); moe_mlp and rms_norm_moe_mlp (the norm folded into the batch-1 GEMVs).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py
