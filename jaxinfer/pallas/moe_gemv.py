@@ -9,9 +9,10 @@ kernels make the whole block after the router's product (its logits [1, E], a GE
 n is x, or rms_norm(x) with `scale`: the norm as the GEMV's prologue (pallas/fused_gemv.py's: the sum of squares from
 the same x tiles, applied to the sums). Every program reads the E logits (a few hundred bytes) and routes as
 reference.route does (softmax in float32, the top_k probabilities, ties to the lower index, optionally
-renormalised): no top-k, sort or gather kernel between them, and no index array in memory. Weights stay in the stacked [L, E, N, K] array, read in place at
-`layer` and the chosen expert. As pallas/fused_gemv.py: one warp a program, `rows` output rows each a
-[block_in] vector of consecutive weights, float32 sums, rounded where the reference rounds.
+renormalised): no top-k, sort or gather kernel between them, and no index array in memory. Weights stay in the
+stacked [L, E, N, K] array, read in place at `layer` and the chosen expert. As pallas/fused_gemv.py: one warp a
+program, `rows` output rows each a [block_in] vector of consecutive weights, float32 sums, rounded where the
+reference rounds.
 """
 
 from __future__ import annotations
