@@ -8,6 +8,8 @@ Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 r
 - "op": ops.pallas.moe_mlp against reference.moe_mlp (XLA: top-k, sort, ragged_dot), both jitted alone, the
   relative error between them; at T = 1 the bytes the active experts and the router hold over the time, against
   the HBM read bandwidth measured in the same run.
+- T = 1: each routed GEMV config of ROUTED (rows a program, block_in, warps) for the gate/up and the combine alone,
+  against the bytes it must read (the top_k experts' matrices) over the HBM read bandwidth.
 - T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
   expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work).
 Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err  # noqa: E402
 from jaxinfer.ops import LayerWeight, get_ops, reference  # noqa: E402
 from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, choose_config, grouped_gemm, sorted_items  # noqa: E402
+from jaxinfer.pallas.moe_gemv import routed_gemv  # noqa: E402
 
 # (experts, active, D, I)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "tiny-moe": (8, 2, 64, 32)}
@@ -36,6 +39,7 @@ CONFIGS = [GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, nu
            for bm, bn, bk, w, s in [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3),
                                     (64, 128, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 2),
                                     (128, 128, 32, 4, 3)]]
+ROUTED = [(rows, block_in, warps) for rows in (1, 2, 4) for block_in in (256, 512) for warps in (1, 2)]
 
 
 def main() -> None:
@@ -80,6 +84,7 @@ def main() -> None:
             rows.append(row)
             _print(row)
             if T == 1:
+                rows += sweep_routed(shape, x, router, gate_up, down, k, bw, interpret)
                 continue
             h = reference.rms_norm(x, jnp.ones(D, bf), 1e-6)
             _, experts = reference.route(reference.linear(h, router[1]), k, True)
@@ -98,7 +103,7 @@ def main() -> None:
                         a, w, sorted_items(gs, a.shape[0], cfg.block_m), 1, epilogue=ep, config=cfg,
                         interpret=interpret))
                     try:
-                        y, ms = best_ms_per_call(f, (a, w, group_sizes), 1, target_s=None if interpret else 0.3)
+                        y, ms = best_ms_per_call(f, (a, w, group_sizes), 1, target_s=None if interpret else 0.1)
                         row = dict(shape=shape, T=T, what=name, config=_name(cfg), ms=ms, xla_ms=xla_ms,
                                    tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref))
                     except Exception as e:   # a config that fails to compile is reported, not fatal
@@ -112,6 +117,39 @@ def main() -> None:
                                                              rows=rows), indent=1))
 
 
+def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret) -> list[dict]:
+    """The batch-1 routed GEMVs alone, config by config: the gate/up (norm prologue) and the combine (residual)."""
+    D, I = x.shape[1], down.shape[-1]
+    logits = reference.linear(x, router[1])
+    h = jax.random.normal(jax.random.PRNGKey(1), (k, I), x.dtype)
+    scale = jnp.ones((2, D), x.dtype)   # read at the matrices' layer (1)
+    out = []
+    for name, w, a, n_bytes in (("routed gate_up", gate_up, x, k * 2 * I * D * 2), ("routed combine", down, h,
+                                                                                   k * D * I * 2)):
+        want = None
+        for cfg in ROUTED[:1] if interpret else ROUTED:
+            rows_, block_in, warps = cfg
+            kw = dict(top_k=k, renormalize=True, rows=rows_, block_in=block_in, num_warps=warps, interpret=interpret)
+            if name == "routed gate_up":
+                f = jax.jit(lambda a, lg, w, s, kw=kw: routed_gemv(a, lg, w, 1, epilogue="swiglu", scale=s, **kw))
+                args = (a, logits, w, scale)
+            else:
+                f = jax.jit(lambda a, lg, w, r, kw=kw: routed_gemv(a, lg, w, 1, epilogue="combine", residual=r, **kw))
+                args = (a, logits, w, x)
+            try:
+                y, ms = best_ms_per_call(f, args, 1, target_s=None if interpret else 0.1)
+                want = y if want is None else want
+                row = dict(shape=shape, T=1, what=name, config="/".join(map(str, cfg)), ms=ms, xla_ms=float("nan"),
+                           gb_s=n_bytes / (ms * 1e-3) / 1e9, share=n_bytes / (ms * 1e-3) / bw,
+                           rel_err=rel_err(y, want))
+            except Exception as e:   # a config that fails to compile is reported, not fatal
+                row = dict(shape=shape, T=1, what=name, config="/".join(map(str, cfg)),
+                           error=f"{type(e).__name__}: {e}"[:200])
+            out.append(row)
+            _print(row)
+    return out
+
+
 def _name(cfg: GroupedGemmConfig) -> str:
     return "/".join(str(v) for v in dataclasses.astuple(cfg))
 
@@ -123,8 +161,9 @@ def _print(r: dict) -> None:
         return
     rate = f"{r['gb_s']:.0f} GB/s" if "gb_s" in r else f"{r['tflops']:.1f} TFLOP/s" if "tflops" in r else "-"
     share = f"{100 * r['share']:.1f}%" if "share" in r else "-"
-    print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | {r['ms']:.3f} | {r['xla_ms'] / r['ms']:.2f}x | "
-          f"{rate} | {share} | {r['rel_err']:.1e} |", flush=True)
+    vs = f"{r['xla_ms'] / r['ms']:.2f}x" if r["xla_ms"] == r["xla_ms"] else "-"   # nan: no XLA twin timed
+    print(f"| {r['shape']} | {r['T']} | {r['what']} | {r['config']} | {r['ms']:.3f} | {vs} | {rate} | {share} | "
+          f"{r['rel_err']:.1e} |", flush=True)
 
 
 if __name__ == "__main__":
