@@ -55,7 +55,9 @@ def choose_config(rows_per_group: float, N: int, K: int, epilogue: str = "none")
     if bm <= 16:
         while split < 4 and K // (64 * split) >= 8:
             split *= 2
-    return GroupedGemmConfig(block_m=bm, block_n=64 if bm <= 64 else 128, block_k=64, num_warps=4,
+    # float32 accumulators a thread: bm * bn (twice for SwiGLU's gate and up) over 32 * num_warps threads, <= 64
+    wide = bm > 64 and epilogue != "swiglu"
+    return GroupedGemmConfig(block_m=bm, block_n=128 if wide else 64, block_k=64, num_warps=4 if bm <= 64 else 8,
                              num_stages=3 if bm <= 64 else 2, split_k=split)
 
 
