@@ -139,3 +139,21 @@ def test_unsupported_combinations_are_one_clear_error():
                               (dict(speculative="draft:x"), "n-gram speculation only")):
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
+
+
+def test_benches_run_at_tp2_on_the_cpu(tmp_path):
+    """bench/collectives.py and bench/decode.py --tensor-parallel-size end to end on 2 host devices (their figures
+    here mean nothing: a GPU session's minutes are not lost to a script error)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    for args in (["collectives.py", "--cpu", "--tp", "2", "--batches", "1", "--widths", "256", "--layers", "2",
+                  "--iters", "2"],
+                 ["decode.py", "--shapes", "tiny", "--long", "--paths", "reference", "--prompt", "24", "--new", "6",
+                  "--steps", "3", "--models", str(tmp_path / "models"), "--tensor-parallel-size", "2"]):
+        r = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:], "--out", str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads((tmp_path / "collectives.json").read_text())
+    assert [(r["tp"], r["batch"], r["width"]) for r in rows] == [(2, 1, 256)]
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    assert "error" not in json.dumps(decode) and "step_ms" in json.dumps(decode)
