@@ -1,7 +1,7 @@
 """The routed GEMVs of a batch-1 mixture-of-experts step (pallas/moe_gemv.py) in interpret mode against the
 reference ops: routing read from the logits in the kernel (experts not a power of two, with and without
 renormalisation), depths that are not multiples of the tile, 1-4 rows a program, a layer of a [L, E, N, K] stack,
-the combine with and without the residual.
+the combine with and without the residual, depths run as a loop.
 
 Tolerances: float32 1e-5 relative (another summation order); bfloat16 1e-2 relative (outputs round to bf16; SwiGLU
 rounds silu in float32 where the reference rounds it in bf16).
@@ -19,7 +19,9 @@ from jaxinfer.pallas.moe_gemv import routed_gemv
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 HP = jax.lax.Precision.HIGHEST
 # (E, top_k, D, I, block_in, rows)
-CASES = [(6, 3, 72, 40, 32, None), (8, 2, 64, 48, 64, 2), (5, 5, 40, 24, 16, 1), (16, 4, 128, 64, 512, 4)]
+# (the last: depths of more than UNROLL_TILES tiles, a loop; the combine's with a ragged tail)
+CASES = [(6, 3, 72, 40, 32, None), (8, 2, 64, 48, 64, 2), (5, 5, 40, 24, 16, 1), (16, 4, 128, 64, 512, 4),
+         (4, 2, 272, 300, 16, None)]
 
 
 def _operands(case, dtype, L=2):

@@ -30,6 +30,7 @@ f32 = jnp.float32
 i32 = jnp.int32
 NEG = -1e30   # a masked logit (finite: exp gives 0 without inf arithmetic)
 EPILOGUES = ("swiglu", "combine")
+UNROLL_TILES = 8   # depths of at most this many block_in tiles run as straight-line code, deeper ones as a loop
 
 
 def _route(logits_ref, E: int, top_k: int, renormalize: bool):
@@ -60,9 +61,9 @@ def _route(logits_ref, E: int, top_k: int, renormalize: bool):
 def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_ref=None, vlayer=None, eps=0.0):
     """float32 dot products of x_ref[x_row] (with scale_ref: rms_norm(x) with scale_ref[vlayer]) with rows w_rows of
     W[layer, expert]."""
-    accs = [jnp.zeros((block_in,), f32) for _ in w_rows]
-    sumsq = jnp.zeros((block_in,), f32)
-    for idx, cmask in row_tiles(n_in, block_in):
+    def tile(carry, idx, cmask):
+        accs, sumsq = carry
+
         def load(ref_win):
             return plgpu.load(ref_win) if cmask is None else plgpu.load(ref_win, mask=cmask, other=0)
 
@@ -70,7 +71,20 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
         if scale_ref is not None:
             sumsq = sumsq + xt * xt
             xt = xt * load(scale_ref.at[vlayer, idx]).astype(f32)
-        accs = [a + load(w_ref.at[layer, expert, r, idx]).astype(f32) * xt for a, r in zip(accs, w_rows)]
+        return [a + load(w_ref.at[layer, expert, r, idx]).astype(f32) * xt for a, r in zip(accs, w_rows)], sumsq
+
+    carry = ([jnp.zeros((block_in,), f32) for _ in w_rows], jnp.zeros((block_in,), f32))
+    full = n_in // block_in
+    if full <= UNROLL_TILES:   # few tiles: straight-line code, every load can be issued ahead
+        for idx, cmask in row_tiles(n_in, block_in):
+            carry = tile(carry, idx, cmask)
+    else:   # a loop (unrolled, the tiles' loads would stay live at once: 2.5k spilled registers at Mixtral's 14,336)
+        carry = jax.lax.fori_loop(0, full, lambda t, c: tuple(tile(c, pl.ds(pl.multiple_of(t * block_in, block_in),
+                                                                            block_in), None)), carry)
+        if n_in % block_in:
+            cols = full * block_in + jnp.arange(block_in, dtype=i32)
+            carry = tile(carry, jnp.minimum(cols, n_in - 1), cols < n_in)
+    accs, sumsq = carry
     ys = [jnp.sum(a) for a in accs]
     if scale_ref is not None:
         inv = jax.lax.rsqrt(jnp.sum(sumsq) / n_in + eps)
@@ -114,9 +128,11 @@ def _kernel(layer_ref, vlayer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, re
         o_ref[i32(0), row] = y.astype(dtype)
 
 
-def choose_rows(n_out: int) -> int:
-    """Output rows a program: 4 where they divide the rows (fewer loads of x a weight), else 2 or 1."""
-    return next(r for r in (4, 2, 1) if n_out % r == 0)
+def choose_config(epilogue: str, n_out: int) -> tuple[int, int]:
+    """(rows a program, block_in): 2 rows where they divide the outputs, tiles of 256 for the gate/up (its 2 * rows
+    vectors), 512 for the combine. By registers alone (ptxas for sm_90, bench/kernel_registers.py: 90 and 70 at the
+    Qwen3-30B-A3B shape, none spilled; 4 rows of 512 took 251): not yet timed on a GPU (bench/kernels/moe.py)."""
+    return next(r for r in (2, 1) if n_out % r == 0), 256 if epilogue == "swiglu" else 512
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "rows", "block_in",
@@ -124,7 +140,7 @@ def choose_rows(n_out: int) -> int:
 def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
                 renormalize: bool, epilogue: str, residual: jax.Array | None = None, scale: jax.Array | None = None,
                 eps: float = 1e-6, vector_layer: jax.Array | int | None = None, rows: int | None = None,
-                block_in: int = 512, num_warps: int = 1, interpret: bool = False) -> jax.Array:
+                block_in: int | None = None, num_warps: int = 1, interpret: bool = False) -> jax.Array:
     """One token's mixture of experts, one product a call, routed by its router logits [1, E].
     epilogue "swiglu": x [1, K], w [L, E, 2I, K] each expert's [gate; up]: returns h [top_k, I]; with scale
     ([Ls, K] read at vector_layer, default `layer`; or [K]) x is RMS-normed first (eps).
@@ -154,7 +170,8 @@ def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array 
     if epilogue == "swiglu" and N % 2:
         raise ValueError(f"routed_gemv: swiglu needs an even number of rows, got {N}")
     n_out = N // 2 if epilogue == "swiglu" else N
-    rows = rows or choose_rows(n_out)
+    rows_default, block_default = choose_config(epilogue, n_out)
+    rows, block_in = rows or rows_default, block_in or block_default
     if n_out % rows:
         raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
     block_in = min(block_in, pow2_at_least(K))
