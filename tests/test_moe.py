@@ -149,3 +149,29 @@ def test_sliding_windows_on_every_layer_as_transformers_applies_them():
         assert config_from_hf({**hf, "sliding_window": None}).layer_windows == ()
     hf = json.loads((DATA / "models" / "qwen3_moe" / "config.json").read_text())
     assert config_from_hf({**hf, "sliding_window": 16, "use_sliding_window": False}).layer_windows == ()
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "scanned"])
+def test_engine_steps_lower_to_triton(tmp_path, monkeypatch, unroll):
+    """Every compiled step of a small Qwen3-MoE (head dim 128, 8 experts of 128) on the Pallas ops lowers for an
+    H200 (on the CPU, as tests/test_triton_lowering.py does), no pair of layer indices joined into one operand."""
+    from jax._src.pallas.triton import gpu_info
+    from test_triton_lowering import LAYER_PAIR, SMALL, TRITON_CALL, _runner
+
+    from bench.random_model import QWEN3_30B_A3B, write_random_model
+    from jaxinfer.model.transformer import split_layers
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    d = write_random_model(tmp_path / "m", {**QWEN3_30B_A3B, **SMALL, "moe_intermediate_size": 128, "num_experts": 8,
+                                            "num_experts_per_tok": 2}, dtype="bfloat16")
+    cfg = load_config(d, "bfloat16")
+    params = load_params(d, cfg, progress=False)
+    runner = _runner(cfg, split_layers(params) if unroll else params, unroll_layers=unroll, decode_steps=2)
+    kernels = set()
+    for variant, batch in runner.bucket_calls():
+        text = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert TRITON_CALL in text, variant.name
+        assert not LAYER_PAIR.search(text), variant.name
+        kernels |= {k for k in ("routed_gemv_swiglu", "routed_gemv_combine", "grouped_gemm_swiglu") if k in text}
+    assert kernels == {"routed_gemv_swiglu", "routed_gemv_combine", "grouped_gemm_swiglu"}
