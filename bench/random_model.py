@@ -55,8 +55,34 @@ MIXTRAL_8X7B = dict(architectures=["MixtralForCausalLM"], model_type="mixtral", 
 TINY_MOE = {**QWEN3_30B_A3B, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 8,
             "num_experts_per_tok": 2, "max_position_embeddings": 8192}
+# Dense families beside Llama's layout (shapes as their config.json files give them; Phi-4-mini's LongRoPE factors
+# here are placeholders of the right length, not the published ones).
+PHI4_MINI = dict(architectures=["Phi3ForCausalLM"], model_type="phi3", vocab_size=200064, hidden_size=3072,
+                 num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, intermediate_size=8192,
+                 max_position_embeddings=131072, original_max_position_embeddings=4096, partial_rotary_factor=0.75,
+                 rope_theta=10000.0, rope_scaling=dict(type="longrope", short_factor=[1.0] * 48,
+                                                       long_factor=[1.0 + i / 8 for i in range(48)]),
+                 rms_norm_eps=1e-5, sliding_window=262144, tie_word_embeddings=True, bos_token_id=199999,
+                 eos_token_id=199999, hidden_act="silu")
+GEMMA3_1B = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+                 num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                 intermediate_size=6912, max_position_embeddings=32768, query_pre_attn_scalar=256, sliding_window=512,
+                 sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=2, eos_token_id=[1, 106],
+                 hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None)
+APERTUS_8B = dict(architectures=["ApertusForCausalLM"], model_type="apertus", vocab_size=131072, hidden_size=4096,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=21504,
+                  max_position_embeddings=65536, rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="xielu",
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8192), rope_theta=12000000.0,
+                  bos_token_id=1, eos_token_id=2)
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B, "tiny": TINY,
           "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny-moe": TINY_MOE}
+SHAPES.update({"phi4-mini": PHI4_MINI, "gemma3-1b": GEMMA3_1B, "apertus-8b": APERTUS_8B})
+
+
+XIELU_INIT = {"alpha_p": float(np.log(np.expm1(0.8))), "alpha_n": float(np.log(np.expm1(0.3))), "beta": 0.5,
+              "eps": -1e-6}
 
 
 def shape_config(shape: str) -> dict[str, Any]:
@@ -87,6 +113,8 @@ def write_random_model(out_dir: str | Path, hf_config: dict[str, Any], dtype: st
                 key, sub = jax.random.split(key)
                 if src.endswith(("norm.weight", "layernorm.weight")) or ".ln_" in src:
                     value = jnp.ones(shape, jnp.float32)
+                elif ".act_fn." in src:   # xIELU's alpha_p, alpha_n, beta, eps as transformers initialises them
+                    value = jnp.full(shape, XIELU_INIT[src.rsplit(".", 1)[1]], jnp.float32)
                 else:
                     value = std * jax.random.normal(sub, (experts, *shape) if experts else shape, jnp.float32)
                 if rule.transpose and len(shape) == 2:

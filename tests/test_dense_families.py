@@ -1,6 +1,7 @@
-"""Phi-3 and Phi-4-mini, Apertus and Gemma 3 against transformers (goldens from tools/make_goldens.py): float32 logits within
-1e-4 and 32 greedy tokens equal, on the reference ops and on the Pallas ops in interpret mode; the RoPE tables
-behind partial rotary dims and LongRoPE; and one clear error for each part of their configs we do not take."""
+"""Phi-3 and Phi-4-mini, Apertus and Gemma 3 against transformers (goldens from tools/make_goldens.py): float32
+logits within 1e-4 and 32 greedy tokens equal, on the reference ops and on the Pallas ops in interpret mode; the
+RoPE tables behind partial rotary dims and LongRoPE; and one clear error for each part of their configs we do not
+take."""
 
 import dataclasses
 import json
@@ -52,6 +53,20 @@ def test_per_layer_weights_give_the_same_logits(family):
     # (XLA fuses the straight-line layers otherwise: measured up to 2.2e-5 apart on Gemma 3's larger logits)
     np.testing.assert_allclose(np.asarray(prompt_logits(cfg, get_ops(), split_layers(params), prompt)), stacked,
                                atol=5e-5, err_msg=name)
+
+
+def test_bfloat16_logits_close_to_float32(family):
+    """bf16 weights and activations (Gemma's 1 + w rounded to bf16 at load, where transformers keeps it in float32):
+    within bf16 rounding of the float32 golden, as tests/test_model_parity.py holds the other families."""
+    name, _, _ = family
+    d = DATA / "models" / name
+    cfg = load_config(d, dtype="bfloat16")
+    golden = np.load(DATA / "golden" / f"{name}.npz")
+    ours = np.asarray(prompt_logits(cfg, get_ops(), load_params(d, cfg, progress=False), golden["prompt_3"]),
+                      np.float32)
+    want = golden["logits_3"]
+    assert np.max(np.abs(ours - want)) <= 0.08 * np.abs(want).max()
+    assert np.mean(np.argmax(ours, -1) == np.argmax(want, -1)) >= 0.75
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -183,7 +183,8 @@ GEMMA3_RULES = _derived(LLAMA_RULES, {
     **{dest: dict(sources=(f"{hf}.weight",), convert=_one_plus) for dest, hf in _GEMMA_NORMS.items()},
     "layers.q_norm": dict(convert=_gemma_q_norm), "layers.k_norm": dict(convert=_one_plus),
 }, tuple(Rule(f"layers.{dest}.scale", (f"{_LAYER}.{hf}.weight",), lambda c: [(c.hidden_size,)], convert=_one_plus)
-         for dest, hf in (("attn_out_norm", "post_attention_layernorm"), ("mlp_out_norm", "post_feedforward_layernorm"))))
+         for dest, hf in (("attn_out_norm", "post_attention_layernorm"),
+                          ("mlp_out_norm", "post_feedforward_layernorm"))))
 RULES.update(phi3=PHI3_RULES, apertus=APERTUS_RULES, gemma3=GEMMA3_RULES)
 PREFIXES.update(phi3=("",), apertus=("",), gemma3=("",))
 
