@@ -147,6 +147,8 @@ def _gemma3(**kw):
     (_phi3(rope_parameters={"rope_type": "dynamic", "factor": 2.0}), "unsupported rope type 'dynamic'"),
     ({**json.loads((DATA / "models" / "apertus" / "config.json").read_text()), "hidden_act": "silu"},
      "hidden_act 'silu' for Apertus"),
+    ({**json.loads((DATA / "models" / "apertus" / "config.json").read_text()), "post_norm": True},
+     "Apertus with mlp_bias, post_norm"),
     (_gemma3(attn_logit_softcapping=50.0), "attn_logit_softcapping is not supported"),
     (_gemma3(use_bidirectional_attention=True), "use_bidirectional_attention is not supported"),
     (_gemma3(hidden_activation="silu"), "hidden_activation 'silu' for Gemma 3"),

@@ -319,6 +319,9 @@ def _dense_family_config(family: str, hf: dict[str, Any], dtype: str) -> ModelCo
     if family == "apertus":
         if hf.get("hidden_act", "xielu") != "xielu":
             raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r} for Apertus (xielu)")
+        if hf.get("mlp_bias") or hf.get("post_norm") or hf.get("qk_norm") is False:
+            raise ModelLoadError("Apertus with mlp_bias, post_norm or without qk_norm is not supported (transformers' "
+                                 "Apertus has no such variants)")
         bias = bool(hf.get("attention_bias", False))
         return ModelConfig(**common, mlp_kind="xielu", activation="xielu", qk_norm=True, qkv_bias=bias, o_bias=bias,
                            **_rope_fields({"rope_theta": 12000000.0, **hf}))
