@@ -466,8 +466,8 @@ def test_kv_pool_from_device_memory_is_capped_by_what_the_sequences_can_use(monk
         def memory_stats(self):
             return {"bytes_limit": 2**40, "bytes_in_use": 0}
 
-    real = jax.devices
-    monkeypatch.setattr(E.jax, "devices", lambda *a: [Device()] if not a else real(*a))
+    real = jax.local_devices
+    monkeypatch.setattr(E.jax, "local_devices", lambda *a, **k: [Device()] if not (a or k) else real(*a, **k))
     engine = E.Engine(STORIES, max_num_seqs=2, max_model_len=64, progress=False, compile_threads=1)
     assert engine.pages.num_pages == 2 * 2 * (64 // 16) + 1
 
