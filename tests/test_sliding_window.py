@@ -39,6 +39,20 @@ def test_config_reads_each_familys_window():
         config_from_hf({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": -4})
 
 
+@pytest.mark.parametrize("family", ["phi3", "gemma3", "mistral_swa"])
+def test_a_window_that_is_not_positive_is_one_clear_error(family):
+    """Every family that reads sliding_window refuses a negative one (Phi-3 and Gemma 3 took it as each layer's
+    window, under which a query sees no key); Phi-3's window as long as the positions never bites."""
+    import json
+
+    hf = json.loads((DATA / "models" / family / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="sliding_window -4: want a positive number"):
+        config_from_hf({**hf, "sliding_window": -4})
+    if family == "phi3":
+        assert config_from_hf({**hf, "sliding_window": 12}).layer_windows == (12, 12, 12)
+        assert config_from_hf({**hf, "sliding_window": hf["max_position_embeddings"]}).layer_windows == ()
+
+
 def _dense_attention(q, k, v, positions, key_positions, window, scale):
     """Attention written out for one sequence: q [T, H, hd] at positions over k, v [S, KVH, hd] at key_positions."""
     H, kvh = q.shape[1], k.shape[1]

@@ -242,7 +242,6 @@ def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
     field, as transformers' Llama does. Mixtral, and Qwen3-MoE with `use_sliding_window`: on every layer. A window as
     long as the positions the model takes never bites: 0."""
     n = int(hf["num_hidden_layers"])
-    window = hf.get("sliding_window")
     if arch in ("MistralForCausalLM", "MixtralForCausalLM") or (arch == "Qwen3MoeForCausalLM" and
                                                               hf.get("use_sliding_window", False)):
         sliding = [True] * n
@@ -256,12 +255,19 @@ def _layer_windows(hf: dict[str, Any], arch: str) -> tuple[int, ...]:
         sliding = [t == "sliding_attention" for t in types]
     else:
         return ()
-    if window in (None, 0) or int(window) >= int(hf.get("max_position_embeddings", 2048)):
-        return ()
+    window = _window_size(hf.get("sliding_window"), int(hf.get("max_position_embeddings", 2048)))
+    windows = tuple(window if s else 0 for s in sliding)
+    return windows if any(windows) else ()
+
+
+def _window_size(window: Any, max_pos: int) -> int:
+    """config.json's sliding_window as a layer's window: 0 where it never bites (none, or as long as the positions
+    the model takes); one clear error for one that is not a positive number of positions."""
+    if window in (None, 0):
+        return 0
     if int(window) < 1:
         raise ModelLoadError(f"sliding_window {window!r}: want a positive number of positions")
-    windows = tuple(int(window) if s else 0 for s in sliding)
-    return windows if any(windows) else ()
+    return 0 if int(window) >= max_pos else int(window)
 
 
 def _moe_fields(family: str, hf: dict[str, Any]) -> dict[str, Any]:
@@ -313,9 +319,8 @@ def _dense_family_config(family: str, hf: dict[str, Any], dtype: str) -> ModelCo
         if "rope_longrope" in rope and any(len(f) != rotary // 2 for f in rope["rope_longrope"][:2]):
             raise ModelLoadError(f"LongRoPE short_factor and long_factor must have {rotary // 2} entries each")
         # transformers' Phi-3 applies `sliding_window` on every layer
-        window = hf.get("sliding_window")
-        windows = () if window in (None, 0) or int(window) >= max_pos else (int(window),) * n
-        return ModelConfig(**common, layer_windows=windows, **rope)
+        window = _window_size(hf.get("sliding_window"), max_pos)
+        return ModelConfig(**common, layer_windows=(window,) * n if window else (), **rope)
     if family == "apertus":
         if hf.get("hidden_act", "xielu") != "xielu":
             raise ModelLoadError(f"unsupported hidden_act {hf.get('hidden_act')!r} for Apertus (xielu)")
@@ -339,8 +344,8 @@ def _dense_family_config(family: str, hf: dict[str, Any], dtype: str) -> ModelCo
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
     if len(types) != n or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"layer_types {types!r}: want {n} of 'sliding_attention' / 'full_attention'")
-    window = int(hf.get("sliding_window") or 4096)
-    windows = tuple(window if t == "sliding_attention" and window < max_pos else 0 for t in types)
+    window = _window_size(hf.get("sliding_window") or 4096, max_pos)
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     params = dict(hf.get("rope_parameters") or {})
     if "full_attention" in params or "sliding_attention" in params:   # transformers 5: a dict per layer type
         full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
