@@ -9,7 +9,11 @@ are the same sums in another order (q and k are ordered alike; v and the output 
 LongRoPE (Phi-3): transformers takes the short factors while a forward's sequence is at most
 original_max_position_embeddings long and the long ones past it. Here a token takes the long ones when its
 sequence's last position in the step is past that length: a prompt in one step, and every decode step, as
-transformers computes them (cached keys keep the factors they were written with, as in transformers).
+transformers' forward computes them. Two cases differ from transformers' generate, which the goldens do not reach:
+a prompt longer than that length taken in chunks (its chunks that end at or before it take the short factors,
+where transformers' one forward takes the long ones for every token), and a sequence that crosses it while
+decoding (its cached keys keep the short factors; transformers' Phi-3 drops its cache there and recomputes every
+key with the long ones). Both need each sequence's length in the step, not only its positions.
 
 A second base (Gemma 3's sliding-window layers): both tables are computed once a step and each layer picks its own.
 """
