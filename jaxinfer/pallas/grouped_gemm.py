@@ -47,7 +47,7 @@ class GroupedGemmConfig:
 def choose_config(rows_per_group: float, N: int, K: int, epilogue: str = "none") -> GroupedGemmConfig:
     """A config for groups of about rows_per_group rows: items of the next power of two (16..128) rows; where
     there are few rows a group (decode), split K so that each expert's matrix is streamed by several programs.
-    Not yet measured on a GPU (bench/kernels/grouped_gemm.py sweeps it)."""
+    Not yet measured on a GPU (bench/kernels/moe.py sweeps it)."""
     bm = 16
     while bm < 128 and bm < rows_per_group:
         bm *= 2
