@@ -171,3 +171,27 @@ def test_invalid_engine_options(options, message):
 
     with pytest.raises(ValueError, match=message):
         Engine(STORIES, progress=False, **options)
+
+
+@pytest.mark.parametrize("family, changes, args, message", [
+    ("qwen3_moe", {"mlp_only_layers": [1]}, [], "Qwen3-MoE with dense layers ([1]"),
+    ("mixtral", {}, ["--quantization", "int8"], "8-bit weights of a mixture-of-experts model are not supported"),
+    ("gemma3", {"attn_logit_softcapping": 50.0}, [], "Gemma 3's attn_logit_softcapping is not supported"),
+    ("apertus", {"post_norm": True}, [], "Apertus with mlp_bias, post_norm or without qk_norm is not supported"),
+])
+def test_cli_refused_family_settings_one_line_exit_2(tmp_path, family, changes, args, message):
+    """What the new families refuse (a MoE model's dense layers or 8-bit weights, Gemma 3's attention softcap, an
+    Apertus variant transformers lacks) reaches the command line as one line and exit code 2."""
+    from conftest import DATA
+
+    d = tmp_path / family
+    shutil.copytree(DATA / "models" / family, d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):   # the tokenizer is read before the weights
+        shutil.copy(STORIES / name, d / name)
+    hf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**hf, **changes}))
+    r = _cli("generate", "--model", str(d), *args, "--max-tokens", "2", "Once")
+    assert r.returncode == 2, r.stderr
+    lines = [line.split("\r")[-1] for line in r.stderr.splitlines()]
+    errors = [line for line in lines if line.startswith("jaxinfer: error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in r.stderr, r.stderr
