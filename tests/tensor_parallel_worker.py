@@ -4,6 +4,9 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
     python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
     python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
     python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache, split layers
+    python tests/tensor_parallel_worker.py features             prefix cache, preemption, structured output, penalties,
+                                                                logprobs, float8 and int8 caches, at TP 1 and 2
+    python tests/tensor_parallel_worker.py commands             the CLI and a server at TP 2, what TP 2 refuses
     python tests/tensor_parallel_worker.py distributed RANK N PORT  the same, one of N processes (TP N over all)
     python tests/tensor_parallel_worker.py follower RANK N PORT     process 0 generates, the others follow its calls
 """
@@ -85,6 +88,95 @@ def settings() -> None:
         print(json.dumps(dict(n=n, tokens=tokens)), flush=True)
 
 
+def features() -> None:
+    """At TP 1 and 2: greedy stories260k (vocabulary 512) with prefix-cache hits and preemption (a pool too small
+    for everyone) on a float8 cache, and structured output (a JSON Schema, a regex, a choice: llguidance's masks
+    over the sharded logits); sampled Qwen3 (vocabulary 1063, odd: padded to 1064 on two devices) with penalties,
+    top-k/top-p/min-p, logprobs and prompt logprobs on an int8 cache."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.sampling import StructuredOutput
+
+    system = "once upon a time there was a little girl named lily. she liked to play in the park. " * 2
+    prompts = [system + w for w in ("the dog", "a red ball", "her mom said", "one day", "they went home", "lily saw")]
+    greedy = [SamplingParams(max_tokens=12 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "legs": {"type": "integer", "minimum": 0, "maximum": 4}},
+              "required": ["name", "legs"], "additionalProperties": False}
+    constrained = [StructuredOutput(json=json.dumps(schema)), StructuredOutput(regex=r"[a-c]{2,4}-[0-9]{2}"),
+                   StructuredOutput(choice=["yes", "no", "maybe"])]
+    golden = np.load(GOLDEN / "qwen3.npz")
+    ids = [golden[f"prompt_{i}"].tolist() for i in range(4)]
+    sampled = [SamplingParams(max_tokens=12, temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, seed=7 + i,
+                              repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, logprobs=3,
+                              prompt_logprobs=2, ignore_eos=True) for i in range(4)]
+    for n in (1, 2):
+        tight = LLM(STORIES, tensor_parallel_size=n, max_num_seqs=6, num_pages=13, max_model_len=128,
+                    max_num_batched_tokens=64, kv_cache_dtype="fp8", progress=False, cache_dir="")
+        tokens = [o.outputs[0].token_ids for o in tight.generate(prompts, greedy)]
+        structured = [o.outputs[0].text for o in tight.generate(["The cat", "A code:", "Is it"], [
+            SamplingParams(max_tokens=40, temperature=0, structured=c) for c in constrained])]
+        e = tight.engine
+        llm = LLM(model_dir("qwen3"), tensor_parallel_size=n, max_num_seqs=4, max_num_batched_tokens=32,
+                  kv_cache_dtype="int8", enable_prompt_logprobs=True, max_logprobs=3, skip_tokenizer_init=True,
+                  progress=False, cache_dir="")
+        outs = llm.generate(ids, sampled)
+        print(json.dumps(dict(
+            n=n, tokens=tokens, preemptions=e.scheduler.num_preemptions, hit_rate=e.prefix_cache_hit_rate,
+            structured=structured, sampled=[o.outputs[0].token_ids for o in outs],
+            logprobs=[o.outputs[0].logprobs for o in outs],
+            top=[[[t for t, _ in row] for row in o.outputs[0].top_logprobs] for o in outs],
+            prompt_logprobs=[[row[0] for row in o.prompt_logprobs[1:]] for o in outs])), flush=True)
+
+
+def commands() -> None:
+    """The CLI at --tensor-parallel-size 2 (generate and bench), a completion served at TP 2 against `generate`'s
+    text at TP 1, and what TP 2 refuses: each one line on stderr and exit code 2 (one JSON line each)."""
+    import contextlib
+    import io
+
+    import httpx
+
+    from jaxinfer.cli import main
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.serve.app import create_app
+    from jaxinfer.serve.server import ServerThread
+
+    def cli(*args: str) -> dict:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(args))
+            except SystemExit as e:   # argparse's errors
+                rc = e.code
+        return dict(args=list(args), rc=rc, stdout=out.getvalue(), stderr=err.getvalue())
+
+    prompt = "once upon a time"
+    for n in ("1", "2"):
+        print(json.dumps(cli("generate", "--model", str(STORIES), "--tensor-parallel-size", n, "--max-tokens", "12",
+                             "--no-progress", "--cache-dir", "", prompt)), flush=True)
+    print(json.dumps(cli("bench", "--model", str(MODELS / "qwen3"), "--tensor-parallel-size", "2", "--input-len", "8",
+                         "--output-len", "4", "--num-prompts", "2", "--max-num-seqs", "1", "--no-progress",
+                         "--cache-dir", "")), flush=True)
+    engine = Engine(STORIES, tensor_parallel_size=2, max_num_seqs=2, progress=False, cache_dir="")
+    with ServerThread(create_app(engine)) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json=dict(model="stories260k", prompt=prompt, max_tokens=12,
+                                                                temperature=0), timeout=120)
+        print(json.dumps(dict(served=prompt + r.json()["choices"][0]["text"])), flush=True)
+    bench = ("bench", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--no-progress", "--cache-dir", "")
+    generate = ("generate", "--model", str(STORIES), "--no-progress", "--cache-dir", "", "--max-tokens", "4", prompt)
+    for args in ((*bench, "--model", str(MODELS / "gemma3")), (*bench, "--model", str(MODELS / "qwen3_moe")),
+                 (*bench, "--model", str(MODELS / "qwen3-w8a8-int8")),
+                 (*bench, "--model", str(MODELS / "qwen3"), "--quantization", "int8"),
+                 (*bench, "--model", str(MODELS / "qwen3"), "--speculative", "draft:" + str(MODELS / "qwen3")),
+                 (*generate, "--quantization", "fp8"), (*generate, "--speculative", "dflash:" + str(MODELS / "qwen3")),
+                 (*generate, "--tensor-parallel-size", "3"), (*generate, "--tensor-parallel-size", "4096")):
+        if "--tensor-parallel-size" not in args:
+            args = (*args, "--tensor-parallel-size", "2")
+        print(json.dumps(dict(refused=True, **cli(*args))), flush=True)
+
+
 def distributed(rank: int, processes: int, port: int) -> None:
     """One of `processes` processes (one CPU device each): greedy tokens at TP over all of them."""
     greedy("reference", processes, ["qwen3"], distributed=f"localhost:{port},{processes},{rank}")
@@ -121,6 +213,10 @@ if __name__ == "__main__":
         distributed(int(args[0]), int(args[1]), int(args[2]))
     elif mode == "settings":
         settings()
+    elif mode == "features":
+        features()
+    elif mode == "commands":
+        commands()
     elif mode == "logits":
         logits(args)
     else:

@@ -2,8 +2,9 @@
 that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32, for every family
 (the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their vocabularies and MLP widths
 do not all divide by 8); the greedy tokens of TP 8 (and of the Pallas kernels in interpret mode at TP 2) against
-the golden files, which TP 1 matches (test_engine); two processes through jax.distributed, running the same generate or following process 0's engine calls; the layout; the
-errors."""
+the golden files, which TP 1 matches (test_engine); the engine's features (prefix cache, preemption, structured
+output, penalties, logprobs, 8-bit caches) and the commands at TP 2 against TP 1; two processes through
+jax.distributed, running the same generate or following process 0's engine calls; the layout; the errors."""
 
 import json
 import os
@@ -17,13 +18,16 @@ import pytest
 
 from jaxinfer.model.config import load_config
 from jaxinfer.model.tensor_parallel import TensorParallelError, check, local_config, order
+from jaxinfer.model.weights import RULES
 from jaxinfer.runner.mesh import make_mesh
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "tensor_parallel_worker.py"
 MODELS = REPO / "tests" / "data" / "models"
 GOLDEN_FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
-FAMILIES = GOLDEN_FAMILIES + ["stories260k"]
+# every dense family tensor parallelism takes: fused q/k/v and gate/up (Phi-3, Phi-4-mini: partial rotary), xIELU
+# (Apertus), sliding windows shorter than the prompts (Mistral, Qwen2)
+FAMILIES = GOLDEN_FAMILIES + ["stories260k", "phi3", "phi4_mini", "apertus", "mistral_swa", "qwen2_swa"]
 
 
 def run_worker(*args: str, devices: int = 8, timeout: int = 600) -> list[dict]:
@@ -51,7 +55,7 @@ def golden_tokens(family: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES] +
-                         [("pallas-interpret", 2, "qwen3")])
+                         [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa")])
 def test_greedy_tokens_equal_tp1(ops, n, family):
     rows = run_worker("greedy", ops, str(n), family)
     assert [r["family"] for r in rows] == [family]
@@ -63,6 +67,38 @@ def test_sampling_speculation_int8_cache_and_split_layers_equal_tp1():
     assert [r["n"] for r in rows] == [1, 2]
     assert all(len(t) == 16 for t in rows[0]["tokens"])
     assert rows[1]["tokens"] == rows[0]["tokens"]
+
+
+def test_prefix_cache_preemption_structured_output_penalties_and_logprobs_equal_tp1():
+    """Greedy with prefix-cache hits and preemption on a float8 cache; JSON Schema, regex and choice outputs;
+    sampled with penalties, logprobs and prompt logprobs over an odd vocabulary (1063) on an int8 cache."""
+    one, two = run_worker("features", devices=2)
+    assert one["n"] == 1 and two["n"] == 2
+    assert one["preemptions"] > 0 and one["hit_rate"] > 0
+    for key in ("tokens", "preemptions", "hit_rate", "structured", "sampled", "top"):
+        assert two[key] == one[key], key
+    assert json.loads(one["structured"][0]).keys() == {"name", "legs"}
+    for key in ("logprobs", "prompt_logprobs"):
+        np.testing.assert_allclose(np.array(two[key], float), np.array(one[key], float), atol=1e-4)
+
+
+def test_commands_at_tp2_and_what_they_refuse():
+    """`generate` and `bench` at --tensor-parallel-size 2, a completion served at TP 2 (generate's text at TP 1);
+    what TP 2 cannot run is one line on stderr and exit code 2 (Gemma 3, MoE, 8-bit weights, draft and DFlash
+    models, a size the heads refuse, more devices than there are)."""
+    rows = run_worker("commands", devices=2)
+    ran, served, refused = rows[:3], rows[3], rows[4:]
+    assert [r["rc"] for r in ran] == [0, 0, 0], [r["stderr"][-500:] for r in ran]
+    assert ran[1]["stdout"] == ran[0]["stdout"] and len(ran[0]["stdout"]) > len("once upon a time") + 8
+    assert "throughput:" in ran[2]["stdout"]
+    assert served["served"] + "\n" == ran[0]["stdout"]
+    expected = ["tensor parallelism of gemma3", "mixture-of-experts", "8-bit weights", "8-bit weights (quantization)",
+                "n-gram speculation only", "8-bit weights (quantization)", "n-gram speculation only",
+                "does not fit the model's 8 attention heads", "needs 4096 devices"]
+    assert len(refused) == len(expected)
+    for r, message in zip(refused, expected):
+        assert r["rc"] == 2 and message in r["stderr"], r
+        assert r["stderr"].count("jaxinfer: error:") == 1 and "Traceback" not in r["stderr"], r
 
 
 def run_two_processes(mode: str) -> list[list[dict]]:
@@ -139,6 +175,21 @@ def test_unsupported_combinations_are_one_clear_error():
                               (dict(speculative="draft:x"), "n-gram speculation only")):
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
+    # the model's own misfits come before the device count (this process has one device)
+    for family, message in (("gemma3", "normed attention and MLP outputs"), ("qwen3_moe", "mixture-of-experts")):
+        with pytest.raises(TensorParallelError, match=message):
+            LLM(MODELS / family, tensor_parallel_size=2, skip_tokenizer_init=True, progress=False)
+
+
+def test_fused_gate_up_is_split_by_halves():
+    """Phi-3's gate_up_proj is one [2I, D] tensor: each device holds its own gate rows, then its own up rows."""
+    cfg = load_config(MODELS / "phi3")   # intermediate 112: 28 a device of 4
+    I = cfg.intermediate_size
+    rows = order("gate_up", cfg, 4, [2 * I]).reshape(4, 2, -1)
+    for d in range(4):
+        np.testing.assert_array_equal(rows[d, 0], np.arange(d * 28, (d + 1) * 28))
+        np.testing.assert_array_equal(rows[d, 1], I + np.arange(d * 28, (d + 1) * 28))
+    assert [r.shard for r in RULES["phi3"] if r.dest == "layers.w_gate_up"] == ["gate_up"]
 
 
 def test_benches_run_at_tp2_on_the_cpu(tmp_path):

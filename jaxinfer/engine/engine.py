@@ -112,7 +112,7 @@ class Engine(VerifySteps):
         self.cfg: ModelConfig = load_config(model_dir, config.dtype)
         self.ops_name = config.ops if config.ops != "auto" else "pallas" if backend == "gpu" else "reference"
         ops = get_ops(self.ops_name)
-        self.mesh = make_mesh(config.tensor_parallel_size)   # None: one device
+        self.mesh = make_mesh(config.tensor_parallel_size, self.cfg)   # None: one device
         if self.mesh is not None:
             ops = tensor_parallel_ops(ops, self.mesh)
         self.tokenizer = None if config.skip_tokenizer_init else Tokenizer.from_dir(model_dir)

@@ -6,6 +6,8 @@ Every weight Rule of the declarative map (model/weights.py) names how its tensor
     "out"  rows split: each source's rows cut in N contiguous parts, padded with zero rows to a multiple of N,
            device d holding part d of every source (gate|up: its own gate rows then its own up rows; the
            vocabulary of embed and lm_head);
+    "gate_up" rows of a fused gate|up tensor (one source of 2I rows, Phi-3's gate_up_proj) split as "out" splits
+           two sources: device d holds its own gate rows then its own up rows;
     "in"   columns split the same way (down: the intermediate columns);
     "qkv"  rows by attention head: device d holds its q heads' rows, then its KV heads', then its V heads';
     "heads" columns by q head (o_proj): device d's q heads' columns.
@@ -36,7 +38,7 @@ from jaxinfer.model.kv_cache import KVCache, bytes_per_page
 from jaxinfer.model.weights import RULES
 
 AXIS = "tp"   # the mesh's one axis
-SHARDS = (None, "out", "in", "qkv", "heads")
+SHARDS = (None, "out", "gate_up", "in", "qkv", "heads")
 
 
 class TensorParallelError(ValueError):
@@ -56,6 +58,9 @@ def check(cfg: ModelConfig, n: int) -> None:
                 f"(sizes that work: {', '.join(str(k) for k in _workable(cfg))})")
     if getattr(cfg, "num_experts", 0):
         raise TensorParallelError("tensor parallelism of a mixture-of-experts model is not supported")
+    if cfg.sandwich_norms:   # its out-norms take o_proj's and down's outputs through ops.linear, not all-reduced
+        raise TensorParallelError(f"tensor parallelism of {cfg.family} (normed attention and MLP outputs) is not "
+                                  "supported yet")
 
 
 def _workable(cfg: ModelConfig) -> list[int]:
@@ -103,8 +108,12 @@ def order(shard: str | None, cfg: ModelConfig, n: int, sizes: list[int]) -> np.n
     it holds, -1 where it holds zeros. sizes: the sources' extents along the axis. None: no reordering."""
     if shard is None or n == 1:
         return None
+    if shard == "gate_up":   # one fused [gate; up] source: its two halves split as two sources would be
+        if len(sizes) != 1 or sizes[0] % 2:
+            raise TensorParallelError(f"a gate_up-sharded tensor is one source of 2 x I rows, got {sizes}")
+        sizes = [sizes[0] // 2] * 2
     offsets = np.cumsum([0] + sizes[:-1])
-    if shard in ("out", "in"):
+    if shard in ("out", "gate_up", "in"):
         parts = []
         for d in range(n):
             for off, size in zip(offsets, sizes):

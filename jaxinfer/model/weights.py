@@ -50,7 +50,8 @@ class Rule:
     # (cfg, source index, array) -> the array as our tree holds it: a row order, a folded constant
     convert: Callable[[ModelConfig, int, np.ndarray], np.ndarray] | None = None
     shard: str | None = None                      # tensor parallel split (model.tensor_parallel): None, "out", "in",
-                                                  # "qkv" (rows by head), "heads" (columns by q head)
+                                                  # "gate_up" (a fused gate|up's halves), "qkv" (rows by head),
+                                                  # "heads" (columns by q head)
 
     @property
     def per_layer(self) -> bool:
@@ -169,7 +170,7 @@ PHI3_RULES = _derived(LLAMA_RULES, {
     "layers.wqkv": dict(sources=(f"{_ATT}.qkv_proj.weight",), convert=_fused_qkv_rows,
                         shapes=lambda c: [(c.q_size + 2 * c.kv_size, c.hidden_size)]),
     "layers.w_gate_up": dict(sources=(f"{_MLP}.gate_up_proj.weight",),
-                             shapes=lambda c: [(2 * c.intermediate_size, c.hidden_size)]),
+                             shapes=lambda c: [(2 * c.intermediate_size, c.hidden_size)], shard="gate_up"),
     "layers.bqkv": None, "layers.q_norm": None, "layers.k_norm": None, "layers.bo": None})
 APERTUS_RULES = _derived(LLAMA_RULES, {
     "layers.attn_norm.scale": dict(sources=(f"{_LAYER}.attention_layernorm.weight",)),

@@ -12,18 +12,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxinfer.model.tensor_parallel import AXIS, TensorParallelError
+from jaxinfer.model.config import ModelConfig
+from jaxinfer.model.tensor_parallel import AXIS, TensorParallelError, check
 from jaxinfer.settings import EngineConfig
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh | None:
+def make_mesh(tensor_parallel_size: int, cfg: ModelConfig | None = None) -> Mesh | None:
     """A one-axis ("tp") mesh over the first `tensor_parallel_size` devices; None for 1 (no mesh: the single-device
-    path, unchanged). One clear error where there are fewer devices."""
+    path, unchanged). One clear error where the model `cfg` cannot be split that way (checked first: a machine with
+    more devices would not help) or there are fewer devices."""
     n = tensor_parallel_size
     if n < 1:
         raise TensorParallelError(f"tensor_parallel_size must be >= 1, got {n}")
     if n == 1:
         return None
+    if cfg is not None:
+        check(cfg, n)
     devices = jax.devices()
     if n > len(devices):
         raise TensorParallelError(f"tensor_parallel_size {n} needs {n} devices; this machine has {len(devices)} "
