@@ -9,11 +9,14 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jaxinfer.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import jax
 
 # Hugging Face `architectures[0]` -> our family name.
 ARCHITECTURES = {
@@ -98,7 +101,7 @@ class ModelConfig:
         K/V behind it are never read again. 0 where some layer is global."""
         return max(self.layer_windows) if self.layer_windows and all(self.layer_windows) else 0
 
-    def window_of(self, layer):
+    def window_of(self, layer: int | jax.Array) -> jax.Array | None:
         """The window of `layer` (a traced index is fine) as an int32 scalar (0: global), or None where no layer
         has a window, so that a model without windows traces no window at all."""
         import jax.numpy as jnp

@@ -58,7 +58,7 @@ def qk_rows(cfg: ModelConfig, rows: int, q_rows: bool, fused: bool) -> np.ndarra
 
 
 def cos_sin(cfg: ModelConfig, ops: ModuleType, positions: jax.Array, token_seq: jax.Array, num_seqs: int,
-            dtype, decode: bool) -> Tables:
+            dtype: jnp.dtype, decode: bool) -> Tables:
     """The step's cos and sin [T, head_dim] (two bases: [2, T, head_dim] each, the global layers' first; pick a
     layer's with layer_cos_sin). decode: token t is sequence t's one token; else token_seq [T] maps tokens to their
     sequence (LongRoPE's choice of factors reads each sequence's last position)."""

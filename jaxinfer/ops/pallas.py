@@ -399,7 +399,8 @@ def cudnn_flash_attention_available() -> bool:
         return False
 
 
-def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None, *, interpret=False):
+def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int, renormalize: bool,
+            residual: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
     """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
     is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py)
     that route from the logits themselves and read only the chosen experts' matrices, the second summing the
@@ -428,7 +429,8 @@ def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None, *, 
     return out if residual is None else residual + out
 
 
-def rms_norm_moe_mlp(x, scale, eps, router, w_gate_up, w_down, top_k, renormalize, *, interpret=False):
+def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Array, w_gate_up: jax.Array,
+                     w_down: jax.Array, top_k: int, renormalize: bool, *, interpret: bool = False) -> jax.Array:
     """x + the mixture of experts of rms_norm(x). One token: the norm is the prologue of the router's GEMV and of the
     gate/up routed GEMV (no kernel of its own), so that the block is three kernels. More rows: the norm in XLA,
     then moe_mlp."""
