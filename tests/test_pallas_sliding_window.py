@@ -64,16 +64,22 @@ DECODE_CASES = [
 DECODE_IDS = [f"B{c[0]}-H{c[1]}-KV{c[2]}-hd{c[3]}-ps{c[4]}-W{c[6]}-S{c[7]}-bk{c[8]}" for c in DECODE_CASES]
 
 
-def _decode_problem(case):
-    B, H, KVH, hd, ps, lens, window, S, bk = case
+def _paged_problem(case, KVH, hd, ps, lens):
+    """(rng, k, v, page table, lens, a spare page): 2-layer caches, B = len(lens) sequences' pages shuffled, the
+    last page left out of every table (for _poison)."""
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    P = -(-max(lens) // ps) + 1
+    B, P = len(lens), -(-max(lens) // ps) + 1
     n_pages = B * P + 2
     k, v = _caches(rng, 2, KVH, n_pages, ps, hd)
     pages = rng.permutation(np.arange(1, n_pages - 1))[: B * P].reshape(B, P).astype(np.int32)
-    lens = np.asarray(lens, np.int32)
+    return rng, k, v, pages, np.asarray(lens, np.int32), n_pages - 1
+
+
+def _decode_problem(case):
+    B, H, KVH, hd, ps, lens, window, S, bk = case
+    rng, k, v, pages, lens, spare = _paged_problem(case, KVH, hd, ps, lens)
     first = np.maximum(lens - window, 0) if window else np.zeros_like(lens)
-    return rng, k, v, pages, lens, first, n_pages - 1
+    return rng, k, v, pages, lens, first, spare
 
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=DECODE_IDS)
@@ -133,12 +139,8 @@ PREFILL_IDS = [f"H{c[0]}-KV{c[1]}-hd{c[2]}-ps{c[3]}-W{c[5]}-bq{c[6].block_q}-bk{
 def test_prefill_attention_window(case):
     """Ragged chunks after cached prefixes (then padding rows) through the prefill kernel's paged_attention."""
     H, KVH, hd, ps, seqs, window, config = case
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    rng, k, v, pages, _, spare = _paged_problem(case, KVH, hd, ps, [a + n for a, n in seqs])
     B = len(seqs)
-    P = max(-(-(a + n) // ps) for a, n in seqs)
-    n_pages = B * P + 2
-    k, v = _caches(rng, 2, KVH, n_pages, ps, hd)
-    pages = rng.permutation(np.arange(1, n_pages - 1))[: B * P].reshape(B, P).astype(np.int32)
     n_rows = sum(n for _, n in seqs)
     # padding rows (token_seq 0, position 0, as the engine lays them out) after a second sequence: after sequence 0
     # they would join its rows' programs and see its position 0 (the engine points a freed page's entry at the
@@ -156,7 +158,7 @@ def test_prefill_attention_window(case):
     args = (jnp.asarray(token_seq), jnp.asarray(positions), ps, scale)
     ref = jax.jit(reference.paged_attention, static_argnums=(7, 8))(q, k, v, layer, jnp.asarray(pages), *args,
                                                                      window=w)
-    pk, pv, ppages = _poison(k, v, pages, first, ps, n_pages - 1)
+    pk, pv, ppages = _poison(k, v, pages, first, ps, spare)
     out = PA.paged_attention(q, pk, pv, layer, ppages, *args, config=config, window=w, interpret=True)
     _check(out[:n_rows], ref[:n_rows])
 
@@ -174,18 +176,13 @@ VERIFY_IDS = [f"B{c[0]}-Q{c[1]}-H{c[2]}-KV{c[3]}-hd{c[4]}-ps{c[5]}-W{c[7]}-S{c[8
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=VERIFY_IDS)
 def test_verify_attention_window(case):
     B, Q, H, KVH, hd, ps, lens, window, S, bk = case
-    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
-    P = -(-max(lens) // ps) + 1
-    n_pages = B * P + 2
-    k, v = _caches(rng, 2, KVH, n_pages, ps, hd)
-    pages = rng.permutation(np.arange(1, n_pages - 1))[: B * P].reshape(B, P).astype(np.int32)
-    lens = np.asarray(lens, np.int32)
+    rng, k, v, pages, lens, spare = _paged_problem(case, KVH, hd, ps, lens)
     q = jnp.asarray(rng.standard_normal((B, Q, H, hd), np.float32))
     first = [max(n - Q + 1 - window, 0) if window else 0 for n in lens]   # row 0's window
     layer, scale, w = jnp.int32(1), hd ** -0.5, jnp.int32(window)
     ref = jax.jit(reference.verify_attention, static_argnums=(6, 7))(q, k, v, layer, jnp.asarray(pages),
                                                                       jnp.asarray(lens), ps, scale, window=w)
-    pk, pv, ppages = _poison(k, v, pages, first, ps, n_pages - 1)
+    pk, pv, ppages = _poison(k, v, pages, first, ps, spare)
     out = paged_verify_attention(q, pk, pv, layer, ppages, jnp.asarray(lens), ps, scale, window=w,
                                  config=DA.SplitConfig(num_splits=S, block_k=bk), interpret=True)
     _check(out, ref)
