@@ -198,3 +198,22 @@ def test_freeing_with_the_gpus_overlapped_steps():
         assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist(), f"prompt {i}"
     assert llm.engine.scheduler.num_freed_pages > 0
     llm.engine.pages.check()
+
+
+def test_windows_with_preemption_and_prefix_cache_hits():
+    """A pool too small for four sequences (13 pages of 8 for prompts of 1-4x the window: preemptions and
+    recomputes) with pages freed behind the windows, then the same prompts again, admitted on the prefix cache's
+    pages (some of them freed behind a window before): every run's greedy tokens equal transformers'."""
+    golden = np.load(DATA / "golden" / "mistral_swa.npz")
+    llm = LLM(DATA / "models" / "mistral_swa", ops="reference", max_num_seqs=4, num_pages=13, max_model_len=96,
+              max_num_batched_tokens=64, decode_steps=4, page_size=8, skip_tokenizer_init=True, progress=False)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    order, hits = [3, 2, 1, 0], []
+    for run in range(2):
+        outs = llm.generate([golden[f"prompt_{i}"].tolist() for i in order], params)
+        for i, out in zip(order, outs):
+            assert out.outputs[0].token_ids == golden[f"greedy_{i}"].tolist(), f"run {run} prompt {i}"
+        llm.engine.pages.check()
+        hits.append(llm.engine.pages.hits)
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.num_freed_pages > 0
+    assert hits[1] > hits[0], hits   # the second run took cached pages
