@@ -199,6 +199,10 @@ def follower(rank: int, processes: int, port: int) -> None:
     golden = np.load(GOLDEN / "qwen3.npz")
     prompts = [golden[f"prompt_{i}"].tolist() for i in range(4)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    try:   # refused on every process: process 0's note that it raised, the follower's call passed over
+        llm.engine.add_request([], params)
+    except ValueError:
+        pass
     first = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], params)]
     rest = [o.outputs[0].token_ids for o in llm.generate(prompts[2:], params)]   # a second batch, later
     llm.engine.stop_followers()

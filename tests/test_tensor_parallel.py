@@ -208,3 +208,123 @@ def test_benches_run_at_tp2_on_the_cpu(tmp_path):
     assert [(r["tp"], r["batch"], r["width"]) for r in rows] == [(2, 1, 256)]
     decode = json.loads((tmp_path / "decode.json").read_text())
     assert "error" not in json.dumps(decode) and "step_ms" in json.dumps(decode)
+
+
+class FakeChannel:
+    """runner.distributed.CommandChannel in memory: numbered messages, None when message n has not come."""
+
+    def __init__(self):
+        self.messages: list[bytes] = []
+
+    @property
+    def sent(self) -> int:
+        return len(self.messages)
+
+    def send(self, message: bytes) -> None:
+        self.messages.append(message)
+
+    def receive(self, n: int, timeout_s: float = 60.0) -> bytes | None:
+        return self.messages[n] if n < len(self.messages) else None
+
+
+class FakeEngine:
+    """Records its calls; `fail` names the calls (by their order among this engine's calls) that raise."""
+
+    def __init__(self, fail: dict[int, Exception] | None = None):
+        self.calls: list[tuple] = []
+        self.fail = fail or {}
+
+    def _call(self, *call):
+        self.calls.append(call)
+        if len(self.calls) - 1 in self.fail:
+            raise self.fail[len(self.calls) - 1]
+        return len(self.calls)
+
+    def add_request(self, prompt, params=None):
+        return self._call("add_request", tuple(prompt))
+
+    def step(self):
+        return self._call("step")
+
+    def abort(self, request_id):
+        return self._call("abort", request_id)
+
+    def take_finished(self, request_id):
+        return self._call("take_finished", request_id)
+
+
+def lead(engine: FakeEngine, channel: FakeChannel) -> None:
+    """Process 0's calls through a Leader: a request, a refused one, steps, an abort, a failing step (the server
+    then aborts), an output taken; then stop."""
+    from jaxinfer.engine.followers import Leader
+
+    leader = Leader(engine, channel)
+    leader.add_request([1, 2])
+    for call in (lambda: leader.add_request([]), leader.step, lambda: leader.abort(0), leader.step,
+                 lambda: leader.take_finished(0)):
+        try:
+            call()
+        except (ValueError, RuntimeError):
+            pass
+    leader.stop_followers()
+
+
+def test_a_follower_makes_the_leaders_calls_and_passes_over_what_failed_on_both():
+    from jaxinfer.engine.followers import follow
+
+    bad = {1: ValueError("prompt is empty"), 4: RuntimeError("a bug in a step")}
+    leader, channel = FakeEngine(dict(bad)), FakeChannel()
+    lead(leader, channel)
+    follower = FakeEngine(dict(bad))
+    assert follow(follower, channel) == 6
+    assert follower.calls == leader.calls == [("add_request", (1, 2)), ("add_request", ()), ("step",),
+                                              ("abort", 0), ("step",), ("take_finished", 0)]
+
+
+@pytest.mark.parametrize("leader_fails,follower_fails", [({}, {4: RuntimeError("device")}),
+                                                         ({4: RuntimeError("host")}, {}),
+                                                         ({2: RuntimeError("x")}, {4: RuntimeError("y")})])
+def test_a_call_that_failed_on_one_side_only_stops_the_follower(leader_fails, follower_fails):
+    from jaxinfer.engine.followers import FollowerDiverged, follow
+
+    channel = FakeChannel()
+    lead(FakeEngine(leader_fails), channel)
+    with pytest.raises(FollowerDiverged, match="no longer hold the same engine state"):
+        follow(FakeEngine(follower_fails), channel)
+
+
+def test_a_follower_whose_call_failed_does_not_wait_forever_for_the_leaders_note():
+    """Process 0's step succeeded and now waits in a collective: no note comes, nor anything else."""
+    import pickle
+
+    from jaxinfer.engine.followers import FollowerDiverged, follow
+
+    channel = FakeChannel()
+    channel.send(pickle.dumps(("step", (), {})))
+    with pytest.raises(FollowerDiverged, match="sent nothing within 0 s"):
+        follow(FakeEngine({0: RuntimeError("out of memory")}), channel, note_timeout_s=0.0)
+
+
+def test_the_leader_sends_calls_one_at_a_time_and_none_after_stop():
+    """Two threads calling at once: each call's message is sent and the call made before the next's; after
+    stop_followers a call raises (the followers would never join its collectives) and STOP is sent once."""
+    import pickle
+    import threading
+
+    from jaxinfer.engine.followers import Leader
+
+    engine, channel = FakeEngine(), FakeChannel()
+    leader = Leader(engine, channel)
+    threads = [threading.Thread(target=lambda k=k: [leader.add_request([k, i]) for i in range(300)]) for k in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    leader.stop_followers()
+    leader.stop_followers()
+    sent = [pickle.loads(m) for m in channel.messages]
+    assert [(name, tuple(args[0])) for name, args, _ in sent[:-1]] == engine.calls
+    assert [name for name, _, _ in sent].count("stop") == 1 and sent[-1][0] == "stop"
+    with pytest.raises(RuntimeError, match="stopped following"):
+        leader.step()
+    assert len(channel.messages) == len(sent)
