@@ -129,6 +129,20 @@ def test_longrope_factors_follow_each_sequences_last_position():
 
 
 
+
+def test_gemma3_windows_that_bite_on_interleaved_layers():
+    """Gemma 3's goldens stay inside its window (64); with the window cut to 8 (layers 0 and 2; layer 1 global, each
+    with its own RoPE base) a 40-token prompt's logits move, and the Pallas ops give the reference's."""
+    d = DATA / "models" / "gemma3"
+    cfg = load_config(d)
+    params = load_params(d, cfg, progress=False)
+    narrow = dataclasses.replace(cfg, layer_windows=(8, 0, 8))
+    prompt = np.random.default_rng(3).integers(3, cfg.vocab_size, 40)
+    want = np.asarray(prompt_logits(narrow, get_ops("reference"), params, prompt))
+    assert np.max(np.abs(want - np.asarray(prompt_logits(cfg, get_ops("reference"), params, prompt)))) > 1e-2
+    got = np.asarray(prompt_logits(narrow, get_ops("pallas-interpret"), params, prompt))
+    assert np.max(np.abs(got - want)) <= 1e-4
+
 @pytest.mark.xfail(strict=True, reason="LongRoPE's factors are chosen from a step's positions: a prompt longer than "
                    "original_max_position_embeddings taken in chunks mixes short and long keys (model/rotary.py)")
 def test_longrope_prompt_in_chunks_equals_one_step():
