@@ -101,13 +101,13 @@ def test_commands_at_tp2_and_what_they_refuse():
         assert r["stderr"].count("jaxinfer: error:") == 1 and "Traceback" not in r["stderr"], r
 
 
-def run_two_processes(mode: str) -> list[list[dict]]:
-    """The worker's `mode` in two processes on localhost (jax.distributed, one CPU device each, gloo)."""
+def run_two_processes(mode: str, devices: int = 1) -> list[list[dict]]:
+    """The worker's `mode` in two processes on localhost (jax.distributed, `devices` CPU devices each, gloo)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"}
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"}
     procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(rank), "2", str(port)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO) for rank in (0, 1)]
     try:
@@ -120,9 +120,10 @@ def run_two_processes(mode: str) -> list[list[dict]]:
     return [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outs]
 
 
-def test_two_processes_give_the_tokens_of_one():
-    """Both processes run the same generate: TP 2 across the two."""
-    for rows in run_two_processes("distributed"):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_two_processes_give_the_tokens_of_one(devices):
+    """Both processes run the same generate: TP 2 across the two (with two devices each, one of each process's)."""
+    for rows in run_two_processes("distributed", devices):
         assert rows and rows[0]["n"] == 2 and rows[0]["tokens"] == golden_tokens("qwen3")
 
 
@@ -328,3 +329,20 @@ def test_the_leader_sends_calls_one_at_a_time_and_none_after_stop():
     with pytest.raises(RuntimeError, match="stopped following"):
         leader.step()
     assert len(channel.messages) == len(sent)
+
+
+def test_a_multi_host_mesh_takes_each_processes_share_of_devices():
+    """2 hosts of 4 devices at TP 4: two of each host's (devices[:4] would leave host 1 none of the shards and
+    nothing to run); a size the processes cannot share evenly, or more than a host has, is one clear error."""
+    from types import SimpleNamespace
+
+    from jaxinfer.runner.mesh import mesh_devices
+
+    devices = [SimpleNamespace(id=i, process_index=i // 4, platform="gpu") for i in range(8)]
+    assert [d.id for d in mesh_devices(devices, 4, 2)] == [0, 1, 4, 5]
+    assert [d.id for d in mesh_devices(devices, 8, 2)] == list(range(8))
+    assert [d.id for d in mesh_devices(devices[:4], 2)] == [0, 1]
+    with pytest.raises(TensorParallelError, match="each process must hold the same number"):
+        mesh_devices(devices, 1, 2)   # --distributed at TP 1: the other host would hold nothing
+    with pytest.raises(TensorParallelError, match="needs 8 devices in each of 2 processes; there are 4"):
+        mesh_devices(devices, 16, 2)

@@ -20,9 +20,12 @@ from __future__ import annotations
 import pickle
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.runner.distributed import CommandChannel
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
 
 CALLS = ("add_request", "abort", "step", "take_finished")   # what changes an engine's state
 STOP = "stop"
@@ -38,7 +41,7 @@ class Leader:
     """Process 0's engine: the same interface (attributes pass through), its state-changing calls sent first.
     Calls from several threads are sent and made one at a time, in the order they are made."""
 
-    def __init__(self, engine, channel: CommandChannel | None = None):
+    def __init__(self, engine: Engine, channel: CommandChannel | None = None):
         self._engine = engine
         self._channel = channel or CommandChannel()
         self._lock = threading.Lock()
@@ -77,7 +80,7 @@ class Leader:
                 self._lock.release()
 
 
-def follow(engine, channel: CommandChannel | None = None, note_timeout_s: float = 60.0) -> int:
+def follow(engine: Engine, channel: CommandChannel | None = None, note_timeout_s: float = 60.0) -> int:
     """Make process 0's calls on this process's engine until it stops us; returns the calls made. A call that
     raised on process 0 raises here alike and is passed over; one that raised on one side only raises
     FollowerDiverged (after a call that raised here, process 0's note that its own raised is waited for up to

@@ -35,7 +35,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import KVCache, bytes_per_page
-from jaxinfer.model.weights import RULES
+from jaxinfer.model.weights import RULES, Rule
+from jaxinfer.ops.pallas import OpSet
 
 AXIS = "tp"   # the mesh's one axis
 SHARDS = (None, "out", "gate_up", "in", "qkv", "heads")
@@ -98,7 +99,7 @@ def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
     return dataclasses.replace(cfg, num_kv_heads=local_config(cfg, n).num_kv_heads * n)
 
 
-def device_page_bytes(cfg: ModelConfig, n: int, page_size: int, dtype=None) -> int:
+def device_page_bytes(cfg: ModelConfig, n: int, page_size: int, dtype: Any = None) -> int:
     """K and V bytes of one page on each of n devices (KV heads held in groups count once per device)."""
     return bytes_per_page(cache_config(cfg, n), page_size, dtype) // n
 
@@ -160,7 +161,7 @@ def param_specs(cfg: ModelConfig) -> dict:
     return tree
 
 
-def load_sharded(rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.ndarray], dtype,
+def load_sharded(rule: Rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.ndarray], dtype: Any,
                  mesh: Mesh, per_layer: bool = False) -> jax.Array | list[jax.Array]:
     """A rule's tensor laid out for the mesh and made shard by shard: each device's block is read from the mapped
     files alone (a process touches only the bytes of its own devices' slices). per_layer: a layer matrix as one
@@ -210,7 +211,7 @@ def load_sharded(rule, cfg: ModelConfig, read: Callable[[str, tuple, bool], np.n
     return jax.make_array_from_callback(tuple(lead + shape), sharding, block)
 
 
-def allocate_kv(cfg: ModelConfig, mesh: Mesh | None, num_pages: int, page_size: int, dtype=None) -> KVCache:
+def allocate_kv(cfg: ModelConfig, mesh: Mesh | None, num_pages: int, page_size: int, dtype: Any = None) -> KVCache:
     """The KV cache, sharded by KV head over the mesh (each device allocates only its own heads)."""
     if mesh is None:
         return KVCache.allocate(cfg, num_pages, page_size, dtype)
@@ -220,7 +221,7 @@ def allocate_kv(cfg: ModelConfig, mesh: Mesh | None, num_pages: int, page_size: 
     return jax.jit(lambda: KVCache.allocate(full, num_pages, page_size, dtype), out_shardings=shardings)()
 
 
-def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops, params: dict, kv: KVCache, x: jax.Array,
+def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops: OpSet, params: dict, kv: KVCache, x: jax.Array,
                        *token_arrays: jax.Array, **options: Any):
     """transformer.run_layers over the mesh of `ops` (ops.tensor_parallel.ShardedOps): each device runs the layers
     on its shards with the local config and the all-reducing op set. token_arrays: positions, slot_mapping,
@@ -262,7 +263,7 @@ def layer_specs(cfg: ModelConfig, layers: dict) -> dict:
                                                               layers["layer_vectors"])}
 
 
-def sharded_logits(ops, h: jax.Array, w, vocab_size: int) -> jax.Array:
+def sharded_logits(ops: OpSet, h: jax.Array, w: Any, vocab_size: int) -> jax.Array:
     """The vocabulary-parallel lm_head: each device's logits [R, V / N] by its own kernel, left sharded by
     vocabulary (no gather); the padding beyond `vocab_size` cut off."""
     logits = jax.shard_map(lambda h, w: ops.logits(h, w), mesh=ops.mesh, in_specs=(P(), P(AXIS)),

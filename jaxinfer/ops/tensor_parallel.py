@@ -21,13 +21,13 @@ from jaxinfer.ops.pallas import OpSet
 AXIS = "tp"   # the mesh's one axis (model.tensor_parallel.AXIS)
 
 
-def _members(base) -> dict:
+def _members(base: ModuleType | OpSet) -> dict:
     if isinstance(base, ModuleType):
         return {k: getattr(base, k) for k in dir(base) if not k.startswith("_")}
     return dict(vars(base))
 
 
-def shard_ops(base) -> OpSet:
+def shard_ops(base: ModuleType | OpSet) -> OpSet:
     """The ops one device runs inside shard_map: the base set, with the row-split projections all-reduced."""
 
     def reduced(x, w, b):
@@ -50,7 +50,7 @@ def shard_ops(base) -> OpSet:
 
 
 @functools.cache
-def tensor_parallel_ops(base, mesh: Mesh) -> OpSet:
+def tensor_parallel_ops(base: ModuleType | OpSet, mesh: Mesh) -> OpSet:
     """`base` over `mesh` (a one-axis mesh named "tp"): the same ops outside the layers, `mesh`, and `shard_ops`
     for inside them. Cached: one op set (a static jit argument, hashed by identity) per base and mesh."""
     if mesh.axis_names != (AXIS,):
