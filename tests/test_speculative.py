@@ -478,3 +478,16 @@ def test_chained_verify_steps_keep_a_seeds_text():
         texts.append(_tokens(llm, PROMPTS[:1], params))
         assert (llm.engine.speculator.stats.chained_steps > 0) == chain
     assert texts[0] == texts[1]
+
+
+def test_a_chained_step_keeps_the_pages_its_drafts_are_written_to(reference):
+    """More drafts than the decode steps a trim keeps pages for, on small pages: the step launched behind the one
+    read back writes its drafts' K/V into pages held for it, which that read-back must not return (they were, and
+    the accepted drafts' K/V were lost: other tokens from there on)."""
+    llm = _spec(STORIES, speculative="ngram", num_speculative_tokens=8, chain_verify=True, page_size=4,
+                decode_steps=1)
+    llm.engine.speculator.proposer = _Replay(reference[1])
+    assert _tokens(llm, PROMPTS[1:2]) == reference[1:2]
+    stats = llm.engine.speculator.stats
+    assert stats.chained_steps > 0 and stats.accepted == stats.drafted
+    _no_pages_held(llm)

@@ -206,9 +206,10 @@ class VerifySteps:
                               {seq: x for seq, x in zip(seqs, extra) if x},
                               {seq: len(seq.prompt_ids) + len(seq.output_ids) for seq, x in zip(seqs, extra) if x})
 
-    def _collect_verify(self, f: VerifyInFlight) -> list[StreamDelta]:
+    def _collect_verify(self, f: VerifyInFlight, chained: VerifyInFlight | None = None) -> list[StreamDelta]:
         """Read a verify step back: append each emitting sequence's accepted drafts and the target's token, roll
-        back the rest; rows in f.dropped are skipped."""
+        back the rest; rows in f.dropped are skipped. chained: the step launched behind f, whose rows' pages stay
+        held (it writes their K/V; its own read-back trims them)."""
         r = self.runner
         outs = f.outs
         accepted, tokens, logprobs, top_v, top_i = r.fetch(outs) if f.tops else r.fetch(outs[:3]) + (None, None)
@@ -242,7 +243,7 @@ class VerifySteps:
             seq.num_computed = min(seq.num_computed, len(seq.prompt_ids) + len(seq.output_ids))
             if seq.finish_reason is not None:
                 self._finished[seq.request_id] = seq
-            else:
+            elif chained is None or seq not in chained.assumed:
                 self.scheduler.trim(seq)
         stats.emitted += emitted
         if f.dense:   # wall time from the proposals (or the last read-back) to the tokens appended, less compiling
@@ -291,7 +292,7 @@ class VerifySteps:
         whose assumption failed are marked dropped."""
         f = self._inflight_verify
         nxt = self._chain_verify(f)
-        deltas = self._collect_verify(f)
+        deltas = self._collect_verify(f, nxt)
         if nxt is not None:
             for seq, x in nxt.assumed.items():
                 if seq.finish_reason is not None or len(seq.prompt_ids) + len(seq.output_ids) != \
