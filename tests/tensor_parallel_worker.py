@@ -178,8 +178,11 @@ def commands() -> None:
 
 
 def distributed(rank: int, processes: int, port: int) -> None:
-    """One of `processes` processes (one CPU device each): greedy tokens at TP over all of them."""
+    """One of `processes` processes: greedy tokens at TP over all of them; the least of the processes' numbers."""
     greedy("reference", processes, ["qwen3"], distributed=f"localhost:{port},{processes},{rank}")
+    from jaxinfer.runner.distributed import least_of_all_processes
+
+    print(json.dumps(dict(rank=rank, least=least_of_all_processes(10 + rank))), flush=True)
 
 
 def follower(rank: int, processes: int, port: int) -> None:

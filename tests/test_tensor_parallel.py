@@ -125,6 +125,7 @@ def test_two_processes_give_the_tokens_of_one(devices):
     """Both processes run the same generate: TP 2 across the two (with two devices each, one of each process's)."""
     for rows in run_two_processes("distributed", devices):
         assert rows and rows[0]["n"] == 2 and rows[0]["tokens"] == golden_tokens("qwen3")
+        assert rows[1]["least"] == 10   # the KV pool's size agreed on: the least of every process's
 
 
 def test_process_zero_leads_and_the_other_follows():

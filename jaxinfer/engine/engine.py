@@ -45,7 +45,7 @@ from jaxinfer.ops import get_ops
 from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
 from jaxinfer.runner.batch import DecodeBatch, StepBatch
 from jaxinfer.runner.distributed import initialize as initialize_distributed
-from jaxinfer.runner.distributed import shared_seed
+from jaxinfer.runner.distributed import least_of_all_processes, shared_seed
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.mesh import make_mesh, tensor_parallel_config
 from jaxinfer.runner.model_runner import ModelRunner
@@ -125,7 +125,7 @@ class Engine(VerifySteps):
         self.kv_dtype = kv_cache_dtype(self.cfg, config.kv_cache_dtype)
         proposer = make_proposer(config, self) if config.speculative else None   # a draft model loads here
         self._draft_page_bytes = proposer.page_bytes(config.page_size) if hasattr(proposer, "page_bytes") else 0
-        num_pages = self._num_pages()
+        num_pages = least_of_all_processes(self._num_pages())   # several hosts: one pool size, one schedule
         exe_cache = ExecutableCache(os.path.join(config.cache_dir, "executables")) \
             if config.cache_dir and t.executable_cache else None
         self.runner = ModelRunner(self.cfg, params, ops, config, num_pages=num_pages, max_model_len=self.max_model_len,

@@ -44,6 +44,17 @@ def shared_seed() -> int:
     return int(multihost_utils.broadcast_one_to_all(mine))
 
 
+def least_of_all_processes(value: int) -> int:
+    """The least of every process's `value` (itself with one process): a size every host must agree on, such as
+    the KV pool's pages, which each sizes from its own device's free memory."""
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.int64(value))))
+
+
 class CommandChannel:
     """Numbered messages from process 0 to the others through the key-value store of JAX's distributed runtime
     (its coordination service, which jax.distributed.initialize started): the followers of a multi-host server
