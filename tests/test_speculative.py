@@ -491,3 +491,40 @@ def test_a_chained_step_keeps_the_pages_its_drafts_are_written_to(reference):
     stats = llm.engine.speculator.stats
     assert stats.chained_steps > 0 and stats.accepted == stats.drafted
     _no_pages_held(llm)
+
+
+class _Oracle:
+    """_Replay for several prompts: each sequence drafts its own known continuation."""
+
+    name, host_only = "oracle", True
+
+    def __init__(self, prompts: list[str], outputs: list[list[int]], tokenizer):
+        self.outputs = {tuple(tokenizer.encode(p)): out for p, out in zip(prompts, outputs)}
+
+    def propose(self, seqs, k: int) -> list[list[int]]:
+        return [self.outputs[tuple(s.prompt_ids)][len(s.output_ids): len(s.output_ids) + k] for s in seqs]
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_an_abort_while_a_chained_verify_step_is_in_flight(finished, reference):
+    """A request aborted while a verify step chained behind its last read-back is in flight: generating, or just
+    finished by a stop token (it stays in the batch until the chain ends; its later settle registered its freed
+    pages: IndexError). The other request's tokens are unchanged and no page stays held."""
+    llm = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, max_num_seqs=4)
+    e = llm.engine
+    e.speculator.proposer = _Oracle(PROMPTS[:2], reference[:2], e.tokenizer)
+    stop = next(t for i, t in enumerate(reference[0]) if i >= 24 and t not in reference[0][:i])   # past a block
+    a = e.add_request(PROMPTS[0], SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                                                 stop_token_ids=[stop] if finished else None))
+    b = e.add_request(PROMPTS[1], GREEDY)
+    aborted = False
+    while e.has_unfinished():
+        e.step()
+        f = e._inflight_verify
+        rows = {s.request_id: s for s, _ in f.chunks} if f is not None and f.assumed else {}
+        if not aborted and a in rows and (rows[a].finish_reason is not None) == finished:
+            e.abort(a)
+            aborted = True
+    assert aborted and e.take_finished(b).outputs[0].token_ids == reference[1]
+    assert a not in e._finished and e.speculator.stats.chained_steps > 0
+    _no_pages_held(llm)
