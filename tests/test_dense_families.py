@@ -128,6 +128,24 @@ def test_longrope_factors_follow_each_sequences_last_position():
     np.testing.assert_array_equal(np.asarray(cos)[:, 6:half], 1.0)   # the passing dims: not scaled
 
 
+def test_longrope_factors_with_rope_long_follow_each_prompt_and_position():
+    """With the engine's rope_long (original length 20): a long prompt's chunk of positions 0..10 all long; another
+    sequence's chunk 15..24 short up to position 19 and long from 20 (each token its own position, as decoding)."""
+    cfg = load_config(DATA / "models" / "phi4_mini")
+    cfg = dataclasses.replace(cfg, rope_longrope=(*cfg.rope_longrope[:2], 20, cfg.rope_longrope[3]))
+    short_cos = np.cos(np.outer(np.arange(30), cfg.rope_inv_freq()))[:, :6]
+    long_cos = np.cos(np.outer(np.arange(30), cfg.rope_inv_freq(long=True)))[:, :6]
+    positions = np.r_[np.arange(11), np.arange(15, 25)]
+    token_seq = jnp.asarray(np.r_[np.zeros(11), np.ones(10)], jnp.int32)
+    cos, _ = rotary.cos_sin(cfg, get_ops(), jnp.asarray(positions, jnp.int32), token_seq, 2, jnp.float32,
+                            decode=False, rope_long=jnp.asarray([True, False]))
+    factor = cfg.rope_longrope[3]
+    want = np.where((np.arange(21) < 11)[:, None] | (positions >= 20)[:, None], long_cos[positions],
+                    short_cos[positions])
+    np.testing.assert_allclose(np.asarray(cos)[:, :6], factor * want, atol=1e-6)
+    assert rotary.takes_long_factors(cfg, 21) and not rotary.takes_long_factors(cfg, 20)
+
+
 
 
 def test_gemma3_windows_that_bite_on_interleaved_layers():
@@ -143,17 +161,77 @@ def test_gemma3_windows_that_bite_on_interleaved_layers():
     got = np.asarray(prompt_logits(narrow, get_ops("pallas-interpret"), params, prompt))
     assert np.max(np.abs(got - want)) <= 1e-4
 
-@pytest.mark.xfail(strict=True, reason="LongRoPE's factors are chosen from a step's positions: a prompt longer than "
-                   "original_max_position_embeddings taken in chunks mixes short and long keys (model/rotary.py)")
-def test_longrope_prompt_in_chunks_equals_one_step():
-    """Phi-3 (original length 64): a 100-token prompt gives the same greedy tokens in one prompt step (every key
-    with the long factors, as transformers' forward) as in chunks of 32 (the first two end before the switch)."""
+PHI3 = DATA / "models" / "phi3"   # LongRoPE, original length 64
+
+
+def _phi3_tokens(prompts, params, **settings) -> list[list[int]]:
+    llm = LLM(PHI3, skip_tokenizer_init=True, progress=False, cache_dir="", **settings)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("ops", ["reference", "pallas-interpret"])
+def test_longrope_prompt_in_chunks_equals_one_step(ops):
+    """Phi-3 (original length 64): a 100-token prompt gives the same greedy tokens in chunks of 32 (the first two
+    end before the switch, their keys take the long factors all the same) as in one prompt step, whose first token
+    is the argmax of transformers' forward (prompt_logits: every key with the long factors)."""
     prompt = np.random.default_rng(1).integers(3, 1000, 100).tolist()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    tokens = [LLM(DATA / "models" / "phi3", ops="reference", max_num_seqs=1, max_num_batched_tokens=budget,
-                  skip_tokenizer_init=True, progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    tokens = [_phi3_tokens([prompt], params, ops=ops, max_num_seqs=1, max_num_batched_tokens=budget)[0]
               for budget in (128, 32)]
     assert tokens[0] == tokens[1]
+    cfg = load_config(PHI3)
+    logits = prompt_logits(cfg, get_ops(), load_params(PHI3, cfg, progress=False), np.asarray(prompt))
+    assert tokens[0][0] == int(np.argmax(logits[-1]))
+
+
+def test_longrope_prefix_cache_keeps_short_and_long_keys_apart():
+    """A 40-token prompt (short factors) and a 100-token one that starts with its first 32 tokens (long factors,
+    every key): with the prefix cache each one's greedy tokens equal its tokens without it, whichever runs first;
+    a repeated long prompt still takes its own cached pages."""
+    rng = np.random.default_rng(2)
+    long_prompt = rng.integers(3, 1000, 100).tolist()
+    prompts = [long_prompt[:32] + rng.integers(3, 1000, 8).tolist(), long_prompt]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(max_num_seqs=1, max_num_batched_tokens=128)
+    want = _phi3_tokens(prompts, params, enable_prefix_caching=False, **settings)
+    for order in ((0, 1), (1, 0)):
+        llm = LLM(PHI3, skip_tokenizer_init=True, progress=False, cache_dir="", **settings)
+        got = {i: llm.generate([prompts[i]], params)[0].outputs[0].token_ids for i in order}
+        assert [got[0], got[1]] == want, f"order {order}"
+    hits = llm.engine.pages.hits
+    assert llm.generate([long_prompt], params)[0].outputs[0].token_ids == want[1]
+    assert llm.engine.pages.hits - hits == 6   # its 6 full blocks of 16 before the last token
+
+
+def test_longrope_speculation_across_the_original_length_gives_plain_decodings_tokens():
+    """Phi-3 as its own draft (drafts at every step): a 100-token prompt in chunks, then a 50-token prompt whose
+    output crosses the original length (64) inside verify steps: the greedy tokens of plain decoding, whose steps
+    give each token its own position's factors (and the long prompt's, all long ones)."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 1000, 100).tolist(), rng.integers(3, 1000, 50).tolist()]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    settings = dict(max_num_seqs=2, max_num_batched_tokens=32)
+    want = _phi3_tokens(prompts, params, **settings)
+    llm = LLM(PHI3, skip_tokenizer_init=True, progress=False, cache_dir="", speculative=f"draft:{PHI3}",
+              num_speculative_tokens=3, **settings)
+    llm.engine.speculator.adaptive = False
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
+    assert llm.engine.speculator.stats.drafted > 0
+
+
+@pytest.mark.parametrize("name", ["phi3", "llama3"])
+def test_step_batches_carry_rope_long_only_with_longrope(name):
+    """Every mixed and verify step's batch of a LongRoPE model carries rope_long [B]; another model's None (its
+    steps' pytree as it was)."""
+    llm = LLM(DATA / "models" / name, skip_tokenizer_init=True, progress=False, cache_dir="", max_num_seqs=2,
+              speculative="ngram")
+    runner = llm.engine.runner
+    mixed = [(batch.shapes(), v.phase) for v, batch in runner.bucket_calls() if v.phase in ("mixed", "verify")]
+    assert {phase for _, phase in mixed} == {"mixed", "verify"}
+    for shapes, phase in mixed:
+        step = shapes.step if phase == "verify" else shapes
+        assert step.rope_long == (None if name == "llama3" else step.sample_index)
+
 
 def _phi3(**kw):
     hf = json.loads((DATA / "models" / "phi3" / "config.json").read_text())

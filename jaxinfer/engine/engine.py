@@ -39,6 +39,7 @@ from jaxinfer.errors import PromptTooLongError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
 from jaxinfer.model.quantize import describe as describe_weights
+from jaxinfer.model.rotary import takes_long_factors
 from jaxinfer.model.tensor_parallel import device_page_bytes
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import get_ops
@@ -147,7 +148,8 @@ class Engine(VerifySteps):
                                    prefix_caching=config.enable_prefix_caching,
                                    token_buckets=self.runner.token_buckets,
                                    # (a drafter with a pool of its own reads every position through the tables)
-                                   window=0 if hasattr(proposer, "attach") else self.cfg.kv_window)
+                                   window=0 if hasattr(proposer, "attach") else self.cfg.kv_window,
+                                   rope_original_length=self.cfg.rope_longrope[2] if self.cfg.rope_longrope else 0)
         self._finished: dict[int, Sequence] = {}
         self._inflight: tuple | None = None      # a decode dispatch not yet read back
         self._inflight_mixed: MixedInFlight | None = None   # a mixed step not yet read back (overlap_mixed)
@@ -590,6 +592,8 @@ class Engine(VerifySteps):
             a["step_index"][b] = len(seq.output_ids) + pending
             t += n
             a["query_start"][b + 1:] = t
+        if "rope_long" in a:   # LongRoPE: every token of a long prompt takes the long factors (model/rotary.py)
+            a["rope_long"][:len(chunks)] = [takes_long_factors(self.cfg, len(s.prompt_ids)) for s, _ in chunks]
         sampling = SamplingArrays.from_params([s.params for s, _ in chunks], [s.seed for s, _ in chunks], rows)
         bitmask = self.constraints.bitmask(emitting, rows) if masked else None
         t0 = time.perf_counter()

@@ -8,7 +8,9 @@ hold them.
   never stalls the others. Otherwise the step is a multi-step decode dispatch.
 - Prefix caching: a sequence joining takes the cached pages of the longest prefix of its full
   blocks (never its last token, whose logits are needed) and computes only the rest; every block
-  it completes is registered for later sequences (paging.py).
+  it completes is registered for later sequences (paging.py). With LongRoPE, a prompt longer than the original
+  length takes the long factors for every key (model/rotary.py): its blocks chain from a salt of their own, so
+  that no sequence takes pages computed with the other factors.
 - Pages are taken as sequences grow. When none are left, the youngest running sequence is
   preempted: its pages are released (they stay cached), and it goes back to the front of the
   waiting queue to be recomputed later, ending with the same tokens it would have had.
@@ -70,6 +72,7 @@ class Sequence:
         return self.num_computed < len(self.tokens) - (1 if self.output_ids else 0)
 
 
+LONG_ROPE_SALT = "rope:long"   # the hash chain's start for a LongRoPE sequence whose keys take the long factors
 TRIM_FROM = 512   # token buckets from which a step's excess over a bucket is left for a later step
 
 
@@ -84,8 +87,9 @@ class Plan:
 class Scheduler:
     def __init__(self, pages: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  decode_steps: int, on_start: Callable[[Sequence], None], prefix_caching: bool = True,
-                 token_buckets: list[int] | None = None, window: int = 0):
+                 token_buckets: list[int] | None = None, window: int = 0, rope_original_length: int = 0):
         self.pages = pages
+        self.rope_original_length = rope_original_length   # LongRoPE's (a longer prompt's blocks hashed apart); else 0
         self.window = window              # positions a query sees at most, where every layer has a window; else 0
         self.num_freed_pages = 0          # pages released behind a window (a running count)
         self.token_buckets = sorted(token_buckets or [])
@@ -114,7 +118,7 @@ class Scheduler:
             tokens = seq.tokens
             # A request for prompt logprobs computes its whole prompt: cached blocks would skip rows.
             cacheable = self.prefix_caching and seq.params.prompt_logprobs is None
-            hashes = block_hashes(tokens[: (len(tokens) - 1) // ps * ps], ps) if cacheable else []
+            hashes = block_hashes(tokens[: (len(tokens) - 1) // ps * ps], ps, prev=self._salt(seq)) if cacheable else []
             cached = self.pages.lookup(hashes)
             need = -(-len(tokens) // ps) - len(cached)
             if need > self.pages.num_free:
@@ -171,12 +175,18 @@ class Scheduler:
         """Register the sequence's newly completed full blocks in the prefix cache."""
         full = seq.num_computed // self.page_size
         if self.prefix_caching and full > len(seq.hashes):
-            prev = seq.hashes[-1] if seq.hashes else None
+            prev = seq.hashes[-1] if seq.hashes else self._salt(seq)
             new = block_hashes(seq.tokens[: full * self.page_size], self.page_size, len(seq.hashes), prev)
             for i, h in enumerate(new, start=len(seq.hashes)):
                 if seq.pages[i] != SCRATCH_PAGE:   # (a page freed behind a window is never one not yet registered)
                     self.pages.register(seq.pages[i], h)
             seq.hashes += new
+
+    def _salt(self, seq: Sequence) -> str | None:
+        """What a sequence's first block hash chains from: a LongRoPE prompt longer than the original length (every
+        key with the long factors) from a salt, others from None."""
+        long_prompt = self.rope_original_length and len(seq.prompt_ids) > self.rope_original_length
+        return LONG_ROPE_SALT if long_prompt else None
 
     def free_behind_window(self, seq: Sequence) -> int:
         """Release the sequence's pages that lie entirely behind the window of its next token (every position

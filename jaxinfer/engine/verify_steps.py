@@ -27,6 +27,7 @@ from jaxinfer.engine.constraints import allowed_drafts
 from jaxinfer.engine.outputs import StreamDelta
 from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
+from jaxinfer.model.rotary import takes_long_factors
 from jaxinfer.runner.batch import StepBatch, VerifyBatch
 from jaxinfer.runner.transfer import to_device_packed
 from jaxinfer.runner.variants import StepVariant, choose_sampler
@@ -182,6 +183,8 @@ class VerifySteps:
         s["emits"][:B] = emits
         s["state_row"][:B] = [seq.row for seq in seqs]
         s["step_index"][:B] = [len(seq.output_ids) + len(x) for seq, x in zip(seqs, extra)]
+        if "rope_long" in s:   # LongRoPE: every token of a long prompt takes the long factors (model/rotary.py)
+            s["rope_long"][:B] = [takes_long_factors(self.cfg, len(seq.prompt_ids)) for seq in seqs]
         s["query_start"][1:B + 1] = ends
         s["query_start"][B + 1:] = used
         a["num_drafts"][:B] = [len(d) for d in ds]

@@ -230,10 +230,15 @@ def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops: OpSet, param
     local = local_config(cfg, mesh.size)
     capture = options.get("capture", ())
     cache_spec = P(None, AXIS)
+    rope_long = options.pop("rope_long", None)   # LongRoPE's per-sequence choice: an array, so one more argument
+    if rope_long is not None:
+        token_arrays = (*token_arrays, rope_long)
 
     def body(layers, k, v, x, *arrays):
         kv_local = kv.replace(k=k, v=v)
-        kv_out, x, *states = run_layers(local, ops.shard_ops, layers, kv_local, x, *arrays, **options)
+        named = options if rope_long is None else {**options, "rope_long": arrays[-1]}
+        arrays = arrays if rope_long is None else arrays[:-1]
+        kv_out, x, *states = run_layers(local, ops.shard_ops, layers, kv_local, x, *arrays, **named)
         return (kv_out.k, kv_out.v, x, *states)
 
     layers = {k: params[k] for k in ("layers", "layer_vectors") if k in params}

@@ -159,7 +159,8 @@ def _merge_holes(a, b):
 def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
                   positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array,
                   page_table: jax.Array, decode: bool = False, unroll: bool = False,
-                  attention: str = "paged", capture: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array]:
+                  attention: str = "paged", capture: tuple[int, ...] = (),
+                  rope_long: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """Run every layer on the ragged tokens [T]; write their K/V; return the final-normed states [T, D] (and with
     `capture`, the outputs of those layers [len(capture), T, D], as transformers' hidden_states[l + 1]).
 
@@ -169,10 +170,11 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     position 0 (then padding), ops.fresh_prompt_attention; "prefixed": they are one sequence's chunk after
     its cached prefix (page table row 0), ops.prefixed_chunk_attention; "verify": T = B * Q rows, Q a sequence
     in order, the last of them at the sequence's end (ops.verify_attention).
+    rope_long: LongRoPE's long factors for each sequence's tokens, bool [B] (rotary.cos_sin); None: from positions.
     """
     x = embed(cfg, params, tokens, positions)
     kv, x, *states = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0,
-                                cfg.num_layers, decode, unroll, attention, capture)
+                                cfg.num_layers, decode, unroll, attention, capture, rope_long)
     h = final_norm(cfg, ops, params, x)
     if capture:   # transformers' hidden_states[L] (the last layer's output) is the final-normed one
         states = states[0]
@@ -199,7 +201,7 @@ def final_norm(cfg: ModelConfig, ops: ModuleType, params: dict, x: jax.Array) ->
 def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: jax.Array, positions: jax.Array,
                slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array, first: int, last: int,
                decode: bool = False, unroll: bool = False, attention: str = "paged",
-               capture: tuple[int, ...] = ()) -> tuple[KVCache, jax.Array]:
+               capture: tuple[int, ...] = (), rope_long: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """Layers first..last-1 on the residual stream x [T, D] (arguments as hidden_states'): (kv, x). With split
     layers, params["layers"][i] is layer i's (entries outside the range may be None: a step that runs part of
     the model takes only its part's matrices as arguments). capture: layers (within first..last-1) whose
@@ -207,11 +209,12 @@ def run_layers(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, x: 
     if getattr(ops, "mesh", None) is not None:   # tensor parallel: the same layers per shard, under shard_map
         return tensor_parallel.run_layers_sharded(run_layers, cfg, ops, params, kv, x, positions, slot_mapping,
                                                   token_seq, page_table, first=first, last=last, decode=decode,
-                                                  unroll=unroll, attention=attention, capture=capture)
+                                                  unroll=unroll, attention=attention, capture=capture,
+                                                  rope_long=rope_long)
     captured = {}
     cos_sin = None
     if cfg.position_kind == "rope":
-        cos_sin = rotary.cos_sin(cfg, ops, positions, token_seq, page_table.shape[0], x.dtype, decode)
+        cos_sin = rotary.cos_sin(cfg, ops, positions, token_seq, page_table.shape[0], x.dtype, decode, rope_long)
     token_arrays = (positions, slot_mapping, token_seq, page_table)
 
     def layer(carry, lp, index):
@@ -268,10 +271,10 @@ def lm_head(cfg: ModelConfig, ops: ModuleType, params: dict, h: jax.Array) -> ja
 def forward(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, tokens: jax.Array,
             positions: jax.Array, slot_mapping: jax.Array, token_seq: jax.Array, page_table: jax.Array,
             logits_rows: jax.Array, decode: bool = False, unroll: bool = False,
-            attention: str = "paged") -> tuple[KVCache, jax.Array]:
+            attention: str = "paged", rope_long: jax.Array | None = None) -> tuple[KVCache, jax.Array]:
     """One forward pass; logits [R, V] only for the token rows `logits_rows` [R]."""
     kv, h = hidden_states(cfg, ops, params, kv, tokens, positions, slot_mapping, token_seq, page_table,
-                          decode, unroll, attention)
+                          decode, unroll, attention, rope_long=rope_long)
     return kv, lm_head(cfg, ops, params, h[logits_rows])
 
 

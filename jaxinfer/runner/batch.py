@@ -33,6 +33,9 @@ class StepBatch:
     step_index: jax.Array      # int32, index of the token being generated (for the seeded PRNG)
     sampling: SamplingArrays
     bitmask: jax.Array | None = None   # int32 [B, ceil(V / 32)]: structured output's allowed tokens; None: no mask
+    # bool [B]: LongRoPE's long factors for every token of the sequence (its prompt is longer than the original
+    # length: rotary.takes_long_factors); None for a model without LongRoPE (its steps' pytree stays as it was)
+    rope_long: jax.Array | None = None
 
 
 @flax.struct.dataclass

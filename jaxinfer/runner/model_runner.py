@@ -301,8 +301,10 @@ class ModelRunner:
     # ---- padded, inert batches: warm-up's, and the templates the engine fills in ----
     def empty_mixed(self, T: int, rows: int | None = None) -> dict[str, np.ndarray]:
         """A mixed step's host arrays for T tokens and `rows` sequences (default max_num_seqs; a one-sequence
-        prompt step's batch has 1: its page table is one row)."""
+        prompt step's batch has 1: its page table is one row). A LongRoPE model's also hold `rope_long` (StepBatch's;
+        no sequence's prompt long until the caller says so)."""
         B = rows or self.max_num_seqs
+        longrope = {} if self.cfg.rope_longrope is None else {"rope_long": np.zeros(B, bool)}
         return dict(
             tokens=np.zeros(T, np.int32), positions=np.zeros(T, np.int32),
             slot_mapping=np.full(T, SCRATCH_PAGE * self.page_size, np.int32), token_seq=np.zeros(T, np.int32),
@@ -310,7 +312,7 @@ class ModelRunner:
             page_table=self.empty_page_table(B), query_start=np.zeros(B + 1, np.int32),
             sample_index=np.zeros(B, np.int32), emits=np.zeros(B, bool),
             state_row=np.full(B, self.scratch_row, np.int32),
-            step_index=np.zeros(B, np.int32),
+            step_index=np.zeros(B, np.int32), **longrope,
         )
 
     def empty_verify(self, T: int, rows: int, width: int) -> dict[str, np.ndarray]:

@@ -69,11 +69,12 @@ def mixed_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv: 
     if capture:   # also the outputs of the layers a DFlash drafter reads, [len(capture), T, D], last
         kv, h, states = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions,
                                             batch.slot_mapping, batch.token_seq, batch.page_table, attention=attention,
-                                            capture=capture)
+                                            capture=capture, rope_long=batch.rope_long)
         logits = model.lm_head(cfg, ops, params, h[rows.sample_index])
         return (*_sampled(kv, state, batch, rows, logits, n_top, greedy, method), states)
     kv, logits = model.forward(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
-                               batch.token_seq, batch.page_table, rows.sample_index, attention=attention)
+                               batch.token_seq, batch.page_table, rows.sample_index, attention=attention,
+                               rope_long=batch.rope_long)
     return _sampled(kv, state, batch, rows, logits, n_top, greedy, method)
 
 
@@ -92,7 +93,7 @@ def mixed_head(cfg: ModelConfig, ops: ModuleType, head_layers: int, attention: s
     batch = unpacked(batch)
     x = model.embed(cfg, params, _step_tokens(state, batch), batch.positions)
     return model.run_layers(cfg, ops, params, kv, x, batch.positions, batch.slot_mapping, batch.token_seq,
-                            batch.page_table, 0, head_layers, attention=attention)
+                            batch.page_table, 0, head_layers, attention=attention, rope_long=batch.rope_long)
 
 
 def mixed_tail(cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, params: dict, kv: KVCache,
@@ -103,7 +104,8 @@ def mixed_tail(cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, 
     batch = unpacked(batch)
     rows = _sampled_batch(batch, attention)
     kv, x = model.run_layers(cfg, ops, params, kv, x, batch.positions, batch.slot_mapping, batch.token_seq,
-                             batch.page_table, head_layers, cfg.num_layers, attention=attention)
+                             batch.page_table, head_layers, cfg.num_layers, attention=attention,
+                             rope_long=batch.rope_long)
     h = model.final_norm(cfg, ops, params, x)
     return _sampled(kv, state, batch, rows, model.lm_head(cfg, ops, params, h[rows.sample_index]), n_top, greedy,
                     method)
@@ -136,7 +138,7 @@ def mixed_step_prompt_logprobs(cfg: ModelConfig, ops: ModuleType, n_top: int, pa
     prompt logprobs: it computes [T, V] logits."""
     batch = unpacked(batch)
     kv, h = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, batch), batch.positions, batch.slot_mapping,
-                                batch.token_seq, batch.page_table)
+                                batch.token_seq, batch.page_table, rope_long=batch.rope_long)
     logits = model.lm_head(cfg, ops, params, h)
     logp = jax.nn.log_softmax(logits, axis=-1)
     target = jnp.take_along_axis(logp, batch.next_tokens[:, None], axis=-1)[:, 0]
@@ -234,7 +236,8 @@ def verify_step(cfg: ModelConfig, ops: ModuleType, n_top: int, params: dict, kv:
     sb = batch.step
     B, Q = batch.score_rows.shape
     kv, h, *states = model.hidden_states(cfg, ops, params, kv, _step_tokens(state, sb), sb.positions, sb.slot_mapping,
-                                         sb.token_seq, sb.page_table, attention=attention, capture=capture)
+                                         sb.token_seq, sb.page_table, attention=attention, capture=capture,
+                                         rope_long=sb.rope_long)
     logits = model.lm_head(cfg, ops, params, h[batch.score_rows.reshape(B * Q)])
     pm, oc = _gather_rows(state, sb.state_row)
     masks = None if sb.bitmask is None else sb.bitmask.reshape(B, Q, -1)   # structured output: one a scored row

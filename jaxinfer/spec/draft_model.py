@@ -20,6 +20,7 @@ import numpy as np
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.model.config import ModelConfig, load_config
 from jaxinfer.model.kv_cache import bytes_per_page, kv_cache_dtype, slots_for
+from jaxinfer.model.rotary import takes_long_factors
 from jaxinfer.model.weights import load_params
 from jaxinfer.runner.batch import DecodeBatch, StepBatch
 from jaxinfer.runner.model_runner import ModelRunner
@@ -146,6 +147,8 @@ class DraftModelProposer:
                 a["sample_index"][i] = t + n - 1
                 a["emits"][i] = start + n == len(seq.tokens)
                 a["state_row"][i] = seq.row
+                if "rope_long" in a:   # a LongRoPE draft: a long prompt's tokens all take the long factors
+                    a["rope_long"][i] = takes_long_factors(self.cfg, len(seq.prompt_ids))
                 t += n
                 a["query_start"][i + 1:] = t
             sampling = SamplingArrays.from_params([], [], r.max_num_seqs)
