@@ -528,3 +528,20 @@ def test_an_abort_while_a_chained_verify_step_is_in_flight(finished, reference):
     assert aborted and e.take_finished(b).outputs[0].token_ids == reference[1]
     assert a not in e._finished and e.speculator.stats.chained_steps > 0
     _no_pages_held(llm)
+
+
+def test_an_aborted_request_leaves_no_speculation_state():
+    """An abort between steps: the speculator's acceptance and chaining estimates and the draft model's record of
+    the request are dropped with it (they were kept for good: a server's memory grew with each abort)."""
+    llm = _spec(STORIES, speculative=f"draft:{XS}", max_num_seqs=4)
+    e = llm.engine
+    a = e.add_request(PROMPTS[0], GREEDY)
+    b = e.add_request(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while a not in e.speculator.proposer._state or e._inflight_verify is not None:   # nothing in flight
+        e.step()
+    e.abort(a)
+    while e.has_unfinished():
+        e.step()
+    e.take_finished(b)
+    assert not e.speculator._acceptance and not e.speculator._chains and not e.speculator.proposer._state
+    _no_pages_held(llm)

@@ -712,6 +712,8 @@ class Engine(VerifySteps):
             # its pages go now, so the later settle must not register them in the prefix cache
             seq.finish_reason = "abort"
             s.release(seq)
+            if self.speculator is not None:   # (a step in flight over it forgets it again when settled)
+                self.speculator.forget(seq)
         self._finished.pop(request_id, None)
 
 
