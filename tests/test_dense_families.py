@@ -72,8 +72,7 @@ def test_bfloat16_logits_close_to_float32(family):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_engine_greedy_tokens_match_transformers(name):
     """The engine end to end (the prompts in one step, then decode steps): 32 greedy tokens of every golden prompt
-    on the reference ops. (Phi-4-mini's prompts all take LongRoPE's long factors: a first chunk within its
-    original length, 4, would take the short ones.)"""
+    on the reference ops. (Phi-4-mini's prompts all take LongRoPE's long factors: its original length is 4.)"""
     golden = np.load(DATA / "golden" / f"{name}.npz")
     llm = LLM(DATA / "models" / name, max_num_seqs=4, max_num_batched_tokens=64, decode_steps=4,
               skip_tokenizer_init=True, progress=False)
