@@ -545,3 +545,21 @@ def test_an_aborted_request_leaves_no_speculation_state():
     e.take_finished(b)
     assert not e.speculator._acceptance and not e.speculator._chains and not e.speculator.proposer._state
     _no_pages_held(llm)
+
+
+def test_chained_verify_steps_are_timed_from_the_last_read_back(reference):
+    """The measured verify rate (which decides against decode dispatches whether to draft) counts a chained step's
+    time from its predecessor's read-back, as a chained decode dispatch's is: the host's time between steps (here a
+    slow caller, 50 ms) included. It was timed from the successor's launch, just before its read-back, which left the
+    caller's time out (rates several times too high)."""
+    import time
+
+    llm = _spec(STORIES, speculative="ngram", num_speculative_tokens=4)
+    e = llm.engine
+    e.speculator.proposer = _Replay(reference[0])
+    e.add_request(PROMPTS[0], GREEDY)
+    while e.has_unfinished():
+        e.step()
+        time.sleep(0.05)
+    assert e.speculator.stats.chained_steps > 3
+    assert e.speculator._rates["verify", 1] < 2 * 5 / 0.05   # at most 5 tokens a step, a step >= 50 ms

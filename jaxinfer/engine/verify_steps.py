@@ -59,6 +59,7 @@ class VerifyInFlight:
     base: dict = dataclasses.field(default_factory=dict)
     dropped: set = dataclasses.field(default_factory=set)
     full: dict = dataclasses.field(default_factory=dict)   # after read-back: whether each row accepted every draft
+    drafted: float = 0.0   # when its drafts were proposed (its time runs from then, or from the last read-back)
 
 
 class _View:
@@ -207,7 +208,8 @@ class VerifySteps:
         self._observe(s)
         return VerifyInFlight(chunks, ds, emits, rows, dense, outs, tops, t0, compiling, t0 - t_build,
                               {seq: x for seq, x in zip(seqs, extra) if x},
-                              {seq: len(seq.prompt_ids) + len(seq.output_ids) for seq, x in zip(seqs, extra) if x})
+                              {seq: len(seq.prompt_ids) + len(seq.output_ids) for seq, x in zip(seqs, extra) if x},
+                              drafted=self._drafting_started)
 
     def _collect_verify(self, f: VerifyInFlight, chained: VerifyInFlight | None = None) -> list[StreamDelta]:
         """Read a verify step back: append each emitting sequence's accepted drafts and the target's token, roll
@@ -250,8 +252,8 @@ class VerifySteps:
                 self.scheduler.trim(seq)
         stats.emitted += emitted
         if f.dense:   # wall time from the proposals (or the last read-back) to the tokens appended, less compiling
-            now = time.perf_counter()
-            since = max(self._drafting_started, self._verify_read)
+            now = time.perf_counter()   # (its own proposals': a successor chained behind it has proposed since)
+            since = max(f.drafted, self._verify_read)
             self.speculator.measured("verify", f.rows, emitted, now - since - compiled)
             self._verify_read = now
         key = "decode" if f.dense else "prefill"   # a ragged step counts as a mixed step does: its rows
