@@ -170,7 +170,8 @@ def hidden_states(cfg: ModelConfig, ops: ModuleType, params: dict, kv: KVCache, 
     position 0 (then padding), ops.fresh_prompt_attention; "prefixed": they are one sequence's chunk after
     its cached prefix (page table row 0), ops.prefixed_chunk_attention; "verify": T = B * Q rows, Q a sequence
     in order, the last of them at the sequence's end (ops.verify_attention).
-    rope_long: LongRoPE's long factors for each sequence's tokens, bool [B] (rotary.cos_sin); None: from positions.
+    rope_long: bool [B], the sequences whose every token takes LongRoPE's long factors, the others' tokens each by
+    its own position (rotary.cos_sin); None: every sequence's by its last position in the step.
     """
     x = embed(cfg, params, tokens, positions)
     kv, x, *states = run_layers(cfg, ops, params, kv, x, positions, slot_mapping, token_seq, page_table, 0,
