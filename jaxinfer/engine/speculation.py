@@ -9,10 +9,16 @@ pays for this batch (0: a plain decode dispatch instead of a verify step).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
+from jaxinfer.engine.scheduler import Sequence
 from jaxinfer.settings import MAX_SPECULATIVE_TOKENS, EngineConfig
 from jaxinfer.spec.adaptive import Acceptance, choose_drafts, rows_nearly_free
 from jaxinfer.spec.ngram import NgramProposer
+from jaxinfer.spec.proposer import Proposer
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
 
 
 @dataclasses.dataclass
@@ -53,7 +59,7 @@ class Speculator:
     decoding, verifying starts only from a measurement: decode dispatches are measured first, then one try (a probe),
     and after a probe without drafts the next waits PROBE_EVERY dispatches."""
 
-    def __init__(self, proposer, k_max: int, adaptive: bool = True):
+    def __init__(self, proposer: Proposer, k_max: int, adaptive: bool = True):
         self.proposer, self.k_max, self.adaptive = proposer, k_max, adaptive
         self._rates: dict[tuple[str, int], float] = {}    # (verify | decode, batch bucket) -> tokens a second
         self._since_try: dict[int, int] = {}   # batch bucket -> decode dispatches since drafts were last tried there
@@ -64,7 +70,8 @@ class Speculator:
         self._chains: dict[int, Acceptance] = {}   # per sequence: how often a chained step's assumption held
         self.stats = SpeculationStats()
 
-    def drafts(self, seqs: list, room: int | None = None, bucket: int | None = None) -> dict:
+    def drafts(self, seqs: list[Sequence], room: int | None = None,
+               bucket: int | None = None) -> dict[Sequence, list[int]]:
         """{sequence: its drafts} for the generating `seqs` of the next step (empty: decode without drafts).
         room: the most drafted tokens the step can take in all; bucket: the batch's (measured rates)."""
         if not seqs:
@@ -75,7 +82,7 @@ class Speculator:
             return {}
         return self._propose(seqs, room)
 
-    def _propose(self, seqs: list, room: int | None) -> dict:
+    def _propose(self, seqs: list[Sequence], room: int | None) -> dict[Sequence, list[int]]:
         """The proposals for `seqs`, cut to the chosen k and to `room` (drafts, once may_draft has said yes)."""
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         proposals = self.proposer.propose(seqs, self.k_max)
@@ -92,7 +99,7 @@ class Speculator:
             self.idle(seqs)
         return out
 
-    def may_draft(self, seqs: list, bucket: int | None = None) -> bool:
+    def may_draft(self, seqs: list[Sequence], bucket: int | None = None) -> bool:
         """Whether the next step over `seqs` might verify drafts (asked before their proposals exist, and before a
         decode dispatch is chained). bucket: the batch's bucket, whose measured rates and tries may rule it out."""
         if self.min_drafts > 0:
@@ -102,7 +109,7 @@ class Speculator:
         rates = [self._acceptance.setdefault(s.request_id, Acceptance()).rate for s in seqs]
         return choose_drafts(rates, [self.k_max] * len(seqs), self.k_max, self.adaptive) > 0
 
-    def would_draft(self, seqs: list, bucket: int) -> bool:
+    def would_draft(self, seqs: list[Sequence], bucket: int) -> bool:
         """Whether a verify step would run over `seqs` now, asked before a decode dispatch is chained behind the one in
         flight: may_draft, and where verify rows are not nearly free (a large batch's probe), for a proposer of the
         host's tokens alone (n-gram), drafts that pay on the host's view (one dispatch behind). A probe that finds
@@ -158,27 +165,27 @@ class Speculator:
         if kind == "decode":
             self._since_try[bucket] = self._since_try.get(bucket, 0) + 1
 
-    def chain_rate(self, seq) -> float:
+    def chain_rate(self, seq: Sequence) -> float:
         """The sequence's estimated chance that a chained verify step's assumption holds (its previous step accepts
         every draft and the guess after them is right): decayed counts with a prior of one in two."""
         return self._chains.setdefault(seq.request_id, Acceptance()).rate
 
-    def record_chain(self, seq, held: bool) -> None:
+    def record_chain(self, seq: Sequence, held: bool) -> None:
         """A verify step's outcome for chaining: a chained row kept or dropped, or (unchained) all drafts accepted."""
         self._chains.setdefault(seq.request_id, Acceptance()).record(1, int(held))
 
-    def record(self, seq, drafted: int, accepted: int) -> None:
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         self._acceptance.setdefault(seq.request_id, Acceptance()).record(drafted, accepted)
         self.stats.drafted += drafted
         self.stats.accepted += accepted
         self.stats.sequence_verifies += drafted > 0
 
-    def idle(self, seqs: list) -> None:
+    def idle(self, seqs: list[Sequence]) -> None:
         """A step without drafts: the sequences' old evidence fades, so speculation is tried again later."""
         for seq in seqs:
             self._acceptance.setdefault(seq.request_id, Acceptance()).record(0, 0)
 
-    def forget(self, seq) -> None:
+    def forget(self, seq: Sequence) -> None:
         self._acceptance.pop(seq.request_id, None)
         self._chains.pop(seq.request_id, None)
         if hasattr(self.proposer, "forget"):
@@ -204,7 +211,7 @@ def resolve_speculative(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, num_speculative_tokens=k)
 
 
-def make_proposer(config: EngineConfig, engine):
+def make_proposer(config: EngineConfig, engine: Engine) -> Proposer:
     """The proposer `config.speculative` names, for the engine's target model."""
     kind, _, path = config.speculative.partition(":")
     if kind == "ngram":

@@ -18,6 +18,7 @@ adaptive draft count stays at 1 or more).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -27,10 +28,12 @@ import numpy as np
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE, KVCache, bytes_per_page, slots_for
+from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.runner.transfer import to_device
 from jaxinfer.settings import EngineConfig
 from jaxinfer.spec.dflash import _cos_sin, _split_kv, fuse_target_states, target_embedding_and_head
 from jaxinfer.spec.dflash_config import DFlashConfig, check_drafter_fits, load_dflash_config, load_dflash_params
+from jaxinfer.spec.proposer import DraftedSequence
 
 
 def write_context(dcfg: DFlashConfig, ops: ModuleType, params: dict, pool: KVCache, states: jax.Array,
@@ -107,7 +110,7 @@ class DFlashProposer:
     def page_bytes(self, page_size: int) -> int:
         return bytes_per_page(self.dcfg.model, page_size)
 
-    def attach(self, num_pages: int, max_model_len: int, ops: ModuleType, target_runner) -> None:
+    def attach(self, num_pages: int, max_model_len: int, ops: ModuleType, target_runner: ModelRunner) -> None:
         self.runner = target_runner
         self.pool = KVCache.allocate(self.dcfg.model, num_pages, target_runner.page_size)
         self.embed, self.head = target_embedding_and_head(self.target_cfg, target_runner.params)
@@ -118,7 +121,7 @@ class DFlashProposer:
         """A target step's captured states [n, T, D] of rows at positions/slots [T] (host arrays)."""
         self.pool = self._write(self.params, self.pool, states, *to_device((positions, slots)))
 
-    def propose(self, seqs, k: int) -> list[list[int]]:
+    def propose(self, seqs: Sequence[DraftedSequence], k: int) -> list[list[int]]:
         r, ps, bs = self.runner, self.runner.page_size, self.dcfg.block_size
         B = r.batch_bucket(len(seqs))
         last = np.zeros(B, np.int32)

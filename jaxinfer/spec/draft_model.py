@@ -13,7 +13,9 @@ holds is tracked per sequence by comparing its last drafts with the tokens the s
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
@@ -28,6 +30,8 @@ from jaxinfer.runner.transfer import to_device, to_device_packed
 from jaxinfer.runner.variants import StepVariant
 from jaxinfer.sampling.sample import SamplingArrays
 from jaxinfer.settings import EngineConfig
+from jaxinfer.spec.proposer import DraftedSequence
+from jaxinfer.text import Tokenizer
 
 
 @dataclasses.dataclass
@@ -43,7 +47,7 @@ class _DraftState:
 class DraftModelProposer:
     name = "draft"
 
-    def __init__(self, path: str, target_cfg: ModelConfig, tokenizer, config: EngineConfig):
+    def __init__(self, path: str, target_cfg: ModelConfig, tokenizer: Tokenizer | None, config: EngineConfig):
         """Read the draft model and check it against the target (same vocabulary and tokenizer); its runner is
         made by `attach`, once the target's pool size is known."""
         if not path:
@@ -67,16 +71,17 @@ class DraftModelProposer:
         """Device bytes of one page of the draft's pool (the engine sizes the target's pool net of them)."""
         return bytes_per_page(self.cfg, page_size, self.kv_dtype)
 
-    def attach(self, num_pages: int, max_model_len: int, ops, target_runner=None) -> None:
+    def attach(self, num_pages: int, max_model_len: int, ops: ModuleType,
+               target_runner: ModelRunner | None = None) -> None:
         self.runner = ModelRunner(self.cfg, self.params, ops, self.config, num_pages=num_pages,
                                   max_model_len=max_model_len, kv_dtype=self.kv_dtype)
         self.runner.warmup(progress=False, compile=False)
         del self.params   # the runner holds them
 
-    def forget(self, seq) -> None:
+    def forget(self, seq: DraftedSequence) -> None:
         self._state.pop(seq.request_id, None)
 
-    def propose(self, seqs, k: int) -> list[list[int]]:
+    def propose(self, seqs: Sequence[DraftedSequence], k: int) -> list[list[int]]:
         """k greedy drafts for each sequence (each one's tokens so far, `seq.tokens`, its pages `seq.pages`)."""
         r = self.runner
         starts = [self._computed(seq) for seq in seqs]
@@ -160,9 +165,8 @@ class DraftModelProposer:
         return first
 
 
-def _check_same_tokenizer(path: Path, tokenizer) -> None:
+def _check_same_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
     """The draft's tokenizer.json must map tokens to the same ids as the target's."""
-    from jaxinfer.text import Tokenizer
     try:
         draft = Tokenizer.from_dir(path)
     except Exception as e:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxinfer.spec.proposer import DraftedSequence
+
 MAX_N = 4   # the longest suffix matched (vLLM's prompt_lookup_max is typically 3-5)
 MIN_N = 2   # the shortest: one token matches too often in open text to be worth a verify row
 
@@ -51,5 +53,5 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, seqs: Sequence, k: int) -> list[list[int]]:
+    def propose(self, seqs: Sequence[DraftedSequence], k: int) -> list[list[int]]:
         return [ngram_proposal(seq.tokens, k, self.max_n, self.min_n) for seq in seqs]
