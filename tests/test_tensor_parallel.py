@@ -55,7 +55,8 @@ def golden_tokens(family: str) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES] +
-                         [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa")])
+                         [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa")] +
+                         [("reference", 2, "phi4_mini")])   # LongRoPE's rope_long through the shard_map
 def test_greedy_tokens_equal_tp1(ops, n, family):
     rows = run_worker("greedy", ops, str(n), family)
     assert [r["family"] for r in rows] == [family]
