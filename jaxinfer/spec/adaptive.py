@@ -6,8 +6,8 @@ forgetting and a prior of one accept in two tries). Verifying k drafts that each
 1 + a + a^2 + ... + a^k tokens in expectation. The step's cost is modelled from the rows it computes: a batched
 step costs about what a one-row step costs while its GEMMs stay memory-bound (below KNEE_ROWS rows on the H200:
 the weights' bytes dominate), and grows linearly beyond; a verify step also pays VERIFY_OVERHEAD over a decode
-step (it is one step a dispatch and read back at once, where decode dispatches run several steps and overlap
-the host). The k with the most expected tokens per unit of cost wins; ties go to the smaller k.
+step (it is one step a dispatch, read back before the next is built unless chained (n-gram), where decode
+dispatches run several steps and overlap the host). The k with the most expected tokens per unit of cost wins; ties go to the smaller k.
 """
 
 from __future__ import annotations
