@@ -563,3 +563,20 @@ def test_chained_verify_steps_are_timed_from_the_last_read_back(reference):
         time.sleep(0.05)
     assert e.speculator.stats.chained_steps > 3
     assert e.speculator._rates["verify", 1] < 2 * 5 / 0.05   # at most 5 tokens a step, a step >= 50 ms
+
+
+def test_prompt_logprobs_of_a_prompt_chunked_beside_drafts():
+    """A prompt asking for prompt logprobs, in chunks while another sequence drafts: the steps carrying its chunks
+    score every prompt token (a verify step beside them scored none: 15 of 26 came back); its tokens and the other's
+    are unchanged."""
+    settings = dict(max_num_seqs=4, max_num_batched_tokens=16, enable_prompt_logprobs=True)
+    params = [GREEDY, SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=2, ignore_eos=True)]
+    want = LLM(STORIES, progress=False, cache_dir="", **settings).generate(PROMPTS[:2], params)
+    llm = _spec(STORIES, speculative="ngram", **settings)
+    got = llm.generate(PROMPTS[:2], params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(got[1].prompt_logprobs) == len(want[1].prompt_logprobs) == len(got[1].prompt_token_ids)
+    for a, b in zip(got[1].prompt_logprobs[1:], want[1].prompt_logprobs[1:]):
+        assert a[0] == pytest.approx(b[0], abs=1e-5) and [i for i, _ in a[1]] == [i for i, _ in b[1]]
+    assert llm.engine.speculator.stats.drafted > 0
+    _no_pages_held(llm)

@@ -115,8 +115,11 @@ class VerifySteps:
         """Whether a step carrying prompt chunks may verify drafts (a ragged verify step, read back at once). Not
         beside more than RAGGED_DRAFTS_MAX_BATCH generating sequences (their drafts' rows and the lost overlap
         outweigh what they gain at a large batch), and not where prompt steps are launched one ahead of their
-        read-back (overlap_mixed) while prompt work follows this step: a verify step would break that chain."""
+        read-back (overlap_mixed) while prompt work follows this step: a verify step would break that chain. Nor
+        beside a prompt chunk whose tokens' logprobs were asked for (prompt_logprobs: a verify step scores none)."""
         if len(generating) > RAGGED_DRAFTS_MAX_BATCH:
+            return False
+        if any(seq.prefilling and seq.params.prompt_logprobs is not None for seq, _ in plan.chunks):
             return False
         if not self.config.tuning.overlap_mixed:
             return True
