@@ -580,3 +580,66 @@ def test_prompt_logprobs_of_a_prompt_chunked_beside_drafts():
         assert a[0] == pytest.approx(b[0], abs=1e-5) and [i for i, _ in a[1]] == [i for i, _ in b[1]]
     assert llm.engine.speculator.stats.drafted > 0
     _no_pages_held(llm)
+
+
+@pytest.mark.parametrize("ending", ["stop string", "stop token id", "max_tokens"])
+def test_an_end_in_the_middle_of_a_chained_accepted_run(ending, reference):
+    """Every draft right (each step chained behind the one before): a stop string, a stop token id or max_tokens
+    reached in the middle of an accepted run ends the text where plain decoding ends it, beside a request that goes on;
+    the rows chained behind the end are dropped."""
+    out = reference[0]
+    end = next(i for i, t in enumerate(out) if i >= 17 and t not in out[:i])   # a token first seen there
+    llm = _spec(STORIES, speculative="ngram", num_speculative_tokens=4, max_num_seqs=4)
+    e = llm.engine
+    e.speculator.proposer = _Oracle(PROMPTS[:2], reference[:2], e.tokenizer)
+    params = {"stop string": SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                                            stop=[e.tokenizer.decode(out[:end + 1])[-4:]]),
+              "stop token id": SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop_token_ids=[out[end]]),
+              "max_tokens": SamplingParams(max_tokens=end + 1, temperature=0.0, ignore_eos=True)}[ending]
+    want = LLM(STORIES, progress=False, cache_dir="").generate(PROMPTS[0], params)[0].outputs[0]
+    got, other = llm.generate(PROMPTS[:2], [params, GREEDY])
+    got = got.outputs[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert other.outputs[0].token_ids == reference[1]
+    assert e.speculator.stats.chained_steps > 0
+    _no_pages_held(llm)
+
+
+@pytest.mark.parametrize("speculative", ["ngram", f"draft:{XS}"])
+def test_penalties_and_n_samples_give_the_tokens_of_decoding(speculative, plain):
+    """Penalties (greedy and sampled: the verify rows count the drafts before them) and a request of n = 2 seeded
+    samples, batched under the GPU's overlap of prompt steps: every completion is token for token what decoding gives
+    (a seeded draw is coupled to plain sampling's)."""
+    params = [SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.4),
+              SamplingParams(max_tokens=32, temperature=0.8, top_k=20, seed=3, ignore_eos=True, frequency_penalty=0.5),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=11, n=2, ignore_eos=True),
+              GREEDY]
+    want = [[c.token_ids for c in o.outputs] for o in plain.generate(PROMPTS, params)]
+    llm = _spec(STORIES, speculative=speculative, max_num_seqs=4, max_num_batched_tokens=64, overlap_mixed=True,
+                prefill_behind_decode=True)
+    assert [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params)] == want
+    assert llm.engine.speculator.stats.accepted > 0
+    _no_pages_held(llm)
+
+
+@pytest.mark.parametrize("speculative", ["draft", "dflash"])
+def test_model_proposers_under_preemption_and_prefix_cache_hits(speculative):
+    """A draft model and a DFlash drafter (their own pools, indexed by the target's page tables) in a pool small enough
+    to preempt, prompts in chunks, then prompts whose blocks are cached (a repeated prompt, one that goes on from an
+    earlier output): the greedy tokens of decoding, no page left held."""
+    model = DATA / "models" / "qwen3"
+    settings = dict(skip_tokenizer_init=True, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=24,
+                    max_model_len=64)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], list(range(20, 60)), [3, 4, 5], list(range(60, 90))]
+    plain = LLM(model, progress=False, cache_dir="", **settings)
+    want = _tokens(plain, prompts, params)
+    later = [list(range(20, 60)), list(range(20, 60)) + want[1][:8]]
+    want_later = _tokens(plain, later, params)
+    llm = _spec(model, speculative=f"draft:{model}" if speculative == "draft" else f"dflash:{DFLASH}", **settings)
+    assert _tokens(llm, prompts, params) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(llm, later, params) == want_later
+    assert llm.engine.prefix_cache_hit_rate > 0 and llm.engine.speculator.stats.accepted > 0
+    _no_pages_held(llm)
