@@ -11,7 +11,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from conftest import REPO, STORIES, record_steps
+from conftest import REPO, SHARED, STORIES, record_steps
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.sampling import StructuredOutput
 from jaxinfer.sampling.sample import SamplingArrays, apply_bitmask, sample
@@ -350,3 +350,24 @@ def test_engines_without_constrained_requests_do_not_need_llguidance():
     from jaxinfer.engine.constraints import Constraints
 
     assert np.array_equal(Constraints(None, 77, [0]).allow_all(3), allocate_bitmask(3, 77))
+
+
+def test_constrained_output_with_a_draft_model_under_the_gpu_defaults(llm):
+    """A draft model's greedy drafts (which may hold the end of the sequence) cut to what each grammar allows, under
+    the GPU's scheduling defaults in a pool small enough to preempt, beside an unconstrained request taking the pool:
+    greedy and seeded constrained outputs are token for token those without speculation, and validate."""
+    spec = LLM(STORIES, speculative=f"draft:{SHARED / 'models' / 'llama2xs-260k'}", num_speculative_tokens=4,
+               max_num_seqs=4, max_num_batched_tokens=32, overlap_mixed=True, prefill_behind_decode=True,
+               num_pages=14, page_size=16, max_model_len=192, progress=False)
+    spec.engine.speculator.adaptive = False
+    params = [SamplingParams(max_tokens=96, temperature=t, seed=i, structured=StructuredOutput(json=SCHEMAS[i]))
+              for i, t in enumerate((0.0, 0.7, 0.0))]
+    filler = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    prompts = [" ".join([PROMPTS[i % len(PROMPTS)]] * (1 + 2 * (i % 2))) for i in range(4)]
+    on = spec.generate(prompts, [filler] + params)
+    off = llm.generate(prompts, [filler] + params)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    for out, schema in zip(on[1:], SCHEMAS):
+        _valid(out, schema)
+    assert spec.engine.speculator.stats.accepted > 0 and spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.pages.num_in_use == 0
