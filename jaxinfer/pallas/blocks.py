@@ -17,6 +17,19 @@ def pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
+# The attention kernels' tables were measured at head_dim 128. A wider head keeps a K/V block's bytes (the Triton
+# pipeline's shared-memory buffers, num_stages of them) by taking fewer positions a block: at Gemma 3's 256 the prompt
+# kernel's table config asked 280 KB of the H200's 227 KB.
+TABLE_HEAD_DIM = 128
+
+
+def kv_block_for_head_dim(block_k: int, head_dim: int, lo: int = 16) -> int:
+    """block_k for K/V tiles of `head_dim`: the table's (measured at head_dim 128), scaled down for wider heads."""
+    if head_dim <= TABLE_HEAD_DIM:
+        return block_k
+    return max(lo, block_k * TABLE_HEAD_DIM // pow2_at_least(head_dim))
+
+
 F16_MAX = 65504.0
 
 

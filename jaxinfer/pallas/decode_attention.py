@@ -53,9 +53,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.tables import SplitConfig
-from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, int8_bits_to_f32, is_pow2, online_softmax_update,
-                                     page_compute_dtype, page_slots, pow2_at_least, resolve_int8_convert, split_range,
-                                     to_compute)
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, int8_bits_to_f32, is_pow2, kv_block_for_head_dim,
+                                     online_softmax_update, page_compute_dtype, page_slots, pow2_at_least,
+                                     resolve_int8_convert, split_range, to_compute)
 
 f32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -324,13 +324,16 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
     )(context_lens.astype(jnp.int32), *(() if kv_start is None else (kv_start.astype(jnp.int32),)), o_part, lse)
 
 
-def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2, kv_int8: bool = False) -> SplitConfig:
+def choose_config(batch: int, kv_heads: int, span: int, kv_itemsize: int = 2, kv_int8: bool = False,
+                  head_dim: int = 128) -> SplitConfig:
     """The split configuration for `batch` sequences, `kv_heads` KV heads, page tables spanning `span`,
-    pages of `kv_itemsize`-byte values (1: float8, or int8 with `kv_int8`)."""
+    pages of `kv_itemsize`-byte values (1: float8, or int8 with `kv_int8`) and `head_dim` (blocks of fewer
+    positions past 128: blocks.kv_block_for_head_dim)."""
     seq_heads = batch * kv_heads
     table = (tables.DECODE_ATTENTION_INT8 if kv_int8 else tables.DECODE_ATTENTION_FP8) if kv_itemsize == 1 \
         else tables.DECODE_ATTENTION
     cfg = next(c for max_sh, max_span, c in table if seq_heads <= max_sh and span <= max_span)
+    cfg = dataclasses.replace(cfg, block_k=kv_block_for_head_dim(cfg.block_k, head_dim))
     # Never more splits than blocks in the span (the extra ones would only be empty programs).
     s = cfg.num_splits
     while s > 1 and s * cfg.block_k >= 2 * span:
@@ -353,7 +356,7 @@ def paged_decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """
     if config is None:
         config = choose_config(q.shape[0], k_cache.shape[1], page_table.shape[1] * page_size, k_cache.dtype.itemsize,
-                               k_cache.dtype == jnp.int8)
+                               k_cache.dtype == jnp.int8, q.shape[-1])
     return paged_decode_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,

@@ -207,7 +207,7 @@ def decode_attention_rope_write(qkv, cos, sin, q_norm, k_norm, k_cache, v_cache,
     quantized = check_int8_operands("decode_attention_rope_write", k_cache, v_cache, k_scale, v_scale, int8_convert)
     if config is None:
         config = choose_config(B, K, page_table.shape[1] * page_size, k_cache.dtype.itemsize,
-                               k_cache.dtype == jnp.int8)
+                               k_cache.dtype == jnp.int8, hd)
     group = H // K
     G = pow2_at_least(group, 16)
     has_rope, has_norm = cos is not None, q_norm is not None

@@ -54,7 +54,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.tables import PrefillConfig
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, online_softmax_update, page_slots, pow2_at_least
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, kv_block_for_head_dim, online_softmax_update, page_slots,
+                                     pow2_at_least)
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -280,7 +281,8 @@ def _call(q, k_cache, v_cache, layer, page_table, positions, schedule, window=No
 
 def config_for_rows(cfg: PrefillConfig, rows: int, num_tokens: int, group: int, head_dim: int) -> PrefillConfig:
     """cfg with block_q set so that a tile has about `rows` rows for this group (and >= 16), no larger
-    than the call's T needs, and halved for head_dim > 128 (the float32 accumulator is rows x hd)."""
+    than the call's T needs, and halved for head_dim > 128 (the float32 accumulator is rows x hd); K/V blocks of
+    fewer positions past head_dim 128 (blocks.kv_block_for_head_dim: the pipeline's shared memory)."""
     if cfg.heads and group % cfg.heads:
         cfg = dataclasses.replace(cfg, heads=0)
     hp = pow2_at_least(heads_per_program(cfg, group))
@@ -289,7 +291,7 @@ def config_for_rows(cfg: PrefillConfig, rows: int, num_tokens: int, group: int, 
         rows //= 2
     bq = pow2_at_least(max(1, rows // hp))
     bq = min(bq, pow2_at_least(max(num_tokens, 1)))
-    return dataclasses.replace(cfg, block_q=max(bq, min_bq))
+    return dataclasses.replace(cfg, block_q=max(bq, min_bq), block_k=kv_block_for_head_dim(cfg.block_k, head_dim))
 
 
 def choose_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int) -> PrefillConfig:

@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import (dot_precision, is_pow2, online_softmax_update, page_compute_dtype, page_slots,
-                                     pow2_at_least, to_compute)
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, kv_block_for_head_dim, online_softmax_update,
+                                     page_compute_dtype, page_slots, pow2_at_least, to_compute)
 from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to,
                                               resolve_int8_convert, merge_splits,
                                               online_softmax_update_scaled, window_split_range)
@@ -218,12 +218,13 @@ def window_kv_start(context_lens: jax.Array, Q: int, window: jax.Array | int, sp
     return jnp.where(window > 0, jnp.maximum(jnp.clip(context_lens - Q + 1, 1, last) - window, 0), 0).astype(jnp.int32)
 
 
-def choose_config(rows: int, batch: int, kv_heads: int, span: int) -> SplitConfig:
+def choose_config(rows: int, batch: int, kv_heads: int, span: int, head_dim: int = 128) -> SplitConfig:
     """The split configuration for tiles of `rows` (Q x group) rows, `batch` sequences, `kv_heads` KV heads and
-    page tables spanning `span` positions (tables.VERIFY_ATTENTION)."""
+    page tables spanning `span` positions (tables.VERIFY_ATTENTION), K/V blocks fitted to `head_dim`."""
     seq_heads = batch * kv_heads
     cfg = next(c for max_rows, max_sh, max_span, c in tables.VERIFY_ATTENTION
                if rows <= max_rows and seq_heads <= max_sh and span <= max_span)
+    cfg = dataclasses.replace(cfg, block_k=kv_block_for_head_dim(cfg.block_k, head_dim))
     s = cfg.num_splits   # never more splits than blocks in the span (the extra ones would be empty programs)
     while s > 1 and s * cfg.block_k >= 2 * span:
         s //= 2
@@ -246,8 +247,8 @@ def paged_verify_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     """
     _check_shapes(q, k_cache, v_cache, page_table, context_lens)
     if config is None:
-        B, Q, H, _ = q.shape
-        config = choose_config(Q * (H // k_cache.shape[1]), B, k_cache.shape[1], page_table.shape[1] * page_size)
+        B, Q, H, hd = q.shape
+        config = choose_config(Q * (H // k_cache.shape[1]), B, k_cache.shape[1], page_table.shape[1] * page_size, hd)
     return paged_verify_attention_split(
         q, k_cache, v_cache, layer, page_table, context_lens, page_size, float(scale),
         num_splits=config.num_splits, block_k=config.block_k, num_warps=config.num_warps,

