@@ -2,9 +2,10 @@
 that the other tests keep one device. TP 2, 4 and 8 against TP 1: the same logits in float32, for every family
 (the tiny models have 4 heads and 2 or 4 KV heads, so TP 8 holds heads in groups; their vocabularies and MLP widths
 do not all divide by 8); the greedy tokens of TP 8 (and of the Pallas kernels in interpret mode at TP 2) against
-the golden files, which TP 1 matches (test_engine); the engine's features (prefix cache, preemption, structured
-output, penalties, logprobs, 8-bit caches) and the commands at TP 2 against TP 1; two processes through
-jax.distributed, running the same generate or following process 0's engine calls; the layout; the errors."""
+the golden files, which TP 1 matches (test_engine, test_dense_families); the engine's features (prefix cache,
+preemption, structured output, penalties, logprobs, 8-bit caches) and the commands at TP 2 against TP 1; two
+processes through jax.distributed, running the same generate or following process 0's engine calls; the layout; the
+errors."""
 
 import json
 import os
@@ -26,8 +27,10 @@ WORKER = REPO / "tests" / "tensor_parallel_worker.py"
 MODELS = REPO / "tests" / "data" / "models"
 GOLDEN_FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
 # every dense family tensor parallelism takes: fused q/k/v and gate/up (Phi-3, Phi-4-mini: partial rotary), xIELU
-# (Apertus), sliding windows shorter than the prompts (Mistral, Qwen2)
-FAMILIES = GOLDEN_FAMILIES + ["stories260k", "phi3", "phi4_mini", "apertus", "mistral_swa", "qwen2_swa"]
+# (Apertus), sliding windows shorter than the prompts (Mistral, Qwen2), Gemma 3's normed block outputs (and its
+# per-layer windows cut to bite: the worker's gemma3_windows)
+FAMILIES = GOLDEN_FAMILIES + ["stories260k", "phi3", "phi4_mini", "apertus", "mistral_swa", "qwen2_swa", "gemma3",
+                              "gemma3_windows"]
 
 
 def run_worker(*args: str, devices: int = 8, timeout: int = 600) -> list[dict]:
@@ -54,8 +57,9 @@ def golden_tokens(family: str) -> list[list[int]]:
     return [golden[f"greedy_{i}"][:16].tolist() for i in range(4)]   # TP 1's (test_engine checks it)
 
 
-@pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES] +
-                         [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa")] +
+@pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES + ["gemma3"]] +
+                         [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa"),
+                          ("pallas-interpret", 2, "gemma3")] +
                          [("reference", 2, "phi4_mini")])   # LongRoPE's rope_long through the shard_map
 def test_greedy_tokens_equal_tp1(ops, n, family):
     rows = run_worker("greedy", ops, str(n), family)
@@ -86,7 +90,7 @@ def test_prefix_cache_preemption_structured_output_penalties_and_logprobs_equal_
 
 def test_commands_at_tp2_and_what_they_refuse():
     """`generate` and `bench` at --tensor-parallel-size 2, a completion served at TP 2 (generate's text at TP 1);
-    what TP 2 cannot run is one line on stderr and exit code 2 (Gemma 3, MoE, 8-bit weights, draft and DFlash
+    what TP 2 cannot run is one line on stderr and exit code 2 (MoE, 8-bit weights, draft and DFlash
     models, a size the heads refuse, more devices than there are)."""
     rows = run_worker("commands", devices=2)
     ran, served, refused = rows[:3], rows[3], rows[4:]
@@ -94,7 +98,7 @@ def test_commands_at_tp2_and_what_they_refuse():
     assert ran[1]["stdout"] == ran[0]["stdout"] and len(ran[0]["stdout"]) > len("once upon a time") + 8
     assert "throughput:" in ran[2]["stdout"]
     assert served["served"] + "\n" == ran[0]["stdout"]
-    expected = ["tensor parallelism of gemma3", "mixture-of-experts", "8-bit weights", "8-bit weights (quantization)",
+    expected = ["mixture-of-experts", "8-bit weights", "8-bit weights (quantization)",
                 "n-gram speculation only", "8-bit weights (quantization)", "n-gram speculation only",
                 "does not fit the model's 8 attention heads", "needs 4096 devices"]
     assert len(refused) == len(expected)
@@ -180,7 +184,7 @@ def test_unsupported_combinations_are_one_clear_error():
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
     # the model's own misfits come before the device count (this process has one device)
-    for family, message in (("gemma3", "normed attention and MLP outputs"), ("qwen3_moe", "mixture-of-experts")):
+    for family, message in (("qwen3_moe", "mixture-of-experts"),):
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / family, tensor_parallel_size=2, skip_tokenizer_init=True, progress=False)
 

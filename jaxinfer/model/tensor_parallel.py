@@ -59,9 +59,6 @@ def check(cfg: ModelConfig, n: int) -> None:
                 f"(sizes that work: {', '.join(str(k) for k in _workable(cfg))})")
     if getattr(cfg, "num_experts", 0):
         raise TensorParallelError("tensor parallelism of a mixture-of-experts model is not supported")
-    if cfg.sandwich_norms:   # its out-norms take o_proj's and down's outputs through ops.linear, not all-reduced
-        raise TensorParallelError(f"tensor parallelism of {cfg.family} (normed attention and MLP outputs) is not "
-                                  "supported yet")
 
 
 def _workable(cfg: ModelConfig) -> list[int]:

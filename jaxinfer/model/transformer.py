@@ -103,9 +103,9 @@ def _attention_out_mlp(cfg, ops, lp, attn, x):
 
 def _sandwich_blocks(cfg, ops, lp, attn, x):
     """Gemma 3's output projection and MLP: each block's output RMS-normed before it joins the residual stream."""
-    x = x + ops.rms_norm(ops.linear(attn, lp["wo"], lp.get("bo")), lp["attn_out_norm"]["scale"], cfg.norm_eps)
+    x = x + ops.rms_norm(ops.linear_out(attn, lp["wo"], lp.get("bo")), lp["attn_out_norm"]["scale"], cfg.norm_eps)
     h = _mlp_activation(cfg, ops, lp, x)
-    return x + ops.rms_norm(ops.linear(h, lp["w_down"], lp.get("b_down")), lp["mlp_out_norm"]["scale"], cfg.norm_eps)
+    return x + ops.rms_norm(ops.linear_out(h, lp["w_down"], lp.get("b_down")), lp["mlp_out_norm"]["scale"], cfg.norm_eps)
 
 
 def _mlp_block(cfg, ops, lp, x):

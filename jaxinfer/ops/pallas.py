@@ -227,6 +227,11 @@ def linear(x, w, b=None, *, interpret=False):
     return _xla_linear(x, w, b)
 
 
+def linear_out(x, w, b=None, *, interpret=False):
+    """reference.linear_out: `linear`'s kernels (only a tensor-parallel op set tells the two apart)."""
+    return linear(x, w, b, interpret=interpret)
+
+
 def rms_norm_linear(x, scale, eps, w, b=None, *, interpret=False):
     if _small(x):
         return _gemv(x, w, scale=scale, eps=eps, b=b, interpret=interpret)
@@ -447,8 +452,8 @@ def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Arr
 
 
 # The ops this module overrides, each bound to `interpret` by `make`.
-KERNEL_OPS = (linear, rms_norm_linear, rms_norm_swiglu, linear_residual, linear_residual_norm_swiglu, logits,
-              qkv_rope_write, decode_qkv_attention, fresh_prompt_attention, prefixed_chunk_attention,
+KERNEL_OPS = (linear, linear_out, rms_norm_linear, rms_norm_swiglu, linear_residual, linear_residual_norm_swiglu,
+              logits, qkv_rope_write, decode_qkv_attention, fresh_prompt_attention, prefixed_chunk_attention,
               paged_decode_attention, paged_attention, verify_attention, moe_mlp, rms_norm_moe_mlp)
 
 

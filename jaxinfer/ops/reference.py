@@ -60,6 +60,12 @@ def rms_norm_swiglu(x: jax.Array, scale: jax.Array, eps: float, w_gate_up: jax.A
     return swiglu(rms_norm_linear(x, scale, eps, w_gate_up))
 
 
+def linear_out(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """linear for an output projection (o_proj, down) whose result is normed before it joins the residual stream
+    (Gemma 3's sandwich norms): a tensor-parallel op set sums its row-split partial products here."""
+    return linear(x, w, b)
+
+
 def linear_residual(x: jax.Array, w: jax.Array, b: jax.Array | None, residual: jax.Array) -> jax.Array:
     """residual + linear(x): the projection rounds to x.dtype, then the add rounds again (as transformers)."""
     return residual + linear(x, w, b)

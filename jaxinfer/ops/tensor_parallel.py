@@ -1,6 +1,7 @@
 """An op set over a device mesh (tensor parallelism): the base ops, plus the mesh, plus the op set each device
 runs inside shard_map, in which the output projections (o_proj, down: input rows split over the devices) sum
-their partial products across the mesh with one all-reduce (XLA's collective: NCCL on GPUs).
+their partial products across the mesh with one all-reduce (XLA's collective: NCCL on GPUs): `linear_residual`
+before the residual add, `linear_out` (Gemma 3's normed block outputs) before the norm.
 
 The model (model.tensor_parallel) puts the layers under shard_map when an op set carries a mesh; every kernel of
 the base set then runs per shard, on per-device shapes.
@@ -30,7 +31,7 @@ def _members(base: ModuleType | OpSet) -> dict:
 def shard_ops(base: ModuleType | OpSet) -> OpSet:
     """The ops one device runs inside shard_map: the base set, with the row-split projections all-reduced."""
 
-    def reduced(x, w, b):
+    def reduced(x, w, b=None):
         y = jax.lax.psum(base.linear(x, w), AXIS)   # the partial products in x's dtype: one all-reduce
         if b is not None:   # added once, after the sum
             y = (y.astype(jnp.float32) + weight(b).astype(jnp.float32)).astype(x.dtype)
@@ -44,7 +45,7 @@ def shard_ops(base: ModuleType | OpSet) -> OpSet:
         return r, base.rms_norm_swiglu(r, scale, eps, w_gate_up)
 
     members = _members(base)
-    return OpSet(**{**members, "linear_residual": linear_residual,
+    return OpSet(**{**members, "linear_residual": linear_residual, "linear_out": reduced,
                     "linear_residual_norm_swiglu": linear_residual_norm_swiglu,
                     "name": f"{members.get('name', getattr(base, '__name__', 'ops'))}/shard"})
 
