@@ -3,6 +3,8 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
 
     python tests/tensor_parallel_worker.py logits FAMILY...    each family's prompt logits at TP 1, 2, 4 and 8
     python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
+    python tests/tensor_parallel_worker.py one OPS FAMILY...    two prompts one at a time at TP 1, then TP 2 on split
+                                                                layers
     python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache, split layers
     python tests/tensor_parallel_worker.py features             prefix cache, preemption, structured output, penalties,
                                                                 logprobs, float8 and int8 caches, at TP 1 and 2
@@ -11,6 +13,8 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
     python tests/tensor_parallel_worker.py follower RANK N PORT     process 0 generates, the others follow its calls
 """
 
+import atexit
+import functools
 import json
 import os
 import sys
@@ -25,10 +29,38 @@ STORIES = REPO.parent / "shared" / "models" / "stories260k"
 # logits' variants of a tiny model: (its folder, the config's changes, the prompt's length); Gemma 3's window cut
 # to 8 on its sliding layers (0 and 2), so that a 40-token prompt's window bites
 VARIANTS = {"gemma3_windows": ("gemma3", dict(layer_windows=(8, 0, 8)), 40)}
+NARROWED = "qwen3_moe_27"   # Qwen3-MoE's experts cut to 27 intermediate rows: 2, 4 and 8 devices pad them
 
 
 def model_dir(family: str) -> Path:
+    if family == NARROWED:
+        return narrowed_experts("qwen3_moe", 27)
     return STORIES if family == "stories260k" else MODELS / family
+
+
+@functools.cache
+def narrowed_experts(family: str, width: int) -> Path:
+    """A copy of a tiny MoE model (per-expert gate_proj, up_proj, down_proj) whose experts keep their first `width`
+    intermediate rows (and down's columns), in a folder of its own."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import load_file, save_file
+
+    src, out = MODELS / family, Path(tempfile.mkdtemp(prefix=f"{family}_{width}_"))
+    atexit.register(shutil.rmtree, out, True)
+    for f in src.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    cut = {"gate_proj.weight": lambda a: a[:width], "up_proj.weight": lambda a: a[:width],
+           "down_proj.weight": lambda a: a[:, :width]}
+    tensors = {k: next((f(v) for end, f in cut.items() if ".experts." in k and k.endswith(end)), v)
+               for k, v in load_file(src / "model.safetensors").items()}
+    save_file({k: v.copy() for k, v in tensors.items()}, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["moe_intermediate_size"] = width
+    (out / "config.json").write_text(json.dumps(config))
+    return out
 
 
 def logits(families: list[str]) -> None:
@@ -75,6 +107,25 @@ def greedy(ops: str, n: int, families: list[str], **settings) -> None:
                   decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="", **settings)
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
+
+
+def one_at_a_time(ops: str, families: list[str]) -> None:
+    """Greedy tokens of the golden files' first and last prompts (16 each), one sequence at a time (the batch-1
+    decode kernels: a mixture of experts' routed GEMVs), at TP 1 and at TP 2 on split layers (unroll_layers)."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for family in families:
+        golden = np.load(GOLDEN / f"{family.removesuffix('_27')}.npz")
+        prompts = [golden[f"prompt_{i}"].tolist() for i in (0, 3)]
+        for n in (1, 2):
+            llm = LLM(model_dir(family), tensor_parallel_size=n, ops=ops, max_num_seqs=1, max_num_batched_tokens=32,
+                      decode_steps=4, skip_tokenizer_init=True, progress=False, cache_dir="", unroll_layers=n > 1)
+            assert isinstance(llm.engine.runner.params["layers"], list) == (n > 1)
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            print(json.dumps(dict(family=family, n=n, ops=ops, tokens=tokens)), flush=True)
 
 
 def settings() -> None:
@@ -139,8 +190,8 @@ def features() -> None:
 
 
 def commands() -> None:
-    """The CLI at --tensor-parallel-size 2 (generate and bench), a completion served at TP 2 against `generate`'s
-    text at TP 1, and what TP 2 refuses: each one line on stderr and exit code 2 (one JSON line each)."""
+    """The CLI at --tensor-parallel-size 2 (generate; bench, Qwen3-MoE's too), a completion served at TP 2 against
+    `generate`'s text at TP 1, and what TP 2 refuses: each one line on stderr and exit code 2 (one JSON line each)."""
     import contextlib
     import io
 
@@ -164,9 +215,10 @@ def commands() -> None:
     for n in ("1", "2"):
         print(json.dumps(cli("generate", "--model", str(STORIES), "--tensor-parallel-size", n, "--max-tokens", "12",
                              "--no-progress", "--cache-dir", "", prompt)), flush=True)
-    print(json.dumps(cli("bench", "--model", str(MODELS / "qwen3"), "--tensor-parallel-size", "2", "--input-len", "8",
-                         "--output-len", "4", "--num-prompts", "2", "--max-num-seqs", "1", "--no-progress",
-                         "--cache-dir", "")), flush=True)
+    for family in ("qwen3", "qwen3_moe"):
+        print(json.dumps(cli("bench", "--model", str(MODELS / family), "--tensor-parallel-size", "2", "--input-len",
+                             "8", "--output-len", "4", "--num-prompts", "2", "--max-num-seqs", "1", "--no-progress",
+                             "--cache-dir", "")), flush=True)
     engine = Engine(STORIES, tensor_parallel_size=2, max_num_seqs=2, progress=False, cache_dir="")
     with ServerThread(create_app(engine)) as server:
         r = httpx.post(f"{server.url}/v1/completions", json=dict(model="stories260k", prompt=prompt, max_tokens=12,
@@ -174,8 +226,7 @@ def commands() -> None:
         print(json.dumps(dict(served=prompt + r.json()["choices"][0]["text"])), flush=True)
     bench = ("bench", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--no-progress", "--cache-dir", "")
     generate = ("generate", "--model", str(STORIES), "--no-progress", "--cache-dir", "", "--max-tokens", "4", prompt)
-    for args in ((*bench, "--model", str(MODELS / "qwen3_moe")),
-                 (*bench, "--model", str(MODELS / "qwen3-w8a8-int8")),
+    for args in ((*bench, "--model", str(MODELS / "qwen3-w8a8-int8")),
                  (*bench, "--model", str(MODELS / "qwen3"), "--quantization", "int8"),
                  (*bench, "--model", str(MODELS / "qwen3"), "--speculative", "draft:" + str(MODELS / "qwen3")),
                  (*generate, "--quantization", "fp8"), (*generate, "--speculative", "dflash:" + str(MODELS / "qwen3")),
@@ -234,5 +285,7 @@ if __name__ == "__main__":
         commands()
     elif mode == "logits":
         logits(args)
+    elif mode == "one":
+        one_at_a_time(args[0], args[1:])
     else:
         greedy(args[0], int(args[1]), args[2:])

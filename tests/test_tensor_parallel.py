@@ -28,9 +28,11 @@ MODELS = REPO / "tests" / "data" / "models"
 GOLDEN_FAMILIES = ["llama2", "llama3", "mistral", "qwen2", "qwen3", "gpt2"]
 # every dense family tensor parallelism takes: fused q/k/v and gate/up (Phi-3, Phi-4-mini: partial rotary), xIELU
 # (Apertus), sliding windows shorter than the prompts (Mistral, Qwen2), Gemma 3's normed block outputs (and its
-# per-layer windows cut to bite: the worker's gemma3_windows)
+# per-layer windows cut to bite: the worker's gemma3_windows); the mixtures of experts (Qwen3-MoE, Mixtral; and
+# Qwen3-MoE's experts cut to 27 rows, padded on every device count)
+MOE_FAMILIES = ["qwen3_moe", "mixtral"]
 FAMILIES = GOLDEN_FAMILIES + ["stories260k", "phi3", "phi4_mini", "apertus", "mistral_swa", "qwen2_swa", "gemma3",
-                              "gemma3_windows"]
+                              "gemma3_windows"] + MOE_FAMILIES + ["qwen3_moe_27"]
 
 
 def run_worker(*args: str, devices: int = 8, timeout: int = 600) -> list[dict]:
@@ -57,14 +59,28 @@ def golden_tokens(family: str) -> list[list[int]]:
     return [golden[f"greedy_{i}"][:16].tolist() for i in range(4)]   # TP 1's (test_engine checks it)
 
 
-@pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES + ["gemma3"]] +
+@pytest.mark.parametrize("ops,n,family", [("reference", 8, f) for f in GOLDEN_FAMILIES + ["gemma3"] + MOE_FAMILIES] +
                          [("pallas-interpret", 2, "qwen3"), ("pallas-interpret", 2, "mistral_swa"),
-                          ("pallas-interpret", 2, "gemma3")] +
+                          ("pallas-interpret", 2, "gemma3"), ("pallas-interpret", 2, "qwen3_moe")] +
                          [("reference", 2, "phi4_mini")])   # LongRoPE's rope_long through the shard_map
 def test_greedy_tokens_equal_tp1(ops, n, family):
     rows = run_worker("greedy", ops, str(n), family)
     assert [r["family"] for r in rows] == [family]
     assert rows[0]["tokens"] == golden_tokens(family)
+
+
+def test_moe_one_sequence_at_a_time_on_split_layers_equals_tp1():
+    """A mixture of experts' batch-1 decode (the routed GEMVs, whose combine adds no residual at TP > 1: it is added
+    once, after the all-reduce) on the Pallas kernels in interpret mode, at TP 2 on split layers against TP 1;
+    Qwen3-MoE's experts cut to 27 rows (padded to 28) and Mixtral (against its golden tokens too)."""
+    rows = run_worker("one", "pallas-interpret", "qwen3_moe_27", "mixtral", devices=2)
+    assert [(r["family"], r["n"]) for r in rows] == [("qwen3_moe_27", 1), ("qwen3_moe_27", 2), ("mixtral", 1),
+                                                     ("mixtral", 2)]
+    for one, two in (rows[:2], rows[2:]):
+        assert all(len(t) == 16 for t in one["tokens"])
+        assert two["tokens"] == one["tokens"], one["family"]
+    golden = golden_tokens("mixtral")
+    assert rows[3]["tokens"] == [golden[0], golden[3]]
 
 
 def test_sampling_speculation_int8_cache_and_split_layers_equal_tp1():
@@ -89,16 +105,16 @@ def test_prefix_cache_preemption_structured_output_penalties_and_logprobs_equal_
 
 
 def test_commands_at_tp2_and_what_they_refuse():
-    """`generate` and `bench` at --tensor-parallel-size 2, a completion served at TP 2 (generate's text at TP 1);
-    what TP 2 cannot run is one line on stderr and exit code 2 (MoE, 8-bit weights, draft and DFlash
-    models, a size the heads refuse, more devices than there are)."""
+    """`generate` and `bench` (Qwen3 and Qwen3-MoE) at --tensor-parallel-size 2, a completion served at TP 2
+    (generate's text at TP 1); what TP 2 cannot run is one line on stderr and exit code 2 (8-bit weights, draft and
+    DFlash models, a size the heads refuse, more devices than there are)."""
     rows = run_worker("commands", devices=2)
-    ran, served, refused = rows[:3], rows[3], rows[4:]
-    assert [r["rc"] for r in ran] == [0, 0, 0], [r["stderr"][-500:] for r in ran]
+    ran, served, refused = rows[:4], rows[4], rows[5:]
+    assert [r["rc"] for r in ran] == [0, 0, 0, 0], [r["stderr"][-500:] for r in ran]
     assert ran[1]["stdout"] == ran[0]["stdout"] and len(ran[0]["stdout"]) > len("once upon a time") + 8
-    assert "throughput:" in ran[2]["stdout"]
+    assert "throughput:" in ran[2]["stdout"] and "throughput:" in ran[3]["stdout"]
     assert served["served"] + "\n" == ran[0]["stdout"]
-    expected = ["mixture-of-experts", "8-bit weights", "8-bit weights (quantization)",
+    expected = ["8-bit weights", "8-bit weights (quantization)",
                 "n-gram speculation only", "8-bit weights (quantization)", "n-gram speculation only",
                 "does not fit the model's 8 attention heads", "needs 4096 devices"]
     assert len(refused) == len(expected)
@@ -184,9 +200,26 @@ def test_unsupported_combinations_are_one_clear_error():
         with pytest.raises(TensorParallelError, match=message):
             LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
     # the model's own misfits come before the device count (this process has one device)
-    for family, message in (("qwen3_moe", "mixture-of-experts"),):
-        with pytest.raises(TensorParallelError, match=message):
-            LLM(MODELS / family, tensor_parallel_size=2, skip_tokenizer_init=True, progress=False)
+    with pytest.raises(TensorParallelError, match="does not fit the model's 4 attention heads"):
+        LLM(MODELS / "qwen3_moe", tensor_parallel_size=3, skip_tokenizer_init=True, progress=False)
+
+
+def test_experts_are_split_by_their_intermediate_rows():
+    """Every expert's gate|up rows (and down's columns) split as a dense MLP's, behind the layer and expert axes;
+    the router replicated; a width that does not divide padded per device."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxinfer.model.tensor_parallel import param_specs
+
+    cfg = load_config(MODELS / "qwen3_moe")   # 8 experts of 32 intermediate rows
+    layers = param_specs(cfg)["layers"]
+    assert layers["moe_gate_up"] == P(None, None, "tp") and layers["moe_down"] == P(None, None, None, "tp")
+    assert layers["router"] == P(None)
+    assert local_config(cfg, 8).moe_intermediate_size == 4
+    rows = order("out", cfg, 8, [27, 27]).reshape(8, 2, 4)   # 27 rows: 4 a device, padded to 32 with zeros
+    np.testing.assert_array_equal(rows[6], [[24, 25, 26, -1], [51, 52, 53, -1]])   # gate rows, then up rows
+    assert (rows[7] == -1).all() and sorted(rows[rows >= 0]) == list(range(54))
+    assert [r.shard for r in RULES["mixtral"] if r.dest.startswith("layers.moe_")] == ["out", "in"]
 
 
 def test_fused_gate_up_is_split_by_halves():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from typing import Any, Callable
 
 import jax
@@ -57,8 +58,6 @@ def check(cfg: ModelConfig, n: int) -> None:
             raise TensorParallelError(
                 f"tensor_parallel_size {n} does not fit the model's {heads} {what}: one must divide the other "
                 f"(sizes that work: {', '.join(str(k) for k in _workable(cfg))})")
-    if getattr(cfg, "num_experts", 0):
-        raise TensorParallelError("tensor parallelism of a mixture-of-experts model is not supported")
 
 
 def _workable(cfg: ModelConfig) -> list[int]:
@@ -88,7 +87,8 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
     if n == 1:
         return cfg
     return dataclasses.replace(cfg, num_heads=max(cfg.num_heads // n, 1), num_kv_heads=max(cfg.num_kv_heads // n, 1),
-                               intermediate_size=_ceil_div(cfg.intermediate_size, n))
+                               intermediate_size=_ceil_div(cfg.intermediate_size, n),
+                               moe_intermediate_size=_ceil_div(cfg.moe_intermediate_size, n))
 
 
 def cache_config(cfg: ModelConfig, n: int) -> ModelConfig:
@@ -138,11 +138,16 @@ def _axis(shard: str | None) -> int | None:
     return None if shard is None else 1 if shard in ("in", "heads") else 0
 
 
-def spec(shard: str | None, per_layer: bool) -> P:
-    """A rule's PartitionSpec over the mesh (a leading layer axis unsharded)."""
+def _lead(rule: Rule) -> int:
+    """The leading axes a rule's tensor stacks its matrices on (layers, then experts): never sharded."""
+    return int(rule.per_layer) + int(rule.per_expert)
+
+
+def spec(shard: str | None, lead: int) -> P:
+    """A rule's PartitionSpec over the mesh (`lead` leading layer and expert axes unsharded)."""
     axis = _axis(shard)
     dims = [] if axis is None else [None] * axis + [AXIS]
-    return P(*([None] * per_layer + dims))
+    return P(*([None] * lead + dims))
 
 
 @functools.cache
@@ -154,7 +159,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         *parents, leaf = rule.dest.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = spec(rule.shard, rule.per_layer)
+        node[leaf] = spec(rule.shard, _lead(rule))
     return tree
 
 
@@ -170,7 +175,6 @@ def load_sharded(rule: Rule, cfg: ModelConfig, read: Callable[[str, tuple, bool]
     shapes = [tuple(s) for s in rule.shapes(cfg)]
     axis = _axis(rule.shard)
     natural = (sum(s[0] for s in shapes), *shapes[0][1:])
-    layers = [None] if not rule.per_layer else list(range(cfg.num_layers))
     if axis is not None and axis >= len(natural):
         raise TensorParallelError(f"{rule.dest}: shard {rule.shard!r} of a {len(natural)}-D tensor")
     sizes = [s[axis] for s in shapes] if axis == 0 else [natural[axis]] if axis is not None else []
@@ -178,33 +182,36 @@ def load_sharded(rule: Rule, cfg: ModelConfig, read: Callable[[str, tuple, bool]
     shape = list(natural)
     if idx is not None:
         shape[axis] = len(idx)
-    lead = [len(layers)] if rule.per_layer else []
+    # the stacking axes: layers "{i}", then experts "{e}" (each expert's matrix split as a dense one is)
+    keys = [k for k, on in (("i", rule.per_layer), ("e", rule.per_expert)) if on]
+    lead = [cfg.num_layers if k == "i" else cfg.num_experts for k in keys]
 
     def block(index: tuple) -> np.ndarray:
         index = tuple(index) + (slice(None),) * (len(lead) + len(shape) - len(index))
-        layer_sel = range(len(layers))[index[0]] if rule.per_layer else [0]
+        stacked = [range(size)[s] for size, s in zip(lead, index)]   # the block's layers (and experts)
         local = index[len(lead):]
         want = [np.arange(dim)[s] for dim, s in zip(shape, local)]
-        out = np.zeros((len(layer_sel), *(len(w) for w in want)), dtype)
+        out = np.zeros((*(len(sel) for sel in stacked), *(len(w) for w in want)), dtype)
         rows = want[0] if idx is None or axis != 0 else idx[want[0]]
-        for j, layer in enumerate(layer_sel):
+        for at_stack in itertools.product(*(range(len(sel)) for sel in stacked)):
+            dest = out[at_stack]   # one matrix (or vector) of the block: a view
+            names = {k: sel[j] for k, sel, j in zip(keys, stacked, at_stack)}
             off = 0
             for src, shp in zip(rule.sources, shapes):
-                name = src.format(i=layers[layer])
                 mine = (rows >= off) & (rows < off + shp[0])
                 if mine.any():
-                    arr = read(name, shp, rule.transpose)
+                    arr = read(src.format(**names), shp, rule.transpose)
                     at = np.nonzero(mine)[0]
                     if len(shape) == 2:   # only the block's own elements are copied out of the mapped file
                         cols = want[1] if idx is None or axis != 1 else idx[want[1]]
                         keep = np.nonzero(cols >= 0)[0]
-                        out[j][np.ix_(at, keep)] = arr[np.ix_(rows[mine] - off, cols[keep])]
+                        dest[np.ix_(at, keep)] = arr[np.ix_(rows[mine] - off, cols[keep])]
                     else:
-                        out[j, at] = arr[rows[mine] - off]
+                        dest[at] = arr[rows[mine] - off]
                 off += shp[0]
-        return out if rule.per_layer else out[0]
+        return out
 
-    sharding = NamedSharding(mesh, spec(rule.shard, rule.per_layer))
+    sharding = NamedSharding(mesh, spec(rule.shard, len(lead)))
     return jax.make_array_from_callback(tuple(lead + shape), sharding, block)
 
 

@@ -123,13 +123,16 @@ GPT2_RULES: list[Rule] = [
 
 def _moe_rules(block: str, gate: str, up: str, down: str) -> list[Rule]:
     """Llama's attention and norms, and a mixture of experts in place of its MLP (the router, the experts'
-    matrices stacked per layer); block: the MLP module's HF name, gate/up/down: its experts' matrices'."""
+    matrices stacked per layer); block: the MLP module's HF name, gate/up/down: its experts' matrices'. Tensor
+    parallel: every expert's intermediate rows split as a dense MLP's (gate|up "out", down "in"), the router
+    replicated."""
     experts = f"{block}.experts.{{e}}"
     return [r for r in LLAMA_RULES if r.dest not in ("layers.w_gate_up", "layers.w_down")] + [
         Rule("layers.router", (f"{block}.gate.weight",), lambda c: [(c.num_experts, c.hidden_size)]),
         Rule("layers.moe_gate_up", (f"{experts}.{gate}.weight", f"{experts}.{up}.weight"),
-             lambda c: [(c.moe_intermediate_size, c.hidden_size)] * 2),
-        Rule("layers.moe_down", (f"{experts}.{down}.weight",), lambda c: [(c.hidden_size, c.moe_intermediate_size)]),
+             lambda c: [(c.moe_intermediate_size, c.hidden_size)] * 2, shard="out"),
+        Rule("layers.moe_down", (f"{experts}.{down}.weight",), lambda c: [(c.hidden_size, c.moe_intermediate_size)],
+             shard="in"),
     ]
 
 

@@ -178,10 +178,12 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
 
 
 def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Array, w_gate_up: jax.Array,
-                     w_down: jax.Array, top_k: int, renormalize: bool) -> jax.Array:
+                     w_down: jax.Array, top_k: int, renormalize: bool, residual: bool = True) -> jax.Array:
     """The residual stream x [T, D] plus the mixture of experts (moe_mlp) of rms_norm(x): a layer's whole MoE block,
-    so that a kernel may fold the norm into its products."""
-    return moe_mlp(rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize, residual=x)
+    so that a kernel may fold the norm into its products. residual=False: the mixture's output alone (a
+    tensor-parallel device's partial sum, all-reduced before the residual's add)."""
+    return moe_mlp(rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize,
+                   residual=x if residual else None)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -1,7 +1,8 @@
 """An op set over a device mesh (tensor parallelism): the base ops, plus the mesh, plus the op set each device
 runs inside shard_map, in which the output projections (o_proj, down: input rows split over the devices) sum
 their partial products across the mesh with one all-reduce (XLA's collective: NCCL on GPUs): `linear_residual`
-before the residual add, `linear_out` (Gemma 3's normed block outputs) before the norm.
+before the residual add, `linear_out` (Gemma 3's normed block outputs) before the norm, and a mixture of experts
+(every expert's intermediate rows split; routing replicated) after its combine, before the residual add.
 
 The model (model.tensor_parallel) puts the layers under shard_map when an op set carries a mesh; every kernel of
 the base set then runs per shard, on per-device shapes.
@@ -44,9 +45,20 @@ def shard_ops(base: ModuleType | OpSet) -> OpSet:
         r = linear_residual(x, w, b, residual)
         return r, base.rms_norm_swiglu(r, scale, eps, w_gate_up)
 
+    def moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=None):
+        # every expert's intermediate rows split: each device's combine is a partial sum of the whole output
+        y = jax.lax.psum(base.moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize), AXIS)
+        return y if residual is None else residual + y
+
+    def rms_norm_moe_mlp(x, scale, eps, router, w_gate_up, w_down, top_k, renormalize, residual=True):
+        y = jax.lax.psum(base.rms_norm_moe_mlp(x, scale, eps, router, w_gate_up, w_down, top_k, renormalize,
+                                               residual=False), AXIS)
+        return x + y if residual else y   # the residual added once, after the sum (not by the kernel's epilogue)
+
     members = _members(base)
     return OpSet(**{**members, "linear_residual": linear_residual, "linear_out": reduced,
-                    "linear_residual_norm_swiglu": linear_residual_norm_swiglu,
+                    "linear_residual_norm_swiglu": linear_residual_norm_swiglu, "moe_mlp": moe_mlp,
+                    "rms_norm_moe_mlp": rms_norm_moe_mlp,
                     "name": f"{members.get('name', getattr(base, '__name__', 'ops'))}/shard"})
 
 
