@@ -79,6 +79,11 @@ APERTUS_8B = dict(architectures=["ApertusForCausalLM"], model_type="apertus", vo
 SHAPES = {"qwen3-0.6b": QWEN3_0_6B, "qwen3-4b": QWEN3_4B, "llama3-8b": LLAMA3_8B, "tiny": TINY,
           "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny-moe": TINY_MOE}
 SHAPES.update({"phi4-mini": PHI4_MINI, "gemma3-1b": GEMMA3_1B, "apertus-8b": APERTUS_8B})
+# Llama-3-70B (141 GB in bf16): tensor parallelism's large shape (issue 41); "llama3-70b@N" for the first N layers
+# where a machine's disk cannot hold the whole model.
+LLAMA3_70B = {**LLAMA3_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+              "num_key_value_heads": 8, "intermediate_size": 28672}
+SHAPES["llama3-70b"] = LLAMA3_70B
 
 
 XIELU_INIT = {"alpha_p": float(np.log(np.expm1(0.8))), "alpha_n": float(np.log(np.expm1(0.3))), "beta": 0.5,
