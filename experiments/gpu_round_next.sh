@@ -13,16 +13,8 @@
 # in .carry/wheels for the structured-output tests.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/pylibs PYTHONFAULTHANDLER=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+source experiments/gpu_step.sh
 [ -d .carry/wheels ] && pip install -q --no-deps --no-index --target /tmp/pylibs .carry/wheels/*.whl > "$OUT/pip.log" 2>&1
-t0=$(date +%s)
-step() {   # step NAME LIMIT COMMAND...: the command's output in $OUT/NAME.log, its table lines and time printed
-  local name=$1 limit=$2; shift 2
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "## $name rc=$? t=$(( $(date +%s) - t0 )) s"
-  grep -viE '^W[0-9]{4} |warn' "$OUT/$name.log" | grep -v '^\s*$' | tail -${TAIL:-14}
-}
 case "${1:-1}" in
   1)
     OUT="$OUT" bash experiments/moe_gpu_round.sh 1

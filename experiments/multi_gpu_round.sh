@@ -12,18 +12,10 @@
 # (nothing to carry). The 70B weights are written once (/tmp/jaxinfer-bench-models) and kept while the machine is.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. PYTHONFAULTHANDLER=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
 GPUS=$(nvidia-smi -L | wc -l)
 TPS=$(for n in 2 4 8; do [ "$n" -le "$GPUS" ] && echo -n "$n "; done)
 echo "# $GPUS GPUs; tensor parallel sizes $TPS"
-t0=$(date +%s)
-step() {   # step NAME LIMIT COMMAND...: the command's output in $OUT/NAME.log, its table lines and time printed
-  local name=$1 limit=$2; shift 2
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "## $name rc=$? t=$(( $(date +%s) - t0 )) s"
-  grep -viE '^W[0-9]{4} |warn' "$OUT/$name.log" | grep -v '^\s*$' | tail -${TAIL:-14}
-}
+source experiments/gpu_step.sh
 case "${1:-1}" in
   1)
     TAIL=20 step parity 300 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py
