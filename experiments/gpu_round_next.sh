@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
-#   part 1 (issue 43): the MoE kernels alone (experiments/moe_gpu_round.sh 1: the routed GEMVs' configs at batch 1,
-#          the grouped GEMM's at 64 and 1,024 tokens), to see where Qwen3-30B-A3B's batch-1 step (46% of its
-#          roofline, 2026-12-04) loses its ~35 us a layer
+#   part 1 (issue 43): Qwen3-30B-A3B's batch-1 block: the routed GEMVs chained over 8 layers at each config and
+#          with their routes from elsewhere (bench/kernels/moe.py --tokens 1), the dense GEMVs at its attention
+#          shapes (bench/kernels/fused_gemv.py), then a traced step of Qwen3-30B-A3B@8
 #   part 2 (issue 39): FP8 W8A8 whole steps: batch 64 at 1k context and the 1k / 8k prefill against bf16 in one
 #          process each; the 32k int8 cache step on its own split table (tables.DECODE_ATTENTION_INT8)
 #   part 3 (issues 38, 43): speculation's batched section (random and block-repeating prompts at batch 64);
@@ -17,7 +17,11 @@ source experiments/gpu_step.sh
 [ -d .carry/wheels ] && pip install -q --no-deps --no-index --target /tmp/pylibs .carry/wheels/*.whl > "$OUT/pip.log" 2>&1
 case "${1:-1}" in
   1)
-    OUT="$OUT" bash experiments/moe_gpu_round.sh 1
+    TAIL=60 step moe_kernels 200 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 --out "$OUT"
+    TAIL=40 step gemv_moe_shapes 120 python3 bench/kernels/fused_gemv.py --shape qwen3-30b-a3b --layers 8 --rows 1 2 4 \
+         --out "$OUT"
+    TAIL=50 step moe_trace 170 python3 bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --profile pallas \
+         --new 64 --out "$OUT"
     ;;
   2)
     step fp8_batch64 240 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 \

@@ -59,11 +59,41 @@ def test_routed_gemvs_match_reference(case, renormalize, dtype):
     assert rel_err(with_res, residual + out_ref) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_routes_emitted_by_the_swiglu_drive_the_combine(case, dtype):
+    """The op's chain: the gate/up kernel routes once and writes its routes; the combine takes them (and any
+    routes: reference.route's) instead of routing again. Bit for bit the outputs of routing in each kernel."""
+    E, k, D, I, block_in, rows = CASES[case]
+    x, logits, gate_up, down, residual = _operands(case, dtype)
+    kw = dict(top_k=k, renormalize=True, block_in=block_in, interpret=True)
+    h_own = routed_gemv(x, logits, gate_up, 1, epilogue="swiglu", rows=rows, **kw)
+    h, routes = routed_gemv(x, logits, gate_up, 1, epilogue="swiglu", rows=rows, emit_routes=True, **kw)
+    weights, experts = reference.route(logits, k, True)
+    np.testing.assert_array_equal(np.asarray(routes[0]), np.asarray(experts[0]))
+    np.testing.assert_allclose(np.asarray(routes[1]), np.asarray(weights[0], np.float32), rtol=1e-6)   # sum order
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(h_own, np.float32))
+    routed = routed_gemv(h, None, down, 1, epilogue="combine", residual=residual, routes=routes, **kw)
+    own = routed_gemv(h, logits, down, 1, epilogue="combine", residual=residual, **kw)
+    np.testing.assert_array_equal(np.asarray(routed, np.float32), np.asarray(own, np.float32))
+    by_reference = routed_gemv(x, None, gate_up, 1, epilogue="swiglu", rows=rows,
+                               routes=(experts[0], weights[0]), **kw)
+    np.testing.assert_array_equal(np.asarray(by_reference, np.float32), np.asarray(h_own, np.float32))
+    combined = routed_gemv(h, None, down, 1, epilogue="combine", routes=(experts[0], weights[0]), **kw)
+    assert rel_err(combined, routed_gemv(h, logits, down, 1, epilogue="combine", **kw)) <= TOL[dtype]
+
+
 def test_bad_operands_are_one_clear_error():
     x, logits, gate_up, down, residual = _operands(0, jnp.float32)
     kw = dict(top_k=3, renormalize=True, interpret=True)
-    with pytest.raises(ValueError, match="do not fit"):
+    with pytest.raises(ValueError, match="logits"):
         routed_gemv(x, logits[:, :5], gate_up, epilogue="swiglu", **kw)
+    with pytest.raises(ValueError, match="does not fit"):
+        routed_gemv(x[:, :5], logits, gate_up, epilogue="swiglu", **kw)
+    with pytest.raises(ValueError, match="routes are"):
+        routed_gemv(x, None, gate_up, epilogue="swiglu", routes=(jnp.zeros(2, jnp.int32), jnp.zeros(2)), **kw)
+    with pytest.raises(ValueError, match="emit_routes"):
+        routed_gemv(x, logits, down, epilogue="combine", emit_routes=True, **kw)
     with pytest.raises(ValueError, match="takes x of 3 rows"):
         routed_gemv(jnp.zeros((1, 40)), logits, down, epilogue="combine", **kw)
     with pytest.raises(ValueError, match="top_k"):

@@ -130,36 +130,89 @@ def _timed(f, args: tuple, interpret: bool):
     return best_ms_per_call(f, args, 1, target_s=0.1)
 
 
-def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret) -> list[dict]:
-    """The batch-1 routed GEMVs alone, config by config: the gate/up (norm prologue) and the combine (residual)."""
-    D, I = x.shape[1], down.shape[-1]
-    logits = reference.linear(x, router[1])
-    h = jax.random.normal(jax.random.PRNGKey(1), (k, I), x.dtype)
-    scale = jnp.ones((2, D), x.dtype)   # read at the matrices' layer (1)
-    out = []
-    for name, w, a, n_bytes in (("routed gate_up", gate_up, x, k * 2 * I * D * 2), ("routed combine", down, h,
-                                                                                   k * D * I * 2)):
-        want = None
-        for cfg in ROUTED[:1] if interpret else ROUTED:
-            rows_, block_in, warps = cfg
-            kw = dict(top_k=k, renormalize=True, rows=rows_, block_in=block_in, num_warps=warps, interpret=interpret)
-            if name == "routed gate_up":
-                f = jax.jit(lambda a, lg, w, s, kw=kw: routed_gemv(a, lg, w, 1, epilogue="swiglu", scale=s, **kw))
-                args = (a, logits, w, scale)
+def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int = 8) -> list[dict]:
+    """The batch-1 block per layer, over `layers` stacked layers in one jit (every call reads HBM, as in a step;
+    one op a jit is dispatch-bound at these sizes: 38-50 us a call for kernels of 6-22 us in a traced step):
+    the whole op; the router's GEMV alone; the gate/up and the combine alone at each config of ROUTED, routing in
+    the kernel; the two kernels with their routes from elsewhere (the gate/up's own written routes, XLA's
+    reference.route); and a dense GEMV of the gate/up's bytes (fused_gemv, its table's config) as a yardstick."""
+    from jaxinfer.pallas.fused_gemv import fused_gemv
+
+    E, D = router.shape[1], x.shape[1]
+    I = down.shape[-1]
+    L = 1 if interpret else layers
+    keys = jax.random.split(jax.random.PRNGKey(7), 4)
+    bf = x.dtype
+    gu = (jax.random.normal(keys[0], (L, E, 2 * I, D), jnp.float32) * D ** -0.5).astype(bf)
+    dn = (jax.random.normal(keys[1], (L, E, D, I), jnp.float32) * I ** -0.5).astype(bf)
+    rt = (jax.random.normal(keys[2], (L, E, D), jnp.float32) * D ** -0.5).astype(bf)
+    logits = (2 * jax.random.normal(keys[3], (L, 1, E), jnp.float32)).astype(bf)   # a route a layer
+    scale = jnp.ones((L, D), bf)
+    h = jax.random.normal(jax.random.PRNGKey(1), (k, I), bf)
+    gu_bytes, dn_bytes = k * 2 * I * D * 2, k * D * I * 2
+    out, base = [], {}
+
+    def add(what, config, f, args, n_bytes):
+        try:
+            y, ms = best_ms_per_call(jax.jit(f), args, L, target_s=None if interpret else 0.2)
+            base.setdefault(what, y)
+            row = dict(shape=shape, T=1, what=what, config=config, ms=ms, xla_ms=float("nan"),
+                       gb_s=n_bytes / (ms * 1e-3) / 1e9, share=n_bytes / (ms * 1e-3) / bw, rel_err=rel_err(y, base[what]))
+        except Exception as e:   # a config that fails to compile is reported, not fatal
+            row = dict(shape=shape, T=1, what=what, config=config, error=f"{type(e).__name__}: {e}"[:200])
+        out.append(row)
+        _print(row)
+
+    pallas = get_ops("pallas-interpret" if interpret else "pallas")
+    add("op (router + two kernels)", "-", lambda x, r, g, d, s: [
+        pallas.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(i)), 1e-6, *(LayerWeight(w, jnp.int32(i)) for w in (r, g, d)),
+                                k, True) for i in range(L)], (x, rt, gu, dn, scale), E * D * 2 + gu_bytes + dn_bytes)
+    add("router GEMV", "-", lambda x, r, s: [pallas.rms_norm_linear(x, LayerWeight(s, jnp.int32(i)), 1e-6,
+                                                                    LayerWeight(r, jnp.int32(i))) for i in range(L)],
+        (x, rt, scale), E * D * 2)
+    for cfg in ROUTED[:1] if interpret else ROUTED:
+        rows_, block_in, warps = cfg
+        kw = dict(top_k=k, renormalize=True, rows=rows_, block_in=block_in, num_warps=warps, interpret=interpret)
+        name = "/".join(map(str, cfg))
+        add("routed gate_up", name, lambda x, lg, g, s, kw=kw: [
+            routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw) for i in range(L)], (x, logits, gu, scale),
+            gu_bytes)
+        add("routed combine", name, lambda h, lg, d, r, kw=kw: [
+            routed_gemv(h, lg[i], d, i, epilogue="combine", residual=r, **kw) for i in range(L)], (h, logits, dn, x),
+            dn_bytes)
+    kw = dict(top_k=k, renormalize=True, interpret=interpret)
+    routes = [reference.route(logits[i], k, True) for i in range(L)]
+    routes = [(e[0], w[0]) for w, e in routes]
+    add("routed gate_up", "default, routes given", lambda x, rs, g, s: [
+        routed_gemv(x, None, g, i, epilogue="swiglu", scale=s, routes=rs[i], **kw) for i in range(L)],
+        (x, routes, gu, scale), gu_bytes)
+    add("routed combine", "default, routes given", lambda h, rs, d, r: [
+        routed_gemv(h, None, d, i, epilogue="combine", residual=r, routes=rs[i], **kw) for i in range(L)],
+        (h, routes, dn, x), dn_bytes)
+
+    def pair(x, lg, g, d, s, how):
+        ys = []
+        for i in range(L):
+            if how == "own":
+                hh = routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw)
+                ys.append(routed_gemv(hh, lg[i], d, i, epilogue="combine", residual=x, **kw))
+            elif how == "emitted":
+                hh, rs = routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, emit_routes=True, **kw)
+                ys.append(routed_gemv(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
             else:
-                f = jax.jit(lambda a, lg, w, r, kw=kw: routed_gemv(a, lg, w, 1, epilogue="combine", residual=r, **kw))
-                args = (a, logits, w, x)
-            try:
-                y, ms = _timed(f, args, interpret)
-                want = y if want is None else want
-                row = dict(shape=shape, T=1, what=name, config="/".join(map(str, cfg)), ms=ms, xla_ms=float("nan"),
-                           gb_s=n_bytes / (ms * 1e-3) / 1e9, share=n_bytes / (ms * 1e-3) / bw,
-                           rel_err=rel_err(y, want))
-            except Exception as e:   # a config that fails to compile is reported, not fatal
-                row = dict(shape=shape, T=1, what=name, config="/".join(map(str, cfg)),
-                           error=f"{type(e).__name__}: {e}"[:200])
-            out.append(row)
-            _print(row)
+                w, e = reference.route(lg[i], k, True)
+                rs = (e[0], w[0])
+                hh = routed_gemv(x, None, g, i, epilogue="swiglu", scale=s, routes=rs, **kw)
+                ys.append(routed_gemv(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
+        return ys
+    for how in ("own", "emitted", "xla"):
+        add("both kernels", "routes " + {"own": "in each", "emitted": "from the gate/up", "xla": "from XLA"}[how],
+            lambda x, lg, g, d, s, how=how: pair(x, lg, g, d, s, how), (x, logits, gu, dn, scale),
+            gu_bytes + dn_bytes)
+    dense = (jax.random.normal(keys[0], (L, k * 2 * I, D), jnp.float32) * D ** -0.5).astype(bf)
+    add("dense GEMV of the gate/up's bytes", f"{k * 2 * I}x{D}/256", lambda x, w, s: [
+        fused_gemv(x, w, i, scale=s, epilogue="swiglu", interpret=interpret) for i in range(L)], (x, dense, scale),
+        gu_bytes)
     return out
 
 

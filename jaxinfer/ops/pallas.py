@@ -439,7 +439,7 @@ def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Arr
                      interpret: bool = False) -> jax.Array:
     """x + the mixture of experts of rms_norm(x) (residual=False: the mixture alone, reference.rms_norm_moe_mlp).
     One token: the norm is the prologue of the router's GEMV and of the gate/up routed GEMV (no kernel of its own),
-    so that the block is three kernels. More rows: the norm in XLA, then moe_mlp."""
+    so that the block is three kernels; the gate/up kernel routes and writes its routes for the combine. More rows: the norm in XLA, then moe_mlp."""
     if x.shape[0] != 1:
         return moe_mlp(reference.rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize,
                        residual=x if residual else None, interpret=interpret)
@@ -447,9 +447,10 @@ def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Arr
     gate_up, layer, vector_layer, (scale_stack,) = _stacked(w_gate_up, scale)
     down, down_layer, _, _ = _stacked(w_down)
     route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
-    h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
-                    vector_layer=vector_layer, **route)
-    return routed_gemv(h, logits, down, down_layer, epilogue="combine", residual=x if residual else None, **route)
+    h, routes = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
+                            vector_layer=vector_layer, emit_routes=True, **route)
+    return routed_gemv(h, None, down, down_layer, epilogue="combine", residual=x if residual else None, routes=routes,
+                       **route)
 
 
 # The ops this module overrides, each bound to `interpret` by `make`.

@@ -9,7 +9,8 @@ kernels make the whole block after the router's product (its logits [1, E], a GE
 n is x, or rms_norm(x) with `scale`: the norm as the GEMV's prologue (pallas/fused_gemv.py's: the sum of squares from
 the same x tiles, applied to the sums). Every program reads the E logits (a few hundred bytes) and routes as
 reference.route does (softmax in float32, the top_k probabilities, ties to the lower index, optionally
-renormalised): no top-k, sort or gather kernel between them, and no index array in memory. Weights stay in the
+renormalised): no top-k, sort or gather kernel between them. The gate/up kernel can write the routes it computed
+(emit_routes) for the combine to take as operands (routes), so that only one of the two routes. Weights stay in the
 stacked [L, E, N, K] array, read in place at `layer` and the chosen expert. As pallas/fused_gemv.py: one warp a
 program, `rows` output rows each a [block_in] vector of consecutive weights, float32 sums, rounded where the
 reference rounds.
@@ -92,21 +93,38 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
     return ys
 
 
-def _kernel(layer_ref, vlayer_ref, logits_ref, x_ref, w_ref, *refs, E, top_k, renormalize, epilogue, n_in, half,
-            rows, block_in, has_scale, eps):
+def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows, block_in, has_scale,
+            has_residual, routed, emit_routes, eps):
     refs = list(refs)
-    o_ref = refs.pop()
+    if routed:   # the routes as operands: the top_k experts (int32) and their weights (float32)
+        experts_ref, weights_ref = refs.pop(0), refs.pop(0)
+        experts = [experts_ref[jj] for jj in range(top_k)]
+        weights = [weights_ref[jj] for jj in range(top_k)]
+    else:
+        experts, weights = _route(refs.pop(0), E, top_k, renormalize)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
     scale_ref = refs.pop(0) if has_scale else None
-    res_ref = refs.pop(0) if refs else None
+    res_ref = refs.pop(0) if has_residual else None
+    o_ref = refs.pop(0)
     layer, vlayer = layer_ref[0], vlayer_ref[0]
-    experts, weights = _route(logits_ref, E, top_k, renormalize)
     dtype = o_ref.dtype
+    if emit_routes:   # one program writes the routes for the combine kernel, which then routes no more
+        experts_out, weights_out = refs
+
+        @pl.when((pl.program_id(0) == 0) & (pl.program_id(1) == 0))
+        def _():
+            for jj in range(top_k):
+                experts_out[jj] = experts[jj]
+                weights_out[jj] = weights[jj]
     if epilogue == "swiglu":   # program (j, r): rows r * rows.. of h[j], expert e_j
         j = pl.program_id(0)
         first = pl.program_id(1) * rows
-        expert = experts[0]
-        for jj in range(1, top_k):
-            expert = jnp.where(j == jj, experts[jj], expert)
+        if routed:
+            expert = experts_ref[j]
+        else:
+            expert = experts[0]
+            for jj in range(1, top_k):
+                expert = jnp.where(j == jj, experts[jj], expert)
         out_rows = [first + r for r in range(rows)]
         ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in,
                        scale_ref, vlayer, eps)
@@ -135,26 +153,36 @@ def choose_config(epilogue: str, n_out: int) -> tuple[int, int]:
     return next(r for r in (2, 1) if n_out % r == 0), 256 if epilogue == "swiglu" else 512
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "rows", "block_in",
-                                             "num_warps", "interpret"))
-def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "emit_routes", "rows",
+                                             "block_in", "num_warps", "interpret"))
+def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
                 renormalize: bool, epilogue: str, residual: jax.Array | None = None, scale: jax.Array | None = None,
-                eps: float = 1e-6, vector_layer: jax.Array | int | None = None, rows: int | None = None,
-                block_in: int | None = None, num_warps: int = 1, interpret: bool = False) -> jax.Array:
-    """One token's mixture of experts, one product a call, routed by its router logits [1, E].
+                eps: float = 1e-6, vector_layer: jax.Array | int | None = None,
+                routes: tuple[jax.Array, jax.Array] | None = None, emit_routes: bool = False, rows: int | None = None,
+                block_in: int | None = None, num_warps: int = 1,
+                interpret: bool = False) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """One token's mixture of experts, one product a call, routed by its router logits [1, E], or by `routes`
+    (experts int32 [top_k], weights float32 [top_k], as reference.route gives them; logits then unused).
     epilogue "swiglu": x [1, K], w [L, E, 2I, K] each expert's [gate; up]: returns h [top_k, I]; with scale
-    ([Ls, K] read at vector_layer, default `layer`; or [K]) x is RMS-normed first (eps).
+    ([Ls, K] read at vector_layer, default `layer`; or [K]) x is RMS-normed first (eps). emit_routes: returns
+    (h, routes), the routes it computed, for the combine to take.
     epilogue "combine": x = h [top_k, K], w [L, E, N, K]: returns [1, N], the experts' outputs rounded, weighted
     by their routing probabilities and summed in float32, rounded (+ residual [1, N], rounded again).
     A 3-D w is one layer."""
     if w.ndim == 3:
         w = w[None]
-    if w.ndim != 4 or x.ndim != 2 or logits.ndim != 2 or logits.shape[0] != 1:
-        raise ValueError(f"routed_gemv: x [R, K], logits [1, E], w [L, E, N, K]; got {x.shape}, {logits.shape}, "
-                         f"{w.shape}")
+    if w.ndim != 4 or x.ndim != 2:
+        raise ValueError(f"routed_gemv: x [R, K], w [L, E, N, K]; got {x.shape}, {w.shape}")
     _, E, N, K = w.shape
-    if logits.shape[1] != E or x.shape[1] != K:
-        raise ValueError(f"routed_gemv: logits {logits.shape} / x {x.shape} do not fit w {w.shape}")
+    if routes is None and (logits is None or logits.shape != (1, E)):
+        raise ValueError(f"routed_gemv: logits [1, {E}] (or routes) for w {w.shape}; got "
+                         f"{None if logits is None else logits.shape}")
+    if routes is not None and (len(routes) != 2 or routes[0].shape != (top_k,) or routes[1].shape != (top_k,)):
+        raise ValueError(f"routed_gemv: routes are (experts [{top_k}], weights [{top_k}])")
+    if emit_routes and (routes is not None or epilogue != "swiglu"):
+        raise ValueError("routed_gemv: emit_routes goes with swiglu routing by its logits")
+    if x.shape[1] != K:
+        raise ValueError(f"routed_gemv: x {x.shape} does not fit w {w.shape}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"routed_gemv: unknown epilogue {epilogue!r}")
     if not 0 < top_k <= E:
@@ -176,13 +204,19 @@ def routed_gemv(x: jax.Array, logits: jax.Array, w: jax.Array, layer: jax.Array 
         raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
     block_in = min(block_in, pow2_at_least(K))
     kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
-                               half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None, eps=eps)
+                               half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None,
+                               has_residual=residual is not None, routed=routes is not None, emit_routes=emit_routes,
+                               eps=eps)
     if epilogue == "swiglu":
         grid, out_shape = (top_k, n_out // rows), jax.ShapeDtypeStruct((top_k, n_out), x.dtype)
     else:
         grid, out_shape = (n_out // rows,), jax.ShapeDtypeStruct((1, n_out), x.dtype)
-    args = [*layer_operands(layer, vector_layer), logits, x, w] + [a for a in (scale, residual) if a is not None]
-    return pl.pallas_call(
+    if emit_routes:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((top_k,), i32), jax.ShapeDtypeStruct((top_k,), f32))
+    route_args = [logits] if routes is None else [routes[0].astype(i32), routes[1].astype(f32)]
+    args = [*layer_operands(layer, vector_layer), *route_args, x, w] + [a for a in (scale, residual) if a is not None]
+    out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=f"routed_gemv_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
     )(*args)
+    return (out[0], (out[1], out[2])) if emit_routes else out
