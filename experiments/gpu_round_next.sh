@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
-#   part 1 (issue 43): Qwen3-30B-A3B's batch-1 block: the routed GEMVs chained over 8 layers at each config and
-#          with their routes from elsewhere (bench/kernels/moe.py --tokens 1), the dense GEMVs at its attention
-#          shapes (bench/kernels/fused_gemv.py), then a traced step of Qwen3-30B-A3B@8
+#   part 1 (issue 43): batch-1 decode after 1k of Qwen3-30B-A3B@24 (ours and transformers in one process) and of
+#          Mixtral-8x7B@8 (ours, then transformers in a process of its own: the process that ran both died once)
 #   part 2 (issue 39): FP8 W8A8 whole steps: batch 64 at 1k context and the 1k / 8k prefill against bf16 in one
 #          process each; the 32k int8 cache step on its own split table (tables.DECODE_ATTENTION_INT8)
-#   part 3 (issues 38, 43): speculation's batched section (random and block-repeating prompts at batch 64);
-#          Mixtral-8x7B@8's transformers decode alone (the process that ran it after our path died with a segfault)
+#   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
 # Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
@@ -17,11 +15,16 @@ source experiments/gpu_step.sh
 [ -d .carry/wheels ] && pip install -q --no-deps --no-index --target /tmp/pylibs .carry/wheels/*.whl > "$OUT/pip.log" 2>&1
 case "${1:-1}" in
   1)
-    TAIL=60 step moe_kernels 200 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 --out "$OUT"
-    TAIL=40 step gemv_moe_shapes 120 python3 bench/kernels/fused_gemv.py --shape qwen3-30b-a3b --layers 8 --rows 1 2 4 \
-         --out "$OUT"
-    TAIL=50 step moe_trace 170 python3 bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --profile pallas \
+    step qwen3moe_decode 260 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas hf --prompt 1024 \
          --new 64 --out "$OUT"
+    mv "$OUT/decode.json" "$OUT/decode-qwen3moe.json" 2>/dev/null
+    rm -rf /tmp/jaxinfer-bench-models
+    step mixtral_decode 150 python3 bench/decode.py --shapes mixtral-8x7b@8 --long --paths pallas --prompt 1024 \
+         --new 64 --out "$OUT"
+    mv "$OUT/decode.json" "$OUT/decode-mixtral.json" 2>/dev/null
+    step mixtral_hf 150 python3 bench/decode.py --shapes mixtral-8x7b@8 --long --paths hf --prompt 1024 --new 64 \
+         --out "$OUT"
+    mv "$OUT/decode.json" "$OUT/decode-mixtral-hf.json" 2>/dev/null
     ;;
   2)
     step fp8_batch64 240 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 \
@@ -33,7 +36,5 @@ case "${1:-1}" in
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
-    step mixtral_hf 220 python3 bench/decode.py --shapes mixtral-8x7b@8 --long --paths hf --prompt 1024 --new 64 \
-         --out "$OUT"
     ;;
 esac
