@@ -5,6 +5,8 @@
 #   part 2 (issue 39): FP8 W8A8 whole steps: batch 64 at 1k context and the 1k / 8k prefill against bf16 in one
 #          process each; the 32k int8 cache step on its own split table (tables.DECODE_ATTENTION_INT8)
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
+#   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
+#          then part 2's 32k int8 cache step and FP8 prefill
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
 # Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
@@ -31,8 +33,21 @@ case "${1:-1}" in
          --steps 32 --decode-only --lazy-compile --quantization fp8 --out "$OUT"
     step fp8_prefill 180 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
          --quantization fp8 --out "$OUT"
-    step decode32k 120 python3 bench/decode.py --shapes --long qwen3-4b:32768 --paths pallas --quantization int8 \
+    step decode32k 200 python3 bench/decode.py --shapes --long qwen3-4b:32768 --paths pallas --quantization int8 \
          --kv int8 --new 64 --out "$OUT"
+    ;;
+  4)   # in-step A/B of batch-1 configs at Qwen3-30B-A3B@8, each variant its own process
+    D="bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --prompt 1024 --new 64 --out $OUT"
+    W="python3 experiments/with_tables.py"
+    TAIL=3 step moe_v0_default 90 $W -- $D
+    TAIL=3 step moe_v1_gateup8 90 $W 'ROUTED_GEMV["swiglu"] = (8, 256)' -- $D
+    TAIL=3 step moe_v2_attnrows 90 $W 'GEMV_ROWS[(5120, 2048)] = 4' 'GEMV_ROWS[(2048, 4096)] = 2' -- $D
+    TAIL=3 step moe_v3_combine2 90 $W 'ROUTED_GEMV["combine"] = (2, 256)' -- $D
+    rm -rf /tmp/jaxinfer-bench-models
+    step decode32k 200 python3 bench/decode.py --shapes --long qwen3-4b:32768 --paths pallas --quantization int8 \
+         --kv int8 --new 64 --out "$OUT"
+    step fp8_prefill 160 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
+         --quantization fp8 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import layer_operands, pow2_at_least, row_tiles, silu_mul
 
 f32 = jnp.float32
@@ -147,15 +148,9 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
 
 
 def choose_config(epilogue: str, n_out: int) -> tuple[int, int]:
-    """(rows a program, block_in): the gate/up 4 rows of 256-column tiles (2 or 1 where 4 do not divide), the combine
-    1 row of 256. H200, jax 0.11.2, 2026-12-04 (bench/kernels/moe.py --tokens 1; ms a call):
-      Qwen3-30B-A3B, chained over 8 layers: gate/up 4/256 0.017 (the old 2/256 0.021, 1/256 0.019; a dense GEMV of
-        its bytes 0.018); combine 1/256 0.014, 1/512 0.013, 2/256 0.015 (the old 2/512 0.014): one row within noise;
-      Mixtral-8x7B, one call a jit: gate/up 4/256 0.116 (= 1/256; 2/256 0.132); combine 1/256 0.059 (2/512 0.091).
-    Two warps lost everywhere."""
-    if epilogue == "swiglu":
-        return next(r for r in (4, 2, 1) if n_out % r == 0), 256
-    return 1, 256
+    """(rows a program, block_in) from tables.ROUTED_GEMV: its rows, or the most of them below that divide n_out."""
+    rows, block_in = tables.ROUTED_GEMV[epilogue]
+    return next(r for r in (rows, 8, 4, 2, 1) if r <= rows and n_out % r == 0), block_in
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "emit_routes", "rows",

@@ -208,6 +208,18 @@ GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (
                                                           (151936, 2560): "prmt"}
 
 
+# --- batch-1 mixture of experts (moe_gemv.py) ------------------------------------------------------------------
+
+# (rows a program, block_in) of the routed GEMVs by epilogue (fewer rows where these do not divide the outputs).
+# H200, jax 0.11.2, 2026-12-04 (bench/kernels/moe.py --tokens 1; ms a call):
+#   Qwen3-30B-A3B, chained over 8 layers: gate/up 4/256 0.017 (2/256 0.021, 1/256 0.019; a dense GEMV of its bytes
+#     0.018); combine 1/256 0.014, 1/512 0.013, 2/256 0.015, 2/512 0.014: within noise;
+#   Mixtral-8x7B, one call a jit: gate/up 4/256 0.116 (= 1/256; 2/256 0.132); combine 1/256 0.059 (2/512 0.091).
+# Two warps lost everywhere. Whole steps against the first guess (2/256 and 2/512), batch 1 after 1k:
+# Qwen3-30B-A3B@24 1.644 -> 1.468 ms, Mixtral-8x7B@8 2.176 -> 1.782 ms (bench/decode.py).
+ROUTED_GEMV: dict[str, tuple[int, int]] = {"swiglu": (4, 256), "combine": (1, 256)}
+
+
 # --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

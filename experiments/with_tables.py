@@ -1,0 +1,20 @@
+"""Run a bench script with some kernel tables changed in its process: an in-step A/B of a config without editing
+jaxinfer/pallas/tables.py.
+
+    PYTHONPATH=. python3 experiments/with_tables.py 'GEMV_ROWS[(5120, 2048)] = 4' ... -- bench/decode.py ARGS...
+
+Each assignment is executed in tables' namespace before the script runs (as __main__).
+"""
+
+import runpy
+import sys
+
+from jaxinfer.pallas import tables
+
+if __name__ == "__main__":
+    split = sys.argv.index("--")
+    for assignment in sys.argv[1:split]:
+        exec(assignment, vars(tables))
+        print(f"# tables: {assignment}", flush=True)
+    sys.argv = sys.argv[split + 1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
