@@ -2,8 +2,8 @@
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
 #   part 1 (issue 43): batch-1 decode after 1k of Qwen3-30B-A3B@24 (ours and transformers in one process) and of
 #          Mixtral-8x7B@8 (ours, then transformers in a process of its own: the process that ran both died once)
-#   part 2 (issue 39): FP8 W8A8 whole steps: batch 64 at 1k context and the 1k / 8k prefill against bf16 in one
-#          process each; the 32k int8 cache step on its own split table (tables.DECODE_ATTENTION_INT8)
+#   part 2 (issue 39): FP8 W8A8 whole steps (experiments/with_tables.py FP8_W8A8_ROWS=64): the 1k / 8k prefill and
+#          batch 64 at 1k context against bf16 in one process each
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
 #   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
 #          then part 2's 32k int8 cache step and FP8 prefill
@@ -28,13 +28,12 @@ case "${1:-1}" in
          --out "$OUT"
     mv "$OUT/decode.json" "$OUT/decode-mixtral-hf.json" 2>/dev/null
     ;;
-  2)
-    step fp8_batch64 240 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 \
-         --steps 32 --decode-only --lazy-compile --quantization fp8 --out "$OUT"
-    step fp8_prefill 180 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
-         --quantization fp8 --out "$OUT"
-    step decode32k 200 python3 bench/decode.py --shapes --long qwen3-4b:32768 --paths pallas --quantization int8 \
-         --kv int8 --new 64 --out "$OUT"
+  2)   # fp8 weights with W8A8 on (tables.FP8_W8A8_ROWS, None by default) against the runs of 2026-12-04 without it
+    W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 --"
+    step w8a8_prefill 200 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --quantization fp8 \
+         --out "$OUT"
+    step w8a8_batch64 200 $W bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 \
+         --decode-only --lazy-compile --quantization fp8 --out "$OUT"
     ;;
   4)   # in-step A/B of batch-1 configs at Qwen3-30B-A3B@8, each variant its own process
     D="bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --prompt 1024 --new 64 --out $OUT"
