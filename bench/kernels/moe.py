@@ -8,8 +8,10 @@ Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 r
 - "op": ops.pallas.moe_mlp against reference.moe_mlp (XLA: top-k, sort, ragged_dot), both jitted alone, the
   relative error between them; at T = 1 the bytes the active experts and the router hold over the time, against
   the HBM read bandwidth measured in the same run.
-- T = 1: each routed GEMV config of ROUTED (rows a program, block_in, warps) for the gate/up and the combine alone,
-  against the bytes it must read (the top_k experts' matrices) over the HBM read bandwidth.
+- T = 1: the block chained over 8 stacked layers in one jit (sweep_routed: one op a jit is dispatch-bound at these
+  sizes): the whole op, the router's GEMV, each routed GEMV config of ROUTED (rows a program, block_in, warps) for
+  the gate/up and the combine alone, the two with their routes from elsewhere, and a dense GEMV of the gate/up's
+  bytes; each against the bytes it must read over the HBM read bandwidth.
 - T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
   expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work).
 Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
@@ -157,16 +159,18 @@ def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int 
             y, ms = best_ms_per_call(jax.jit(f), args, L, target_s=None if interpret else 0.2)
             base.setdefault(what, y)
             row = dict(shape=shape, T=1, what=what, config=config, ms=ms, xla_ms=float("nan"),
-                       gb_s=n_bytes / (ms * 1e-3) / 1e9, share=n_bytes / (ms * 1e-3) / bw, rel_err=rel_err(y, base[what]))
+                       gb_s=n_bytes / (ms * 1e-3) / 1e9, share=n_bytes / (ms * 1e-3) / bw,
+                       rel_err=rel_err(y, base[what]))
         except Exception as e:   # a config that fails to compile is reported, not fatal
             row = dict(shape=shape, T=1, what=what, config=config, error=f"{type(e).__name__}: {e}"[:200])
         out.append(row)
         _print(row)
 
     pallas = get_ops("pallas-interpret" if interpret else "pallas")
-    add("op (router + two kernels)", "-", lambda x, r, g, d, s: [
-        pallas.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(i)), 1e-6, *(LayerWeight(w, jnp.int32(i)) for w in (r, g, d)),
-                                k, True) for i in range(L)], (x, rt, gu, dn, scale), E * D * 2 + gu_bytes + dn_bytes)
+    def layer_op(x, r, g, d, s):
+        return [pallas.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(i)), 1e-6,
+                                        *(LayerWeight(w, jnp.int32(i)) for w in (r, g, d)), k, True) for i in range(L)]
+    add("op (router + two kernels)", "-", layer_op, (x, rt, gu, dn, scale), E * D * 2 + gu_bytes + dn_bytes)
     add("router GEMV", "-", lambda x, r, s: [pallas.rms_norm_linear(x, LayerWeight(s, jnp.int32(i)), 1e-6,
                                                                     LayerWeight(r, jnp.int32(i))) for i in range(L)],
         (x, rt, scale), E * D * 2)

@@ -439,7 +439,8 @@ def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Arr
                      interpret: bool = False) -> jax.Array:
     """x + the mixture of experts of rms_norm(x) (residual=False: the mixture alone, reference.rms_norm_moe_mlp).
     One token: the norm is the prologue of the router's GEMV and of the gate/up routed GEMV (no kernel of its own),
-    so that the block is three kernels; the gate/up kernel routes and writes its routes for the combine. More rows: the norm in XLA, then moe_mlp."""
+    so that the block is three kernels; the gate/up kernel routes and writes its routes for the combine. More rows:
+    the norm in XLA, then moe_mlp."""
     if x.shape[0] != 1:
         return moe_mlp(reference.rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize,
                        residual=x if residual else None, interpret=interpret)

@@ -216,7 +216,9 @@ GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (
 #     0.018); combine 1/256 0.014, 1/512 0.013, 2/256 0.015, 2/512 0.014: within noise;
 #   Mixtral-8x7B, one call a jit: gate/up 4/256 0.116 (= 1/256; 2/256 0.132); combine 1/256 0.059 (2/512 0.091).
 # Two warps lost everywhere. Whole steps against the first guess (2/256 and 2/512), batch 1 after 1k:
-# Qwen3-30B-A3B@24 1.644 -> 1.468 ms, Mixtral-8x7B@8 2.176 -> 1.782 ms (bench/decode.py).
+# Qwen3-30B-A3B@24 1.644 -> 1.468 ms, Mixtral-8x7B@8 2.176 -> 1.782 ms (bench/decode.py). In-step A/B at
+# Qwen3-30B-A3B@8 (experiments/with_tables.py, each its own process): these 0.615 ms, gate/up 8 rows 0.661, combine
+# 2 rows 0.640.
 ROUTED_GEMV: dict[str, tuple[int, int]] = {"swiglu": (4, 256), "combine": (1, 256)}
 
 
