@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/prefill.py [--shapes qwen3-4b llama3-8b] [--prompts 128 1024 8192 32768]
                                           [--paths pallas reference hf] [--chunk 8192] [--out DIR]
-                                          [--quantization fp8 int8]
+                                          [--quantization fp8 int8] [--tensor-parallel-size N]
 
 A request of max_tokens=1 after a random prompt; TTFT is the wall time from submitting it to its
 first token (prompts longer than --chunk are prefilled chunk by chunk). FLOPs counted: the
@@ -13,6 +13,11 @@ GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes
 EngineConfig.quantization), its speed-up over the same path in bf16 in this run in the last column. Its share is still
 of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, can pass 100%). --fp8-tables JSON:
 FP8_W8A8_ROWS (and SKINNY_GEMM_8BIT) as a bench/kernels/quantized_gemv.py --fp8-rows run measured them.
+--tensor-parallel-size N: our paths over N devices (docs/tensor_parallel.md); the share is then of N devices' GEMM
+rate (the measured one device's rate x N), TFLOP/s the aggregate. The hf paths are skipped with a note (transformers
+runs on one device), and --quantization is refused (8-bit weights are not supported at TP > 1 yet); a
+tensor-parallel engine runs the prompt step as one executable, so pallas-split6 is then pallas-one-step. Each row's
+JSON holds the prompt's first greedy token, to compare across TP sizes.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,
-                  profile_dir: str | None = None) -> float:
+                  profile_dir: str | None = None, tensor_parallel_size: int = 1) -> tuple[float, int]:
+    """The best TTFT in seconds over `repeats` runs after a warm-up, and the first (greedy) token."""
     chunk = min(chunk, len(prompt))
     path, _, quantization = path.partition("+")
     ops, options = PATH_OPTIONS.get(path, (path, {}))
@@ -63,7 +69,8 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     compile_all_at_start=True,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
-                    enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1)
+                    enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1,
+                    tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = float("inf")
     for _ in range(repeats + 1):     # the first run is a warm-up
@@ -71,7 +78,7 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
-        engine.take_finished(rid)
+        token = engine.take_finished(rid).outputs[0].token_ids[0]
         best = min(best, time.perf_counter() - t0)
     if profile_dir:  # one more prompt, traced: which kernels the time goes to
         from bench.trace_kernels import kernel_trace, print_summary, summarize
@@ -84,10 +91,10 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
         print_summary(summarize(profile_dir, steps=1))
     del engine
     gc.collect()
-    return best
+    return best, token
 
 
-def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> float:
+def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> tuple[float, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -98,11 +105,11 @@ def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> float:
         for _ in range(repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
+            token = int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
             best = min(best, time.perf_counter() - t0)
     del model
     torch.cuda.empty_cache()
-    return best
+    return best, token
 
 
 def main() -> None:
@@ -119,7 +126,18 @@ def main() -> None:
                     help="SKINNY_GEMM_8BIT rows and FP8_W8A8_ROWS from a quantized_gemv.py --fp8-rows run (A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="our paths over this many devices; the share is of N devices' GEMM rate (one device's x N); "
+                         "hf paths are skipped")
     args = ap.parse_args()
+    tp = args.tensor_parallel_size
+    if tp > 1 and args.quantization:
+        ap.error("--quantization: tensor parallelism does not support 8-bit weights yet; run it at "
+                 "--tensor-parallel-size 1")
+    if tp > 1 and any(p.startswith("hf") for p in args.paths):
+        print(f"# tensor parallel size {tp}: skipping the transformers path(s) "
+              f"{' '.join(p for p in args.paths if p.startswith('hf'))} (one device; ours only)", flush=True)
+        args.paths = [p for p in args.paths if not p.startswith("hf")]
     if args.fp8_tables:
         from bench.kernels.fp8_rows import apply_tables
 
@@ -127,12 +145,13 @@ def main() -> None:
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     args.paths += [f"{p}+{q}" for q in args.quantization for p in args.paths if p != "hf"]
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
-    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s")
+    print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s "
+          f"(one device); tensor parallel size {tp}: shares of {tp} x that")
     print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate | x bf16 |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
     # what the figures were measured on and with (written with every row)
     run = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(),
-               argv=sys.argv[1:], gemm=gemm)
+               argv=sys.argv[1:], gemm=gemm, tensor_parallel_size=tp)
     rows = []
     save = lambda: Path(args.out, "prefill.json").write_text(json.dumps(dict(run, rows=rows), indent=1))
     for shape in args.shapes:
@@ -142,16 +161,17 @@ def main() -> None:
             prompt = np.random.default_rng(T).integers(100, cfg.vocab_size - 100, T).tolist()
             for path in args.paths:
                 try:
-                    s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
+                    s, token = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
                         model_dir, path, prompt, args.chunk,
-                        profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None)
+                        profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None,
+                        tensor_parallel_size=tp)
                 except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
                     print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |", flush=True)
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
                     continue
                 flops = prefill_flops(cfg, T)
                 row = dict(shape=shape, prompt=T, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
-                           share=flops / s / gemm)
+                           share=flops / s / (gemm * tp), first_token=token)
                 base = [r for r in rows if (r["shape"], r["prompt"], r["path"]) == (shape, T, path.partition("+")[0])
                         and "ttft_ms" in r] if "+" in path else []
                 if base:

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 bench/throughput.py [--shape qwen3-4b] [--batches 1 8 32 64 128 256] [--context 1024]
                                              [--requests 1000] [--system 2048] [--out DIR]
                                              [--decode-only] [--attention-config SPLITS/BLOCK_K]
-                                             [--quantization fp8 int8]
+                                             [--quantization fp8 int8] [--tensor-parallel-size N]
 
 1. Decode step time at each batch size B, every sequence at `--context` tokens: roofline per step =
    max(bytes / HBM read bandwidth, FLOPs / dense GEMM rate), bytes = weights once + each sequence's
@@ -19,6 +19,11 @@ quantized at load (EngineConfig.quantization; the same KV cache dtype, the same 
 bytes its loaded parameters hold (8-bit values and scales; bench/decode.py's param_step_bytes) plus the KV bytes, and
 its speed-up is over bf16 at the same batch in this run. --fp8-tables JSON: the 8-bit tables a
 bench/kernels/quantized_gemv.py --fp8-rows run measured (its quantized_gemv.json), patched in before the engines start.
+--tensor-parallel-size N: every engine over N devices (docs/tensor_parallel.md). The roofline is the aggregate one:
+each device reads 1/N of the bytes at the measured bandwidth and does 1/N of the FLOPs at the measured GEMM rate (the
+rate of N devices), so the roofline step is the single-device one / N (the all-reduces cost nothing in it); the
+greedy tokens' hash should equal TP 1's (bf16 may differ where a sum's order moves an argmax). 8-bit weights are not
+supported at TP > 1 yet (--quantization is refused).
 Random bf16 weights at real shapes (bench.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
@@ -73,10 +78,12 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
 
 
 def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=(), warm_all: bool = False,
-                 weight_bytes: float | None = None, base: list[dict] | None = None) -> list[dict]:
+                 weight_bytes: float | None = None, base: list[dict] | None = None,
+                 tensor_parallel_size: int = 1) -> list[dict]:
     """warm_all: warm with every row (an engine that compiles on first use compiles each batch's steps then).
     weight_bytes: what a step reads of the weights (default: the bf16 parameters but the input embedding); base: the
-    bf16 rows, for each row's speed-up (a last column)."""
+    bf16 rows, for each row's speed-up (a last column). tensor_parallel_size N: the roofline of N devices (bw and gemm
+    are one device's), each reading 1/N of the bytes and doing 1/N of the FLOPs."""
     rows = []
     for B in batches:
         prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
@@ -101,11 +108,11 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
                                        (0 if cfg.tie_embeddings else 1))
         kv = 2 * np.dtype(engine.kv_dtype).itemsize * cfg.num_layers * (context + steps / 2) * cfg.kv_size * B
         flops = 2 * cfg.active_params() * B + 4 * cfg.num_layers * cfg.q_size * (context + steps / 2) * B
-        roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm)
+        roof_ms = 1e3 * max((weights + kv) / bw, flops / gemm) / tensor_parallel_size
         raw_ms = raw_decode_step_ms(engine, B, context)
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
                    share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms, tokens_sha=tokens_sha,
-                   weight_bytes=weights, kv_bytes=kv)
+                   weight_bytes=weights, kv_bytes=kv, tensor_parallel_size=tensor_parallel_size)
         same = [b for b in base or [] if b["batch"] == B]
         if same:
             row["speedup_vs_bf16"] = same[0]["decode_step_ms"] / raw_ms
@@ -249,7 +256,13 @@ def main() -> None:
                     help="SKINNY_GEMM_8BIT rows and FP8_W8A8_ROWS from a quantized_gemv.py --fp8-rows run (A/B runs)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="every engine over this many devices; the roofline is N devices' (each reads 1/N of the "
+                         "bytes and does 1/N of the FLOPs: the single-device roofline / N)")
     args = ap.parse_args()
+    if args.tensor_parallel_size > 1 and args.quantization:
+        ap.error("--quantization: tensor parallelism does not support 8-bit weights yet; run it at "
+                 "--tensor-parallel-size 1")
     if args.attention_config:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:
@@ -263,18 +276,21 @@ def main() -> None:
     bw = hbm_read_ceiling(4 if gpu else 0.125)
     gemm = dense_gemm_rate(8192 if gpu else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; HBM read {bw / 1e12:.2f} TB/s, "
-          f"bf16 GEMM {gemm / 1e12:.0f} TFLOP/s", flush=True)
+          f"bf16 GEMM {gemm / 1e12:.0f} TFLOP/s (one device); tensor parallel size {args.tensor_parallel_size}",
+          flush=True)
     model_dir = bench_model(args.models, args.shape)
     cfg = load_config(model_dir, "bfloat16")
     rng = np.random.default_rng(0)
-    out: dict = dict(device=jax.devices()[0].device_kind, bandwidth=bw, gemm=gemm, shape=args.shape)
+    out: dict = dict(device=jax.devices()[0].device_kind, bandwidth=bw, gemm=gemm, shape=args.shape,
+                     tensor_parallel_size=args.tensor_parallel_size)
 
     # One engine shape for every part (the same compiled steps; the persistent compilation cache
     # serves the second engine, which differs only in prefix caching).
     max_len = max(args.context + 2 * args.steps + 32, 1024 + 512 + 16, args.system + 256)
     t0 = time.perf_counter()
     engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
-                        kv_cache_dtype=args.kv_cache_dtype, compile_all_at_start=not args.lazy_compile)
+                        kv_cache_dtype=args.kv_cache_dtype, compile_all_at_start=not args.lazy_compile,
+                        tensor_parallel_size=args.tensor_parallel_size)
     out["start_s"] = dict(total=time.perf_counter() - t0, compile=engine.compile_seconds)
     print(f"# engine start {out['start_s']['total']:.1f} s (compile {engine.compile_seconds:.1f} s)", flush=True)
 
@@ -283,7 +299,7 @@ def main() -> None:
     print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens |")
     print("|---|---|---|---|---|---|---|---|---|")
     out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile,
-                                 warm_all=args.lazy_compile)
+                                 warm_all=args.lazy_compile, tensor_parallel_size=args.tensor_parallel_size)
     if args.decode_only:
         del engine
         gc.collect()
@@ -310,7 +326,8 @@ def main() -> None:
             gc.collect()
             t0 = time.perf_counter()
             engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=True,
-                                kv_cache_dtype=args.kv_cache_dtype)
+                                kv_cache_dtype=args.kv_cache_dtype,
+                                tensor_parallel_size=args.tensor_parallel_size)
             out["start_s"]["second_engine"] = time.perf_counter() - t0
         run_all(engine, [system + [7] * 8], [one])                          # warm; fills the cache
         ttft[caching] = min(run_all(engine, [system + [int(x)] * 8], [one])[0] for x in (11, 12, 13))

@@ -251,6 +251,33 @@ def test_benches_run_at_tp2_on_the_cpu(tmp_path):
     assert "error" not in json.dumps(decode) and "step_ms" in json.dumps(decode)
 
 
+def test_throughput_and_prefill_run_at_tp2_on_the_cpu(tmp_path):
+    """bench/throughput.py (the batched decode table) and bench/prefill.py --tensor-parallel-size 2 on 2 host devices
+    give TP 1's greedy tokens (the decode table's hash, the prompt's first token); prefill skips its hf path."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
+    runs = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        out.mkdir()
+        hf = ["hf"] if tp > 1 else []   # (no transformers here: at TP 1 it would be a failed row)
+        for args in (["throughput.py", "--shape", "tiny", "--ops", "reference", "--batches", "2", "--context", "40",
+                      "--steps", "4", "--decode-only", "--lazy-compile"],
+                     ["prefill.py", "--shapes", "tiny", "--prompts", "40", "--paths", "reference", *hf, "--chunk", "32"]):
+            r = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:], "--models",
+                                str(tmp_path / "models"), "--out", str(out), "--tensor-parallel-size", str(tp)],
+                               env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+            assert r.returncode == 0, r.stderr[-3000:]
+            if tp == 2 and args[0] == "prefill.py":
+                assert "skipping the transformers path(s) hf" in r.stdout
+        runs[tp] = (json.loads((out / "throughput.json").read_text()), json.loads((out / "prefill.json").read_text()))
+    for tp, (throughput, prefill) in runs.items():
+        assert throughput["tensor_parallel_size"] == prefill["tensor_parallel_size"] == tp
+        assert [r["path"] for r in prefill["rows"]] == ["reference"] and "error" not in json.dumps(prefill)
+    assert [r["tokens_sha"] for r in runs[2][0]["decode"]] == [r["tokens_sha"] for r in runs[1][0]["decode"]]
+    assert runs[2][1]["rows"][0]["first_token"] == runs[1][1]["rows"][0]["first_token"]
+
+
 class FakeChannel:
     """runner.distributed.CommandChannel in memory: numbered messages, None when message n has not come."""
 
