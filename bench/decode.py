@@ -254,6 +254,9 @@ def main() -> None:
         for path in args.paths:
             if path.startswith("hf") and args.hf_for is not None and shape not in args.hf_for:
                 continue
+            if path.startswith("hf") and args.tensor_parallel_size > 1:   # transformers runs on one device here
+                print(f"# tensor parallel size {args.tensor_parallel_size}: skipping {path} (one device; ours only)")
+                continue
             try:
                 t0 = time.perf_counter()
                 if path == "hf-compile":   # static cache + torch.compile (bench/hf_peer.py)
@@ -271,9 +274,11 @@ def main() -> None:
             r = results[path]
             kv_item = kv_item_bytes(cfg, kv_of(path))
             if kv_of(path) != "auto":   # its own roofline: the KV bytes are about half
-                r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=kv_item) / bw)
+                r.update(roofline_ms=1e3 * step_bytes(cfg, ctx + args.new / 2, kv_item=kv_item) / bw
+                         / args.tensor_parallel_size)
             if quantization_of(path) and "weight_bytes" in r:   # the bytes its parameters hold
-                r.update(roofline_ms=1e3 * (r["weight_bytes"] + kv_step_bytes(cfg, ctx + args.new / 2, kv_item)) / bw)
+                r.update(roofline_ms=1e3 * (r["weight_bytes"] + kv_step_bytes(cfg, ctx + args.new / 2, kv_item)) / bw
+                         / args.tensor_parallel_size)
             if "step_ms" in r:
                 r.update(tok_s=1e3 / r["step_ms"], roofline_share=r.get("roofline_ms", roof_ms) / r["step_ms"])
                 base = results.get(path.replace("+" + str(quantization_of(path)), ""), {})
