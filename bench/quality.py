@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "models"
 TEXT = REPO / "bench" / "data" / "quality_text.json"
 REAL = ("stories260k", "llama2xs-260k")
-TINY = ("gpt2", "llama2", "llama3", "mistral", "qwen2", "qwen3")
+TINY = ("gpt2", "llama2", "llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 PAGE = 16
 
 

@@ -34,6 +34,9 @@ from jaxinfer.ops.quantized import FORMATS, QuantizedWeight, join, quantize
 
 # Our tree's matrices held in 8 bits (the destinations of model.weights' rules).
 LINEAR_DESTS = frozenset({"layers.wqkv", "layers.wo", "layers.w_gate_up", "layers.w_up", "layers.w_down", "lm_head"})
+# A mixture of experts' expert stacks [L, E, N, K], quantized at load with one scale an expert's output row (the
+# router's small matrix stays in the model's dtype: routing decides which weights are read at all)
+EXPERT_DESTS = frozenset({"layers.moe_gate_up", "layers.moe_down"})
 CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized")   # compressed-tensors' 8-bit ones
 _NP_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 

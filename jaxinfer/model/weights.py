@@ -292,9 +292,9 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
             raise tensor_parallel.TensorParallelError("tensor parallelism does not support 8-bit weights yet")
     else:
         mesh = None
-    if cfg.num_experts and (quant.at_load or quant.checkpoint):
-        raise quantize.QuantizationError(f"{model_dir}: 8-bit weights of a mixture-of-experts model are not supported "
-                                         "(its experts are held in the checkpoint's float dtype only)")
+    if cfg.num_experts and quant.checkpoint:
+        raise quantize.QuantizationError(f"{model_dir}: a pre-quantized mixture-of-experts checkpoint is not supported "
+                                         "(quantize its float weights at load instead: quantization='int8' or 'fp8')")
     reader = CheckpointReader(model_dir)
     prefixes = PREFIXES[cfg.family]
     np_dtype = np.dtype(cfg.jnp_dtype)
@@ -348,6 +348,10 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         return find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None or \
             (find(first) is not None and find(first).dtype.itemsize == 1)
 
+    def quantized_experts(rule: Rule, i: int):   # layer i's [E, N, K] experts, quantized on the device
+        experts = _fill_layer(rule, cfg, read, i, np.empty((cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))
+        return quantize.quantize(jax.device_put(experts), quant.at_load)
+
     def quantized_layer(rule: Rule, i: int | None):
         parts = [(resolve(src.format(i=i)), read(src.format(i=i), shape, rule.transpose))
                  for src, shape in zip(rule.sources, rule.shapes(cfg))]
@@ -363,6 +367,10 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         def build(rule: Rule):
             if mesh is not None:
                 return rule, tensor_parallel.load_sharded(rule, cfg, read, np_dtype, mesh, per_layer)
+            if quant.at_load and rule.dest in quantize.EXPERT_DESTS:   # experts: a layer at a time, as below
+                if per_layer:
+                    return rule, [quantized_experts(rule, i) for i in range(cfg.num_layers)]
+                return rule, quantize.stack_layers(lambda i: quantized_experts(rule, i), cfg.num_layers)
             if quantized(rule):   # a layer at a time: only the 8-bit stack stays on the device
                 if not rule.per_layer:
                     return rule, quantized_layer(rule, None)

@@ -404,23 +404,40 @@ def cudnn_flash_attention_available() -> bool:
         return False
 
 
+def _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, residual, interpret, scale=None, eps=1e-6):
+    """One token's block after the router: the gate/up routed GEMV (the norm as its prologue with `scale`) routes and
+    writes its routes, the combine takes them; 8-bit stacks pass their values and channel scales."""
+    gate_up, layer, vector_layer, (scale_stack,) = _stacked(w_gate_up, scale)
+    down, down_layer, _, _ = _stacked(w_down)
+    (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)
+    if gu_kw.get("w_block") or dn_kw.get("w_block"):
+        raise ValueError("rms_norm_moe_mlp: 8-bit experts take one scale an output channel, not block scales")
+    route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
+    h, routes = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
+                            vector_layer=vector_layer, emit_routes=True, w_scale=gu_kw.get("w_scale"), **route)
+    return routed_gemv(h, None, down, down_layer, epilogue="combine", residual=residual, routes=routes,
+                       w_scale=dn_kw.get("w_scale"), **route)
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int, renormalize: bool,
             residual: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
     """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
-    is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py)
-    that route from the logits themselves and read only the chosen experts' matrices, the second summing the
-    experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by expert
-    (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
-    each expert's output weighted and summed in float32 as reference.moe_mlp."""
+    is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py),
+    the first routing from the logits and reading only the chosen experts' matrices, the second taking its routes and
+    summing the experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by
+    expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
+    each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
+    stacks): the routed GEMVs read their values and scales; more rows take reference.moe_mlp (XLA)."""
     T, D = x.shape
+    if T == 1:
+        return _routed_block(x, linear(x, router, interpret=interpret), w_gate_up, w_down, top_k, renormalize,
+                             residual, interpret)
+    if _quantized(w_gate_up) or _quantized(w_down):
+        return reference.moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=residual)
     logits = linear(x, router, interpret=interpret)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
     E, two_i, _ = gate_up.shape[1:]
-    if T == 1:
-        route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
-        h = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", **route)
-        return routed_gemv(h, logits, down, down_layer, epilogue="combine", residual=residual, **route)
     weights, experts = reference.route(logits, top_k, renormalize)
     order, group_sizes = reference.sort_by_expert(experts, E)
     per_group = T * top_k / E
@@ -445,13 +462,8 @@ def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Arr
         return moe_mlp(reference.rms_norm(x, scale, eps), router, w_gate_up, w_down, top_k, renormalize,
                        residual=x if residual else None, interpret=interpret)
     logits = rms_norm_linear(x, scale, eps, router, interpret=interpret)
-    gate_up, layer, vector_layer, (scale_stack,) = _stacked(w_gate_up, scale)
-    down, down_layer, _, _ = _stacked(w_down)
-    route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
-    h, routes = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
-                            vector_layer=vector_layer, emit_routes=True, **route)
-    return routed_gemv(h, None, down, down_layer, epilogue="combine", residual=x if residual else None, routes=routes,
-                       **route)
+    return _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, x if residual else None, interpret,
+                         scale=scale, eps=eps)
 
 
 # The ops this module overrides, each bound to `interpret` by `make`.

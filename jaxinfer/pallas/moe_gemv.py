@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import layer_operands, pow2_at_least, row_tiles, silu_mul
+from jaxinfer.pallas.fused_gemv import weights_to_f32
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -60,9 +61,10 @@ def _route(logits_ref, E: int, top_k: int, renormalize: bool):
     return experts, weights
 
 
-def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_ref=None, vlayer=None, eps=0.0):
+def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_ref=None, vlayer=None, eps=0.0,
+              ws_ref=None):
     """float32 dot products of x_ref[x_row] (with scale_ref: rms_norm(x) with scale_ref[vlayer]) with rows w_rows of
-    W[layer, expert]."""
+    W[layer, expert]; 8-bit W (ws_ref: its scales [L, E, N]) converted exactly, each sum times its row's scale."""
     def tile(carry, idx, cmask):
         accs, sumsq = carry
 
@@ -73,7 +75,7 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
         if scale_ref is not None:
             sumsq = sumsq + xt * xt
             xt = xt * load(scale_ref.at[vlayer, idx]).astype(f32)
-        return [a + load(w_ref.at[layer, expert, r, idx]).astype(f32) * xt for a, r in zip(accs, w_rows)], sumsq
+        return [a + weights_to_f32(load(w_ref.at[layer, expert, r, idx])) * xt for a, r in zip(accs, w_rows)], sumsq
 
     carry = ([jnp.zeros((block_in,), f32) for _ in w_rows], jnp.zeros((block_in,), f32))
     full = n_in // block_in
@@ -91,11 +93,13 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
     if scale_ref is not None:
         inv = jax.lax.rsqrt(jnp.sum(sumsq) / n_in + eps)
         ys = [y * inv for y in ys]
+    if ws_ref is not None:
+        ys = [y * ws_ref[layer, expert, r] for y, r in zip(ys, w_rows)]
     return ys
 
 
 def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows, block_in, has_scale,
-            has_residual, routed, emit_routes, eps):
+            has_residual, w_scaled, routed, emit_routes, eps):
     refs = list(refs)
     if routed:   # the routes as operands: the top_k experts (int32) and their weights (float32)
         experts_ref, weights_ref = refs.pop(0), refs.pop(0)
@@ -104,6 +108,7 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
     else:
         experts, weights = _route(refs.pop(0), E, top_k, renormalize)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
+    ws_ref = refs.pop(0) if w_scaled else None
     scale_ref = refs.pop(0) if has_scale else None
     res_ref = refs.pop(0) if has_residual else None
     o_ref = refs.pop(0)
@@ -128,7 +133,7 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
                 expert = jnp.where(j == jj, experts[jj], expert)
         out_rows = [first + r for r in range(rows)]
         ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in,
-                       scale_ref, vlayer, eps)
+                       scale_ref, vlayer, eps, ws_ref)
         ys = [y.astype(dtype) for y in ys]   # the projection rounds, then SwiGLU as the reference rounds it
         for r, row in enumerate(out_rows):
             o_ref[j, row] = silu_mul(ys[r], ys[rows + r]).astype(dtype)
@@ -138,7 +143,7 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
     out_rows = [first + r for r in range(rows)]
     totals = [jnp.zeros((), f32) for _ in out_rows]
     for jj in range(top_k):
-        ys = _row_sums(x_ref, i32(jj), w_ref, layer, experts[jj], out_rows, n_in, block_in)
+        ys = _row_sums(x_ref, i32(jj), w_ref, layer, experts[jj], out_rows, n_in, block_in, ws_ref=ws_ref)
         totals = [t + y.astype(dtype).astype(f32) * weights[jj] for t, y in zip(totals, ys)]
     for t, row in zip(totals, out_rows):
         y = t.astype(dtype)
@@ -158,8 +163,9 @@ def choose_config(epilogue: str, n_out: int) -> tuple[int, int]:
 def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
                 renormalize: bool, epilogue: str, residual: jax.Array | None = None, scale: jax.Array | None = None,
                 eps: float = 1e-6, vector_layer: jax.Array | int | None = None,
-                routes: tuple[jax.Array, jax.Array] | None = None, emit_routes: bool = False, rows: int | None = None,
-                block_in: int | None = None, num_warps: int = 1,
+                routes: tuple[jax.Array, jax.Array] | None = None, emit_routes: bool = False,
+                w_scale: jax.Array | None = None, rows: int | None = None, block_in: int | None = None,
+                num_warps: int = 1,
                 interpret: bool = False) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One token's mixture of experts, one product a call, routed by its router logits [1, E], or by `routes`
     (experts int32 [top_k], weights float32 [top_k], as reference.route gives them; logits then unused).
@@ -168,9 +174,14 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     (h, routes), the routes it computed, for the combine to take.
     epilogue "combine": x = h [top_k, K], w [L, E, N, K]: returns [1, N], the experts' outputs rounded, weighted
     by their routing probabilities and summed in float32, rounded (+ residual [1, N], rounded again).
-    A 3-D w is one layer."""
+    8-bit w (int8, float8_e4m3fn) takes w_scale [L, E, N] float32, one scale an output row: each row's sum times its
+    scale, as reference.grouped_linear computes it. A 3-D w (and a 2-D w_scale) is one layer."""
     if w.ndim == 3:
         w = w[None]
+        w_scale = None if w_scale is None else w_scale[None]
+    if (w.dtype.itemsize == 1) != (w_scale is not None) or (w_scale is not None and w_scale.shape != w.shape[:3]):
+        raise ValueError(f"routed_gemv: 8-bit weights take w_scale {w.shape[:3]} (and only they); got w {w.dtype}, "
+                         f"w_scale {None if w_scale is None else w_scale.shape}")
     if w.ndim != 4 or x.ndim != 2:
         raise ValueError(f"routed_gemv: x [R, K], w [L, E, N, K]; got {x.shape}, {w.shape}")
     _, E, N, K = w.shape
@@ -205,8 +216,8 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     block_in = min(block_in, pow2_at_least(K))
     kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
                                half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None,
-                               has_residual=residual is not None, routed=routes is not None, emit_routes=emit_routes,
-                               eps=eps)
+                               has_residual=residual is not None, w_scaled=w_scale is not None,
+                               routed=routes is not None, emit_routes=emit_routes, eps=eps)
     if epilogue == "swiglu":
         grid, out_shape = (top_k, n_out // rows), jax.ShapeDtypeStruct((top_k, n_out), x.dtype)
     else:
@@ -214,7 +225,8 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     if emit_routes:
         out_shape = (out_shape, jax.ShapeDtypeStruct((top_k,), i32), jax.ShapeDtypeStruct((top_k,), f32))
     route_args = [logits] if routes is None else [routes[0].astype(i32), routes[1].astype(f32)]
-    args = [*layer_operands(layer, vector_layer), *route_args, x, w] + [a for a in (scale, residual) if a is not None]
+    args = [*layer_operands(layer, vector_layer), *route_args, x, w] + [a for a in (w_scale, scale, residual)
+                                                                        if a is not None]
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, interpret=interpret, name=f"routed_gemv_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -56,3 +56,27 @@ def test_moe_mlp_at_real_shapes(shape, T):
     # bound does not hold where x and the experts' output cancel.
     assert np.all(np.isfinite(np.asarray(block, np.float64)))
     assert _rel(block - x, block_ref - x) <= 3e-2
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_8bit_routed_gemvs_at_real_shapes(shape, fmt):
+    """One token through the 8-bit routed GEMVs (int8 / e4m3 expert stacks, one scale an expert's row) against the
+    reference's grouped product of the same QuantizedWeights."""
+    from jaxinfer.ops.quantized import quantize
+
+    _, E, k, D, I = shape
+    keys = jax.random.split(jax.random.PRNGKey(E), 4)
+    x = jax.random.normal(keys[0], (1, D), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (2, E, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5)
+    gate_up = quantize(jax.random.normal(keys[2], (2, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5), fmt)
+    down = quantize(jax.random.normal(keys[3], (2, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5), fmt)
+    scale = (1 + 0.1 * jax.random.normal(keys[0], (2, D))).astype(jnp.bfloat16)
+
+    def run(ops):
+        return jax.jit(lambda s, r, g, d: ops.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(1)), 1e-6, *(
+            LayerWeight(w, jnp.int32(1)) for w in (r, g, d)), k, True))(scale, router, gate_up, down)
+
+    block, block_ref = run(get_ops("pallas")), run(reference)
+    assert np.all(np.isfinite(np.asarray(block, np.float64)))
+    assert _rel(block - x, block_ref - x) <= 3e-2
