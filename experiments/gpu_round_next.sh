@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
-#   part 1 (issue 43): batch-1 decode after 1k of Qwen3-30B-A3B@24 (ours and transformers in one process) and of
-#          Mixtral-8x7B@8 (ours, then transformers in a process of its own: the process that ran both died once)
+#   part 1 (issues 39, 43): 8-bit experts on the GPU: the routed GEMVs' test at the real shapes, then
+#          Qwen3-30B-A3B@24 batch-1 decode with bf16 and int8 weights in one process
 #   part 2 (issue 39): FP8 W8A8 whole steps (experiments/with_tables.py FP8_W8A8_ROWS=64): the 1k / 8k prefill and
 #          batch 64 at 1k context against bf16 in one process each
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
@@ -16,17 +16,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/pylibs PYTHONFAULTHANDLER=1 XLA_PYTH
 source experiments/gpu_step.sh
 [ -d .carry/wheels ] && pip install -q --no-deps --no-index --target /tmp/pylibs .carry/wheels/*.whl > "$OUT/pip.log" 2>&1
 case "${1:-1}" in
-  1)
-    step qwen3moe_decode 260 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas hf --prompt 1024 \
-         --new 64 --out "$OUT"
-    mv "$OUT/decode.json" "$OUT/decode-qwen3moe.json" 2>/dev/null
-    rm -rf /tmp/jaxinfer-bench-models
-    step mixtral_decode 150 python3 bench/decode.py --shapes mixtral-8x7b@8 --long --paths pallas --prompt 1024 \
-         --new 64 --out "$OUT"
-    mv "$OUT/decode.json" "$OUT/decode-mixtral.json" 2>/dev/null
-    step mixtral_hf 150 python3 bench/decode.py --shapes mixtral-8x7b@8 --long --paths hf --prompt 1024 --new 64 \
-         --out "$OUT"
-    mv "$OUT/decode.json" "$OUT/decode-mixtral-hf.json" 2>/dev/null
+  1)   # 8-bit experts: the routed GEMVs' GPU test, then Qwen3-30B-A3B@24 batch 1 bf16 against int8 in one process
+    step moe_8bit_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py -k 8bit
+    step moe_int8_decode 330 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas --quantization int8 \
+         --prompt 1024 --new 64 --out "$OUT"
     ;;
   2)   # fp8 weights with W8A8 on (tables.FP8_W8A8_ROWS, None by default) against the runs of 2026-12-04 without it
     W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 --"
