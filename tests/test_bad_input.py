@@ -175,15 +175,12 @@ def test_invalid_engine_options(options, message):
 
 @pytest.mark.parametrize("family, changes, args, message", [
     ("qwen3_moe", {"mlp_only_layers": [1]}, [], "Qwen3-MoE with dense layers ([1]"),
-    ("mixtral", {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                         "weight_block_size": [128, 128]}}, [],
-     "a pre-quantized mixture-of-experts checkpoint is not supported"),
     ("gemma3", {"attn_logit_softcapping": 50.0}, [], "Gemma 3's attn_logit_softcapping is not supported"),
     ("apertus", {"post_norm": True}, [], "Apertus with mlp_bias, post_norm or without qk_norm is not supported"),
 ])
 def test_cli_refused_family_settings_one_line_exit_2(tmp_path, family, changes, args, message):
-    """What the new families refuse (a MoE model's dense layers or pre-quantized checkpoint, Gemma 3's attention
-    softcap, an Apertus variant transformers lacks) reaches the command line as one line and exit code 2."""
+    """What the new families refuse (a MoE model's dense layers, Gemma 3's attention softcap, an Apertus variant
+    transformers lacks) reaches the command line as one line and exit code 2."""
     from conftest import DATA
 
     d = tmp_path / family

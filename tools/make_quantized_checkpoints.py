@@ -13,6 +13,9 @@ writes (deterministic; rerunning leaves `git status` clean):
   rounded and clamped to [-128, 127]), dynamic per-token int8 input activations, lm_head ignored.
 - tests/data/models/qwen3-fp8-dynamic: compressed-tensors `float-quantized` (llm-compressor's FP8_DYNAMIC):
   float8_e4m3fn `*.weight`, `*.weight_scale` [out, 1] (max |w_row| / 448), dynamic per-token fp8 activations.
+- tests/data/models/qwen3_moe-fp8-block: the official Qwen3 FP8 format on the tiny Qwen3-MoE (the attention's and
+  every expert's matrices; the router stays float32, as in Qwen3-30B-A3B-FP8), blocks of 16 x 16 so that the tiny
+  matrices hold several (the published checkpoints' 128 x 128 would be one block a matrix here).
 Embeddings and norms stay float32, as the float model's. Uses numpy only (no torch).
 """
 
@@ -82,13 +85,13 @@ def compressed_tensors_config(kind: str) -> dict:
     }
 
 
-def write(name: str, quantization_config: dict, quantize_one, scale_suffix: str) -> None:
+def write(name: str, quantization_config: dict, quantize_one, scale_suffix: str, source: Path = SOURCE) -> None:
     dest = OUT / name
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir()
     tensors = {}
-    for key, w in sorted(load_file(SOURCE / "model.safetensors").items()):
+    for key, w in sorted(load_file(source / "model.safetensors").items()):
         if is_linear(key):
             values, scale = quantize_one(w.astype(np.float32))
             tensors[key] = values
@@ -96,10 +99,11 @@ def write(name: str, quantization_config: dict, quantize_one, scale_suffix: str)
         else:
             tensors[key] = w
     save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((SOURCE / "config.json").read_text())
+    config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    shutil.copy(SOURCE / "generation_config.json", dest / "generation_config.json")
+    if (source / "generation_config.json").exists():
+        shutil.copy(source / "generation_config.json", dest / "generation_config.json")
     print(f"{dest.relative_to(ROOT)}: {(dest / 'model.safetensors').stat().st_size:,} bytes")
 
 
@@ -109,6 +113,9 @@ def main() -> None:
           lambda w: fp8_block(w, (128, 128)), "weight_scale_inv")
     write("qwen3-w8a8-int8", compressed_tensors_config("int"), int8_channel, "weight_scale")
     write("qwen3-fp8-dynamic", compressed_tensors_config("float"), fp8_channel, "weight_scale")
+    write("qwen3_moe-fp8-block", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [16, 16]},
+          lambda w: fp8_block(w, (16, 16)), "weight_scale_inv", OUT / "qwen3_moe")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,28 @@ def _quantize_joined(parts: tuple[jax.Array, ...], fmt: str) -> QuantizedWeight:
     return quantize(jnp.concatenate(parts), fmt)
 
 
+def read_joined(parts: list[tuple[str, np.ndarray]], find: Callable[[str], np.ndarray | None],
+                ckpt: CheckpointQuantization) -> QuantizedWeight:
+    """A pre-quantized checkpoint's tensors (name, [out, in] as read) with their scales, joined along out, as a
+    QuantizedWeight of numpy arrays."""
+    read = [read_quantized(name, a, find, ckpt) for name, a in parts]
+    if any(q is None for q in read):
+        raise QuantizationError(f"tensors {[n for n, _ in parts]} are joined into one matrix but only some are "
+                                f"quantized in the checkpoint")
+    try:
+        return join(read)
+    except ValueError as e:
+        raise QuantizationError(f"tensors {[n for n, _ in parts]}: {e}") from None
+
+
+def stack_experts(experts: list[QuantizedWeight]) -> QuantizedWeight:
+    """One layer's experts' matrices (numpy QuantizedWeights of one layout) as one [E, out, in] QuantizedWeight."""
+    if any(q.block != experts[0].block or q.scale.shape != experts[0].scale.shape for q in experts):
+        raise QuantizationError("a layer's experts are quantized unlike one another (their scales' layouts differ)")
+    return QuantizedWeight(np.stack([np.asarray(q.values) for q in experts]),
+                           np.stack([np.asarray(q.scale, np.float32) for q in experts]), experts[0].block)
+
+
 def quantized_matrix(parts: list[tuple[str, np.ndarray]], plan_: QuantizationPlan,
                      find: Callable[[str], np.ndarray | None]) -> QuantizedWeight:
     """One layer's matrix on the default device from its checkpoint tensors (name, [out, in] as read), joined
@@ -203,14 +225,7 @@ def quantized_matrix(parts: list[tuple[str, np.ndarray]], plan_: QuantizationPla
         if sum(a.size for _, a in parts) > CHUNK_ELEMENTS:   # an lm_head: rows a chunk at a time
             return _quantized_in_chunks([a for _, a in parts], plan_.at_load)
         return _quantize_joined(tuple(jax.device_put(np.ascontiguousarray(a)) for _, a in parts), plan_.at_load)
-    read = [read_quantized(name, a, find, plan_.checkpoint) for name, a in parts]
-    if any(q is None for q in read):
-        raise QuantizationError(f"tensors {[n for n, _ in parts]} are joined into one matrix but only some are "
-                                f"quantized in the checkpoint")
-    try:
-        joined = join(read)
-    except ValueError as e:
-        raise QuantizationError(f"tensors {[n for n, _ in parts]}: {e}") from None
+    joined = read_joined(parts, find, plan_.checkpoint)
     return jax.device_put(QuantizedWeight(np.ascontiguousarray(joined.values), np.ascontiguousarray(joined.scale),
                                           joined.block))
 

@@ -292,9 +292,6 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
             raise tensor_parallel.TensorParallelError("tensor parallelism does not support 8-bit weights yet")
     else:
         mesh = None
-    if cfg.num_experts and quant.checkpoint:
-        raise quantize.QuantizationError(f"{model_dir}: a pre-quantized mixture-of-experts checkpoint is not supported "
-                                         "(quantize its float weights at load instead: quantization='int8' or 'fp8')")
     reader = CheckpointReader(model_dir)
     prefixes = PREFIXES[cfg.family]
     np_dtype = np.dtype(cfg.jnp_dtype)
@@ -329,9 +326,11 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         raise quantize.QuantizationError(f"{model_dir}: a pre-quantized checkpoint with a partial rotary factor is not "
                                          "supported (its q/k rows are reordered at load, their scales are not)")
     if quant.checkpoint:   # scales only beside the linear matrices' tensors (a quantized embedding: an error)
-        quantize.check_scaled(reader.keys(), [p + src.format(i=i) for r in rules if r.dest in quantize.LINEAR_DESTS
-                                              for src in r.sources for i in range(cfg.num_layers) for p in prefixes],
-                              quant.checkpoint)
+        quantize.check_scaled(reader.keys(), [p + src.format(i=i, e=e) for r in rules
+                                              if r.dest in quantize.LINEAR_DESTS | quantize.EXPERT_DESTS
+                                              for src in r.sources for i in range(cfg.num_layers)
+                                              for e in range(cfg.num_experts if r.per_expert else 1)
+                                              for p in prefixes], quant.checkpoint)
     if quant.at_load and cfg.tie_embeddings:   # the head reads a quantized copy; the lookup keeps the embedding
         rules.append(dataclasses.replace(next(r for r in rules if r.dest == "embed"), dest="lm_head"))
     tree: dict = {}
@@ -348,9 +347,20 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         return find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None or \
             (find(first) is not None and find(first).dtype.itemsize == 1)
 
-    def quantized_experts(rule: Rule, i: int):   # layer i's [E, N, K] experts, quantized on the device
-        experts = _fill_layer(rule, cfg, read, i, np.empty((cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))
-        return quantize.quantize(jax.device_put(experts), quant.at_load)
+    def quantized_experts(rule: Rule, i: int):   # layer i's [E, N, K] experts, quantized on the device or read
+        if quant.at_load:
+            experts = _fill_layer(rule, cfg, read, i, np.empty((cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))
+            return quantize.quantize(jax.device_put(experts), quant.at_load)
+        return jax.device_put(quantize.stack_experts([quantize.read_joined(
+            [(resolve(src.format(i=i, e=e)), read(src.format(i=i, e=e), shape, rule.transpose))
+             for src, shape in zip(rule.sources, rule.shapes(cfg))], find, quant.checkpoint)
+            for e in range(cfg.num_experts)]))
+
+    def experts_quantized(rule: Rule) -> bool:   # at load, or in the checkpoint (the first expert's scales say)
+        if rule.dest not in quantize.EXPERT_DESTS or not (quant.at_load or quant.checkpoint):
+            return False
+        first = rule.sources[0].format(i=0, e=0)
+        return bool(quant.at_load) or find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None
 
     def quantized_layer(rule: Rule, i: int | None):
         parts = [(resolve(src.format(i=i)), read(src.format(i=i), shape, rule.transpose))
@@ -367,7 +377,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         def build(rule: Rule):
             if mesh is not None:
                 return rule, tensor_parallel.load_sharded(rule, cfg, read, np_dtype, mesh, per_layer)
-            if quant.at_load and rule.dest in quantize.EXPERT_DESTS:   # experts: a layer at a time, as below
+            if experts_quantized(rule):   # experts: a layer at a time, as below
                 if per_layer:
                     return rule, [quantized_experts(rule, i) for i in range(cfg.num_layers)]
                 return rule, quantize.stack_layers(lambda i: quantized_experts(rule, i), cfg.num_layers)

@@ -410,13 +410,11 @@ def _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, residual, in
     gate_up, layer, vector_layer, (scale_stack,) = _stacked(w_gate_up, scale)
     down, down_layer, _, _ = _stacked(w_down)
     (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)
-    if gu_kw.get("w_block") or dn_kw.get("w_block"):
-        raise ValueError("rms_norm_moe_mlp: 8-bit experts take one scale an output channel, not block scales")
     route = dict(top_k=top_k, renormalize=renormalize, interpret=interpret)
     h, routes = routed_gemv(x, logits, gate_up, layer, epilogue="swiglu", scale=scale_stack, eps=eps,
-                            vector_layer=vector_layer, emit_routes=True, w_scale=gu_kw.get("w_scale"), **route)
-    return routed_gemv(h, None, down, down_layer, epilogue="combine", residual=residual, routes=routes,
-                       w_scale=dn_kw.get("w_scale"), **route)
+                            vector_layer=vector_layer, emit_routes=True, **gu_kw, **route)
+    return routed_gemv(h, None, down, down_layer, epilogue="combine", residual=residual, routes=routes, **dn_kw,
+                       **route)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int, renormalize: bool,

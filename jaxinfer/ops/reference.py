@@ -156,14 +156,16 @@ _EXPERT_DOT = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2
 def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """x [M, in] (rows sorted by group, group_sizes [E] of them each, rows past their sum zero) @ w[group].T for
     w [E, out, in] (or a LayerWeight of a [L, E, out, in] stack): [M, out] in x's dtype, accumulated in float32.
-    8-bit w (a per-channel QuantizedWeight, scale [E, out]): as quantized_product, the values in x's dtype (exact),
-    each row's sums times its group's channel scales, then rounded."""
+    8-bit w (a QuantizedWeight [E, out, in]): as quantized_product, per-channel scales [E, out] after the product of
+    the values in x's dtype (exact), each row's sums times its group's scales; block scales on the experts
+    dequantized to x's dtype."""
     w = weight(w)
     if not isinstance(w, QuantizedWeight):
         return jax.lax.ragged_dot_general(x, w, group_sizes, _EXPERT_DOT, precision=HIGHEST,
                                           preferred_element_type=f32).astype(x.dtype)
-    if w.block is not None:
-        raise ValueError("grouped_linear: 8-bit experts take one scale an output channel, not block scales")
+    if w.block is not None:   # block scales: the experts dequantized to x's dtype first, as quantized_product does
+        return jax.lax.ragged_dot_general(x, w.dequantize(x.dtype), group_sizes, _EXPERT_DOT, precision=HIGHEST,
+                                          preferred_element_type=f32).astype(x.dtype)
     y = jax.lax.ragged_dot_general(x, w.values.astype(x.dtype), group_sizes, _EXPERT_DOT, precision=HIGHEST,
                                    preferred_element_type=f32)
     group = jnp.repeat(jnp.arange(w.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])

@@ -62,10 +62,12 @@ def _route(logits_ref, E: int, top_k: int, renormalize: bool):
 
 
 def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_ref=None, vlayer=None, eps=0.0,
-              ws_ref=None):
+              ws_ref=None, w_block=None):
     """float32 dot products of x_ref[x_row] (with scale_ref: rms_norm(x) with scale_ref[vlayer]) with rows w_rows of
-    W[layer, expert]; 8-bit W (ws_ref: its scales [L, E, N]) converted exactly, each sum times its row's scale."""
-    def tile(carry, idx, cmask):
+    W[layer, expert]; 8-bit W (ws_ref: its scales) converted exactly: [L, E, N] one a row, each sum times its row's
+    scale; or [L, E, N / bo, K / bi] one a (bo, bi) block (w_block; block_in divides bi), each tile's products times
+    its block's scale."""
+    def tile(carry, idx, cmask, k0):
         accs, sumsq = carry
 
         def load(ref_win):
@@ -75,31 +77,35 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
         if scale_ref is not None:
             sumsq = sumsq + xt * xt
             xt = xt * load(scale_ref.at[vlayer, idx]).astype(f32)
-        return [a + weights_to_f32(load(w_ref.at[layer, expert, r, idx])) * xt for a, r in zip(accs, w_rows)], sumsq
+        products = [weights_to_f32(load(w_ref.at[layer, expert, r, idx])) * xt for r in w_rows]
+        if w_block is not None:
+            bo, bi = w_block
+            products = [p * ws_ref[layer, expert, r // bo, k0 // bi] for p, r in zip(products, w_rows)]
+        return [a + p for a, p in zip(accs, products)], sumsq
 
     carry = ([jnp.zeros((block_in,), f32) for _ in w_rows], jnp.zeros((block_in,), f32))
     full = n_in // block_in
     if full <= UNROLL_TILES:   # few tiles: straight-line code, every load can be issued ahead
-        for idx, cmask in row_tiles(n_in, block_in):
-            carry = tile(carry, idx, cmask)
+        for t, (idx, cmask) in enumerate(row_tiles(n_in, block_in)):
+            carry = tile(carry, idx, cmask, t * block_in)
     else:   # a loop (unrolled, the tiles' loads would stay live at once: 2.5k spilled registers at Mixtral's 14,336)
         carry = jax.lax.fori_loop(0, full, lambda t, c: tuple(tile(c, pl.ds(pl.multiple_of(t * block_in, block_in),
-                                                                            block_in), None)), carry)
+                                                                            block_in), None, t * block_in)), carry)
         if n_in % block_in:
             cols = full * block_in + jnp.arange(block_in, dtype=i32)
-            carry = tile(carry, jnp.minimum(cols, n_in - 1), cols < n_in)
+            carry = tile(carry, jnp.minimum(cols, n_in - 1), cols < n_in, full * block_in)
     accs, sumsq = carry
     ys = [jnp.sum(a) for a in accs]
     if scale_ref is not None:
         inv = jax.lax.rsqrt(jnp.sum(sumsq) / n_in + eps)
         ys = [y * inv for y in ys]
-    if ws_ref is not None:
+    if ws_ref is not None and w_block is None:
         ys = [y * ws_ref[layer, expert, r] for y, r in zip(ys, w_rows)]
     return ys
 
 
 def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows, block_in, has_scale,
-            has_residual, w_scaled, routed, emit_routes, eps):
+            has_residual, w_scaled, w_block, routed, emit_routes, eps):
     refs = list(refs)
     if routed:   # the routes as operands: the top_k experts (int32) and their weights (float32)
         experts_ref, weights_ref = refs.pop(0), refs.pop(0)
@@ -133,7 +139,7 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
                 expert = jnp.where(j == jj, experts[jj], expert)
         out_rows = [first + r for r in range(rows)]
         ys = _row_sums(x_ref, i32(0), w_ref, layer, expert, out_rows + [r + half for r in out_rows], n_in, block_in,
-                       scale_ref, vlayer, eps, ws_ref)
+                       scale_ref, vlayer, eps, ws_ref, w_block)
         ys = [y.astype(dtype) for y in ys]   # the projection rounds, then SwiGLU as the reference rounds it
         for r, row in enumerate(out_rows):
             o_ref[j, row] = silu_mul(ys[r], ys[rows + r]).astype(dtype)
@@ -143,7 +149,8 @@ def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in,
     out_rows = [first + r for r in range(rows)]
     totals = [jnp.zeros((), f32) for _ in out_rows]
     for jj in range(top_k):
-        ys = _row_sums(x_ref, i32(jj), w_ref, layer, experts[jj], out_rows, n_in, block_in, ws_ref=ws_ref)
+        ys = _row_sums(x_ref, i32(jj), w_ref, layer, experts[jj], out_rows, n_in, block_in, ws_ref=ws_ref,
+                       w_block=w_block)
         totals = [t + y.astype(dtype).astype(f32) * weights[jj] for t, y in zip(totals, ys)]
     for t, row in zip(totals, out_rows):
         y = t.astype(dtype)
@@ -158,13 +165,14 @@ def choose_config(epilogue: str, n_out: int) -> tuple[int, int]:
     return next(r for r in (rows, 8, 4, 2, 1) if r <= rows and n_out % r == 0), block_in
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "emit_routes", "rows",
-                                             "block_in", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("top_k", "renormalize", "epilogue", "eps", "emit_routes", "w_block",
+                                             "rows", "block_in", "num_warps", "interpret"))
 def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax.Array | int = 0, *, top_k: int,
                 renormalize: bool, epilogue: str, residual: jax.Array | None = None, scale: jax.Array | None = None,
                 eps: float = 1e-6, vector_layer: jax.Array | int | None = None,
                 routes: tuple[jax.Array, jax.Array] | None = None, emit_routes: bool = False,
-                w_scale: jax.Array | None = None, rows: int | None = None, block_in: int | None = None,
+                w_scale: jax.Array | None = None, w_block: tuple[int, int] | None = None, rows: int | None = None,
+                block_in: int | None = None,
                 num_warps: int = 1,
                 interpret: bool = False) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """One token's mixture of experts, one product a call, routed by its router logits [1, E], or by `routes`
@@ -174,14 +182,18 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     (h, routes), the routes it computed, for the combine to take.
     epilogue "combine": x = h [top_k, K], w [L, E, N, K]: returns [1, N], the experts' outputs rounded, weighted
     by their routing probabilities and summed in float32, rounded (+ residual [1, N], rounded again).
-    8-bit w (int8, float8_e4m3fn) takes w_scale [L, E, N] float32, one scale an output row: each row's sum times its
-    scale, as reference.grouped_linear computes it. A 3-D w (and a 2-D w_scale) is one layer."""
+    8-bit w (int8, float8_e4m3fn) takes w_scale: [L, E, N] float32, one scale an output row (each row's sum times
+    its scale, as reference.grouped_linear computes it), or with w_block = (bo, bi) [L, E, ceil(N / bo),
+    ceil(K / bi)], one a block (each tile's products times its block's; block_in divides bi). A 3-D w (and a w_scale
+    of one axis fewer) is one layer."""
     if w.ndim == 3:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
-    if (w.dtype.itemsize == 1) != (w_scale is not None) or (w_scale is not None and w_scale.shape != w.shape[:3]):
-        raise ValueError(f"routed_gemv: 8-bit weights take w_scale {w.shape[:3]} (and only they); got w {w.dtype}, "
-                         f"w_scale {None if w_scale is None else w_scale.shape}")
+    want = None if w.dtype.itemsize != 1 else w.shape[:3] if w_block is None else \
+        (*w.shape[:2], -(-w.shape[2] // w_block[0]), -(-w.shape[3] // w_block[1]))
+    if (w_scale is None) != (want is None) or (w_scale is not None and w_scale.shape != want):
+        raise ValueError(f"routed_gemv: 8-bit weights take w_scale {want} (and only they); got w {w.dtype} "
+                         f"{w.shape}, w_scale {None if w_scale is None else w_scale.shape}, block {w_block}")
     if w.ndim != 4 or x.ndim != 2:
         raise ValueError(f"routed_gemv: x [R, K], w [L, E, N, K]; got {x.shape}, {w.shape}")
     _, E, N, K = w.shape
@@ -214,9 +226,11 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     if n_out % rows:
         raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
     block_in = min(block_in, pow2_at_least(K))
+    if w_block is not None:   # every tile inside one block of columns
+        block_in = min(block_in, w_block[1] & -w_block[1])
     kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
                                half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None,
-                               has_residual=residual is not None, w_scaled=w_scale is not None,
+                               has_residual=residual is not None, w_scaled=w_scale is not None, w_block=w_block,
                                routed=routes is not None, emit_routes=emit_routes, eps=eps)
     if epilogue == "swiglu":
         grid, out_shape = (top_k, n_out // rows), jax.ShapeDtypeStruct((top_k, n_out), x.dtype)

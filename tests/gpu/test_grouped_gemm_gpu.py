@@ -58,19 +58,34 @@ def test_moe_mlp_at_real_shapes(shape, T):
     assert _rel(block - x, block_ref - x) <= 3e-2
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def _fp8_blocks(w, block=(128, 128)):
+    """w [..., out, in] in e4m3 with one scale a 128 x 128 block (Qwen3-30B-A3B-FP8's layout)."""
+    from jaxinfer.ops.quantized import QuantizedWeight
+
+    bo, bi = block
+    *lead, out, inp = w.shape
+    amax = jnp.abs(w.astype(jnp.float32)).reshape(*lead, out // bo, bo, inp // bi, bi).max(axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
+    full = jnp.repeat(jnp.repeat(scale, bo, axis=-2), bi, axis=-1)
+    return QuantizedWeight((w.astype(jnp.float32) / full).astype(jnp.float8_e4m3fn), scale, block)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_8bit_routed_gemvs_at_real_shapes(shape, fmt):
-    """One token through the 8-bit routed GEMVs (int8 / e4m3 expert stacks, one scale an expert's row) against the
-    reference's grouped product of the same QuantizedWeights."""
+    """One token through the 8-bit routed GEMVs (int8 / e4m3 expert stacks, one scale an expert's row, or e4m3 with
+    one a 128 x 128 block) against the reference's grouped product of the same QuantizedWeights."""
     from jaxinfer.ops.quantized import quantize
+
+    def quantized(w):
+        return _fp8_blocks(w) if fmt == "fp8-block" else quantize(w, fmt)
 
     _, E, k, D, I = shape
     keys = jax.random.split(jax.random.PRNGKey(E), 4)
     x = jax.random.normal(keys[0], (1, D), jnp.bfloat16)
     router = jax.random.normal(keys[1], (2, E, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5)
-    gate_up = quantize(jax.random.normal(keys[2], (2, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5), fmt)
-    down = quantize(jax.random.normal(keys[3], (2, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5), fmt)
+    gate_up = quantized(jax.random.normal(keys[2], (2, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5))
+    down = quantized(jax.random.normal(keys[3], (2, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5))
     scale = (1 + 0.1 * jax.random.normal(keys[0], (2, D))).astype(jnp.bfloat16)
 
     def run(ops):
