@@ -7,8 +7,9 @@
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
 #   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
 #          then part 2's 32k int8 cache step and FP8 prefill
+#   part 5 (issue 39): 8-bit experts' prompt and batched rows: Qwen3-30B-A3B@24 1k prefill and batch 64, bf16 / int8
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -17,7 +18,7 @@ source experiments/gpu_step.sh
 [ -d .carry/wheels ] && pip install -q --no-deps --no-index --target /tmp/pylibs .carry/wheels/*.whl > "$OUT/pip.log" 2>&1
 case "${1:-1}" in
   1)   # 8-bit experts: the routed GEMVs' GPU test, then Qwen3-30B-A3B@24 batch 1 bf16 against int8 in one process
-    step moe_8bit_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py -k 8bit
+    step moe_8bit_test 240 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_gemm_gpu.py -k 8bit
     step moe_int8_decode 330 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas --quantization int8 \
          --prompt 1024 --new 64 --out "$OUT"
     ;;
@@ -40,6 +41,12 @@ case "${1:-1}" in
          --kv int8 --new 64 --out "$OUT"
     step fp8_prefill 160 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
          --quantization fp8 --out "$OUT"
+    ;;
+  5)   # 8-bit experts' grouped GEMM: Qwen3-30B-A3B@24 1k prefill and batch 64 decode, bf16 against int8
+    step moe_int8_prefill 280 python3 bench/prefill.py --shapes qwen3-30b-a3b@24 --prompts 1024 --paths pallas \
+         --quantization int8 --out "$OUT"
+    step moe_int8_batch64 280 python3 bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
+         --context 1024 --steps 32 --decode-only --lazy-compile --quantization int8 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -91,6 +91,26 @@ def test_routed_gemvs_read_block_scaled_experts_as_the_reference(block):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("T", [3, 13])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
+def test_grouped_gemm_reads_8bit_experts_as_the_reference(fmt, T):
+    """Prompt / batched-decode rows (the grouped GEMM over expert-sorted rows, split K where the groups are small)
+    with 8-bit experts: per-channel scales after the sums, or 16 x 16 block scales on each depth tile, against
+    reference.moe_mlp on the same QuantizedWeights."""
+    E, k, D, I = 6, 2, 96, 40
+    keys = jax.random.split(jax.random.PRNGKey(T), 4)
+    x = jax.random.normal(keys[0], (T, D))
+    router = LayerWeight(jax.random.normal(keys[1], (2, E, D)), jnp.int32(1))
+
+    def q(w):
+        return _block_quantize(w, (16, 16)) if fmt == "fp8-block" else quantize(w, fmt)
+    gate_up = LayerWeight(q(jax.random.normal(keys[2], (2, E, 2 * I, D)) / 8), jnp.int32(1))
+    down = LayerWeight(q(jax.random.normal(keys[3], (2, E, D, I)) / 6), jnp.int32(1))
+    want = reference.moe_mlp(x, router, gate_up, down, k, True)
+    got = get_ops("pallas-interpret").moe_mlp(x, router, gate_up, down, k, True)
+    assert rel_err(got, want) <= 1e-5
+
+
 def test_grouped_linear_8bit_is_the_dequantized_product():
     """reference.grouped_linear on a QuantizedWeight: each row's product with its group's dequantized matrix (rows
     past the groups' sum zeros), within float32 rounding."""

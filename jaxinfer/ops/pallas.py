@@ -425,16 +425,15 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     summing the experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by
     expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
     each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
-    stacks): the routed GEMVs read their values and scales; more rows take reference.moe_mlp (XLA)."""
+    stacks): both kernels read their values and scales."""
     T, D = x.shape
     if T == 1:
         return _routed_block(x, linear(x, router, interpret=interpret), w_gate_up, w_down, top_k, renormalize,
                              residual, interpret)
-    if _quantized(w_gate_up) or _quantized(w_down):
-        return reference.moe_mlp(x, router, w_gate_up, w_down, top_k, renormalize, residual=residual)
     logits = linear(x, router, interpret=interpret)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
+    (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)
     E, two_i, _ = gate_up.shape[1:]
     weights, experts = reference.route(logits, top_k, renormalize)
     order, group_sizes = reference.sort_by_expert(experts, E)
@@ -442,8 +441,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
     cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
     items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
-    h = grouped_gemm(x[order // top_k], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret)
-    y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret)
+    h = grouped_gemm(x[order // top_k], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
+                     **gu_kw)
+    y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret, **dn_kw)
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
     out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
     return out if residual is None else residual + out

@@ -92,8 +92,9 @@ def row_items(groups: jax.Array) -> jax.Array:
     return jnp.stack([groups.astype(i32), r, r + 1], axis=1)
 
 
-def _kernel(layer_ref, items_ref, x_ref, w_ref, o_ref, *, M, N, K, cfg: GroupedGemmConfig, epilogue, half,
-            tiles_per_split):
+def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemmConfig, epilogue, half,
+            tiles_per_split, w_block):
+    ws_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     BM, BN, BK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k
     item = pl.program_id(0)
     g = plgpu.load(items_ref.at[item, i32(0)])
@@ -135,11 +136,18 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, o_ref, *, M, N, K, cfg: GroupedG
                     w = plgpu.load(w_ref.at[layer, g, pl.ds(base + n0, BN), pl.ds(k0, BK)])
                 else:
                     w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
-                out.append(acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
-                                                     preferred_element_type=f32))
+                if ws_ref is not None:   # 8-bit values: exact in x's dtype
+                    w = w.astype(x.dtype)
+                prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+                if w_block is not None:   # this depth tile's block scale of each column (the tile in one block)
+                    bo, bi = w_block
+                    prod = prod * plgpu.load(ws_ref.at[layer, g, (base + n_ld) // bo, k0 // bi])[None, :]
+                out.append(acc + prod)
             return tuple(out)
 
         accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+        if ws_ref is not None and w_block is None:   # each output channel's scale, once, after the sums
+            accs = tuple(acc * plgpu.load(ws_ref.at[layer, g, base + n_ld])[None, :] for base, acc in zip(bases, accs))
         mask = row_ok[:, None] & n_ok[None, :]
         if S > 1:   # [S, M, N] float32 partial sums
             for base, acc in zip(bases, accs):
@@ -150,24 +158,35 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, o_ref, *, M, N, K, cfg: GroupedG
         plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(o_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "w_block", "interpret"))
 def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array | int = 0, *,
-                 epilogue: str = "none", config: GroupedGemmConfig | None = None,
-                 interpret: bool = False) -> jax.Array:
+                 epilogue: str = "none", config: GroupedGemmConfig | None = None, w_scale: jax.Array | None = None,
+                 w_block: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ W[layer, group].T for each item's rows: w [L, E, N, K] (or [E, N, K], one layer), items
     int32 [W, 3] (group, lo, hi) from sorted_items or row_items (an item holds at most config.block_m rows).
     Returns [M, N] in x's dtype ("swiglu": [M, N // 2], w each expert's [gate; up] rows); rows no item holds
-    are left unwritten (undefined). config: None picks choose_config for M / E rows a group."""
+    are left unwritten (undefined). config: None picks choose_config for M / E rows a group.
+    8-bit w (int8, float8_e4m3fn values) takes w_scale: [L, E, N] one scale an output channel, applied to the
+    float32 sums (as reference.grouped_linear); or with w_block (bo, bi) [L, E, ceil(N / bo), ceil(K / bi)], each
+    depth tile's products times its block's scales (block_k is cut to divide bi). The values are converted to x's
+    dtype (exact) on their way to the tensor cores."""
     if w.ndim == 3:
         w = w[None]
+        w_scale = None if w_scale is None else w_scale[None]
     if w.ndim != 4 or x.ndim != 2:
         raise ValueError(f"grouped_gemm: x [M, K] and w [L, E, N, K], got {x.shape} and {w.shape}")
     M, K = x.shape
     _, E, N, K_w = w.shape
     if K_w != K:
         raise ValueError(f"grouped_gemm: x {x.shape} and w {w.shape} disagree on K")
-    if w.dtype != x.dtype:
+    eight_bit = w.dtype in (jnp.int8, jnp.float8_e4m3fn)
+    if not eight_bit and w.dtype != x.dtype:
         raise ValueError(f"grouped_gemm: x {x.dtype} and w {w.dtype} must share a dtype")
+    want = None if not eight_bit else w.shape[:3] if w_block is None else \
+        (*w.shape[:2], -(-N // w_block[0]), -(-K // w_block[1]))
+    if (w_scale is None) != (want is None) or (w_scale is not None and w_scale.shape != want):
+        raise ValueError(f"grouped_gemm: 8-bit weights take w_scale {want} (and only they); got w {w.dtype}, "
+                         f"w_scale {None if w_scale is None else w_scale.shape}, block {w_block}")
     if epilogue not in EPILOGUES:
         raise ValueError(f"grouped_gemm: unknown epilogue {epilogue!r}")
     if epilogue == "swiglu" and N % 2:
@@ -175,6 +194,10 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     if items.ndim != 2 or items.shape[1] != 3:
         raise ValueError(f"grouped_gemm: items int32 [W, 3] (group, lo, hi), got {items.shape}")
     cfg = config or choose_config(M / E, N, K, epilogue)
+    if w_block is not None and w_block[1] % cfg.block_k:   # a depth tile inside one block of columns
+        cfg = dataclasses.replace(cfg, block_k=max(16, min(cfg.block_k, w_block[1] & -w_block[1])))
+        if w_block[1] % cfg.block_k:
+            raise ValueError(f"grouped_gemm: block scales of {w_block[1]} columns take no depth tile of >= 16")
     if not (is_pow2(cfg.block_m) and is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_m >= 16
             and cfg.block_n >= 16 and cfg.block_k >= 16 and cfg.split_k >= 1):
         raise ValueError(f"grouped_gemm: bad config {cfg}")
@@ -189,12 +212,12 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     else:
         out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
     kernel = functools.partial(_kernel, M=M, N=N, K=K, cfg=cfg, epilogue="none" if S > 1 else epilogue,
-                               half=half, tiles_per_split=tiles_per_split)
+                               half=half, tiles_per_split=tiles_per_split, w_block=w_block)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(items.shape[0], pl.cdiv(N if S > 1 else cols, cfg.block_n), S),
         interpret=interpret, name=f"grouped_gemm_{epilogue}",
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(layer_operands(layer)[0], items.astype(i32), x, w)
+    )(layer_operands(layer)[0], items.astype(i32), x, w, *(() if w_scale is None else (w_scale,)))
     if S > 1:
         y = jnp.sum(y, axis=0).astype(x.dtype)
         if epilogue == "swiglu":

@@ -70,11 +70,13 @@ def _fp8_blocks(w, block=(128, 128)):
     return QuantizedWeight((w.astype(jnp.float32) / full).astype(jnp.float8_e4m3fn), scale, block)
 
 
+@pytest.mark.parametrize("T", [1, 64])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "fp8-block"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
-def test_8bit_routed_gemvs_at_real_shapes(shape, fmt):
-    """One token through the 8-bit routed GEMVs (int8 / e4m3 expert stacks, one scale an expert's row, or e4m3 with
-    one a 128 x 128 block) against the reference's grouped product of the same QuantizedWeights."""
+def test_8bit_experts_at_real_shapes(shape, fmt, T):
+    """One token through the 8-bit routed GEMVs, 64 through the 8-bit grouped GEMM (int8 / e4m3 expert stacks, one
+    scale an expert's row, or e4m3 with one a 128 x 128 block), against the reference's grouped product of the same
+    QuantizedWeights."""
     from jaxinfer.ops.quantized import quantize
 
     def quantized(w):
@@ -82,7 +84,7 @@ def test_8bit_routed_gemvs_at_real_shapes(shape, fmt):
 
     _, E, k, D, I = shape
     keys = jax.random.split(jax.random.PRNGKey(E), 4)
-    x = jax.random.normal(keys[0], (1, D), jnp.bfloat16)
+    x = jax.random.normal(keys[0], (T, D), jnp.bfloat16)
     router = jax.random.normal(keys[1], (2, E, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5)
     gate_up = quantized(jax.random.normal(keys[2], (2, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5))
     down = quantized(jax.random.normal(keys[3], (2, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5))
