@@ -245,3 +245,41 @@ def test_bad_prequantized_moe_checkpoint_one_clear_error(tmp_path, kind, message
     cfg = load_config(folder)
     with pytest.raises(QuantizationError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_params(folder, cfg, progress=False, quantization="int8" if kind == "requantized" else None)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_8bit_engine_steps_lower_to_triton(tmp_path, monkeypatch, fmt):
+    """Every compiled step of a small Qwen3-MoE quantized at load, on the Pallas ops (unrolled layers, as on the GPU),
+    lowers for an H200 on the CPU (tests/test_triton_lowering.py's way), the 8-bit routed GEMVs and grouped GEMM
+    among its kernels; and both kernels with 128 x 128 block-scaled e4m3 experts (Qwen3-30B-A3B-FP8's layout)."""
+    from jax._src.pallas.triton import gpu_info
+    from test_triton_lowering import SMALL, TRITON_CALL, _lower, _runner
+
+    from bench.random_model import QWEN3_30B_A3B, write_random_model
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    d = write_random_model(tmp_path / "m", {**QWEN3_30B_A3B, **SMALL, "moe_intermediate_size": 128, "num_experts": 8,
+                                            "num_experts_per_tok": 2}, dtype="bfloat16")
+    cfg = load_config(d, "bfloat16")
+    params = load_params(d, cfg, progress=False, per_layer=True, quantization=fmt)
+    runner = _runner(cfg, params, unroll_layers=True, decode_steps=2)
+    kernels = set()
+    for variant, batch in runner.bucket_calls():
+        text = runner.steps[variant].trace(runner.params, runner.kv, runner.state, batch).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert TRITON_CALL in text, variant.name
+        kernels |= {k for k in ("routed_gemv_swiglu", "routed_gemv_combine", "grouped_gemm_swiglu") if k in text}
+    assert kernels == {"routed_gemv_swiglu", "routed_gemv_combine", "grouped_gemm_swiglu"}
+    if fmt == "fp8":
+        E, D, I = 8, 256, 128
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        gate_up = _block_quantize(jax.random.normal(keys[0], (1, E, 2 * I, D)), (128, 128))
+        down = _block_quantize(jax.random.normal(keys[1], (1, E, D, I)), (128, 128))
+        router = jax.random.normal(keys[2], (1, E, D), jnp.bfloat16)
+        pallas = get_ops("pallas")
+        for T in (1, 64):
+            x = jnp.ones((T, D), jnp.bfloat16)
+            text = _lower(lambda x, r, g, dn: pallas.rms_norm_moe_mlp(
+                x, jnp.ones((D,), jnp.bfloat16), 1e-6, r[0], LayerWeight(g, jnp.int32(0)),
+                LayerWeight(dn, jnp.int32(0)), 2, True), x, router, gate_up, down)
+            assert TRITON_CALL in text and ("routed_gemv_combine" if T == 1 else "grouped_gemm") in text
