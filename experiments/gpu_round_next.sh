@@ -8,8 +8,9 @@
 #   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
 #          then part 2's 32k int8 cache step and FP8 prefill
 #   part 5 (issue 39): 8-bit experts' prompt and batched rows: Qwen3-30B-A3B@24 1k prefill and batch 64, bf16 / int8
+#   part 6 (issue 39): the 8-bit experts' kernels alone (bench/kernels/moe.py --format int8 / fp8)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -47,6 +48,12 @@ case "${1:-1}" in
          --quantization int8 --out "$OUT"
     step moe_int8_batch64 280 python3 bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
          --context 1024 --steps 32 --decode-only --lazy-compile --quantization int8 --out "$OUT"
+    ;;
+  6)   # the 8-bit experts' kernels alone: routed GEMV configs at one token, grouped GEMM configs at 64 and 1,024
+    TAIL=60 step moe_kernels_int8 280 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 64 1024 \
+         --format int8 --out "$OUT"
+    TAIL=60 step moe_kernels_fp8 280 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 64 1024 \
+         --format fp8 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

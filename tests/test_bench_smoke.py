@@ -46,6 +46,7 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels/hopper_attention.py", ["--interpret", "--tokens", "128", "--configs", "2"], "kernels_hopper_attention.json"),
     ("kernels/top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
     ("kernels/moe.py", ["--interpret", "--tokens", "1", "8"], "moe.json"),
+    ("kernels/moe.py", ["--interpret", "--tokens", "1", "8", "--format", "fp8"], "moe.json"),
     ("kernels/sampling.py", ["--vocab", "20000", "--rows", "1", "3", "--calls", "2"], "sampling.json"),
     ("kernels/skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
     ("kernels/skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),

@@ -2,7 +2,7 @@
 (pallas/moe_gemv.py) and the grouped GEMM's configs (pallas/grouped_gemm.py) for batched decode and prompt rows.
 
     PYTHONPATH=. python3 bench/kernels/moe.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 1024]
-                                               [--interpret] [--out DIR]
+                                               [--format bf16|int8|fp8] [--interpret] [--out DIR]
 
 Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 read in place):
 - "op": ops.pallas.moe_mlp against reference.moe_mlp (XLA: top-k, sort, ragged_dot), both jitted alone, the
@@ -14,6 +14,8 @@ Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 r
   bytes; each against the bytes it must read over the HBM read bandwidth.
 - T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
   expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work).
+--format int8 / fp8: the experts' stacks 8-bit (quantize(): one scale an expert's row), the kernels reading their
+values and scales, the bytes counted at one a weight.
 Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
 """
 
@@ -34,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err  # noqa: E402
 from jaxinfer.ops import LayerWeight, get_ops, reference  # noqa: E402
 from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, choose_config, grouped_gemm, sorted_items  # noqa: E402
+from jaxinfer.ops.quantized import QuantizedWeight, quantize  # noqa: E402
 from jaxinfer.pallas.moe_gemv import routed_gemv  # noqa: E402
 
 # (experts, active, D, I)
@@ -50,6 +53,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "mixtral-8x7b"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 1024])
+    ap.add_argument("--format", default="bf16", choices=["bf16", "int8", "fp8"],
+                    help="the experts' weights: bf16, or 8-bit with one scale an expert's row (quantize())")
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (interpret mode)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
@@ -71,6 +76,9 @@ def main() -> None:
         router = jax.random.normal(keys[0], (2, E, D), bf) * bf(D ** -0.5)
         gate_up = jax.random.normal(keys[1], (2, E, 2 * I, D), bf) * bf(D ** -0.5)
         down = jax.random.normal(keys[2], (2, E, D, I), bf) * bf(I ** -0.5)
+        if args.format != "bf16":
+            gate_up, down = quantize(gate_up, args.format), quantize(down, args.format)
+        wb = 1 if args.format != "bf16" else 2
         for T in args.tokens:
             x = jax.random.normal(jax.random.fold_in(keys[3], T), (T, D), bf)
 
@@ -82,12 +90,12 @@ def main() -> None:
             ref, xla_ms = _timed(op(reference), (x, router, gate_up, down), interpret)
             row = dict(shape=shape, T=T, what="moe_mlp", config="-", ms=ms, xla_ms=xla_ms, rel_err=rel_err(ours, ref))
             if T == 1:   # the bytes the op must read: the router and the active experts
-                row["gb_s"] = (E * D + k * 3 * D * I) * 2 / (ms * 1e-3) / 1e9
+                row["gb_s"] = (E * D * 2 + k * 3 * D * I * wb) / (ms * 1e-3) / 1e9
                 row["share"] = row["gb_s"] * 1e9 / bw
             rows.append(row)
             _print(row)
             if T == 1:
-                rows += sweep_routed(shape, x, router, gate_up, down, k, bw, interpret)
+                rows += sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, fmt=args.format)
                 continue
             h = reference.rms_norm(x, jnp.ones(D, bf), 1e-6)
             _, experts = reference.route(reference.linear(h, router[1]), k, True)
@@ -102,7 +110,7 @@ def main() -> None:
                     ref = reference.swiglu(ref)
                 flops = 2 * T * k * n_out * a.shape[1]
                 for cfg in [choose_config(T * k / E, n_out, a.shape[1], ep)] + ([] if interpret else CONFIGS):
-                    f = jax.jit(lambda a, w, gs, cfg=cfg, ep=ep: grouped_gemm(
+                    f = jax.jit(lambda a, w, gs, cfg=cfg, ep=ep: _grouped(
                         a, w, sorted_items(gs, a.shape[0], cfg.block_m), 1, epilogue=ep, config=cfg,
                         interpret=interpret))
                     try:
@@ -132,7 +140,21 @@ def _timed(f, args: tuple, interpret: bool):
     return best_ms_per_call(f, args, 1, target_s=0.1)
 
 
-def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int = 8) -> list[dict]:
+def _routed(x, logits, w, layer, **kw):
+    """routed_gemv on a bf16 stack, or on a QuantizedWeight's values with its scales."""
+    if isinstance(w, QuantizedWeight):
+        return routed_gemv(x, logits, w.values, layer, w_scale=w.scale, w_block=w.block, **kw)
+    return routed_gemv(x, logits, w, layer, **kw)
+
+
+def _grouped(a, w, items, layer, **kw):
+    """grouped_gemm on a bf16 stack, or on a QuantizedWeight's values with its scales."""
+    if isinstance(w, QuantizedWeight):
+        return grouped_gemm(a, w.values, items, layer, w_scale=w.scale, w_block=w.block, **kw)
+    return grouped_gemm(a, w, items, layer, **kw)
+
+
+def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int = 8, fmt: str = "bf16") -> list[dict]:
     """The batch-1 block per layer, over `layers` stacked layers in one jit (every call reads HBM, as in a step;
     one op a jit is dispatch-bound at these sizes: 38-50 us a call for kernels of 6-22 us in a traced step):
     the whole op; the router's GEMV alone; the gate/up and the combine alone at each config of ROUTED, routing in
@@ -151,7 +173,10 @@ def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int 
     logits = (2 * jax.random.normal(keys[3], (L, 1, E), jnp.float32)).astype(bf)   # a route a layer
     scale = jnp.ones((L, D), bf)
     h = jax.random.normal(jax.random.PRNGKey(1), (k, I), bf)
-    gu_bytes, dn_bytes = k * 2 * I * D * 2, k * D * I * 2
+    if fmt != "bf16":   # 8-bit experts, one scale an expert's output row (quantize(): as --quantization does)
+        gu, dn = quantize(gu, fmt), quantize(dn, fmt)
+    wb = 1 if fmt != "bf16" else 2   # bytes a weight (the scales: one float an 8-bit row, left out)
+    gu_bytes, dn_bytes = k * 2 * I * D * wb, k * D * I * wb
     out, base = [], {}
 
     def add(what, config, f, args, n_bytes):
@@ -170,7 +195,8 @@ def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int 
     def layer_op(x, r, g, d, s):
         return [pallas.rms_norm_moe_mlp(x, LayerWeight(s, jnp.int32(i)), 1e-6,
                                         *(LayerWeight(w, jnp.int32(i)) for w in (r, g, d)), k, True) for i in range(L)]
-    add("op (router + two kernels)", "-", layer_op, (x, rt, gu, dn, scale), E * D * 2 + gu_bytes + dn_bytes)
+    add(f"op (router + two kernels){'' if fmt == 'bf16' else ', ' + fmt}", "-", layer_op, (x, rt, gu, dn, scale),
+        E * D * 2 + gu_bytes + dn_bytes)
     add("router GEMV", "-", lambda x, r, s: [pallas.rms_norm_linear(x, LayerWeight(s, jnp.int32(i)), 1e-6,
                                                                     LayerWeight(r, jnp.int32(i))) for i in range(L)],
         (x, rt, scale), E * D * 2)
@@ -179,40 +205,42 @@ def sweep_routed(shape, x, router, gate_up, down, k, bw, interpret, layers: int 
         kw = dict(top_k=k, renormalize=True, rows=rows_, block_in=block_in, num_warps=warps, interpret=interpret)
         name = "/".join(map(str, cfg))
         add("routed gate_up", name, lambda x, lg, g, s, kw=kw: [
-            routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw) for i in range(L)], (x, logits, gu, scale),
+            _routed(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw) for i in range(L)], (x, logits, gu, scale),
             gu_bytes)
         add("routed combine", name, lambda h, lg, d, r, kw=kw: [
-            routed_gemv(h, lg[i], d, i, epilogue="combine", residual=r, **kw) for i in range(L)], (h, logits, dn, x),
+            _routed(h, lg[i], d, i, epilogue="combine", residual=r, **kw) for i in range(L)], (h, logits, dn, x),
             dn_bytes)
     kw = dict(top_k=k, renormalize=True, interpret=interpret)
     routes = [reference.route(logits[i], k, True) for i in range(L)]
     routes = [(e[0], w[0]) for w, e in routes]
     add("routed gate_up", "default, routes given", lambda x, rs, g, s: [
-        routed_gemv(x, None, g, i, epilogue="swiglu", scale=s, routes=rs[i], **kw) for i in range(L)],
+        _routed(x, None, g, i, epilogue="swiglu", scale=s, routes=rs[i], **kw) for i in range(L)],
         (x, routes, gu, scale), gu_bytes)
     add("routed combine", "default, routes given", lambda h, rs, d, r: [
-        routed_gemv(h, None, d, i, epilogue="combine", residual=r, routes=rs[i], **kw) for i in range(L)],
+        _routed(h, None, d, i, epilogue="combine", residual=r, routes=rs[i], **kw) for i in range(L)],
         (h, routes, dn, x), dn_bytes)
 
     def pair(x, lg, g, d, s, how):
         ys = []
         for i in range(L):
             if how == "own":
-                hh = routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw)
-                ys.append(routed_gemv(hh, lg[i], d, i, epilogue="combine", residual=x, **kw))
+                hh = _routed(x, lg[i], g, i, epilogue="swiglu", scale=s, **kw)
+                ys.append(_routed(hh, lg[i], d, i, epilogue="combine", residual=x, **kw))
             elif how == "emitted":
-                hh, rs = routed_gemv(x, lg[i], g, i, epilogue="swiglu", scale=s, emit_routes=True, **kw)
-                ys.append(routed_gemv(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
+                hh, rs = _routed(x, lg[i], g, i, epilogue="swiglu", scale=s, emit_routes=True, **kw)
+                ys.append(_routed(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
             else:
                 w, e = reference.route(lg[i], k, True)
                 rs = (e[0], w[0])
-                hh = routed_gemv(x, None, g, i, epilogue="swiglu", scale=s, routes=rs, **kw)
-                ys.append(routed_gemv(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
+                hh = _routed(x, None, g, i, epilogue="swiglu", scale=s, routes=rs, **kw)
+                ys.append(_routed(hh, None, d, i, epilogue="combine", residual=x, routes=rs, **kw))
         return ys
     for how in ("own", "emitted", "xla"):
         add("both kernels", "routes " + {"own": "in each", "emitted": "from the gate/up", "xla": "from XLA"}[how],
             lambda x, lg, g, d, s, how=how: pair(x, lg, g, d, s, how), (x, logits, gu, dn, scale),
             gu_bytes + dn_bytes)
+    if fmt != "bf16":
+        return out
     dense = (jax.random.normal(keys[0], (L, k * 2 * I, D), jnp.float32) * D ** -0.5).astype(bf)
     add("dense GEMV of the gate/up's bytes", f"{k * 2 * I}x{D}/256", lambda x, w, s: [
         fused_gemv(x, w, i, scale=s, epilogue="swiglu", interpret=interpret) for i in range(L)], (x, dense, scale),
