@@ -336,36 +336,31 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     tree: dict = {}
 
     def quantized(rule: Rule) -> bool:   # held in 8 bits: quantized now, or by the checkpoint (its scales)
-        if rule.dest not in quantize.LINEAR_DESTS or not (quant.at_load or quant.checkpoint):
+        if rule.dest not in quantize.LINEAR_DESTS | quantize.EXPERT_DESTS or not (quant.at_load or quant.checkpoint):
             return False
         if quant.at_load:
             return True
-        first = rule.sources[0].format(i=0)
+        first = rule.sources[0].format(i=0, e=0)   # (the first expert's, for an expert stack)
         if rule.transpose and find(first) is not None and find(first.removesuffix("weight") +
                                                              quant.checkpoint.scale_suffix) is not None:
             raise quantize.QuantizationError(f"{model_dir}: quantized {first!r} of a transposed (Conv1D) layer")
         return find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None or \
             (find(first) is not None and find(first).dtype.itemsize == 1)
 
+    def parts(rule: Rule, **names) -> list[tuple[str, np.ndarray]]:   # one matrix's sources: (name, as read)
+        return [(resolve(src.format(**names)), read(src.format(**names), shape, rule.transpose))
+                for src, shape in zip(rule.sources, rule.shapes(cfg))]
+
     def quantized_experts(rule: Rule, i: int):   # layer i's [E, N, K] experts, quantized on the device or read
         if quant.at_load:
             experts = _fill_layer(rule, cfg, read, i, np.empty((cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))
             return quantize.quantize(jax.device_put(experts), quant.at_load)
-        return jax.device_put(quantize.stack_experts([quantize.read_joined(
-            [(resolve(src.format(i=i, e=e)), read(src.format(i=i, e=e), shape, rule.transpose))
-             for src, shape in zip(rule.sources, rule.shapes(cfg))], find, quant.checkpoint)
-            for e in range(cfg.num_experts)]))
-
-    def experts_quantized(rule: Rule) -> bool:   # at load, or in the checkpoint (the first expert's scales say)
-        if rule.dest not in quantize.EXPERT_DESTS or not (quant.at_load or quant.checkpoint):
-            return False
-        first = rule.sources[0].format(i=0, e=0)
-        return bool(quant.at_load) or find(first.removesuffix("weight") + quant.checkpoint.scale_suffix) is not None
+        return jax.device_put(quantize.stack_experts([quantize.read_joined(parts(rule, i=i, e=e), find,
+                                                                           quant.checkpoint)
+                                                      for e in range(cfg.num_experts)]))
 
     def quantized_layer(rule: Rule, i: int | None):
-        parts = [(resolve(src.format(i=i)), read(src.format(i=i), shape, rule.transpose))
-                 for src, shape in zip(rule.sources, rule.shapes(cfg))]
-        return quantize.quantized_matrix(parts, quant, find)
+        return quantize.quantized_matrix(parts(rule, i=i), quant, find)
 
     threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
 
@@ -377,7 +372,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         def build(rule: Rule):
             if mesh is not None:
                 return rule, tensor_parallel.load_sharded(rule, cfg, read, np_dtype, mesh, per_layer)
-            if experts_quantized(rule):   # experts: a layer at a time, as below
+            if quantized(rule) and rule.per_expert:   # experts: a layer at a time, as below
                 if per_layer:
                     return rule, [quantized_experts(rule, i) for i in range(cfg.num_layers)]
                 return rule, quantize.stack_layers(lambda i: quantized_experts(rule, i), cfg.num_layers)

@@ -427,10 +427,9 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
     stacks): both kernels read their values and scales."""
     T, D = x.shape
-    if T == 1:
-        return _routed_block(x, linear(x, router, interpret=interpret), w_gate_up, w_down, top_k, renormalize,
-                             residual, interpret)
     logits = linear(x, router, interpret=interpret)
+    if T == 1:
+        return _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, residual, interpret)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
     (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)

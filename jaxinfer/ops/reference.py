@@ -160,16 +160,16 @@ def grouped_linear(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     the values in x's dtype (exact), each row's sums times its group's scales; block scales on the experts
     dequantized to x's dtype."""
     w = weight(w)
-    if not isinstance(w, QuantizedWeight):
-        return jax.lax.ragged_dot_general(x, w, group_sizes, _EXPERT_DOT, precision=HIGHEST,
-                                          preferred_element_type=f32).astype(x.dtype)
-    if w.block is not None:   # block scales: the experts dequantized to x's dtype first, as quantized_product does
-        return jax.lax.ragged_dot_general(x, w.dequantize(x.dtype), group_sizes, _EXPERT_DOT, precision=HIGHEST,
-                                          preferred_element_type=f32).astype(x.dtype)
-    y = jax.lax.ragged_dot_general(x, w.values.astype(x.dtype), group_sizes, _EXPERT_DOT, precision=HIGHEST,
+    channel_scales = isinstance(w, QuantizedWeight) and w.block is None
+    # block scales: the experts dequantized to x's dtype first, as quantized_product does
+    matrices = w if not isinstance(w, QuantizedWeight) else w.values.astype(x.dtype) if channel_scales else \
+        w.dequantize(x.dtype)
+    y = jax.lax.ragged_dot_general(x, matrices, group_sizes, _EXPERT_DOT, precision=HIGHEST,
                                    preferred_element_type=f32)
-    group = jnp.repeat(jnp.arange(w.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
-    return (y * w.scale[jnp.minimum(group, w.shape[0] - 1)]).astype(x.dtype)   # rows past the sum: zeros
+    if channel_scales:   # each row's sums times its group's channel scales (rows past the groups: zeros)
+        group = jnp.repeat(jnp.arange(w.shape[0], dtype=jnp.int32), group_sizes, total_repeat_length=x.shape[0])
+        y = y * w.scale[jnp.minimum(group, w.shape[0] - 1)]
+    return y.astype(x.dtype)
 
 
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int,

@@ -12,6 +12,19 @@ def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
+def pow2_divisor(n: int) -> int:
+    """The largest power of two dividing n."""
+    return n & -n
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scales' shape of 8-bit values of `shape` [..., out, in]: one an output row [..., out], or one a (bo, bi)
+    block [..., ceil(out / bo), ceil(in / bi)] (ops.quantized.QuantizedWeight's layouts)."""
+    if block is None:
+        return tuple(shape[:-1])
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+
+
 def pow2_at_least(n: int, lo: int = 1) -> int:
     """The smallest power of two >= max(n, lo)."""
     return max(lo, 1 << max(0, (n - 1).bit_length()))

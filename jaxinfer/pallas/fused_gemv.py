@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import (INT8_CONVERTS, int8_bits_to_f32, layer_operands, resolve_int8_convert, row_tiles,
-                                     silu_mul)
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, int8_bits_to_f32, layer_operands, pow2_divisor,
+                                     resolve_int8_convert, row_tiles, scale_shape, silu_mul)
 
 f32 = jnp.float32
 MAX_T = 1  # decode tokens per call (above 1 token XLA's GEMM won: every one-row program re-reads all T rows of x)
@@ -169,7 +169,7 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     if int8_convert not in (None, *INT8_CONVERTS):
         raise ValueError(f"fused_gemv: int8_convert is one of {INT8_CONVERTS}, not {int8_convert!r}")
     if w_scale is not None:
-        want = (w.shape[0], *(-(-d // b) for d, b in zip(w.shape[1:], w_block))) if w_block else w.shape[:2]
+        want = scale_shape(w.shape, w_block)
         if w_scale.shape != want:
             raise ValueError(f"fused_gemv: w_scale {w_scale.shape} for w {w.shape} (block {w_block}) should be {want}")
         if w_block is not None and w_block[1] % block_in and block_in % w_block[1]:
@@ -244,8 +244,3 @@ def int8_convert_for(n_out: int, n_in: int) -> str:
     """How int8 weights become float32 for an [n_out, in] product (n_out as rows_for's):
     tables.GEMV_INT8_CONVERT_BY_SHAPE's, else tables.GEMV_INT8_CONVERT."""
     return tables.GEMV_INT8_CONVERT_BY_SHAPE.get((n_out, n_in), tables.GEMV_INT8_CONVERT)
-
-
-def pow2_divisor(n: int) -> int:
-    """The largest power of two dividing n."""
-    return n & -n

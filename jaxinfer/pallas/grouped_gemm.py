@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, silu_mul, tile_mask
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape, silu_mul,
+                                     tile_mask)
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -182,8 +183,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     eight_bit = w.dtype in (jnp.int8, jnp.float8_e4m3fn)
     if not eight_bit and w.dtype != x.dtype:
         raise ValueError(f"grouped_gemm: x {x.dtype} and w {w.dtype} must share a dtype")
-    want = None if not eight_bit else w.shape[:3] if w_block is None else \
-        (*w.shape[:2], -(-N // w_block[0]), -(-K // w_block[1]))
+    want = scale_shape(w.shape, w_block) if eight_bit else None
     if (w_scale is None) != (want is None) or (w_scale is not None and w_scale.shape != want):
         raise ValueError(f"grouped_gemm: 8-bit weights take w_scale {want} (and only they); got w {w.dtype}, "
                          f"w_scale {None if w_scale is None else w_scale.shape}, block {w_block}")
@@ -195,7 +195,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
         raise ValueError(f"grouped_gemm: items int32 [W, 3] (group, lo, hi), got {items.shape}")
     cfg = config or choose_config(M / E, N, K, epilogue)
     if w_block is not None and w_block[1] % cfg.block_k:   # a depth tile inside one block of columns
-        cfg = dataclasses.replace(cfg, block_k=max(16, min(cfg.block_k, w_block[1] & -w_block[1])))
+        cfg = dataclasses.replace(cfg, block_k=max(16, min(cfg.block_k, pow2_divisor(w_block[1]))))
         if w_block[1] % cfg.block_k:
             raise ValueError(f"grouped_gemm: block scales of {w_block[1]} columns take no depth tile of >= 16")
     if not (is_pow2(cfg.block_m) and is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_m >= 16

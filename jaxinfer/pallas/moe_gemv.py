@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import layer_operands, pow2_at_least, row_tiles, silu_mul
+from jaxinfer.pallas.blocks import layer_operands, pow2_at_least, pow2_divisor, row_tiles, scale_shape, silu_mul
 from jaxinfer.pallas.fused_gemv import weights_to_f32
 
 f32 = jnp.float32
@@ -107,10 +107,11 @@ def _row_sums(x_ref, x_row, w_ref, layer, expert, w_rows, n_in, block_in, scale_
 def _kernel(layer_ref, vlayer_ref, *refs, E, top_k, renormalize, epilogue, n_in, half, rows, block_in, has_scale,
             has_residual, w_scaled, w_block, routed, emit_routes, eps):
     refs = list(refs)
-    if routed:   # the routes as operands: the top_k experts (int32) and their weights (float32)
-        experts_ref, weights_ref = refs.pop(0), refs.pop(0)
-        experts = [experts_ref[jj] for jj in range(top_k)]
-        weights = [weights_ref[jj] for jj in range(top_k)]
+    if routed:   # the routes as operands: the top_k experts (int32) and their weights (float32); the gate/up
+        experts_ref, weights_ref = refs.pop(0), refs.pop(0)   # program reads its own expert only
+        if epilogue == "combine":
+            experts = [experts_ref[jj] for jj in range(top_k)]
+            weights = [weights_ref[jj] for jj in range(top_k)]
     else:
         experts, weights = _route(refs.pop(0), E, top_k, renormalize)
     x_ref, w_ref = refs.pop(0), refs.pop(0)
@@ -189,8 +190,7 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
     if w.ndim == 3:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
-    want = None if w.dtype.itemsize != 1 else w.shape[:3] if w_block is None else \
-        (*w.shape[:2], -(-w.shape[2] // w_block[0]), -(-w.shape[3] // w_block[1]))
+    want = scale_shape(w.shape, w_block) if w.dtype.itemsize == 1 else None
     if (w_scale is None) != (want is None) or (w_scale is not None and w_scale.shape != want):
         raise ValueError(f"routed_gemv: 8-bit weights take w_scale {want} (and only they); got w {w.dtype} "
                          f"{w.shape}, w_scale {None if w_scale is None else w_scale.shape}, block {w_block}")
@@ -227,7 +227,7 @@ def routed_gemv(x: jax.Array, logits: jax.Array | None, w: jax.Array, layer: jax
         raise ValueError(f"routed_gemv: {rows} rows a program do not divide {n_out}")
     block_in = min(block_in, pow2_at_least(K))
     if w_block is not None:   # every tile inside one block of columns
-        block_in = min(block_in, w_block[1] & -w_block[1])
+        block_in = min(block_in, pow2_divisor(w_block[1]))
     kernel = functools.partial(_kernel, E=E, top_k=top_k, renormalize=renormalize, epilogue=epilogue, n_in=K,
                                half=N // 2, rows=rows, block_in=block_in, has_scale=scale is not None,
                                has_residual=residual is not None, w_scaled=w_scale is not None, w_block=w_block,
