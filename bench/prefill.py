@@ -15,7 +15,7 @@ of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, ca
 FP8_W8A8_ROWS (and SKINNY_GEMM_8BIT) as a bench/kernels/quantized_gemv.py --fp8-rows run measured them.
 --tensor-parallel-size N: our paths over N devices (docs/tensor_parallel.md); the share is then of N devices' GEMM
 rate (the measured one device's rate x N), TFLOP/s the aggregate. The hf paths are skipped with a note (transformers
-runs on one device), and --quantization is refused (8-bit weights are not supported at TP > 1 yet); a
+runs on one device); 8-bit weights are split as the bf16 ones (docs/tensor_parallel.md); a
 tensor-parallel engine runs the prompt step as one executable, so pallas-split6 is then pallas-one-step. Each row's
 JSON holds the prompt's first greedy token, to compare across TP sizes.
 """
@@ -131,9 +131,6 @@ def main() -> None:
                          "hf paths are skipped")
     args = ap.parse_args()
     tp = args.tensor_parallel_size
-    if tp > 1 and args.quantization:
-        ap.error("--quantization: tensor parallelism does not support 8-bit weights yet; run it at "
-                 "--tensor-parallel-size 1")
     if tp > 1 and any(p.startswith("hf") for p in args.paths):
         print(f"# tensor parallel size {tp}: skipping the transformers path(s) "
               f"{' '.join(p for p in args.paths if p.startswith('hf'))} (one device; ours only)", flush=True)

@@ -22,8 +22,8 @@ bench/kernels/quantized_gemv.py --fp8-rows run measured (its quantized_gemv.json
 --tensor-parallel-size N: every engine over N devices (docs/tensor_parallel.md). The roofline is the aggregate one:
 each device reads 1/N of the bytes at the measured bandwidth and does 1/N of the FLOPs at the measured GEMM rate (the
 rate of N devices), so the roofline step is the single-device one / N (the all-reduces cost nothing in it); the
-greedy tokens' hash should equal TP 1's (bf16 may differ where a sum's order moves an argmax). 8-bit weights are not
-supported at TP > 1 yet (--quantization is refused).
+greedy tokens' hash should equal TP 1's (bf16 may differ where a sum's order moves an argmax). 8-bit weights at TP > 1
+are split as the bf16 ones (docs/tensor_parallel.md).
 Random bf16 weights at real shapes (bench.random_model), loaded through our loader. Prints
 tables as it goes; writes throughput.json to --out.
 """
@@ -196,7 +196,7 @@ def quantized_decode(model_dir, cfg, args, bw, gemm, max_len, base: list[dict]) 
     for q in args.quantization:
         engine = engine_for(model_dir, args.ops, max(args.batches), max_len, enable_prefix_caching=False,
                             kv_cache_dtype=args.kv_cache_dtype, compile_all_at_start=not args.lazy_compile,
-                            quantization=q)
+                            quantization=q, tensor_parallel_size=args.tensor_parallel_size)
         weight_bytes = param_step_bytes(engine.runner.params)
         print(f"\n## decode step at {args.context} tokens of context, {q} weights ({weight_bytes / 1e6:,.1f} MB a step, "
               f"the roofline's weight bytes), KV cache {np.dtype(engine.kv_dtype).name}; the last column: decode step "
@@ -205,7 +205,8 @@ def quantized_decode(model_dir, cfg, args, bw, gemm, max_len, base: list[dict]) 
               "| x bf16 |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         out[q] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, np.random.default_rng(0),
-                              warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base)
+                              warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base,
+                              tensor_parallel_size=args.tensor_parallel_size)
         del engine
         gc.collect()
     return out
@@ -260,9 +261,6 @@ def main() -> None:
                     help="every engine over this many devices; the roofline is N devices' (each reads 1/N of the "
                          "bytes and does 1/N of the FLOPs: the single-device roofline / N)")
     args = ap.parse_args()
-    if args.tensor_parallel_size > 1 and args.quantization:
-        ap.error("--quantization: tensor parallelism does not support 8-bit weights yet; run it at "
-                 "--tensor-parallel-size 1")
     if args.attention_config:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:

@@ -10,10 +10,11 @@
 #   part 5: Llama-3-8B 8k prefill (bench/prefill.py, our Pallas path) at TP 1, 2 (and 4)
 #   part 6: Llama-3-70B batch 64 at TP 2, 4, 8 where they fit (the shape as part 3's)
 #   part 7: Llama-3-70B 8k prefill at TP 2, 4, 8 where they fit
+#   part 8: 8-bit weights split: Llama-3-8B batch-1 decode at TP 1, 2 (and 4), bf16 then int8 and fp8 in each process
 # Each TP size is a process of its own; its JSON is renamed *-tpN.json. The rooflines are N devices' (throughput's
 # bytes and FLOPs over N, prefill's share of N x one device's GEMM rate); the greedy tokens' hash (throughput) and the
 # prompt's first token (prefill, printed at the end) are to compare with TP 1's (bf16: a sum's order may move one).
-# Usage on the device, from the repo root: bash experiments/multi_gpu_round.sh 1|2|3|4|5|6|7 [TP sizes for 3, 6, 7]
+# Usage on the device, from the repo root: bash experiments/multi_gpu_round.sh 1|2|3|4|5|6|7|8 [TP sizes for 3, 6, 7]
 # (nothing to carry). The 70B weights are written once (/tmp/jaxinfer-bench-models) and kept while the machine is:
 # run part 3 first. Parts 3, 6 and 7 take up to ~5 minutes a TP size: give them at most two sizes a call
 # (bash ... 6 2 4, then bash ... 6 8) so that a call stays under 10 minutes.
@@ -50,6 +51,14 @@ case "${1:-1}" in
       step "decode-70b-tp$n" 280 python3 bench/decode.py --shapes "$shape" --long --paths pallas \
            --tensor-parallel-size "$n" --out "$OUT"
       mv "$OUT/decode.json" "$OUT/decode-70b-tp$n.json" 2>/dev/null
+    done
+    ;;
+  8)
+    for n in 1 $TPS; do
+      [ "$n" -gt 4 ] && continue
+      step "decode-8bit-llama3-8b-tp$n" 200 python3 bench/decode.py --shapes llama3-8b --long --paths pallas \
+           --quantization int8 fp8 --tensor-parallel-size "$n" --out "$OUT"
+      mv "$OUT/decode.json" "$OUT/decode-8bit-llama3-8b-tp$n.json" 2>/dev/null
     done
     ;;
   4)

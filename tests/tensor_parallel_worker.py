@@ -5,6 +5,8 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
     python tests/tensor_parallel_worker.py greedy OPS N FAMILY...  the engine's greedy tokens at TP N
     python tests/tensor_parallel_worker.py one OPS FAMILY...    two prompts one at a time at TP 1, then TP 2 on split
                                                                 layers
+    python tests/tensor_parallel_worker.py quantized            8-bit models' logits at TP 1, 2, 4 and 8, their layout
+    python tests/tensor_parallel_worker.py quantized-greedy     8-bit models' greedy tokens on the Pallas kernels, TP 1, 2
     python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache, split layers
     python tests/tensor_parallel_worker.py features             prefix cache, preemption, structured output, penalties,
                                                                 logprobs, float8 and int8 caches, at TP 1 and 2
@@ -91,6 +93,74 @@ def logits(families: list[str]) -> None:
             print(json.dumps(dict(family=family, n=n, shape=list(out.shape), ref_shape=list(ref.shape),
                                   max_abs=float(np.abs(out - ref).max()), sharded=sharded,
                                   argmax_equal=bool((out.argmax(-1) == ref.argmax(-1)).all()))), flush=True)
+
+
+# 8-bit models: (the folder, quantization at load; None: the checkpoint's own), for logits at TP 1, 2, 4 and 8
+QUANTIZED = [("qwen3", "int8"), ("qwen3", "fp8"), ("qwen3-fp8-block", None), ("qwen3-w8a8-int8", None),
+             ("qwen3-fp8-dynamic", None), ("phi3", "int8"), ("gpt2", "int8"), ("gemma3", "fp8"), ("qwen3_moe", "int8"),
+             ("qwen3_moe-fp8-block", None), ("mixtral", "fp8"), (NARROWED, "int8")]
+
+
+def quantized() -> None:
+    """Each QUANTIZED model's prompt logits at TP 2, 4 and 8 against TP 1 of the same 8-bit model (the reference
+    ops), and whether every layer array, stacked (and at TP 2 split), lies on the mesh as shard_map's specs say (no
+    resharding in a step)."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    from jaxinfer.model.config import load_config
+    from jaxinfer.model.tensor_parallel import layer_specs
+    from jaxinfer.model.transformer import prompt_logits
+    from jaxinfer.model.weights import load_params
+    from jaxinfer.ops import get_ops
+    from jaxinfer.ops.quantized import QuantizedWeight
+    from jaxinfer.ops.tensor_parallel import tensor_parallel_ops
+    from jaxinfer.runner.mesh import make_mesh
+
+    ops = get_ops("reference")
+    is_q = lambda a: isinstance(a, QuantizedWeight)
+    for family, fmt in QUANTIZED:
+        d = model_dir(family) if family in (NARROWED, "stories260k") else MODELS / family
+        cfg = load_config(d)
+        ids = np.random.default_rng(len(family)).integers(0, cfg.vocab_size, 21)
+        ref = np.asarray(prompt_logits(cfg, ops, load_params(d, cfg, progress=False, quantization=fmt), ids))
+        for n in (2, 4, 8):
+            mesh = make_mesh(n)
+            for per_layer in (False, True) if n == 2 else (False,):   # split layers' layout: at TP 2
+                params = load_params(d, cfg, progress=False, mesh=mesh, quantization=fmt, per_layer=per_layer)
+                layers = {k: params[k] for k in ("layers", "layer_vectors") if k in params}
+                misplaced = []
+                jax.tree_util.tree_map_with_path(
+                    lambda path, a, s: None if a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim)
+                    else misplaced.append(jax.tree_util.keystr(path)), layers, layer_specs(cfg, layers))
+                row = dict(family=family, fmt=fmt, n=n, per_layer=per_layer, misplaced=misplaced,
+                           quantized=sum(map(is_q, jax.tree.leaves(params, is_leaf=is_q))))
+                if not per_layer:
+                    out = np.asarray(prompt_logits(cfg, tensor_parallel_ops(ops, mesh), params, ids))
+                    row.update(shape=list(out.shape), ref_shape=list(ref.shape), max_abs=float(np.abs(out - ref).max()),
+                               argmax_equal=bool((out.argmax(-1) == ref.argmax(-1)).all()))
+                print(json.dumps(row), flush=True)
+
+
+def quantized_greedy() -> None:
+    """Greedy tokens of 8-bit models on the Pallas kernels (interpret mode) at TP 1 and 2: Qwen3 int8 at a batch of
+    two (the batched GEMMs), the official FP8 block format of Qwen3-MoE one sequence at a time on split layers (the
+    routed GEMVs' block scales on each device's rows and columns)."""
+    import numpy as np
+
+    from jaxinfer import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for family, folder, fmt, seqs in (("qwen3", "qwen3", "int8", 2), ("qwen3_moe", "qwen3_moe-fp8-block", None, 1)):
+        golden = np.load(GOLDEN / f"{family}.npz")
+        prompts = [golden[f"prompt_{i}"].tolist() for i in (0, 3)]
+        for n in (1, 2):
+            llm = LLM(MODELS / folder, tensor_parallel_size=n, ops="pallas-interpret", quantization=fmt,
+                      max_num_seqs=seqs, max_num_batched_tokens=32, decode_steps=4, skip_tokenizer_init=True,
+                      progress=False, cache_dir="", unroll_layers=seqs == 1 and n > 1)
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            print(json.dumps(dict(family=folder, n=n, tokens=tokens)), flush=True)
 
 
 def greedy(ops: str, n: int, families: list[str], **settings) -> None:
@@ -191,7 +261,9 @@ def features() -> None:
 
 def commands() -> None:
     """The CLI at --tensor-parallel-size 2 (generate; bench, Qwen3-MoE's too), a completion served at TP 2 against
-    `generate`'s text at TP 1, and what TP 2 refuses: each one line on stderr and exit code 2 (one JSON line each)."""
+    `generate`'s text at TP 1, 8-bit weights at TP 2 (generate's fp8 text against TP 1's; bench on a W8A8 checkpoint
+    and with --quantization int8), and what TP 2 refuses: each one line on stderr and exit code 2 (one JSON line
+    each)."""
     import contextlib
     import io
 
@@ -226,10 +298,14 @@ def commands() -> None:
         print(json.dumps(dict(served=prompt + r.json()["choices"][0]["text"])), flush=True)
     bench = ("bench", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--no-progress", "--cache-dir", "")
     generate = ("generate", "--model", str(STORIES), "--no-progress", "--cache-dir", "", "--max-tokens", "4", prompt)
+    for n in ("1", "2"):   # 8-bit weights: quantized at load, and a pre-quantized checkpoint
+        print(json.dumps(cli(*generate[:-1], "--quantization", "fp8", "--max-tokens", "12", "--tensor-parallel-size", n,
+                             prompt)), flush=True)
     for args in ((*bench, "--model", str(MODELS / "qwen3-w8a8-int8")),
-                 (*bench, "--model", str(MODELS / "qwen3"), "--quantization", "int8"),
-                 (*bench, "--model", str(MODELS / "qwen3"), "--speculative", "draft:" + str(MODELS / "qwen3")),
-                 (*generate, "--quantization", "fp8"), (*generate, "--speculative", "dflash:" + str(MODELS / "qwen3")),
+                 (*bench, "--model", str(MODELS / "qwen3"), "--quantization", "int8")):
+        print(json.dumps(cli(*args, "--tensor-parallel-size", "2")), flush=True)
+    for args in ((*bench, "--model", str(MODELS / "qwen3"), "--speculative", "draft:" + str(MODELS / "qwen3")),
+                 (*generate, "--speculative", "dflash:" + str(MODELS / "qwen3")),
                  (*generate, "--tensor-parallel-size", "3"), (*generate, "--tensor-parallel-size", "4096")):
         if "--tensor-parallel-size" not in args:
             args = (*args, "--tensor-parallel-size", "2")
@@ -283,6 +359,10 @@ if __name__ == "__main__":
         features()
     elif mode == "commands":
         commands()
+    elif mode == "quantized":
+        quantized()
+    elif mode == "quantized-greedy":
+        quantized_greedy()
     elif mode == "logits":
         logits(args)
     elif mode == "one":

@@ -105,22 +105,52 @@ def test_prefix_cache_preemption_structured_output_penalties_and_logprobs_equal_
 
 
 def test_commands_at_tp2_and_what_they_refuse():
-    """`generate` and `bench` (Qwen3 and Qwen3-MoE) at --tensor-parallel-size 2, a completion served at TP 2
-    (generate's text at TP 1); what TP 2 cannot run is one line on stderr and exit code 2 (8-bit weights, draft and
+    """`generate` and `bench` (Qwen3 and Qwen3-MoE) at --tensor-parallel-size 2, a completion served at TP 2 (generate's
+    text at TP 1); 8-bit weights at TP 2: generate --quantization fp8 (its TP 1 text), bench on a pre-quantized W8A8
+    checkpoint and with --quantization int8; what TP 2 cannot run is one line on stderr and exit code 2 (draft and
     DFlash models, a size the heads refuse, more devices than there are)."""
     rows = run_worker("commands", devices=2)
-    ran, served, refused = rows[:4], rows[4], rows[5:]
-    assert [r["rc"] for r in ran] == [0, 0, 0, 0], [r["stderr"][-500:] for r in ran]
+    ran, served, eight_bit, refused = rows[:4], rows[4], rows[5:9], rows[9:]
+    assert [r["rc"] for r in ran + eight_bit] == [0] * 8, [r["stderr"][-500:] for r in ran + eight_bit]
     assert ran[1]["stdout"] == ran[0]["stdout"] and len(ran[0]["stdout"]) > len("once upon a time") + 8
     assert "throughput:" in ran[2]["stdout"] and "throughput:" in ran[3]["stdout"]
     assert served["served"] + "\n" == ran[0]["stdout"]
-    expected = ["8-bit weights", "8-bit weights (quantization)",
-                "n-gram speculation only", "8-bit weights (quantization)", "n-gram speculation only",
-                "does not fit the model's 8 attention heads", "needs 4096 devices"]
+    assert eight_bit[1]["stdout"] == eight_bit[0]["stdout"] and len(eight_bit[0]["stdout"]) > len("once upon a time") + 8
+    assert "fp8 weights" in eight_bit[1]["stderr"] + eight_bit[1]["stdout"]
+    assert "throughput:" in eight_bit[2]["stdout"] and "throughput:" in eight_bit[3]["stdout"]
+    expected = ["n-gram speculation only", "n-gram speculation only", "does not fit the model's 8 attention heads",
+                "needs 4096 devices"]
     assert len(refused) == len(expected)
     for r, message in zip(refused, expected):
         assert r["rc"] == 2 and message in r["stderr"], r
         assert r["stderr"].count("jaxinfer: error:") == 1 and "Traceback" not in r["stderr"], r
+
+
+def test_8bit_logits_equal_tp1_and_lie_as_the_specs_say():
+    """8-bit models at TP 2, 4 and 8 against the same 8-bit model at TP 1 (float32, reference ops): quantized at load
+    (int8 and fp8; a tied lm_head; fused gate_up; GPT-2's transposed Conv1D; Gemma 3; both mixtures of experts, and
+    experts cut to 27 rows that pad) and pre-quantized (the official FP8 block format, whose 128 x 128 blocks are
+    larger than these matrices and straddle devices; compressed-tensors int8 and fp8 per channel; Qwen3-MoE's FP8
+    experts). Every layer array, stacked or split, lies on the mesh as the shard_map's in_specs say."""
+    from tensor_parallel_worker import QUANTIZED
+
+    rows = run_worker("quantized")
+    assert {(r["family"], r["fmt"], r["n"], r["per_layer"]) for r in rows} == {
+        (f, q, n, p) for f, q in QUANTIZED for n in (2, 4, 8) for p in (False, True) if n == 2 or not p}
+    for r in rows:
+        assert r["quantized"] >= 4 and r["misplaced"] == [], r
+        if not r["per_layer"]:
+            assert r["shape"] == r["ref_shape"] and r["max_abs"] < 1e-4 and r["argmax_equal"], r
+
+
+def test_8bit_greedy_tokens_on_the_kernels_equal_tp1():
+    """Int8 Qwen3 (a batch of two) and Qwen3-MoE's official FP8 block format (one sequence at a time on split layers:
+    the routed GEMVs' block scales) on the Pallas kernels in interpret mode: TP 2's greedy tokens are TP 1's."""
+    rows = run_worker("quantized-greedy", devices=2)
+    assert [(r["family"], r["n"]) for r in rows] == [("qwen3", 1), ("qwen3", 2), ("qwen3_moe-fp8-block", 1),
+                                                     ("qwen3_moe-fp8-block", 2)]
+    for one, two in (rows[:2], rows[2:]):
+        assert all(len(t) == 16 for t in one["tokens"]) and two["tokens"] == one["tokens"], one["family"]
 
 
 def run_two_processes(mode: str, devices: int = 1) -> list[list[dict]]:
@@ -195,10 +225,8 @@ def test_bad_sizes_are_one_clear_error():
 def test_unsupported_combinations_are_one_clear_error():
     from jaxinfer import LLM
 
-    for settings, message in ((dict(quantization="int8"), "8-bit weights"),
-                              (dict(speculative="draft:x"), "n-gram speculation only")):
-        with pytest.raises(TensorParallelError, match=message):
-            LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, **settings)
+    with pytest.raises(TensorParallelError, match="n-gram speculation only"):
+        LLM(MODELS / "llama3", tensor_parallel_size=2, skip_tokenizer_init=True, progress=False, speculative="draft:x")
     # the model's own misfits come before the device count (this process has one device)
     with pytest.raises(TensorParallelError, match="does not fit the model's 4 attention heads"):
         LLM(MODELS / "qwen3_moe", tensor_parallel_size=3, skip_tokenizer_init=True, progress=False)
@@ -253,7 +281,8 @@ def test_benches_run_at_tp2_on_the_cpu(tmp_path):
 
 def test_throughput_and_prefill_run_at_tp2_on_the_cpu(tmp_path):
     """bench/throughput.py (the batched decode table) and bench/prefill.py --tensor-parallel-size 2 on 2 host devices
-    give TP 1's greedy tokens (the decode table's hash, the prompt's first token); prefill skips its hf path."""
+    give TP 1's greedy tokens (the decode table's hash, the prompt's first token), in bf16 and with int8 weights;
+    prefill skips its hf path."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}
     runs = {}
@@ -262,8 +291,9 @@ def test_throughput_and_prefill_run_at_tp2_on_the_cpu(tmp_path):
         out.mkdir()
         hf = ["hf"] if tp > 1 else []   # (no transformers here: at TP 1 it would be a failed row)
         for args in (["throughput.py", "--shape", "tiny", "--ops", "reference", "--batches", "2", "--context", "40",
-                      "--steps", "4", "--decode-only", "--lazy-compile"],
-                     ["prefill.py", "--shapes", "tiny", "--prompts", "40", "--paths", "reference", *hf, "--chunk", "32"]):
+                      "--steps", "4", "--decode-only", "--lazy-compile", "--quantization", "int8"],
+                     ["prefill.py", "--shapes", "tiny", "--prompts", "40", "--paths", "reference", *hf, "--chunk", "32",
+                      "--quantization", "int8"]):
             r = subprocess.run([sys.executable, str(REPO / "bench" / args[0]), *args[1:], "--models",
                                 str(tmp_path / "models"), "--out", str(out), "--tensor-parallel-size", str(tp)],
                                env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -273,9 +303,12 @@ def test_throughput_and_prefill_run_at_tp2_on_the_cpu(tmp_path):
         runs[tp] = (json.loads((out / "throughput.json").read_text()), json.loads((out / "prefill.json").read_text()))
     for tp, (throughput, prefill) in runs.items():
         assert throughput["tensor_parallel_size"] == prefill["tensor_parallel_size"] == tp
-        assert [r["path"] for r in prefill["rows"]] == ["reference"] and "error" not in json.dumps(prefill)
+        assert [r["path"] for r in prefill["rows"]] == ["reference", "reference+int8"]
+        assert "error" not in json.dumps(prefill)
     assert [r["tokens_sha"] for r in runs[2][0]["decode"]] == [r["tokens_sha"] for r in runs[1][0]["decode"]]
-    assert runs[2][1]["rows"][0]["first_token"] == runs[1][1]["rows"][0]["first_token"]
+    int8 = [[r["tokens_sha"] for r in runs[tp][0]["quantized"]["int8"]] for tp in (1, 2)]
+    assert int8[0] == int8[1] and len(int8[0]) == 1
+    assert [r["first_token"] for r in runs[2][1]["rows"]] == [r["first_token"] for r in runs[1][1]["rows"]]
 
 
 class FakeChannel:
@@ -428,3 +461,20 @@ def test_distributed_flag_errors_are_one_line_and_exit_code_2(capsys):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+def test_block_scales_take_a_grid_no_device_straddles():
+    """Block scales over a split axis: the largest grid dividing the block on which every run of positions is one
+    device's and inside one block (Qwen3-30B-A3B-FP8's 768 expert rows in 128-row blocks: 192 a device at TP 4 ->
+    64-row runs, 96 at TP 8 -> 32); padding runs take no block."""
+    from jaxinfer.model.tensor_parallel import _block_grid
+
+    cfg = load_config(MODELS / "qwen3_moe")
+    for n, want in ((2, 128), (4, 64), (8, 32)):
+        idx = order("out", cfg, n, [768, 768])   # gate rows then up rows, device by device
+        grid, at = _block_grid(idx, 128, len(idx) // n)
+        assert grid == want
+        np.testing.assert_array_equal(at, idx[::grid] // 128)
+    idx = order("out", cfg, 2, [27])   # 14 a device, the last padded: runs of one position
+    grid, at = _block_grid(idx, 16, 14)
+    assert grid == 1 and at[-1] == -1 and list(at[:14]) == [0] * 14

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.errors import ModelLoadError
 from jaxinfer.ops.quantized import FORMATS, QuantizedWeight, join, quantize
@@ -260,12 +261,20 @@ def _put_layer(stacked: QuantizedWeight, layer: QuantizedWeight, i: jax.Array) -
                            stacked.block)
 
 
+def _stack_of(a: jax.Array, n: int) -> jax.Array:
+    """Zeros for n arrays like `a` stacked on a new leading axis, split over a's mesh as a is (tensor parallelism)."""
+    sharding = a.sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+        stacked = NamedSharding(sharding.mesh, P(None, *sharding.spec))
+        return jax.jit(lambda: jnp.zeros((n, *a.shape), a.dtype), out_shardings=stacked)()
+    return jnp.zeros((n, *a.shape), a.dtype)
+
+
 def stack_layers(layers: Callable[[int], QuantizedWeight], n: int) -> QuantizedWeight:
     """n layers' matrices (made one at a time by `layers`) written in place into one stacked QuantizedWeight:
     the device holds the stack and one layer's temporaries, never a second copy of the stack."""
     first = layers(0)
-    stacked = QuantizedWeight(jnp.zeros((n, *first.values.shape), first.values.dtype),
-                              jnp.zeros((n, *first.scale.shape), jnp.float32), first.block)
+    stacked = QuantizedWeight(_stack_of(first.values, n), _stack_of(first.scale, n), first.block)
     stacked = _put_layer(stacked, first, jnp.int32(0))
     for i in range(1, n):
         layer = layers(i)

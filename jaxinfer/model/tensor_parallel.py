@@ -36,8 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import KVCache, bytes_per_page
+from jaxinfer.model.quantize import stack_layers
 from jaxinfer.model.weights import RULES, Rule
 from jaxinfer.ops.pallas import OpSet
+from jaxinfer.ops.quantized import QuantizedWeight, quantize
 
 AXIS = "tp"   # the mesh's one axis
 SHARDS = (None, "out", "gate_up", "in", "qkv", "heads")
@@ -215,6 +217,96 @@ def load_sharded(rule: Rule, cfg: ModelConfig, read: Callable[[str, tuple, bool]
     return jax.make_array_from_callback(tuple(lead + shape), sharding, block)
 
 
+# 8-bit weights (ops.quantized.QuantizedWeight) split as their rule splits the matrix: the values exactly so; one
+# scale an output channel with its row where rows are split ("out", "qkv", "gate_up"), whole on every device where
+# columns are ("in", "heads": the channel's scale multiplies each device's partial sum, and their all-reduce is the
+# whole row's product); block scales with their blocks, on a grid fine enough that no block straddles two devices
+# or a reordering (head by head, the padding). Quantizing at load computes each row's scale over the whole row, so
+# the 8-bit model is the one TP 1 holds, laid out for the mesh.
+
+def scale_spec(values_spec: P, scale_ndim: int, block: tuple[int, int] | None) -> P:
+    """The PartitionSpec of a QuantizedWeight's scale, given its values' spec: the same for block scales (one per
+    block of rows and columns), the values' without the column axis for one scale an output channel."""
+    return values_spec if block is not None else P(*tuple(values_spec)[:scale_ndim])
+
+
+def quantized_specs(values_spec: P, q: QuantizedWeight) -> QuantizedWeight:
+    """A QuantizedWeight of PartitionSpecs (shard_map's in_specs) for q, its values split as `values_spec` says."""
+    return QuantizedWeight(values_spec, scale_spec(values_spec, q.scale.ndim, q.block), q.block)
+
+
+def quantize_sharded(w: jax.Array, rule: Rule, fmt: str, mesh: Mesh) -> QuantizedWeight:
+    """A float matrix (stack) laid out for the mesh by load_sharded, quantized in place as ops.quantized.quantize
+    quantizes (each row's scale from the whole row: an all-reduce of its max where columns are split)."""
+    vspec = spec(rule.shard, w.ndim - 2)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), quantized_specs(vspec, QuantizedWeight(
+        w, jax.ShapeDtypeStruct(w.shape[:-1], jnp.float32))))
+    return jax.jit(functools.partial(quantize, fmt=fmt), out_shardings=shardings)(w)
+
+
+def _take(a: np.ndarray, idx: np.ndarray, axis: int, fill: float = 0) -> np.ndarray:
+    """a's entries at idx along axis (order's layout), `fill` where idx is -1."""
+    out = np.take(a, np.maximum(idx, 0), axis=axis)
+    missing = (idx < 0).reshape([-1 if d == axis else 1 for d in range(a.ndim)])
+    return np.where(missing, np.asarray(fill, a.dtype), out)
+
+
+def _block_grid(idx: np.ndarray, block: int, local: int) -> tuple[int, np.ndarray]:
+    """For block scales along a reordered axis: the largest b dividing `block` for which every run of b positions
+    of `idx` is one device's (b divides `local`, each device's extent) and either all padding or b consecutive
+    source positions from a multiple of b (so inside one block); and each run's block index (-1: padding)."""
+    for b in sorted((d for d in range(1, block + 1) if block % d == 0), reverse=True):
+        if local % b:
+            continue
+        runs = idx.reshape(-1, b)
+        first = runs[:, 0]
+        pad = (runs < 0).all(axis=1)
+        ok = pad | ((first % b == 0) & (runs == first[:, None] + np.arange(b)).all(axis=1))
+        if ok.all():
+            return b, np.where(pad, -1, first // block)
+    raise AssertionError("a grid of one position always fits")
+
+
+def place_quantized(q: QuantizedWeight, rule: Rule, cfg: ModelConfig, mesh: Mesh) -> QuantizedWeight:
+    """A pre-quantized matrix read on the host (numpy values [..., N, K] with its scales, its sources joined in the
+    checkpoint's order: model.quantize.read_joined) laid out for the mesh and made shard by shard."""
+    n = mesh.size
+    lead = q.values.ndim - 2
+    axis = _axis(rule.shard)
+    shapes = [tuple(s) for s in rule.shapes(cfg)]
+    sizes = [s[axis] for s in shapes] if axis == 0 else [shapes[0][axis]] if axis is not None else []
+    idx = order(rule.shard, cfg, n, sizes)
+    values, scale, block = np.asarray(q.values), np.asarray(q.scale, np.float32), q.block
+    if idx is not None:
+        values = _take(values, idx, lead + axis)
+        if block is None:
+            scale = _take(scale, idx, lead + axis, fill=1) if axis == 0 else scale
+        else:
+            grid, at = _block_grid(idx, block[axis], len(idx) // n)
+            scale = _take(scale, at, lead + axis, fill=1)
+            block = (grid, block[1]) if axis == 0 else (block[0], grid)
+    vspec = spec(rule.shard, lead)
+    specs = quantized_specs(vspec, QuantizedWeight(values, scale, block))
+
+    def made(a: np.ndarray, s: P) -> jax.Array:
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, s), lambda index: a[index])
+
+    return QuantizedWeight(made(values, specs.values), made(scale, specs.scale), block)
+
+
+def load_quantized(rule: Rule, cfg: ModelConfig, one: Callable[[Rule], QuantizedWeight], per_layer: bool = False
+                   ) -> QuantizedWeight | list[QuantizedWeight]:
+    """An 8-bit rule's tensor over the mesh, a layer at a time: `one` makes the QuantizedWeight of a rule without
+    layers (quantize_sharded or place_quantized of its tensor); the layers stacked in place (model.quantize.
+    stack_layers), or one per layer (per_layer, split layers)."""
+    if not rule.per_layer:
+        return one(rule)
+    layer = lambda i: one(dataclasses.replace(rule, sources=tuple(s.replace("{i}", str(i)) for s in rule.sources)))
+    if per_layer:
+        return [layer(i) for i in range(cfg.num_layers)]
+    return stack_layers(layer, cfg.num_layers)
+
+
 def allocate_kv(cfg: ModelConfig, mesh: Mesh | None, num_pages: int, page_size: int, dtype: Any = None) -> KVCache:
     """The KV cache, sharded by KV head over the mesh (each device allocates only its own heads)."""
     if mesh is None:
@@ -255,21 +347,23 @@ def run_layers_sharded(run_layers: Callable, cfg: ModelConfig, ops: OpSet, param
 
 def layer_specs(cfg: ModelConfig, layers: dict) -> dict:
     """The specs of the layer parameters as they are held: stacked ({"layers": tree of [L, ...]}), or split
-    (transformer.split_layers: "layers" a list of per-layer matrix trees, "layer_vectors" the stacked rest)."""
+    (transformer.split_layers: "layers" a list of per-layer matrix trees, "layer_vectors" the stacked rest); an 8-bit
+    matrix's (a QuantizedWeight) for its values and its scales (quantized_specs)."""
     stacked = param_specs(cfg)["layers"]
+
+    def walk(node, rules, drop_layer_axis: bool):
+        if node is None:
+            return None
+        if isinstance(node, QuantizedWeight):
+            return quantized_specs(P(*rules[1:]) if drop_layer_axis else rules, node)
+        if isinstance(node, dict):
+            return {k: walk(v, rules[k], drop_layer_axis) for k, v in node.items()}
+        return P(*rules[1:]) if drop_layer_axis else rules
+
     if not isinstance(layers["layers"], (list, tuple)):
-        return {"layers": stacked}
-
-    def spec_at(path, _, drop_layer_axis: bool) -> P:
-        node = stacked
-        for key in path:
-            if isinstance(key, jax.tree_util.DictKey):
-                node = node[key.key]
-        return P(*node[1:]) if drop_layer_axis else node
-
-    return {"layers": jax.tree_util.tree_map_with_path(lambda p, a: spec_at(p, a, True), layers["layers"]),
-            "layer_vectors": jax.tree_util.tree_map_with_path(lambda p, a: spec_at(p, a, False),
-                                                              layers["layer_vectors"])}
+        return {"layers": walk(layers["layers"], stacked, False)}
+    return {"layers": [walk(layer, stacked, True) for layer in layers["layers"]],
+            "layer_vectors": walk(layers["layer_vectors"], stacked, False)}
 
 
 def sharded_logits(ops: OpSet, h: jax.Array, w: Any, vocab_size: int) -> jax.Array:

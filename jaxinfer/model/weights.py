@@ -288,8 +288,6 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         from jaxinfer.model import tensor_parallel   # it reads RULES from here
 
         tensor_parallel.check(cfg, mesh.size)
-        if quant.at_load or quant.checkpoint:
-            raise tensor_parallel.TensorParallelError("tensor parallelism does not support 8-bit weights yet")
     else:
         mesh = None
     reader = CheckpointReader(model_dir)
@@ -362,6 +360,20 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     def quantized_layer(rule: Rule, i: int | None):
         return quantize.quantized_matrix(parts(rule, i=i), quant, find)
 
+    def sharded_quantized(rule: Rule) -> Any:   # an 8-bit rule's layers over the mesh, one at a time
+        def one(r: Rule):   # a rule without layers: quantized on the mesh, or read and laid out for it
+            if quant.at_load:
+                return tensor_parallel.quantize_sharded(tensor_parallel.load_sharded(r, cfg, read, np_dtype, mesh),
+                                                        r, quant.at_load, mesh)
+            if r.per_expert:
+                q = quantize.stack_experts([quantize.read_joined(parts(r, e=e), find, quant.checkpoint)
+                                            for e in range(cfg.num_experts)])
+            else:
+                q = quantize.read_joined(parts(r), find, quant.checkpoint)
+            return tensor_parallel.place_quantized(q, r, cfg, mesh)
+
+        return tensor_parallel.load_quantized(rule, cfg, one, per_layer)
+
     threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
 
     # Tensors are read, assembled and sent side by side, and the layers of one stacked tensor are
@@ -370,6 +382,8 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
     with tqdm(total=len(rules), desc="loading weights", unit="tensor", disable=not progress, leave=False) as bar, \
             ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(threads) as layer_pool:
         def build(rule: Rule):
+            if mesh is not None and quantized(rule):
+                return rule, sharded_quantized(rule)
             if mesh is not None:
                 return rule, tensor_parallel.load_sharded(rule, cfg, read, np_dtype, mesh, per_layer)
             if quantized(rule) and rule.per_expert:   # experts: a layer at a time, as below

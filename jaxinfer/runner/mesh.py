@@ -58,8 +58,6 @@ def tensor_parallel_config(config: EngineConfig) -> EngineConfig:
     if config.tensor_parallel_size == 1:
         return config
     t = config.tuning
-    if config.quantization:
-        raise TensorParallelError("tensor parallelism does not support 8-bit weights (quantization) yet")
     if config.speculative and config.speculative != "ngram":
         raise TensorParallelError("tensor parallelism supports n-gram speculation only (not draft or DFlash models)")
     return dataclasses.replace(config, tuning=dataclasses.replace(

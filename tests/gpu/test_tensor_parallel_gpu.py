@@ -1,7 +1,8 @@
 """On several GPUs (nvidia-h200-x2 or larger): the Pallas path at tensor parallel 2 (and 4, 8 where there are the
 GPUs) at Qwen3-0.6B's widths, four layers, float32: the greedy tokens of TP 1's Pallas path and logits within
 float32 tolerance; bf16 logits close. Also in float32 against TP 1: Phi-4-mini's widths (a fused gate_up_proj,
-partial rotary, 24 heads), Qwen3 with 2 KV heads (held in groups at TP 4 and 8), and the int8 and float8 KV caches.
+partial rotary, 24 heads), Qwen3 with 2 KV heads (held in groups at TP 4 and 8), the int8 and float8 KV caches, and
+int8 and fp8 weights quantized at load (the 8-bit GEMVs and GEMMs on each device's rows and columns).
 Skipped with fewer than two GPUs.
 
 Run: PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_tensor_parallel_gpu.py
@@ -79,3 +80,10 @@ def test_fused_gate_up_and_kv_heads_in_groups_equal_tp1(tmp_path, shape):
 def test_8bit_kv_caches_equal_tp1(model_dir, kv_cache_dtype):
     want = _greedy(model_dir, 1, "float32", kv_cache_dtype=kv_cache_dtype)
     assert _greedy(model_dir, 2, "float32", kv_cache_dtype=kv_cache_dtype) == want
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_8bit_weights_equal_tp1(model_dir, quantization):
+    want = _greedy(model_dir, 1, "float32", quantization=quantization)
+    for n in SIZES:
+        assert _greedy(model_dir, n, "float32", quantization=quantization) == want, n
