@@ -9,8 +9,12 @@
 #          then part 2's 32k int8 cache step and FP8 prefill
 #   part 5 (issue 39): 8-bit experts' prompt and batched rows: Qwen3-30B-A3B@24 1k prefill and batch 64, bf16 / int8
 #   part 6 (issue 39): the 8-bit experts' kernels alone (bench/kernels/moe.py --format int8 / fp8)
+#   part 7 (issue 39): the int8 cache's staged conversion ("prmt-staged", pallas/pinned_asm.py): its GPU test, the
+#          fused kernel at 32k against prmt, then the 32k step (bf16 and int8 weights) on it in one process
+#   part 8 (issues 39, 41): the GPU test of 8-bit weights at TP > 1 is tests/gpu/test_tensor_parallel_gpu.py (several
+#          GPUs: experiments/multi_gpu_round.sh 1 and 8); nothing here on one GPU
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6|7
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -54,6 +58,18 @@ case "${1:-1}" in
          --format int8 --out "$OUT"
     TAIL=60 step moe_kernels_fp8 280 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 64 1024 \
          --format fp8 --out "$OUT"
+    ;;
+  7)   # int8 pages converted where loaded and staged to the MMA in float16; 2 stages at batch 1 past 1k (3 stages
+       # would need 137 KB of shared memory: one program an SM)
+    step staged_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_kv_cache_int8_gpu.py -k "prmt"
+    for c in prmt prmt-staged; do
+      TAIL=30 step "kernel_$c" 120 python3 bench/kernels/decode_attention_rope.py --points 1:32768 8:2048 \
+           --kv-cache-dtype int8 --int8-convert "$c" --budget 40
+    done
+    STAGED=("DECODE_ATTENTION_INT8_CONVERT = 'prmt-staged'" "DECODE_ATTENTION_INT8 = [(sh, span, \
+dataclasses.replace(c, num_stages=2) if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
+    step staged_step32k 300 python3 experiments/with_tables.py "${STAGED[@]}" -- bench/decode.py --shapes --long \
+         qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

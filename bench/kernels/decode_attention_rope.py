@@ -183,7 +183,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt"])
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
     args = ap.parse_args()
     global INT8, INT8_CONVERT, VECTOR_BYTES
     INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert
