@@ -11,10 +11,12 @@
 #   part 6 (issue 39): the 8-bit experts' kernels alone (bench/kernels/moe.py --format int8 / fp8)
 #   part 7 (issue 39): the int8 cache's staged conversion ("prmt-staged", pallas/pinned_asm.py): its GPU test, the
 #          fused kernel at 32k against prmt, then the 32k step (bf16 and int8 weights) on it in one process
-#   part 8 (issues 39, 41): the GPU test of 8-bit weights at TP > 1 is tests/gpu/test_tensor_parallel_gpu.py (several
-#          GPUs: experiments/multi_gpu_round.sh 1 and 8); nothing here on one GPU
+#   part 8 (issues 43, 39): the K loops' products accumulated inside the dot (tables.DOT_INTO_ACCUMULATOR): the
+#          kernels' GPU tests with it on, then Mixtral-8x7B@8 1k prefill (and Qwen3-4B 1k / 8k) off and on, one
+#          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
+# (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6|7
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6|7|8|9
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -70,6 +72,29 @@ case "${1:-1}" in
 dataclasses.replace(c, num_stages=2) if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
     step staged_step32k 300 python3 experiments/with_tables.py "${STAGED[@]}" -- bench/decode.py --shapes --long \
          qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
+    ;;
+  8|9)   # DOT_INTO_ACCUMULATOR off, then on (experiments/with_tables.py), each its own process
+    ON="python3 experiments/with_tables.py DOT_INTO_ACCUMULATOR=True --"
+    if [ "$1" = 8 ]; then
+      PYTEST=$(python3 -c 'import os, pytest; print(os.path.join(os.path.dirname(pytest.__file__), "__main__.py"))')
+      TAIL=20 step acc_tests 300 $ON "$PYTEST" -q -o addopts= -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py \
+           tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_decode_attention_rope_gpu.py tests/gpu/test_parity_gpu.py
+      for v in off on; do
+        R=python3 P=pallas; [ "$v" = on ] && R=$ON P="pallas hf"   # transformers beside the "on" run
+        # shellcheck disable=SC2086
+        step "acc_prefill_$v" 250 $R bench/prefill.py --shapes mixtral-8x7b@8 qwen3-4b --prompts 1024 8192 \
+             --paths $P --out "$OUT"
+        mv "$OUT/prefill.json" "$OUT/prefill-acc-$v.json" 2>/dev/null
+      done
+    else
+      for v in off on; do
+        R=python3; [ "$v" = on ] && R=$ON
+        step "acc_moe_prefill_$v" 250 $R bench/prefill.py --shapes qwen3-30b-a3b@24 --prompts 1024 --paths pallas \
+             --out "$OUT"
+        step "acc_moe_batch64_$v" 250 $R bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
+             --context 1024 --steps 32 --decode-only --lazy-compile --out "$OUT"
+      done
+    fi
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
