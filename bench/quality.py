@@ -3,15 +3,16 @@
     PYTHONPATH=. .venv/bin/python bench/quality.py [--models stories260k llama2xs-260k qwen3 ...] [--out bench/results]
     PYTHONPATH=. .venv/bin/python bench/quality.py --make-text    # rewrites bench/data/quality_text.json
 
-For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 W8A8, fp8 KV cache, int8 KV cache; add
-one a line), over
+For every model and configuration (CONFIGURATIONS: int8 weights, fp8 weights, fp8 W8A8, int8 W8A8, fp8 KV cache, int8
+KV cache; add one a line), over
 every position of the text (each story is one window from its BOS; a model with a shorter context reads the first
 max_position_embeddings tokens of each): the mean KL divergence of the next-token distributions KL(unquantized ||
 quantized), top-1 agreement (the same argmax) and the perplexity ratio (quantized over unquantized, of the text's
-own next tokens). Float32 compute on the CPU, reference ops, one forward pass a window. "fp8 W8A8" runs the
-projections through ops.pallas's routing instead (interpret mode; attention stays the reference's) with
-tables.FP8_W8A8_ROWS = 1: every row of a window (all past the skinny kernel's 64) quantized to e4m3 with a scale of
-its own before its fp8 product (ops.pallas.w8a8_product), as prompt rows run on the GPU from that table's rows on.
+own next tokens). Float32 compute on the CPU, reference ops, one forward pass a window. "fp8 W8A8" and "int8 W8A8" run
+the projections through ops.pallas's routing instead (interpret mode; attention stays the reference's) with
+tables.FP8_W8A8_ROWS = INT8_W8A8_ROWS = 1: every row of a window (all past the skinny kernel's 64) quantized to e4m3
+(int8) with a scale of its own before its 8-bit product (ops.pallas.w8a8_product, int8_w8a8_product), as prompt rows
+run on the GPU from those tables' rows on.
 
 The text: stories sampled (temperature 1) from stories260k, seeded, with the TinyStories tokenizer
 (bench/data/quality_text.json, made by --make-text). stories260k and llama2xs-260k are real trained models; the
@@ -57,13 +58,15 @@ class Configuration:
     name: str
     quantization: str | None = None     # weights
     kv_cache_dtype: str = "auto"        # the KV cache
-    w8a8: bool = False                  # fp8 weights' products with each row of x in e4m3 (ops.pallas.w8a8_product)
+    w8a8: bool = False                  # the 8-bit weights' products with each row of x in 8 bits too (W8A8: fp8,
+                                        # ops.pallas.w8a8_product; int8, ops.pallas.int8_w8a8_product)
 
 
 CONFIGURATIONS = [
     Configuration("int8 weights", quantization="int8"),
     Configuration("fp8 weights", quantization="fp8"),
     Configuration("fp8 W8A8", quantization="fp8", w8a8=True),
+    Configuration("int8 W8A8", quantization="int8", w8a8=True),
     Configuration("fp8 KV cache", kv_cache_dtype="fp8"),
     Configuration("int8 KV cache", kv_cache_dtype="int8"),
 ]
@@ -102,16 +105,17 @@ def w8a8_ops():
 
 @contextlib.contextmanager
 def w8a8_rows(rows: int | None):
-    """tables.FP8_W8A8_ROWS = rows inside (jax's trace cache cleared on both sides: it does not see the table)."""
+    """tables.FP8_W8A8_ROWS and INT8_W8A8_ROWS = rows inside (jax's trace cache cleared on both sides: it does not see
+    the tables)."""
     from jaxinfer.pallas import tables
 
-    saved = tables.FP8_W8A8_ROWS
-    tables.FP8_W8A8_ROWS = rows
+    saved = tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS
+    tables.FP8_W8A8_ROWS = tables.INT8_W8A8_ROWS = rows
     jax.clear_caches()
     try:
         yield
     finally:
-        tables.FP8_W8A8_ROWS = saved
+        tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS = saved
         jax.clear_caches()
 
 

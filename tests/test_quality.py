@@ -19,3 +19,5 @@ def test_quality_report_runs_and_int8_stays_close(tmp_path):
     int8 = rows["int8 weights"]
     assert int8["positions"] > 200 and int8["kl"] < 0.005 and int8["top1"] > 0.95, int8
     assert all(row["kl"] >= 0 and 0.9 < row["ppl_ratio"] < 1.2 for row in rows.values()), rows
+    w8a8 = rows["int8 W8A8"]   # each row of x in int8 too: closer than fp8 weights alone on this model
+    assert w8a8["kl"] < min(0.01, rows["fp8 weights"]["kl"]) and w8a8["top1"] > 0.93, w8a8

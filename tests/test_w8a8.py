@@ -1,4 +1,4 @@
-"""FP8 W8A8 (ops.pallas.w8a8_product): each row of x quantized to e4m3 with a scale of its own, the product of fp8
+"""FP8 W8A8 (ops.pallas.w8a8_product), and INT8 W8A8 (int8_w8a8_product) at the end: each row of x quantized to e4m3 with a scale of its own, the product of fp8
 operands summed in float32, then the row's and the output channel's scales. Against a float64 numpy reference
 (the same rounding of x, ml_dtypes' e4m3 cast) and against the exact product within the e4m3 rounding bound, at
 several shapes; stacked LayerWeights and ops.pallas's routing by tables.FP8_W8A8_ROWS; the activation
@@ -19,7 +19,7 @@ import pytest
 from conftest import STORIES
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.ops import LayerWeight, get_ops, reference
-from jaxinfer.ops.pallas import w8a8_product
+from jaxinfer.ops.pallas import int8_w8a8_product, w8a8_product
 from jaxinfer.ops.quantized import QuantizedWeight, quantize
 from jaxinfer.pallas import tables
 
@@ -229,3 +229,68 @@ def test_the_fp8_rows_bench_patches_the_tables(monkeypatch, tmp_path):
     apply_tables(str(tmp_path / "q.json"))
     assert tables.SKINNY_GEMM_8BIT == {(96, 64, "none", 16): tables.SkinnyConfig(32, 64, 4, 4, 2)}
     assert tables.FP8_W8A8_ROWS == 1024
+
+
+# --- INT8 W8A8 (ops.pallas.int8_w8a8_product) --------------------------------------------------------------------
+
+def int8_w8a8_float64(x, q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(the INT8 W8A8 product from exact integer sums, in float64; the exact x @ W) with x rounded to int8 as
+    int8_w8a8_product rounds it: max |x| of the row, 127 / max in float32, the scaled row in float32, clipped, rounded
+    to nearest even."""
+    xf = np.asarray(x.astype(f32))
+    amax = np.maximum(np.abs(xf).max(axis=1, keepdims=True), np.float32(1e-30))
+    xq = np.round(np.clip(xf * (np.float32(127) / amax), -127, 127)).astype(np.int64)
+    sums = xq @ np.asarray(q.values, np.int64).T   # exact
+    w = np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)[:, None]
+    return sums * (amax.astype(np.float64) / 127) * np.asarray(q.scale, np.float64)[None, :], xf.astype(np.float64) @ w.T
+
+
+@pytest.mark.parametrize("dtype", [bf16, f32])
+@pytest.mark.parametrize("T,n_out,n_in", SHAPES)
+def test_int8_w8a8_product_sums_exactly_and_stays_within_the_rounding(T, n_out, n_in, dtype):
+    kx, kw = jax.random.split(jax.random.PRNGKey(T * 7 + n_out + n_in))
+    x = (jax.random.normal(kx, (T, n_in), f32) * jnp.exp(jax.random.normal(kw, (T, 1)))).astype(dtype)
+    q = quantize(jax.random.normal(kw, (n_out, n_in), f32) / np.sqrt(n_in), "int8")
+    y = np.asarray(int8_w8a8_product(x, q), np.float64)
+    want, exact = int8_w8a8_float64(x, q)
+    # integer sums exact (int32), then float32: the sum's conversion and two products, a few units of 2^-24
+    np.testing.assert_allclose(y, want, rtol=4 * 2.0 ** -24, atol=1e-30)
+    # against the unquantized x: each element off by at most half a step (max |x| / 254), times |w|
+    amax = np.abs(np.asarray(x.astype(f32), np.float64)).max(axis=1, keepdims=True)
+    w_abs = np.abs(np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)[:, None])
+    bound = (amax / 254 * (1 + 2.0 ** -20)) * w_abs.sum(axis=1)[None, :] + 1e-6 * np.abs(exact)
+    np.testing.assert_array_less(np.abs(y - exact), bound)
+    assert np.linalg.norm(y - exact) > 1e-4 * np.linalg.norm(exact)   # the activations were quantized
+
+
+def test_int8_w8a8_product_refuses_other_formats():
+    w = jax.random.normal(jax.random.PRNGKey(3), (32, 64), f32)
+    x = jnp.ones((4, 64), bf16)
+    with pytest.raises(ValueError, match="int8 weights with a scale per output channel"):
+        int8_w8a8_product(x, quantize(w, "fp8"))
+
+
+@pytest.mark.parametrize("rows", [70, 100])
+def test_routing_by_int8_w8a8_rows(monkeypatch, rows):
+    """ops.pallas sends int8 weights' rows past the skinny kernel's to INT8 W8A8 from tables.INT8_W8A8_ROWS rows on
+    (a stacked LayerWeight at a traced layer, and the logits), to the converted values below it and with the table
+    None; fp8 weights never (their table is FP8_W8A8_ROWS)."""
+    q = quantize(jax.random.normal(jax.random.PRNGKey(8), (3, 96, 128), f32) / np.sqrt(128), "int8")
+    x = jax.random.normal(jax.random.PRNGKey(9), (rows, 128), bf16)
+    w8a8, converted = int8_w8a8_product(x, q[1]), reference.quantized_product(x, q[1])
+
+    def run(threshold):
+        monkeypatch.setattr(tables, "INT8_W8A8_ROWS", threshold)
+        jax.clear_caches()
+        lin = jax.jit(lambda x, q, layer: OPS.linear(x, LayerWeight(q, layer)))(x, q, jnp.int32(1))
+        return lin, OPS.logits(x, q[1])
+
+    for threshold, want in ((rows, w8a8), (64, w8a8), (rows + 1, converted), (None, converted)):
+        lin, logits = run(threshold)
+        np.testing.assert_array_equal(np.asarray(lin), np.asarray(want.astype(bf16)))
+        np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+    assert not np.array_equal(np.asarray(w8a8.astype(bf16)), np.asarray(converted.astype(bf16)))
+    q8 = fp8_stack(jax.random.PRNGKey(10), 1, 96, 128)[0]
+    monkeypatch.setattr(tables, "INT8_W8A8_ROWS", 1)
+    jax.clear_caches()
+    np.testing.assert_array_equal(np.asarray(OPS.logits(x, q8)), np.asarray(reference.quantized_product(x, q8)))

@@ -24,7 +24,8 @@ batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no m
 decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
 interpret mode always; block-scaled weights always); everything else (prompt rows, shapes not in the table) XLA's product (_xla_product): the
 values converted in the GEMM's fusion and the channel scales after (reference.quantized_product), block-scaled ones
-dequantized to x's dtype first, and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
+dequantized to x's dtype first, int8 per-channel weights from tables.INT8_W8A8_ROWS rows on as W8A8 on int8 tensor
+cores (int8_w8a8_product), and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
 cores (each row quantized to e4m3 with a scale of its own).
 
 The INT8 KV cache (ops.quantized_cache.QuantizedCache as k_cache / v_cache) runs decode attention on the same kernels,
@@ -110,6 +111,9 @@ def _xla_product(x, w) -> jax.Array:
     rows = tables.FP8_W8A8_ROWS
     if q.block is None and q.dtype == jnp.float8_e4m3fn and rows is not None and x.shape[0] >= rows:
         return w8a8_product(x, q)
+    rows = tables.INT8_W8A8_ROWS
+    if q.block is None and q.dtype == jnp.int8 and rows is not None and x.shape[0] >= rows:
+        return int8_w8a8_product(x, q)
     return reference.quantized_product(x, q)
 
 
@@ -132,6 +136,21 @@ def w8a8_product(x, q, dot_dtype=jnp.float32) -> jax.Array:
     xq = jnp.clip(x.astype(jnp.float32) * (448.0 / amax), -448.0, 448.0).astype(jnp.float8_e4m3fn)
     y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=dot_dtype)
     return y.astype(jnp.float32) * (amax / 448.0) * q.scale
+
+
+def int8_w8a8_product(x, q) -> jax.Array:
+    """x [T, in] @ q.T on int8 tensor cores, float32 [T, out]; q: int8 per-channel QuantizedWeight, or a LayerWeight
+    holding one. Each row of x quantized to int8 with its own scale (its max |x| onto 127, rounded to nearest), the
+    int8 products summed exactly in int32 (XLA's s8 GEMM: cuBLAS's IMMA on the GPU; |sum| <= in x 127^2 stays
+    below 2^31 up to 133,000 columns), then times the row's and the output channel's scales in float32."""
+    q = _layer_matrix(q)
+    if q.block is not None or q.dtype != jnp.int8:
+        raise ValueError(f"int8_w8a8_product: int8 weights with a scale per output channel, not {q.dtype} "
+                         f"block {q.block}")
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32), 1e-30)
+    xq = jnp.round(jnp.clip(x.astype(jnp.float32) * (127.0 / amax), -127.0, 127.0)).astype(jnp.int8)
+    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
+    return y.astype(jnp.float32) * (amax / 127.0) * q.scale
 
 
 def _xla_linear(x, w, b=None) -> jax.Array:

@@ -258,6 +258,11 @@ SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 # every projection and every larger row count the skinny table does not take).
 FP8_W8A8_ROWS: int | None = None
 
+# The same for int8 per-channel weights on int8 tensor cores (ops.pallas.int8_w8a8_product: each row of x quantized
+# to int8 with its own scale, the sums exact in int32), None: never (the values converted to bf16 in XLA's GEMM
+# fusion instead). Not yet measured (gpu_round_next.sh 10); its quality is bench/quality.py's "int8 W8A8" row.
+INT8_W8A8_ROWS: int | None = None
+
 
 # --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------
 
