@@ -7,7 +7,12 @@ Each workload of ncu_kernels.ONE_KERNEL is lowered for the `cuda` platform with 
 (as tests/test_triton_lowering.py does); each Pallas kernel's Triton module is compiled by the `triton` package
 (3.6, as the GPU machine has) for sm_90 and its PTX assembled by the ptxas that package bundles (`ptxas -v`).
 Prints per kernel: warps, stages, grid, registers, spills, shared memory, the blocks an SM can hold by registers
-(`occupancy`) and the waves that make on 132 SMs.
+(`occupancy`) and the waves that make on 132 SMs; with --sass also its main loop's SASS (cuobjdump's, the longest
+backward branch's body): instructions a warp an iteration and the most frequent opcodes, what a kernel bound by its
+instructions spends them on (2026-12-04: the int8 decode attention's V tile loaded a byte an LDS.U8; every Pallas
+GEMM's product added to its accumulator by FADDs after waiting for its wgmma).
+--int8-convert C: the attention workloads on an int8 cache with conversion C; --dot-into-accumulator: with
+tables.DOT_INTO_ACCUMULATOR on (pallas/accumulating_dot.py).
 XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
 """
@@ -56,8 +61,27 @@ def triton_modules(fn, args) -> list[tuple[dict, str]]:
     return out
 
 
-def assemble(module: str, num_warps: int, num_stages: int) -> dict:
-    """Compile a Triton module for sm_90 with the triton package; ptxas -v's registers, spills and shared memory."""
+def sass_loops(sass: str) -> list[dict]:
+    """Each loop of a kernel's SASS (cuobjdump -sass): the body of every backward branch, its length and its dozen
+    most frequent opcodes (predicates and modifiers dropped)."""
+    import collections
+
+    instrs = [(int(m.group(1), 16), m.group(2).strip())
+              for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    where = {a: i for i, (a, _) in enumerate(instrs)}
+    loops = []
+    for i, (address, ins) in enumerate(instrs):
+        m = re.search(r"BRA (?:`\()?(0x[0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) < address and int(m.group(1), 16) in where:
+            body = [x for _, x in instrs[where[int(m.group(1), 16)]:i + 1]]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body)
+            loops.append(dict(length=len(body), ops=dict(ops.most_common(12))))
+    return loops
+
+
+def assemble(module: str, num_warps: int, num_stages: int, sass: bool = False) -> dict:
+    """Compile a Triton module for sm_90 with the triton package; ptxas -v's registers, spills and shared memory;
+    sass: also the main loop (sass_loops' longest) of the cubin's SASS."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -69,12 +93,15 @@ def assemble(module: str, num_warps: int, num_stages: int) -> dict:
                                 options=dict(num_warps=num_warps, num_stages=num_stages))
         with open(path + ".ptx", "w") as f:
             f.write(kernel.asm["ptx"])
-        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-        log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path + ".ptx", "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
+        tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        log = subprocess.run([os.path.join(tools, "ptxas"), "-v", "--gpu-name", "sm_90a", path + ".ptx", "-o",
+                              path + ".cubin"], capture_output=True, text=True, check=True).stderr
+        loops = sass_loops(subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path + ".cubin"],
+                                          capture_output=True, text=True, check=True).stdout) if sass else []
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, log)) else 0   # noqa: E731
+    main_loop = max(loops, key=lambda l: l["length"], default=None)
     return dict(regs=number(r"Used (\d+) registers"), spill_stores=number(r"(\d+) bytes spill stores"),
-                smem=kernel.metadata.shared)
+                smem=kernel.metadata.shared, loop=main_loop)
 
 
 def occupancy(regs: int, num_warps: int, programs: int) -> tuple[int, float]:
@@ -98,19 +125,35 @@ def main() -> None:
                     choices=list(ONE_KERNEL))
     ap.add_argument("--block-in", type=int, default=None)
     ap.add_argument("--rows", type=int, default=None)
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
+    ap.add_argument("--dot-into-accumulator", action="store_true")
+    ap.add_argument("--sass", action="store_true", help="also each kernel's main loop (cuobjdump -sass)")
     args = ap.parse_args()
+    if args.dot_into_accumulator:
+        from jaxinfer.pallas import tables
+
+        tables.DOT_INTO_ACCUMULATOR = True
     print(f"{args.shape}, batch {args.batch}, context {args.context}"
-          + (f", block_in {args.block_in}" if args.block_in else "") + (f", rows {args.rows}" if args.rows else ""))
-    print("| workload | kernel | warps | stages | grid | regs | spill bytes | smem bytes | blocks/SM by regs | waves |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          + (f", block_in {args.block_in}" if args.block_in else "") + (f", rows {args.rows}" if args.rows else "")
+          + (f", int8 cache ({args.int8_convert})" if args.int8_convert else "")
+          + (", dot into the accumulator" if args.dot_into_accumulator else ""))
+    loop_cols = " main loop SASS a warp | its opcodes |" if args.sass else ""
+    print("| workload | kernel | warps | stages | grid | regs | spill bytes | smem bytes | blocks/SM by regs | waves |"
+          + loop_cols)
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.sass else ""))
     for w in args.workloads:
-        fn, fn_args = kernel_call(w, args.shape, args.batch, args.context, args.block_in, args.rows)
+        fn, fn_args = kernel_call(w, args.shape, args.batch, args.context, args.block_in, args.rows,
+                                  int8_convert=args.int8_convert)
         for attrs, module in triton_modules(fn, fn_args):
-            r = assemble(module, attrs["num_warps"], attrs["num_stages"])
+            r = assemble(module, attrs["num_warps"], attrs["num_stages"], sass=args.sass)
             programs = attrs["grid_x"] * attrs["grid_y"] * attrs["grid_z"]
             blocks, waves = occupancy(r["regs"], attrs["num_warps"], programs)
+            loop = r["loop"] or dict(length="-", ops={})
+            loop_row = (f" {loop['length']} | {' '.join(f'{k} {v}' for k, v in loop['ops'].items())} |"
+                        if args.sass else "")
             print(f"| {w} | {attrs['name']} | {attrs['num_warps']} | {attrs['num_stages']} | {programs:,} | "
-                  f"{r['regs']} | {r['spill_stores']} | {r['smem']:,} | {blocks} | {waves:.2f} |", flush=True)
+                  f"{r['regs']} | {r['spill_stores']} | {r['smem']:,} | {blocks} | {waves:.2f} |" + loop_row,
+                  flush=True)
 
 
 if __name__ == "__main__":

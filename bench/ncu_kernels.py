@@ -168,14 +168,18 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
               "attention": "paged_decode_attention (split kernel and merge)",
               "attention-rope": "decode_attention_rope_write (the engine's: q/k norm, RoPE, cache write, split "
               "kernel and merge)", "skinny": "skinny_gemm (QKV)", "skinny-gate-up": "skinny_gemm with SwiGLU",
-              "skinny-down": "skinny_gemm with the residual (down)"}
+              "skinny-down": "skinny_gemm with the residual (down)",
+              "grouped-gate-up": "grouped_gemm with SwiGLU (a mixture of experts' gate/up; B rows over the experts)",
+              "grouped-down": "grouped_gemm (a mixture of experts' down; B rows over the experts)"}
 
 
 def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | None = None, rows: int | None = None,
-                interpret: bool = False):
+                interpret: bool = False, int8_convert: str | None = None):
     """(fn, args): one kernel family (ONE_KERNEL) at `shape`'s sizes for B rows, as a function of its arrays. An arg
     is a jax.ShapeDtypeStruct (any values do: fill it at random) or a small concrete array (page tables, lengths,
-    slots, angles). block_in / rows: a GEMV's, instead of the engine's."""
+    slots, angles). block_in / rows: a GEMV's, instead of the engine's. int8_convert: the attention workloads on an
+    int8 cache (values and scales) with that conversion (decode_attention.int8_to). The grouped workloads spread the
+    B rows evenly over a mixture of experts' experts (the shape must have them)."""
     import jax
     import jax.numpy as jnp
 
@@ -197,20 +201,37 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
         cache = spec(1, K, B * pages * page, hd)
         table = jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages)
         lens = jnp.full((B,), context + 1, jnp.int32)
+        int8 = [] if int8_convert is None else [jax.ShapeDtypeStruct(cache.shape[:-1], jnp.float32)] * 2
+        if int8:
+            cache = jax.ShapeDtypeStruct(cache.shape, jnp.int8)
+        quantized = (lambda scales: dict(k_scale=scales[0], v_scale=scales[1], int8_convert=int8_convert)) \
+            if int8 else (lambda scales: {})
         if name == "attention":
-            def fn(q, kc, vc, table, lens):
+            def fn(q, kc, vc, table, lens, *scales):
                 return paged_decode_attention(q, kc, vc, jnp.int32(0), table, lens, page, hd ** -0.5,
-                                              interpret=interpret)
-            return fn, [spec(B, H, hd), cache, cache, table, lens]
+                                              interpret=interpret, **quantized(scales))
+            return fn, [spec(B, H, hd), cache, cache, table, lens, *int8]
         slot = table[:, context // page] * page + context % page
         angles = jnp.linspace(0, 3, B * hd, dtype=jnp.float32).reshape(B, hd)
 
-        def fn(qkv, cos, sin, qn, kn, kc, vc, slot, table, lens):
+        def fn(qkv, cos, sin, qn, kn, kc, vc, slot, table, lens, *scales):
             return decode_attention_rope_write(qkv, cos, sin, qn, kn, kc, vc, jnp.int32(0), slot, table, lens,
                                                page_size=page, scale=hd ** -0.5, num_heads=H, num_kv_heads=K,
-                                               interpret=interpret)[0]
+                                               interpret=interpret, **quantized(scales))[0]
         return fn, [spec(B, (H + 2 * K) * hd), jnp.cos(angles), jnp.sin(angles), spec(1, hd), spec(1, hd), cache,
-                    cache, slot, table, lens]
+                    cache, slot, table, lens, *int8]
+    if name.startswith("grouped"):   # B rows sorted by expert, spread evenly, one layer's stacked experts
+        from jaxinfer.pallas.grouped_gemm import choose_config, grouped_gemm, sorted_items
+
+        E, I = cfg.num_experts, cfg.moe_intermediate_size
+        sizes = jnp.full((E,), B // E, jnp.int32).at[: B % E].add(1)
+        epilogue = "swiglu" if name == "grouped-gate-up" else "none"
+        n_out, n_in = (2 * I, D) if epilogue == "swiglu" else (D, I)
+        block_m = choose_config(B / E, n_out, n_in, epilogue).block_m   # the kernel's own config for B / E rows
+
+        def fn(x, w):
+            return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret)
+        return fn, [spec(B, n_in), spec(1, E, n_out, n_in)]
     n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
                    "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
                    "skinny": (cfg.q_size + 2 * cfg.kv_size, D), "skinny-gate-up": (2 * cfg.intermediate_size, D),

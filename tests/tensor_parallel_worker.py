@@ -6,7 +6,8 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
     python tests/tensor_parallel_worker.py one OPS FAMILY...    two prompts one at a time at TP 1, then TP 2 on split
                                                                 layers
     python tests/tensor_parallel_worker.py quantized            8-bit models' logits at TP 1, 2, 4 and 8, their layout
-    python tests/tensor_parallel_worker.py quantized-greedy     8-bit models' greedy tokens on the Pallas kernels, TP 1, 2
+    python tests/tensor_parallel_worker.py quantized-greedy     8-bit models' greedy tokens on the Pallas kernels, TP 1
+                                                                and 2
     python tests/tensor_parallel_worker.py settings             sampled, n-gram speculation, int8 KV cache, split layers
     python tests/tensor_parallel_worker.py features             prefix cache, preemption, structured output, penalties,
                                                                 logprobs, float8 and int8 caches, at TP 1 and 2

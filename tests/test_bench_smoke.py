@@ -269,6 +269,28 @@ def test_kernel_registers_finds_each_kernels_triton_module():
     assert names == ["decode_attention_rope_split", "decode_attention_merge"]
 
 
+def test_kernel_registers_new_workloads_lower_and_sass_loops_read_a_loop():
+    """The grouped GEMM workloads (B rows over Mixtral's experts) and the attention workloads on an int8 cache lower
+    to their Triton modules; sass_loops finds a backward branch's body in cuobjdump's format and counts its opcodes
+    without predicates or modifiers."""
+    from bench.kernel_registers import sass_loops, triton_modules
+    from bench.ncu_kernels import kernel_call
+
+    names = [a["name"] for a, _ in triton_modules(*kernel_call("grouped-down", "mixtral-8x7b", 256, 0))]
+    assert names == ["grouped_gemm_none"]
+    found = triton_modules(*kernel_call("attention-rope", "qwen3-4b", 1, 32767, int8_convert="prmt-staged"))
+    assert found[0][0]["name"] == "decode_attention_rope_split" and "xi8" in found[0][1]
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0020*/               @P0 LDS.U8 R2, [R3] ;
+        /*0030*/                   LDS.U8 R5, [R3+0x1] ;
+        /*0040*/               @P1 BRA 0x10 ;
+        /*0050*/                   EXIT ;
+    """
+    assert sass_loops(sass) == [dict(length=4, ops={"LDS": 2, "HMMA": 1, "BRA": 1})]
+
+
 def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
     """prefill_dispatch's hopper-fastest variant: each of hopper_gemm's table rows (a measured row count) takes the
     config that ran fastest and right in bench/kernels/hopper_gemm.py's JSON; rows it did not time keep theirs."""

@@ -1,5 +1,6 @@
-"""FP8 W8A8 (ops.pallas.w8a8_product), and INT8 W8A8 (int8_w8a8_product) at the end: each row of x quantized to e4m3 with a scale of its own, the product of fp8
-operands summed in float32, then the row's and the output channel's scales. Against a float64 numpy reference
+"""FP8 W8A8 (ops.pallas.w8a8_product), and INT8 W8A8 (int8_w8a8_product) at the end: each row of x quantized to
+e4m3 with a scale of its own, the product of fp8 operands summed in float32, then the row's and the output
+channel's scales. Against a float64 numpy reference
 (the same rounding of x, ml_dtypes' e4m3 cast) and against the exact product within the e4m3 rounding bound, at
 several shapes; stacked LayerWeights and ops.pallas's routing by tables.FP8_W8A8_ROWS; the activation
 quantization's fusions in the CPU's HLO; and an engine generating on stories260k with prompt rows in W8A8, its
@@ -242,7 +243,8 @@ def int8_w8a8_float64(x, q: QuantizedWeight) -> tuple[np.ndarray, np.ndarray]:
     xq = np.round(np.clip(xf * (np.float32(127) / amax), -127, 127)).astype(np.int64)
     sums = xq @ np.asarray(q.values, np.int64).T   # exact
     w = np.asarray(q.values, np.float64) * np.asarray(q.scale, np.float64)[:, None]
-    return sums * (amax.astype(np.float64) / 127) * np.asarray(q.scale, np.float64)[None, :], xf.astype(np.float64) @ w.T
+    row, col = amax.astype(np.float64) / 127, np.asarray(q.scale, np.float64)[None, :]
+    return sums * row * col, xf.astype(np.float64) @ w.T
 
 
 @pytest.mark.parametrize("dtype", [bf16, f32])

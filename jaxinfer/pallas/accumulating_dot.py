@@ -2,7 +2,7 @@
 
 Pallas lowers `acc + jax.lax.dot_general(a, b)` to a `tt.dot` into zeros made by `tt.splat` and an `arith.addf`.
 Triton's combine pass folds `addf(acc, dot(a, b, 0))` into `dot(a, b, acc)` only when it recognises the zeros, and
-it does not recognise a splat (Triton 3.6, compiled offline by experiments/triton_offline.py). So each K step of a
+it does not recognise a splat (Triton 3.6, compiled offline by bench/kernel_registers.py --sass). So each K step of a
 Pallas Triton GEMM waits for its wgmma to finish (`warp_group_dot_wait` with no pending group), then adds the fresh
 product tile into the accumulator with one FADD an element, in twice the accumulator registers: the grouped GEMM's
 loop at Mixtral's shapes is 155 SASS instructions a warp against 91 with the accumulator given to the dot, 158

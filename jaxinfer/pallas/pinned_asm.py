@@ -6,7 +6,7 @@ conversion to the MMA operand's layout (moving bytes is cheaper than moving halv
 from shared memory straight into the operand's registers. Where the operand's reduction axis is the tile's strided
 one (the V tile of p @ v: four consecutive positions a register) that is one `LDS.U8` a byte and permutes to pack
 them: the H200's int8 decode attention loop spent ~450 of its ~1,470 instructions a block there
-(experiments/triton_offline.py). `pinned_inline_asm` lowers the same PTX as not pure, so it stays in the layout
+(bench/kernel_registers.py --sass). `pinned_inline_asm` lowers the same PTX as not pure, so it stays in the layout
 the tile was loaded in (vectorized) and Triton stages the float16 tile through shared memory to the MMA
 (`ldmatrix`), as it does for bf16 pages.
 
