@@ -44,6 +44,8 @@ def test_accumulating_dot_is_acc_plus_the_product(into_accumulator, dtype):
                                      precision=jax.lax.Precision.HIGHEST)
     off, on = _both(into_accumulator, lambda: jax.jit(lambda a, b, c: accumulating_dot(a, b, c, dims))(a, b, acc))
     np.testing.assert_array_equal(off, on)
+    eager = _both(into_accumulator, lambda: accumulating_dot(a, b, acc, dims))   # the primitive's own impl
+    np.testing.assert_array_equal(eager[1], on)
     np.testing.assert_allclose(on, want, rtol=1e-5, atol=1e-4)
 
 

@@ -18,8 +18,6 @@ on (off until a GPU run measures it).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax._src import core as jax_core
@@ -42,7 +40,7 @@ def _abstract_eval(a, b, acc, *, dims):
     return jax_core.ShapedArray(acc.shape, acc.dtype)
 
 
-accumulating_dot_p.def_impl(functools.partial(jax.jit, _reference, static_argnames="dims"))
+accumulating_dot_p.def_impl(_reference)
 mlir.register_lowering(accumulating_dot_p, mlir.lower_fun(_reference, multiple_results=False))
 
 
