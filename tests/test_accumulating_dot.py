@@ -76,31 +76,21 @@ def test_kernels_give_the_same_bits_either_way_in_interpret_mode(into_accumulato
     np.testing.assert_array_equal(off, on)
 
 
-def _grouped_ttir(monkeypatch) -> str:
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
+def _grouped_ttir() -> str:
+    from bench.kernel_registers import triton_modules
 
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    modules = []
-    real = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
-
-    def lower(*a, **k):
-        result = real(*a, **k)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower)
     s = jax.ShapeDtypeStruct
-    jax.jit(lambda x, w, items: grouped_gemm(x, w, items)).trace(
-        s((1024, 512), jnp.bfloat16), s((1, 8, 256, 512), jnp.bfloat16), s((24, 3), jnp.int32)).lower(
-        lowering_platforms=("cuda",))
-    return modules[0]
+    fn = lambda x, w, items: grouped_gemm(x, w, items)
+    ((_, module),) = triton_modules(fn, [s((1024, 512), jnp.bfloat16), s((1, 8, 256, 512), jnp.bfloat16),
+                                         s((24, 3), jnp.int32)])
+    return module
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_grouped_gemm_dot_accumulates_into_the_loop_sums(monkeypatch, into_accumulator, on):
+def test_grouped_gemm_dot_accumulates_into_the_loop_sums(into_accumulator, on):
     into_accumulator(on)
     jax.clear_caches()
-    ttir = _grouped_ttir(monkeypatch)
+    ttir = _grouped_ttir()
     splats = set(re.findall(r"(%\w+) = tt\.splat", ttir))
     accumulators = re.findall(r"= tt\.dot %\w+, %\w+, (%\w+)", ttir)
     assert len(accumulators) == 1

@@ -293,30 +293,19 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
 
 
 @pytest.mark.parametrize("convert,pure", [("prmt", "true"), ("prmt-staged", "false")])
-def test_staged_conversion_is_inline_ptx_triton_may_not_move(monkeypatch, convert, pure):
+def test_staged_conversion_is_inline_ptx_triton_may_not_move(convert, pure):
     """"prmt-staged" lowers prmt's PTX as not pure (pallas/pinned_asm.py), so Triton converts the tile where it was
     loaded and stages the float16 tile to the MMA; "prmt" stays pure. Checked in the split kernel's Triton IR."""
-    from jax._src.pallas.triton import gpu_info, pallas_call_registration
-
+    from bench.kernel_registers import triton_modules
     from jaxinfer.pallas import decode_attention as DA
 
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    modules = []
-    real = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
-
-    def lower(*a, **k):
-        result = real(*a, **k)
-        modules.append(result.module.operation.get_asm())
-        return result
-
-    monkeypatch.setattr(pallas_call_registration.lowering, "lower_jaxpr_to_triton_module", lower)
     sd = jax.ShapeDtypeStruct
     values, scales = sd((1, 8, 1024, 128), jnp.int8), sd((1, 8, 1024), jnp.float32)
     fn = lambda q, k, v, ks, vs, pt, cl: DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.088, k_scale=ks,
                                                                    v_scale=vs, int8_convert=convert)
-    jax.jit(fn).trace(sd((1, 32, 128), jnp.bfloat16), values, values, scales, scales, sd((1, 64), jnp.int32),
-                      sd((1,), jnp.int32)).lower(lowering_platforms=("cuda",))
-    asm = [line for line in modules[0].splitlines() if "tt.elementwise_inline_asm" in line]
+    (_, split), *_ = triton_modules(fn, [sd((1, 32, 128), jnp.bfloat16), values, values, scales, scales,
+                                         sd((1, 64), jnp.int32), sd((1,), jnp.int32)])
+    asm = [line for line in split.splitlines() if "tt.elementwise_inline_asm" in line]
     assert len(asm) == 2 and all(f"pure = {pure}" in line for line in asm), asm
 
 
