@@ -302,7 +302,10 @@ def test_bench_structured_cpu_smoke(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads((tmp_path / "structured.json").read_text())
     assert out["end_to_end"]["json schema each"]["tokens"] == out["end_to_end"]["unconstrained"]["tokens"] == 8
-    assert out["end_to_end"]["json schema each"]["mask_ms_per_step"] > 0 and out["device"]["masked"] > 0
+    # the mask time a step is a difference of two runs' llguidance times (0.1-4 ms a fill with the machine's load):
+    # any sign on a loaded 2-core machine; without constraints no mask is filled at all
+    assert out["end_to_end"]["unconstrained"]["mask_ms_per_step"] == 0
+    assert np.isfinite(out["end_to_end"]["json schema each"]["mask_ms_per_step"]) and out["device"]["masked"] > 0
 
 
 def test_generate_command_takes_a_constraint(tmp_path):
