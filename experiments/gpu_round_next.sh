@@ -79,7 +79,8 @@ dataclasses.replace(c, num_stages=2) if (sh, span) == (8, _BIG) else c) for sh, 
     ON="python3 experiments/with_tables.py DOT_INTO_ACCUMULATOR=True --"
     if [ "$1" = 8 ]; then
       PYTEST=$(python3 -c 'import os, pytest; print(os.path.join(os.path.dirname(pytest.__file__), "__main__.py"))')
-      TAIL=20 step acc_tests 300 $ON "$PYTEST" -q -o addopts= -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py \
+      TAIL=20 step acc_tests 300 $ON "$PYTEST" -q -o addopts= -p no:cacheprovider tests/gpu/test_accumulating_dot_gpu.py \
+           tests/gpu/test_grouped_gemm_gpu.py \
            tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_decode_attention_rope_gpu.py tests/gpu/test_parity_gpu.py
       for v in off on; do
         R=python3 P=pallas; [ "$v" = on ] && R=$ON P="pallas hf"   # transformers beside the "on" run
