@@ -122,7 +122,7 @@ def quantized() -> None:
     ops = get_ops("reference")
     is_q = lambda a: isinstance(a, QuantizedWeight)
     for family, fmt in QUANTIZED:
-        d = model_dir(family) if family in (NARROWED, "stories260k") else MODELS / family
+        d = model_dir(family)
         cfg = load_config(d)
         ids = np.random.default_rng(len(family)).integers(0, cfg.vocab_size, 21)
         ref = np.asarray(prompt_logits(cfg, ops, load_params(d, cfg, progress=False, quantization=fmt), ids))

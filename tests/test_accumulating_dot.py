@@ -13,6 +13,7 @@ import pytest
 from jaxinfer.pallas import decode_attention as DA
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.accumulating_dot import accumulating_dot
+from jaxinfer.pallas.blocks import dot_precision
 from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
 from jaxinfer.pallas.skinny_gemm import skinny_gemm
 
@@ -40,11 +41,13 @@ def test_accumulating_dot_is_acc_plus_the_product(into_accumulator, dtype):
     b = jax.random.normal(kb, (24, 32), dtype)
     acc = jax.random.normal(kc, (16, 24), jnp.float32)
     dims = (((1,), (1,)), ((), ()))
+    prec = dot_precision(dtype)
     want = acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32,
                                      precision=jax.lax.Precision.HIGHEST)
-    off, on = _both(into_accumulator, lambda: jax.jit(lambda a, b, c: accumulating_dot(a, b, c, dims))(a, b, acc))
+    off, on = _both(into_accumulator, lambda: jax.jit(
+        lambda a, b, c: accumulating_dot(a, b, c, dims, precision=prec))(a, b, acc))
     np.testing.assert_array_equal(off, on)
-    eager = _both(into_accumulator, lambda: accumulating_dot(a, b, acc, dims))   # the primitive's own impl
+    eager = _both(into_accumulator, lambda: accumulating_dot(a, b, acc, dims, precision=prec))   # the primitive's impl
     np.testing.assert_array_equal(eager[1], on)
     np.testing.assert_allclose(on, want, rtol=1e-5, atol=1e-4)
 

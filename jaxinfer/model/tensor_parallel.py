@@ -239,8 +239,7 @@ def quantize_sharded(w: jax.Array, rule: Rule, fmt: str, mesh: Mesh) -> Quantize
     """A float matrix (stack) laid out for the mesh by load_sharded, quantized in place as ops.quantized.quantize
     quantizes (each row's scale from the whole row: an all-reduce of its max where columns are split)."""
     vspec = spec(rule.shard, w.ndim - 2)
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), quantized_specs(vspec, QuantizedWeight(
-        w, jax.ShapeDtypeStruct(w.shape[:-1], jnp.float32))))
+    shardings = QuantizedWeight(NamedSharding(mesh, vspec), NamedSharding(mesh, scale_spec(vspec, w.ndim - 1, None)))
     return jax.jit(functools.partial(quantize, fmt=fmt), out_shardings=shardings)(w)
 
 

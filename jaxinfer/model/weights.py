@@ -349,13 +349,17 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
         return [(resolve(src.format(**names)), read(src.format(**names), shape, rule.transpose))
                 for src, shape in zip(rule.sources, rule.shapes(cfg))]
 
+    def checkpoint_matrix(rule: Rule, **names):   # the checkpoint's 8-bit matrix on the host, experts stacked
+        if rule.per_expert:
+            return quantize.stack_experts([quantize.read_joined(parts(rule, **names, e=e), find, quant.checkpoint)
+                                           for e in range(cfg.num_experts)])
+        return quantize.read_joined(parts(rule, **names), find, quant.checkpoint)
+
     def quantized_experts(rule: Rule, i: int):   # layer i's [E, N, K] experts, quantized on the device or read
         if quant.at_load:
             experts = _fill_layer(rule, cfg, read, i, np.empty((cfg.num_experts, *_rows_shape(rule, cfg)), np_dtype))
             return quantize.quantize(jax.device_put(experts), quant.at_load)
-        return jax.device_put(quantize.stack_experts([quantize.read_joined(parts(rule, i=i, e=e), find,
-                                                                           quant.checkpoint)
-                                                      for e in range(cfg.num_experts)]))
+        return jax.device_put(checkpoint_matrix(rule, i=i))
 
     def quantized_layer(rule: Rule, i: int | None):
         return quantize.quantized_matrix(parts(rule, i=i), quant, find)
@@ -365,12 +369,7 @@ def load_params(model_dir: str | Path, cfg: ModelConfig, progress: bool = True, 
             if quant.at_load:
                 return tensor_parallel.quantize_sharded(tensor_parallel.load_sharded(r, cfg, read, np_dtype, mesh),
                                                         r, quant.at_load, mesh)
-            if r.per_expert:
-                q = quantize.stack_experts([quantize.read_joined(parts(r, e=e), find, quant.checkpoint)
-                                            for e in range(cfg.num_experts)])
-            else:
-                q = quantize.read_joined(parts(r), find, quant.checkpoint)
-            return tensor_parallel.place_quantized(q, r, cfg, mesh)
+            return tensor_parallel.place_quantized(checkpoint_matrix(r), r, cfg, mesh)
 
         return tensor_parallel.load_quantized(rule, cfg, one, per_layer)
 

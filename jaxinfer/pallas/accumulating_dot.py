@@ -55,12 +55,12 @@ def _triton_lowering(ctx, a, b, acc, *, dims):
     return tt_dialect.dot(a, b, acc)
 
 
-def accumulating_dot(a: jax.Array, b: jax.Array, acc: jax.Array, dims=(((1,), (0,)), ((), ()))) -> jax.Array:
-    """acc + a . b contracted as `dims` (dot_general's, no batch axes), a and b 2-D of one 16-bit dtype, acc
-    float32 [M, N]: one Triton dot into acc where tables.DOT_INTO_ACCUMULATOR says so, else the sum of a
-    dot_general into zeros and acc (see the module docstring)."""
+def accumulating_dot(a: jax.Array, b: jax.Array, acc: jax.Array, dims=(((1,), (0,)), ((), ())), *,
+                     precision=None) -> jax.Array:
+    """acc + a . b contracted as `dims` (dot_general's, no batch axes), acc float32 [M, N]: one Triton dot into acc
+    where tables.DOT_INTO_ACCUMULATOR says so and a, b are of one 16-bit dtype, else the sum of a dot_general at
+    `precision` (blocks.dot_precision's) into zeros and acc (see the module docstring)."""
     if (not tables.DOT_INTO_ACCUMULATOR or a.dtype != b.dtype
             or jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
-        precision = jax.lax.Precision.HIGHEST if jnp.dtype(a.dtype) == jnp.dtype(jnp.float32) else None
         return acc + jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
     return accumulating_dot_p.bind(a, b, acc, dims=dims)

@@ -145,11 +145,7 @@ def online_softmax_update(acc, m, l, sc, v, prec):
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(sc - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    if prec is None:   # 16-bit operands: the product accumulated into the rescaled acc (accumulating_dot)
-        return accumulating_dot(p.astype(v.dtype), v, acc * alpha[:, None]), m_new, l
-    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)
-    return acc * alpha[:, None] + pv, m_new, l
+    return accumulating_dot(p.astype(v.dtype), v, acc * alpha[:, None], precision=prec), m_new, l
 
 
 def layer_operands(layer, vector_layer=None) -> tuple[jax.Array, jax.Array]:

@@ -151,7 +151,7 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
         ka, kb, v = convert(ka), convert(kb), convert(v)
         dims = (((1,), (1,)), ((), ()))
         sc = jax.lax.dot_general(q1c, ka, dims, precision=prec, preferred_element_type=f32)
-        sc = accumulating_dot(q2c, kb, sc, dims)   # + q2 . kb (one dot into the first's sums)
+        sc = accumulating_dot(q2c, kb, sc, dims, precision=prec)   # + q2 . kb (one dot into the first's sums)
         if not quantized:
             sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
             return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)

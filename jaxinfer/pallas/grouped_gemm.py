@@ -141,7 +141,7 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
                 if ws_ref is not None:   # 8-bit values: exact in x's dtype
                     w = w.astype(x.dtype)
                 if w_block is None:
-                    out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ()))))
+                    out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ())), precision=prec))
                     continue
                 prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
                 bo, bi = w_block   # this depth tile's block scale of each column (the tile in one block)

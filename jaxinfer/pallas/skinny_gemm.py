@@ -143,7 +143,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
             if w_scaled:   # exact: int8 through float32 as the GEMV converts it (tables.GEMV_INT8_CONVERT)
                 w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
             if w_block is None:
-                out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ()))))
+                out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ())), precision=prec))
                 continue
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
             bo, bi = w_block   # the tile's block scales, one a row of W
