@@ -19,7 +19,6 @@ before jax starts, so the other tests' processes keep theirs). Prints one JSON l
 import atexit
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
