@@ -23,7 +23,7 @@ the same kernels casting reads back to bf16), the bytes and bandwidth counted at
 what fills tables.DECODE_ATTENTION_FP8. --points B:ctx ... replaces the sweep's points.
 --kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector, the
 kernels taking values and scales as operands; the reference op reading the dequantized rows), the bytes counted at
-1 a value + 4 a vector; --int8-convert cvt|bits picks the kernels' int8 conversion
+1 a value + 4 a vector; --int8-convert (blocks.INT8_CONVERTS) picks the kernels' int8 conversion
 (tables.DECODE_ATTENTION_INT8_CONVERT; default the table's). Int8 pages take the float8 table (1-byte pages); the sweep's best fills a table of their own
 where they differ.
 --query-dtype float16: queries (and so the kernels' compute dtype, which pages are cast to) in float16
@@ -49,6 +49,7 @@ from jaxinfer.model.kv_cache import KV_CACHE_DTYPES, to_cache
 from jaxinfer.ops import reference
 from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
 from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas.blocks import INT8_CONVERTS
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 PS = 16
@@ -272,7 +273,7 @@ def main():
     ap = argparse.ArgumentParser()
     add_sweep_args(ap, budget=120.0)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"])
-    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt"], help="int8 pages: the conversion")
+    ap.add_argument("--int8-convert", default=None, choices=INT8_CONVERTS, help="int8 pages: the conversion")
     ap.add_argument("--points", nargs="*", default=None, help="the sweep's points as B:ctx")
     ap.add_argument("--query-dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = ap.parse_args()

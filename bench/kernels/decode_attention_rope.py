@@ -14,8 +14,8 @@ reference twin (reference.decode_qkv_attention) before it counts. Prints per poi
 with the share of the HBM read ceiling (the KV bytes the batch must read / time). JSON to $OUT.
 
 --kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector: the
-bytes counted at 1 a value + 4 a vector), the reference twin on the same QuantizedCache; --int8-convert cvt|bits the
-kernel's int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). The table's choice is the 1-byte pages' one.
+bytes counted at 1 a value + 4 a vector), the reference twin on the same QuantizedCache; --int8-convert
+(blocks.INT8_CONVERTS) the kernel's int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). The table's choice is the 1-byte pages' one.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from bench.kernels.kernel_timing import log, rel_err, save_results
 from jaxinfer.ops import reference
 from jaxinfer.ops.quantized_cache import QuantizedCache, quantize
 from jaxinfer.pallas import decode_attention as DA
+from jaxinfer.pallas.blocks import INT8_CONVERTS
 from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -183,7 +184,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
-    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
+    ap.add_argument("--int8-convert", default=None, choices=INT8_CONVERTS)
     args = ap.parse_args()
     global INT8, INT8_CONVERT, VECTOR_BYTES
     INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert
