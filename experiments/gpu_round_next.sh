@@ -14,11 +14,14 @@
 #   part 8 (issues 43, 39): the K loops' products accumulated inside the dot (tables.DOT_INTO_ACCUMULATOR): the
 #          kernels' GPU tests with it on, then Mixtral-8x7B@8 1k prefill (and Qwen3-4B 1k / 8k) off and on, one
 #          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
+#   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
+#          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B and Llama-3-8B
+#          batch 1, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|3|4|5|6|7|8|9|10
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|11
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -107,6 +110,12 @@ dataclasses.replace(c, num_stages=2) if (sh, span) == (8, _BIG) else c) for sh, 
       step "int8w8a8_batch64_$v" 200 $R bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 \
            --steps 32 --decode-only --lazy-compile --quantization int8 --out "$OUT"
     done
+    ;;
+  11)   # the gate/up GEMV at its measured block_in, keyed as block_in_for looks it up (the gate rows)
+    D="bench/decode.py --shapes qwen3-4b llama3-8b --long --paths pallas --prompt 1024 --new 128 --out $OUT"
+    W="python3 experiments/with_tables.py"
+    TAIL=6 step gateup_block_default 240 $W -- $D
+    TAIL=6 step gateup_block_512 240 $W 'GEMV_BLOCK_IN[(9728, 2560)] = 512' 'GEMV_BLOCK_IN[(14336, 4096)] = 512' -- $D
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
