@@ -66,15 +66,22 @@ case "${1:-1}" in
     TAIL=60 step moe_kernels_fp8 280 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 64 1024 \
          --format fp8 --out "$OUT"
     ;;
-  7)   # int8 pages converted where loaded and staged to the MMA in float16; 2 stages at batch 1 past 1k (3 stages
-       # would need 137 KB of shared memory: one program an SM)
+  7)   # int8 pages converted where loaded and staged to the MMA in float16; the table's batch-1 row past 1k (32x128,
+       # 3 stages) would need 137 KB of shared memory (one program an SM), so the step takes the sweep's best
     step staged_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_kv_cache_int8_gpu.py -k "prmt"
     for c in prmt prmt-staged; do
       TAIL=30 step "kernel_$c" 120 python3 bench/kernels/decode_attention_rope.py --points 1:32768 8:2048 \
            --kv-cache-dtype int8 --int8-convert "$c" --budget 40
     done
+    # the step at the staged sweep's best config at batch 1, 32k (its JSON, written last); 2 stages if none
+    BEST=$(python3 -c 'import json, sys; p = next(p for p in json.load(open(sys.argv[1]))["points"] if p["B"] == 1)
+r = min((r for r in p["rows"] if r["ok"]), key=lambda r: r["us"])["cfg"]
+print("SplitConfig(%d, %d, num_warps=%d, num_stages=%d)" % tuple(r[k] for k in ("num_splits", "block_k", "num_warps",
+                                                                              "num_stages")))' \
+         "$OUT/decode_attention_rope.json" 2>/dev/null || echo "dataclasses.replace(c, num_stages=2)")
+    echo "## staged step's batch-1 config: $BEST"
     STAGED=("DECODE_ATTENTION_INT8_CONVERT = 'prmt-staged'" "DECODE_ATTENTION_INT8 = [(sh, span, \
-dataclasses.replace(c, num_stages=2) if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
+$BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
     step staged_step32k 300 python3 experiments/with_tables.py "${STAGED[@]}" -- bench/decode.py --shapes --long \
          qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
     ;;
