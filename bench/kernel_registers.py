@@ -11,7 +11,8 @@ Prints per kernel: warps, stages, grid, registers, spills, shared memory, the bl
 backward branch's body): instructions a warp an iteration and the most frequent opcodes, what a kernel bound by its
 instructions spends them on (2026-12-04: the int8 decode attention's V tile loaded a byte an LDS.U8; every Pallas
 GEMM's product added to its accumulator by FADDs after waiting for its wgmma).
---int8-convert C: the attention workloads on an int8 cache with conversion C; --dot-into-accumulator: with
+--int8-convert C: the attention workloads on an int8 cache with conversion C; --weights int8|fp8: the GEMV, skinny
+and grouped workloads on 8-bit weights (as the engine's ops call them); --dot-into-accumulator: with
 tables.DOT_INTO_ACCUMULATOR on (pallas/accumulating_dot.py).
 XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--block-in", type=int, default=None)
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "int8", "fp8"],
+                    help="the GEMV, skinny and grouped workloads' weights (8-bit: a scale an output channel)")
     ap.add_argument("--dot-into-accumulator", action="store_true")
     ap.add_argument("--sass", action="store_true", help="also each kernel's main loop (cuobjdump -sass)")
     args = ap.parse_args()
@@ -135,6 +138,7 @@ def main() -> None:
         tables.DOT_INTO_ACCUMULATOR = True
     print(f"{args.shape}, batch {args.batch}, context {args.context}"
           + (f", block_in {args.block_in}" if args.block_in else "") + (f", rows {args.rows}" if args.rows else "")
+          + (f", {args.weights} weights" if args.weights != "bf16" else "")
           + (f", int8 cache ({args.int8_convert})" if args.int8_convert else "")
           + (", dot into the accumulator" if args.dot_into_accumulator else ""))
     loop_cols = " main loop SASS a warp | its opcodes |" if args.sass else ""
@@ -143,7 +147,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.sass else ""))
     for w in args.workloads:
         fn, fn_args = kernel_call(w, args.shape, args.batch, args.context, args.block_in, args.rows,
-                                  int8_convert=args.int8_convert)
+                                  int8_convert=args.int8_convert, weights=args.weights)
         for attrs, module in triton_modules(fn, fn_args):
             r = assemble(module, attrs["num_warps"], attrs["num_stages"], sass=args.sass)
             programs = attrs["grid_x"] * attrs["grid_y"] * attrs["grid_z"]

@@ -174,19 +174,21 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
 
 
 def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | None = None, rows: int | None = None,
-                interpret: bool = False, int8_convert: str | None = None):
+                interpret: bool = False, int8_convert: str | None = None, weights: str = "bf16"):
     """(fn, args): one kernel family (ONE_KERNEL) at `shape`'s sizes for B rows, as a function of its arrays. An arg
     is a jax.ShapeDtypeStruct (any values do: fill it at random) or a small concrete array (page tables, lengths,
     slots, angles). block_in / rows: a GEMV's, instead of the engine's. int8_convert: the attention workloads on an
-    int8 cache (values and scales) with that conversion (decode_attention.int8_to). The grouped workloads spread the
-    B rows evenly over a mixture of experts' experts (the shape must have them)."""
+    int8 cache (values and scales) with that conversion (decode_attention.int8_to). weights "int8" / "fp8": the
+    GEMV, skinny and grouped workloads on 8-bit values with a scale an output channel, with the block_in, rows, warps
+    and conversion the engine's ops give them. The grouped workloads spread the B rows evenly over a mixture of
+    experts' experts (the shape must have them)."""
     import jax
     import jax.numpy as jnp
 
     from jaxinfer.model.config import config_from_hf
     from jaxinfer.pallas.decode_attention import paged_decode_attention
     from jaxinfer.pallas.decode_attention_rope import decode_attention_rope_write
-    from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, rows_for
+    from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
     from jaxinfer.pallas.skinny_gemm import skinny_gemm
     from bench.random_model import SHAPES
 
@@ -195,6 +197,13 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
 
     def spec(*dims):
         return jax.ShapeDtypeStruct(dims, jnp.bfloat16)
+
+    w_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[weights]
+
+    def weight_specs(*dims):   # the values, and their scales (one an output channel) where 8-bit
+        if weights == "bf16":
+            return [spec(*dims)]
+        return [jax.ShapeDtypeStruct(dims, w_dtype), jax.ShapeDtypeStruct(dims[:-1], jnp.float32)]
 
     if name.startswith("attention"):   # B rows at position `context`, each with its own pages of the cache
         page, pages = 16, -(-(context + 1) // 16)
@@ -229,25 +238,32 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
         n_out, n_in = (2 * I, D) if epilogue == "swiglu" else (D, I)
         block_m = choose_config(B / E, n_out, n_in, epilogue).block_m   # the kernel's own config for B / E rows
 
-        def fn(x, w):
-            return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret)
-        return fn, [spec(B, n_in), spec(1, E, n_out, n_in)]
+        def fn(x, w, *w_scale):
+            return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret,
+                                w_scale=w_scale[0] if w_scale else None)
+        return fn, [spec(B, n_in), *weight_specs(1, E, n_out, n_in)]
     n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
                    "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
                    "skinny": (cfg.q_size + 2 * cfg.kv_size, D), "skinny-gate-up": (2 * cfg.intermediate_size, D),
                    "skinny-down": (D, cfg.intermediate_size)}[name]
     rows_out = n_out // 2 if name in ("gate-up", "skinny-gate-up") else n_out   # SwiGLU: keyed by gate rows
-    gemv = dict(block_in=block_in or block_in_for(rows_out, n_in, jnp.bfloat16), rows=rows or rows_for(rows_out, n_in),
-                interpret=interpret)
-    fns = {"qkv": lambda x, w, v: fused_gemv(x, w, 0, scale=v, **gemv),
-           "gate-up": lambda x, w, v: fused_gemv(x, w, 0, scale=v, epilogue="swiglu", **gemv),
-           "o-proj": lambda x, w, v: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv),
-           "down": lambda x, w, v: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv),
-           "skinny": lambda x, w, v: skinny_gemm(x, w, 0, interpret=interpret),
-           "skinny-gate-up": lambda x, w, v: skinny_gemm(x, w, 0, epilogue="swiglu", interpret=interpret),
-           "skinny-down": lambda x, w, v: skinny_gemm(x, w, 0, residual=v, epilogue="residual", interpret=interpret)}
+    gemv = dict(block_in=block_in or block_in_for(rows_out, n_in, w_dtype),
+                rows=rows or rows_for(rows_out, n_in, w_dtype), num_warps=warps_for(rows_out, n_in, w_dtype),
+                int8_convert=int8_convert_for(rows_out, n_in) if weights == "int8" else None, interpret=interpret)
+    fns = {"qkv": lambda x, w, v, **q: fused_gemv(x, w, 0, scale=v, **gemv, **q),
+           "gate-up": lambda x, w, v, **q: fused_gemv(x, w, 0, scale=v, epilogue="swiglu", **gemv, **q),
+           "o-proj": lambda x, w, v, **q: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv, **q),
+           "down": lambda x, w, v, **q: fused_gemv(x, w, 0, residual=v, epilogue="residual", **gemv, **q),
+           "skinny": lambda x, w, v, **q: skinny_gemm(x, w, 0, interpret=interpret, **q),
+           "skinny-gate-up": lambda x, w, v, **q: skinny_gemm(x, w, 0, epilogue="swiglu", interpret=interpret, **q),
+           "skinny-down": lambda x, w, v, **q: skinny_gemm(x, w, 0, residual=v, epilogue="residual",
+                                                           interpret=interpret, **q)}
     vector = spec(n_in) if name in ("qkv", "gate-up") else spec(B, n_out)   # the norm's scale, or the residual
-    return fns[name], [spec(B, n_in), spec(1, n_out, n_in), vector]
+
+    def fn(x, w, v, *w_scale):
+        return fns[name](x, w, v, **(dict(w_scale=w_scale[0]) if w_scale else {}))
+    w_args = weight_specs(1, n_out, n_in)
+    return fn, [spec(B, n_in), w_args[0], vector, *w_args[1:]]
 
 
 def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in: int | None = None,

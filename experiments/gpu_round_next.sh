@@ -16,7 +16,7 @@
 #          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
 #   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
 #          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B and Llama-3-8B
-#          batch 1, one process each
+#          batch 1, one process each; then int8 down at block_in 256 (one wave) against 512 (1.21 waves), Qwen3-4B
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -123,6 +123,10 @@ $BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT
     W="python3 experiments/with_tables.py"
     TAIL=6 step gateup_block_default 240 $W -- $D
     TAIL=6 step gateup_block_512 240 $W 'GEMV_BLOCK_IN[(9728, 2560)] = 512' 'GEMV_BLOCK_IN[(14336, 4096)] = 512' -- $D
+    # int8 down at block_in 512 holds 112 registers (16 one-warp programs an SM: 1.21 waves of 2,560), at 256 73 (0.81)
+    D8="bench/decode.py --shapes qwen3-4b --long --paths pallas --prompt 1024 --new 128 --quantization int8 --out $OUT"
+    TAIL=6 step int8_down_512 150 $W -- $D8
+    TAIL=6 step int8_down_256 150 $W 'GEMV_BLOCK_IN_8BIT[(2560, 9728)] = 256' -- $D8
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -291,6 +291,27 @@ def test_kernel_registers_new_workloads_lower_and_sass_loops_read_a_loop():
     assert sass_loops(sass) == [dict(length=4, ops={"LDS": 2, "HMMA": 1, "BRA": 1})]
 
 
+@pytest.mark.parametrize("weights", ["int8", "fp8"])
+def test_kernel_registers_8bit_workloads_are_the_engines_kernels(weights):
+    """--weights int8|fp8: the GEMV workloads lower to the 8-bit kernels with the block_in, rows and int8 conversion
+    the engine's ops give them (int8 down: block_in 512 by tables.GEMV_BLOCK_IN_8BIT, one row, "prmt"); the skinny and
+    grouped workloads to their 8-bit kernels."""
+    from bench.kernel_registers import triton_modules
+    from bench.ncu_kernels import kernel_call
+
+    (attrs, module), = triton_modules(*kernel_call("down", "qwen3-4b", 1, 1024, weights=weights))
+    assert (attrs["name"], attrs["grid_x"]) == ("gemv_residual_8bit", 2560)
+    assert ("i8" if weights == "int8" else "f8E4M3FN") in module
+    if weights == "int8":
+        assert "prmt" in module   # tables.GEMV_INT8_CONVERT_BY_SHAPE[(2560, 9728)]
+    (attrs, _), = triton_modules(*kernel_call("o-proj", "qwen3-4b", 1, 1024, weights=weights))
+    assert attrs["grid_x"] == 2560 // 2   # GEMV_ROWS_8BIT: 2 rows a program
+    (attrs, _), = triton_modules(*kernel_call("skinny-gate-up", "qwen3-4b", 64, 1024, weights=weights))
+    assert attrs["name"] == "skinny_gemm_swiglu_8bit"
+    (attrs, module), = triton_modules(*kernel_call("grouped-down", "mixtral-8x7b", 256, 0, weights=weights))
+    assert attrs["name"] == "grouped_gemm_none" and ("xi8" if weights == "int8" else "xf8E4M3FN") in module
+
+
 def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
     """prefill_dispatch's hopper-fastest variant: each of hopper_gemm's table rows (a measured row count) takes the
     config that ran fastest and right in bench/kernels/hopper_gemm.py's JSON; rows it did not time keep theirs."""
