@@ -16,12 +16,14 @@
 #          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
 #   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
 #          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B and Llama-3-8B
-#          batch 1, one process each; then int8 down at block_in 256 (one wave) against 512 (1.21 waves), Qwen3-4B
+#          batch 1, one process each
+#   part 12 (issue 39): int8 GEMVs at block_in 256 where 512 costs occupancy (Qwen3-4B's down; Llama-3-8B's products,
+#          with prmt), against the tables, Qwen3-4B and Llama-3-8B batch 1, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|11
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|12
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -123,10 +125,18 @@ $BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT
     W="python3 experiments/with_tables.py"
     TAIL=6 step gateup_block_default 240 $W -- $D
     TAIL=6 step gateup_block_512 240 $W 'GEMV_BLOCK_IN[(9728, 2560)] = 512' 'GEMV_BLOCK_IN[(14336, 4096)] = 512' -- $D
-    # int8 down at block_in 512 holds 112 registers (16 one-warp programs an SM: 1.21 waves of 2,560), at 256 73 (0.81)
-    D8="bench/decode.py --shapes qwen3-4b --long --paths pallas --prompt 1024 --new 128 --quantization int8 --out $OUT"
-    TAIL=6 step int8_down_512 150 $W -- $D8
-    TAIL=6 step int8_down_256 150 $W 'GEMV_BLOCK_IN_8BIT[(2560, 9728)] = 256' -- $D8
+    ;;
+  12)   # int8 GEMVs at block_in 256 where 512 costs occupancy (registers, read offline): Qwen3-4B's down; every
+        # Llama-3-8B product (no table rows: 512, one row, cvt), with prmt as at four of Qwen3-4B's five shapes
+    D8="bench/decode.py --shapes qwen3-4b llama3-8b --long --paths pallas --prompt 1024 --new 128 --quantization int8 \
+--out $OUT"
+    W="python3 experiments/with_tables.py"
+    L=("GEMV_BLOCK_IN_8BIT[(2560, 9728)] = 256")
+    for k in "(6144, 4096)" "(14336, 4096)" "(4096, 4096)" "(4096, 14336)" "(128256, 4096)"; do
+      L+=("GEMV_BLOCK_IN_8BIT[$k] = 256" "GEMV_INT8_CONVERT_BY_SHAPE[$k] = 'prmt'")
+    done
+    TAIL=8 step int8_gemv_default 280 $W -- $D8
+    TAIL=8 step int8_gemv_256 280 $W "${L[@]}" -- $D8
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
