@@ -12,8 +12,8 @@ backward branch's body): instructions a warp an iteration and the most frequent 
 instructions spends them on (2026-12-04: the int8 decode attention's V tile loaded a byte an LDS.U8; every Pallas
 GEMM's product added to its accumulator by FADDs after waiting for its wgmma).
 --int8-convert C: the attention workloads on an int8 cache with conversion C; --weights int8|fp8: the GEMV, skinny
-and grouped workloads on 8-bit weights (as the engine's ops call them); --dot-into-accumulator: with
-tables.DOT_INTO_ACCUMULATOR on (pallas/accumulating_dot.py).
+and grouped workloads on 8-bit weights (the GEMVs' configs as the engine's ops pick them); --dot-into-accumulator:
+with tables.DOT_INTO_ACCUMULATOR on (pallas/accumulating_dot.py).
 XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
 """

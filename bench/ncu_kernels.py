@@ -177,11 +177,11 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
                 interpret: bool = False, int8_convert: str | None = None, weights: str = "bf16"):
     """(fn, args): one kernel family (ONE_KERNEL) at `shape`'s sizes for B rows, as a function of its arrays. An arg
     is a jax.ShapeDtypeStruct (any values do: fill it at random) or a small concrete array (page tables, lengths,
-    slots, angles). block_in / rows: a GEMV's, instead of the engine's. int8_convert: the attention workloads on an
-    int8 cache (values and scales) with that conversion (decode_attention.int8_to). weights "int8" / "fp8": the
-    GEMV, skinny and grouped workloads on 8-bit values with a scale an output channel, with the block_in, rows, warps
-    and conversion the engine's ops give them. The grouped workloads spread the B rows evenly over a mixture of
-    experts' experts (the shape must have them)."""
+    slots, angles). block_in / rows: a GEMV's, instead of the engine's. int8_convert: the attention workloads on an int8
+    cache (values and scales) with that conversion (decode_attention.int8_to). weights "int8" / "fp8": the GEMV, skinny
+    and grouped workloads on 8-bit values with a scale an output channel (the GEMVs with the block_in, rows, warps and
+    conversion the engine's ops give them; the GEMMs at their choose_config). The grouped workloads spread the B rows
+    evenly over a mixture of experts' experts (the shape must have them)."""
     import jax
     import jax.numpy as jnp
 

@@ -296,8 +296,8 @@ def commands() -> None:
         r = httpx.post(f"{server.url}/v1/completions", json=dict(model="stories260k", prompt=prompt, max_tokens=12,
                                                                 temperature=0), timeout=120)
         print(json.dumps(dict(served=prompt + r.json()["choices"][0]["text"])), flush=True)
-    bench = ("bench", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--max-num-seqs", "1", "--no-progress",
-             "--cache-dir", "")
+    bench = ("bench", "--input-len", "8", "--output-len", "4", "--num-prompts", "1", "--max-num-seqs", "1",
+             "--no-progress", "--cache-dir", "")
     generate = ("generate", "--model", str(STORIES), "--no-progress", "--cache-dir", "", "--max-tokens", "4", prompt)
     for n in ("1", "2"):   # 8-bit weights: quantized at load, and a pre-quantized checkpoint
         print(json.dumps(cli(*generate[:-1], "--quantization", "fp8", "--max-tokens", "12", "--tensor-parallel-size", n,

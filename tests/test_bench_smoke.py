@@ -293,8 +293,8 @@ def test_kernel_registers_new_workloads_lower_and_sass_loops_read_a_loop():
 
 @pytest.mark.parametrize("weights", ["int8", "fp8"])
 def test_kernel_registers_8bit_workloads_are_the_engines_kernels(weights):
-    """--weights int8|fp8: the GEMV workloads lower to the 8-bit kernels with the block_in, rows and int8 conversion
-    the engine's ops give them (int8 down: block_in 512 by tables.GEMV_BLOCK_IN_8BIT, one row, "prmt"); the skinny and
+    """--weights int8|fp8: the GEMV workloads lower to the 8-bit kernels with the rows and int8 conversion the engine's
+    ops give them (int8 down: one row, "prmt" by tables.GEMV_INT8_CONVERT_BY_SHAPE; o_proj: two rows); the skinny and
     grouped workloads to their 8-bit kernels."""
     from bench.kernel_registers import triton_modules
     from bench.ncu_kernels import kernel_call

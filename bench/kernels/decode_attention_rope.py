@@ -15,7 +15,8 @@ with the share of the HBM read ceiling (the KV bytes the batch must read / time)
 
 --kv-cache-dtype int8: the caches as `--kv-cache-dtype int8` stores them (int8 values, a float32 scale a vector: the
 bytes counted at 1 a value + 4 a vector), the reference twin on the same QuantizedCache; --int8-convert
-(blocks.INT8_CONVERTS) the kernel's int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). The table's choice is the 1-byte pages' one.
+(blocks.INT8_CONVERTS) the kernel's int8 conversion (default tables.DECODE_ATTENTION_INT8_CONVERT). The table's choice
+is the 1-byte pages' one.
 """
 
 from __future__ import annotations
