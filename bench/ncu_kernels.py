@@ -5,8 +5,8 @@
 
 On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`)
 but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
-`attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`: ONE_KERNEL, called --tokens times on random inputs;
-use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
+`attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`, `grouped-gate-up`, `grouped-down`, `routed-gate-up`,
+`routed-combine`: ONE_KERNEL, called --tokens times on random inputs; use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
 the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
 so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches
 of kernels whose names match --kernels (by default the decode step's Pallas kernels: the GEMVs, the batched-decode
@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-KERNELS = "gemv|decode_attention|skinny_gemm"
+KERNELS = "gemv|decode_attention|skinny_gemm"   # routed_gemv_* matches too
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
 # (column, ncu's metric name on the details page)
 COLUMNS = [("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("grid", "Grid Size"), ("block", "Block Size"),
@@ -170,7 +170,9 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
               "kernel and merge)", "skinny": "skinny_gemm (QKV)", "skinny-gate-up": "skinny_gemm with SwiGLU",
               "skinny-down": "skinny_gemm with the residual (down)",
               "grouped-gate-up": "grouped_gemm with SwiGLU (a mixture of experts' gate/up; B rows over the experts)",
-              "grouped-down": "grouped_gemm (a mixture of experts' down; B rows over the experts)"}
+              "grouped-down": "grouped_gemm (a mixture of experts' down; B rows over the experts)",
+              "routed-gate-up": "routed_gemv with the norm, routing and SwiGLU (one token's chosen experts' gate/up)",
+              "routed-combine": "routed_gemv combining the chosen experts' down products into the residual"}
 
 
 def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | None = None, rows: int | None = None,
@@ -229,6 +231,22 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
                                                interpret=interpret, **quantized(scales))[0]
         return fn, [spec(B, (H + 2 * K) * hd), jnp.cos(angles), jnp.sin(angles), spec(1, hd), spec(1, hd), cache,
                     cache, slot, table, lens, *int8]
+    if name.startswith("routed"):   # one token (B is 1), as ops.pallas._routed_block calls them
+        from jaxinfer.pallas.moe_gemv import routed_gemv
+
+        E, I, k = cfg.num_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        route = dict(top_k=k, renormalize=cfg.norm_topk_prob, interpret=interpret)
+        logits = jax.ShapeDtypeStruct((1, E), jnp.float32)
+        if name == "routed-gate-up":
+            def fn(x, logits, scale, w, *w_scale):
+                return routed_gemv(x, logits, w, 0, epilogue="swiglu", scale=scale,
+                                   w_scale=w_scale[0] if w_scale else None, **route)
+            return fn, [spec(1, D), logits, spec(D), *weight_specs(1, E, 2 * I, D)]
+
+        def fn(h, logits, residual, w, *w_scale):
+            return routed_gemv(h, logits, w, 0, epilogue="combine", residual=residual,
+                               w_scale=w_scale[0] if w_scale else None, **route)
+        return fn, [spec(k, I), logits, spec(1, D), *weight_specs(1, E, D, I)]
     if name.startswith("grouped"):   # B rows sorted by expert, spread evenly, one layer's stacked experts
         from jaxinfer.pallas.grouped_gemm import choose_config, grouped_gemm, sorted_items
 

@@ -19,11 +19,13 @@
 #          batch 1, one process each
 #   part 12 (issue 39): int8 GEMVs at block_in 256 where 512 costs occupancy (Qwen3-4B's down; Llama-3-8B's products,
 #          with prmt), against the tables, Qwen3-4B and Llama-3-8B batch 1, one process each
+#   part 13 (issue 43): Qwen3-30B-A3B's QKV and o_proj GEMVs at block_in 128 / 512 against the default 256 (which holds
+#          ~100 registers there), in-step A/B at @8, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|12
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|13
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -137,6 +139,16 @@ $BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT
     done
     TAIL=8 step int8_gemv_default 280 $W -- $D8
     TAIL=8 step int8_gemv_256 280 $W "${L[@]}" -- $D8
+    ;;
+  13)   # Qwen3-30B-A3B's attention GEMVs (no table rows: block_in 256, one row) where the default costs occupancy
+         # (read offline: QKV [5120, 2048] 102 registers, 16 programs an SM, 2.42 waves; o_proj [2048, 4096] 96):
+         # in-step A/B at @8, batch 1 after 1k, each variant its own process (as part 4)
+    D="bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --prompt 1024 --new 64 --out $OUT"
+    W="python3 experiments/with_tables.py"
+    TAIL=3 step moe_attn_default 100 $W -- $D
+    TAIL=3 step moe_qkv_128 100 $W 'GEMV_BLOCK_IN[(5120, 2048)] = 128' -- $D
+    TAIL=3 step moe_qkv_512 100 $W 'GEMV_BLOCK_IN[(5120, 2048)] = 512' -- $D
+    TAIL=3 step moe_oproj_128 100 $W 'GEMV_BLOCK_IN[(2048, 4096)] = 128' -- $D
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -188,12 +188,16 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
-                                      "attention", "attention-rope", "skinny", "skinny-gate-up", "skinny-down"])
+                                      "attention", "attention-rope", "skinny", "skinny-gate-up", "skinny-down",
+                                      "routed-gate-up", "routed-combine"])
 def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
     """bench/ncu_kernels.py: the workloads ncu watches run (B sequences, a prompt each, greedy tokens; or decode
     dispatches on an unwritten cache, whose rows advance from the context's position)."""
-    shape = "qwen3-0.6b" if workload == "attention-rope" else "tiny"   # the fused kernel takes head dims >= 32
-    out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "2", "--shape", shape, "--ops", "reference",
+    # the fused kernel takes head dims >= 32; the routed GEMVs a mixture of experts (and one token)
+    shape = {"attention-rope": "qwen3-0.6b", "routed-gate-up": "tiny-moe", "routed-combine": "tiny-moe"}.get(workload,
+                                                                                                           "tiny")
+    batch = "1" if workload.startswith("routed") else "2"
+    out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", batch, "--shape", shape, "--ops", "reference",
                "--context", "40", "--tokens", "3", "--workload", workload)
     if workload == "o-proj":   # a GEMV at another block_in and rows than the engine's
         _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "1", "--shape", shape, "--context", "40", "--tokens", "2",
@@ -310,6 +314,9 @@ def test_kernel_registers_8bit_workloads_are_the_engines_kernels(weights):
     assert attrs["name"] == "skinny_gemm_swiglu_8bit"
     (attrs, module), = triton_modules(*kernel_call("grouped-down", "mixtral-8x7b", 256, 0, weights=weights))
     assert attrs["name"] == "grouped_gemm_none" and ("xi8" if weights == "int8" else "xf8E4M3FN") in module
+    for name, kernel in (("routed-gate-up", "routed_gemv_swiglu"), ("routed-combine", "routed_gemv_combine")):
+        (attrs, module), = triton_modules(*kernel_call(name, "qwen3-30b-a3b", 1, 0, weights=weights))
+        assert attrs["name"] == kernel and ("i8" if weights == "int8" else "f8E4M3FN") in module
 
 
 def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp_path):
