@@ -15,8 +15,8 @@
 #          kernels' GPU tests with it on, then Mixtral-8x7B@8 1k prefill (and Qwen3-4B 1k / 8k) off and on, one
 #          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
 #   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
-#          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B and Llama-3-8B
-#          batch 1, one process each
+#          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B batch 1, one
+#          process each; part 14 the same for Llama-3-8B, and its down at block_in 128 (one wave) against 256
 #   part 12 (issue 39): int8 GEMVs at block_in 256 where 512 costs occupancy (Qwen3-4B's down; Llama-3-8B's products,
 #          with prmt), against the tables, Qwen3-4B and Llama-3-8B batch 1, one process each
 #   part 13 (issue 43): Qwen3-30B-A3B's QKV and o_proj GEMVs at block_in 128 / 512 against the default 256 (which holds
@@ -25,7 +25,7 @@
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|13
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|14
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -122,11 +122,19 @@ $BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT
            --steps 32 --decode-only --lazy-compile --quantization int8 --out "$OUT"
     done
     ;;
-  11)   # the gate/up GEMV at its measured block_in, keyed as block_in_for looks it up (the gate rows)
-    D="bench/decode.py --shapes qwen3-4b llama3-8b --long --paths pallas --prompt 1024 --new 128 --out $OUT"
+  11|14)   # the gate/up GEMV at its measured block_in, keyed as block_in_for looks it up (the gate rows); 14: Llama-3-8B,
+           # also its down at 128 (at the table's 256 it holds 107 registers: 16 programs an SM, 1.94 waves; 128: 64)
     W="python3 experiments/with_tables.py"
-    TAIL=6 step gateup_block_default 240 $W -- $D
-    TAIL=6 step gateup_block_512 240 $W 'GEMV_BLOCK_IN[(9728, 2560)] = 512' 'GEMV_BLOCK_IN[(14336, 4096)] = 512' -- $D
+    if [ "$1" = 11 ]; then
+      D="bench/decode.py --shapes qwen3-4b --long --paths pallas --prompt 1024 --new 128 --out $OUT"
+      TAIL=6 step gateup_block_default 200 $W -- $D
+      TAIL=6 step gateup_block_512 200 $W 'GEMV_BLOCK_IN[(9728, 2560)] = 512' -- $D
+    else
+      D="bench/decode.py --shapes llama3-8b --long --paths pallas --prompt 1024 --new 128 --out $OUT"
+      TAIL=6 step llama_default 200 $W -- $D
+      TAIL=6 step llama_gateup_512 150 $W 'GEMV_BLOCK_IN[(14336, 4096)] = 512' -- $D
+      TAIL=6 step llama_down_128 150 $W 'GEMV_BLOCK_IN[(4096, 14336)] = 128' -- $D
+    fi
     ;;
   12)   # int8 GEMVs at block_in 256 where 512 costs occupancy (registers, read offline): Qwen3-4B's down; every
         # Llama-3-8B product (no table rows: 512, one row, cvt), with prmt as at four of Qwen3-4B's five shapes
