@@ -2,8 +2,8 @@
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
 #   part 1 (issues 39, 43): 8-bit experts on the GPU: the routed GEMVs' test at the real shapes, then
 #          Qwen3-30B-A3B@24 batch-1 decode with bf16 and int8 weights in one process
-#   part 2 (issue 39): FP8 W8A8 whole steps (experiments/with_tables.py FP8_W8A8_ROWS=64): the 1k / 8k prefill and
-#          batch 64 at 1k context against bf16 in one process each
+#   part 2 (issue 39): FP8 and INT8 W8A8 whole steps (experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64):
+#          the 1k / 8k prefill and batch 64 at 1k context, bf16 / fp8 / int8 in one process each
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
 #   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
 #          then part 2's 32k int8 cache step and FP8 prefill
@@ -38,12 +38,13 @@ case "${1:-1}" in
     step moe_int8_decode 330 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas --quantization int8 \
          --prompt 1024 --new 64 --out "$OUT"
     ;;
-  2)   # fp8 weights with W8A8 on (tables.FP8_W8A8_ROWS, None by default) against the runs of 2026-12-04 without it
-    W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 --"
-    step w8a8_prefill 200 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas --quantization fp8 \
-         --out "$OUT"
-    step w8a8_batch64 200 $W bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 \
-         --decode-only --lazy-compile --quantization fp8 --out "$OUT"
+  2)   # W8A8 on for both 8-bit formats (tables.FP8_W8A8_ROWS / INT8_W8A8_ROWS, None by default): bf16, fp8 and int8
+       # weights in one process each for the 1k / 8k prefill and for batch 64 at 1k context
+    W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64 --"
+    step w8a8_prefill 250 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
+         --quantization fp8 int8 --out "$OUT"
+    step w8a8_batch64 250 $W bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 \
+         --decode-only --lazy-compile --quantization fp8 int8 --out "$OUT"
     ;;
   4)   # in-step A/B of batch-1 configs at Qwen3-30B-A3B@8, each variant its own process
     D="bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --prompt 1024 --new 64 --out $OUT"
