@@ -12,8 +12,7 @@ backward branch's body): instructions a warp an iteration and the most frequent 
 instructions spends them on (2026-12-04: the int8 decode attention's V tile loaded a byte an LDS.U8; every Pallas
 GEMM's product added to its accumulator by FADDs after waiting for its wgmma).
 --int8-convert C: the attention workloads on an int8 cache with conversion C; --weights int8|fp8: the GEMV, skinny
-and grouped workloads on 8-bit weights (the GEMVs' configs as the engine's ops pick them); --dot-into-accumulator:
-with tables.DOT_INTO_ACCUMULATOR on (pallas/accumulating_dot.py).
+and grouped workloads on 8-bit weights (the GEMVs' configs as the engine's ops pick them).
 XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
 """
@@ -129,18 +128,12 @@ def main() -> None:
     ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "int8", "fp8"],
                     help="the GEMV, skinny and grouped workloads' weights (8-bit: a scale an output channel)")
-    ap.add_argument("--dot-into-accumulator", action="store_true")
     ap.add_argument("--sass", action="store_true", help="also each kernel's main loop (cuobjdump -sass)")
     args = ap.parse_args()
-    if args.dot_into_accumulator:
-        from jaxinfer.pallas import tables
-
-        tables.DOT_INTO_ACCUMULATOR = True
     print(f"{args.shape}, batch {args.batch}, context {args.context}"
           + (f", block_in {args.block_in}" if args.block_in else "") + (f", rows {args.rows}" if args.rows else "")
           + (f", {args.weights} weights" if args.weights != "bf16" else "")
-          + (f", int8 cache ({args.int8_convert})" if args.int8_convert else "")
-          + (", dot into the accumulator" if args.dot_into_accumulator else ""))
+          + (f", int8 cache ({args.int8_convert})" if args.int8_convert else ""))
     loop_cols = " main loop SASS a warp | its opcodes |" if args.sass else ""
     print("| workload | kernel | warps | stages | grid | regs | spill bytes | smem bytes | blocks/SM by regs | waves |"
           + loop_cols)

@@ -11,9 +11,6 @@
 #   part 6 (issue 39): the 8-bit experts' kernels alone (bench/kernels/moe.py --format int8 / fp8)
 #   part 7 (issue 39): the int8 cache's staged conversion ("prmt-staged", pallas/pinned_asm.py): its GPU test, the
 #          fused kernel at 32k against prmt, then the 32k step (bf16 and int8 weights) on it in one process
-#   part 8 (issues 43, 39): the K loops' products accumulated inside the dot (tables.DOT_INTO_ACCUMULATOR): the
-#          kernels' GPU tests with it on, then Mixtral-8x7B@8 1k prefill (and Qwen3-4B 1k / 8k) off and on, one
-#          process each; part 9 the same for Qwen3-30B-A3B@24 prefill and batch 64 (its weights are written first)
 #   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
 #          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B batch 1, one
 #          process each; part 14 the same for Llama-3-8B, and its down at block_in 128 (one wave) against 256
@@ -89,30 +86,6 @@ print("SplitConfig(%d, %d, num_warps=%d, num_stages=%d)" % tuple(r[k] for k in (
 $BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
     step staged_step32k 300 python3 experiments/with_tables.py "${STAGED[@]}" -- bench/decode.py --shapes --long \
          qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
-    ;;
-  8|9)   # DOT_INTO_ACCUMULATOR off, then on (experiments/with_tables.py), each its own process
-    ON="python3 experiments/with_tables.py DOT_INTO_ACCUMULATOR=True --"
-    if [ "$1" = 8 ]; then
-      PYTEST=$(python3 -c 'import os, pytest; print(os.path.join(os.path.dirname(pytest.__file__), "__main__.py"))')
-      TAIL=20 step acc_tests 300 $ON "$PYTEST" -q -o addopts= -p no:cacheprovider tests/gpu/test_accumulating_dot_gpu.py \
-           tests/gpu/test_grouped_gemm_gpu.py \
-           tests/gpu/test_skinny_gemm_gpu.py tests/gpu/test_decode_attention_rope_gpu.py tests/gpu/test_parity_gpu.py
-      for v in off on; do
-        R=python3 P=pallas; [ "$v" = on ] && R=$ON P="pallas hf"   # transformers beside the "on" run
-        # shellcheck disable=SC2086
-        step "acc_prefill_$v" 250 $R bench/prefill.py --shapes mixtral-8x7b@8 qwen3-4b --prompts 1024 8192 \
-             --paths $P --out "$OUT"
-        mv "$OUT/prefill.json" "$OUT/prefill-acc-$v.json" 2>/dev/null
-      done
-    else
-      for v in off on; do
-        R=python3; [ "$v" = on ] && R=$ON
-        step "acc_moe_prefill_$v" 250 $R bench/prefill.py --shapes qwen3-30b-a3b@24 --prompts 1024 --paths pallas \
-             --out "$OUT"
-        step "acc_moe_batch64_$v" 250 $R bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
-             --context 1024 --steps 32 --decode-only --lazy-compile --out "$OUT"
-      done
-    fi
     ;;
   10)   # int8 weights' prompt and batched rows: XLA's converted values against INT8 W8A8, each its own process
     for v in off on; do

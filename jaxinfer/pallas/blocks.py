@@ -7,8 +7,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.accumulating_dot import accumulating_dot
-
 
 def is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
@@ -145,7 +143,9 @@ def online_softmax_update(acc, m, l, sc, v, prec):
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(sc - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    return accumulating_dot(p.astype(v.dtype), v, acc * alpha[:, None], precision=prec), m_new, l
+    p, acc = p.astype(v.dtype), acc * alpha[:, None]
+    return acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())), precision=prec,
+                                     preferred_element_type=jnp.float32), m_new, l
 
 
 def layer_operands(layer, vector_layer=None) -> tuple[jax.Array, jax.Array]:

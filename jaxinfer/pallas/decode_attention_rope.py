@@ -38,7 +38,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.numerics import to_cache
-from jaxinfer.pallas.accumulating_dot import accumulating_dot
 from jaxinfer.pallas.blocks import (dot_precision, head_rms_norm, is_pow2, layer_operands, online_softmax_update,
                                      page_compute_dtype, page_slots, pow2_at_least, rope_halves,
                                      to_compute)
@@ -150,8 +149,8 @@ def _kernel(layer_ref, norm_layer_ref, slot_ref, pt_ref, cl_ref, qkv_ref, *refs,
         convert = (lambda x: int8_to(x, cdt, int8_convert)) if quantized else (lambda x: x.astype(cdt))
         ka, kb, v = convert(ka), convert(kb), convert(v)
         dims = (((1,), (1,)), ((), ()))
-        sc = jax.lax.dot_general(q1c, ka, dims, precision=prec, preferred_element_type=f32)
-        sc = accumulating_dot(q2c, kb, sc, dims, precision=prec)   # + q2 . kb (one dot into the first's sums)
+        sc = (jax.lax.dot_general(q1c, ka, dims, precision=prec, preferred_element_type=f32)
+              + jax.lax.dot_general(q2c, kb, dims, precision=prec, preferred_element_type=f32))
         if not quantized:
             sc = jnp.where(valid[None, :], sc * qk_scale, NEG)
             return (*online_softmax_update(acc, m, l, sc, v, prec), nxt)

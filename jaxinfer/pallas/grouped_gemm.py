@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.accumulating_dot import accumulating_dot
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape, silu_mul,
                                      tile_mask)
 
@@ -140,12 +139,10 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
                     w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
                 if ws_ref is not None:   # 8-bit values: exact in x's dtype
                     w = w.astype(x.dtype)
-                if w_block is None:
-                    out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ())), precision=prec))
-                    continue
                 prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-                bo, bi = w_block   # this depth tile's block scale of each column (the tile in one block)
-                prod = prod * plgpu.load(ws_ref.at[layer, g, (base + n_ld) // bo, k0 // bi])[None, :]
+                if w_block is not None:   # this depth tile's block scale of each column (the tile in one block)
+                    bo, bi = w_block
+                    prod = prod * plgpu.load(ws_ref.at[layer, g, (base + n_ld) // bo, k0 // bi])[None, :]
                 out.append(acc + prod)
             return tuple(out)
 

@@ -32,7 +32,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.accumulating_dot import accumulating_dot
 from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
 from jaxinfer.pallas.fused_gemv import weights_to_f32
 from jaxinfer.pallas.tables import SkinnyConfig
@@ -142,12 +141,10 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=fill)
             if w_scaled:   # exact: int8 through float32 as the GEMV converts it (tables.GEMV_INT8_CONVERT)
                 w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
-            if w_block is None:
-                out.append(accumulating_dot(x, w, acc, (((1,), (1,)), ((), ())), precision=prec))
-                continue
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-            bo, bi = w_block   # the tile's block scales, one a row of W
-            y = y * plgpu.load(ws_ref.at[layer, (base + n_ld) // bo, k0 // bi])[None, :]
+            if w_block is not None:   # the tile's block scales, one a row of W
+                bo, bi = w_block
+                y = y * plgpu.load(ws_ref.at[layer, (base + n_ld) // bo, k0 // bi])[None, :]
             out.append(acc + y)
         return tuple(out)
 

@@ -314,16 +314,6 @@ class FlashConfig:
 FRESH_PROMPT_FLASH: list[tuple[int, int, FlashConfig]] = [(1024, 2048, FlashConfig())]
 
 
-# --- the K loops' products (accumulating_dot.py) ---------------------------------------------------------------
-
-# Whether the grouped GEMM's, the skinny GEMM's and the attention kernels' loop products accumulate inside the dot
-# (tt.dot(a, b, acc)) instead of a dot into zeros plus an add, which also makes each step wait for its MMA. Offline
-# (Triton 3.6, bench/kernel_registers.py --sass) the grouped GEMM's loop at Mixtral's shapes is 91 SASS instructions
-# against 155 with it, its wgmma overlapping the next step. Off until a GPU run measures it (gpu_round_next.sh 8):
-# the float32 sums' order changes.
-DOT_INTO_ACCUMULATOR = False
-
-
 # --- prompt attention over the paged cache (prefill_attention.py) -----------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
