@@ -125,7 +125,7 @@ def main() -> None:
                     choices=list(ONE_KERNEL))
     ap.add_argument("--block-in", type=int, default=None)
     ap.add_argument("--rows", type=int, default=None)
-    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt", "prmt-staged"])
+    ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt"])
     ap.add_argument("--weights", default="bf16", choices=["bf16", "int8", "fp8"],
                     help="the GEMV, skinny and grouped workloads' weights (8-bit: a scale an output channel)")
     ap.add_argument("--sass", action="store_true", help="also each kernel's main loop (cuobjdump -sass)")

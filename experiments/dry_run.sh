@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check a device round's commands on the CPU before spending device time on them: every step of
-#   bash experiments/dry_run.sh experiments/gpu_round_next.sh 7
+#   bash experiments/dry_run.sh experiments/gpu_round_next.sh 10
 # runs with argparse exiting right after it parses (experiments/dry_run/sitecustomize.py), so a wrong flag, a bad
 # table assignment or a missing script shows as rc != 0. pytest steps stop at pytest's own parser.
 set -u

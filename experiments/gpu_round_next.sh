@@ -9,8 +9,6 @@
 #          then part 2's 32k int8 cache step and FP8 prefill
 #   part 5 (issue 39): 8-bit experts' prompt and batched rows: Qwen3-30B-A3B@24 1k prefill and batch 64, bf16 / int8
 #   part 6 (issue 39): the 8-bit experts' kernels alone (bench/kernels/moe.py --format int8 / fp8)
-#   part 7 (issue 39): the int8 cache's staged conversion ("prmt-staged", pallas/pinned_asm.py): its GPU test, the
-#          fused kernel at 32k against prmt, then the 32k step (bf16 and int8 weights) on it in one process
 #   part 11 (issue 39's bf16 baseline): the bf16 SwiGLU GEMV's block_in as measured (512) against the default it runs
 #          at (256: the table's rows are keyed by the fused rows, looked up by the gate rows), Qwen3-4B batch 1, one
 #          process each; part 14 the same for Llama-3-8B, and its down at block_in 128 (one wave) against 256
@@ -67,25 +65,6 @@ case "${1:-1}" in
          --format int8 --out "$OUT"
     TAIL=60 step moe_kernels_fp8 280 python3 bench/kernels/moe.py --shapes qwen3-30b-a3b --tokens 1 64 1024 \
          --format fp8 --out "$OUT"
-    ;;
-  7)   # int8 pages converted where loaded and staged to the MMA in float16; the table's batch-1 row past 1k (32x128,
-       # 3 stages) would need 137 KB of shared memory (one program an SM), so the step takes the sweep's best
-    step staged_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_kv_cache_int8_gpu.py -k "prmt"
-    for c in prmt prmt-staged; do
-      TAIL=30 step "kernel_$c" 120 python3 bench/kernels/decode_attention_rope.py --points 1:32768 8:2048 \
-           --kv-cache-dtype int8 --int8-convert "$c" --budget 40
-    done
-    # the step at the staged sweep's best config at batch 1, 32k (its JSON, written last); 2 stages if none
-    BEST=$(python3 -c 'import json, sys; p = next(p for p in json.load(open(sys.argv[1]))["points"] if p["B"] == 1)
-r = min((r for r in p["rows"] if r["ok"]), key=lambda r: r["us"])["cfg"]
-print("SplitConfig(%d, %d, num_warps=%d, num_stages=%d)" % tuple(r[k] for k in ("num_splits", "block_k", "num_warps",
-                                                                              "num_stages")))' \
-         "$OUT/decode_attention_rope.json" 2>/dev/null || echo "dataclasses.replace(c, num_stages=2)")
-    echo "## staged step's batch-1 config: $BEST"
-    STAGED=("DECODE_ATTENTION_INT8_CONVERT = 'prmt-staged'" "DECODE_ATTENTION_INT8 = [(sh, span, \
-$BEST if (sh, span) == (8, _BIG) else c) for sh, span, c in DECODE_ATTENTION_INT8]")
-    step staged_step32k 300 python3 experiments/with_tables.py "${STAGED[@]}" -- bench/decode.py --shapes --long \
-         qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
     ;;
   10)   # int8 weights' prompt and batched rows: XLA's converted values against INT8 W8A8, each its own process
     for v in off on; do

@@ -282,7 +282,7 @@ def test_kernel_registers_new_workloads_lower_and_sass_loops_read_a_loop():
 
     names = [a["name"] for a, _ in triton_modules(*kernel_call("grouped-down", "mixtral-8x7b", 256, 0))]
     assert names == ["grouped_gemm_none"]
-    found = triton_modules(*kernel_call("attention-rope", "qwen3-4b", 1, 32767, int8_convert="prmt-staged"))
+    found = triton_modules(*kernel_call("attention-rope", "qwen3-4b", 1, 32767, int8_convert="prmt"))
     assert found[0][0]["name"] == "decode_attention_rope_split" and "xi8" in found[0][1]
     sass = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;

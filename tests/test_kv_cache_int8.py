@@ -239,7 +239,7 @@ def test_engine_with_an_int8_cache_on_the_fused_kernel(tmp_path):
     assert min(len(set(t)) for t in a) > 4       # not a degenerate repeat of a few tokens
 
 
-@pytest.mark.parametrize("convert", ["cvt", "bits", "prmt", "prmt-staged"])
+@pytest.mark.parametrize("convert", ["cvt", "bits", "prmt"])
 @pytest.mark.parametrize("batch,context", [(1, 32768), (8, 1024)])
 def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, batch, context, convert):
     """Interpret mode never meets the Triton lowering's limits (tests/test_triton_lowering.py): the int8 kernels (the
@@ -290,23 +290,6 @@ def test_int8_decode_kernels_lower_to_triton_at_qwen3_4b_shapes(monkeypatch, bat
     T = 64
     assert "__gpu$xla.gpu.triton" in lower(prompt_write, bf16(T, (H + 2 * K) * hd), bf16(T, hd), bf16(L, hd), values,
                                            values, scales, scales, sd((T,), jnp.int32))
-
-
-@pytest.mark.parametrize("convert,pure", [("prmt", "true"), ("prmt-staged", "false")])
-def test_staged_conversion_is_inline_ptx_triton_may_not_move(convert, pure):
-    """"prmt-staged" lowers prmt's PTX as not pure (pallas/pinned_asm.py), so Triton converts the tile where it was
-    loaded and stages the float16 tile to the MMA; "prmt" stays pure. Checked in the split kernel's Triton IR."""
-    from bench.kernel_registers import triton_modules
-    from jaxinfer.pallas import decode_attention as DA
-
-    sd = jax.ShapeDtypeStruct
-    values, scales = sd((1, 8, 1024, 128), jnp.int8), sd((1, 8, 1024), jnp.float32)
-    fn = lambda q, k, v, ks, vs, pt, cl: DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.088, k_scale=ks,
-                                                                   v_scale=vs, int8_convert=convert)
-    (_, split), *_ = triton_modules(fn, [sd((1, 32, 128), jnp.bfloat16), values, values, scales, scales,
-                                         sd((1, 64), jnp.int32), sd((1,), jnp.int32)])
-    asm = [line for line in split.splitlines() if "tt.elementwise_inline_asm" in line]
-    assert len(asm) == 2 and all(f"pure = {pure}" in line for line in asm), asm
 
 
 def test_decode_bench_names_and_counts_the_int8_cache(tmp_path):

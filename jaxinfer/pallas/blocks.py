@@ -172,15 +172,12 @@ def run_mosaic(call, *args, interpret: bool = False):
 
 # How the kernels turn int8 values into floats, all exact (fused_gemv.weights_to_f32, decode_attention.int8_to):
 # "cvt" the conversion instruction, "bits" integer adds into a float's mantissa, "prmt" byte permutes (inline PTX).
-# "prmt-staged" (decode attention): prmt's PTX kept in the tile's load layout (pallas/pinned_asm.py), the float16
-# tile staged through shared memory to the MMA.
-INT8_CONVERTS = ("cvt", "bits", "prmt", "prmt-staged")
+INT8_CONVERTS = ("cvt", "bits", "prmt")
 
 
 def resolve_int8_convert(int8_convert: str, interpret: bool) -> str:
-    """The conversion a kernel compiles: "prmt" and "prmt-staged" (inline PTX) run as "cvt" in interpret mode (the
-    same values)."""
-    return "cvt" if interpret and int8_convert in ("prmt", "prmt-staged") else int8_convert
+    """The conversion a kernel compiles: "prmt" (inline PTX) runs as "cvt" in interpret mode (the same values)."""
+    return "cvt" if interpret and int8_convert == "prmt" else int8_convert
 
 
 def int8_bits_to_f32(x: jax.Array) -> jax.Array:

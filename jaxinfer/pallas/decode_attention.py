@@ -52,7 +52,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.pinned_asm import pinned_inline_asm
 from jaxinfer.pallas.tables import SplitConfig
 from jaxinfer.pallas.blocks import (INT8_CONVERTS, dot_precision, int8_bits_to_f32, is_pow2, kv_block_for_head_dim,
                                      online_softmax_update, page_compute_dtype, page_slots, pow2_at_least,
@@ -83,12 +82,11 @@ def int8_to(x, dtype, how: str = "cvt"):
     float16 built by byte permutes two values an instruction, the subtraction two a f16x2 instruction (inline PTX:
     not in interpret mode, where resolve_int8_convert makes it "cvt")."""
     dtype = jnp.dtype(dtype)
-    if how in ("prmt", "prmt-staged") and dtype == jnp.dtype(jnp.float16):
-        asm = pinned_inline_asm if how == "prmt-staged" else plgpu.elementwise_inline_asm
-        (y,) = asm(_PRMT_INT8X4_F16, args=[x], constraints="=r,=r,r", pack=4,
-                   result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
+    if how == "prmt" and dtype == jnp.dtype(jnp.float16):
+        (y,) = plgpu.elementwise_inline_asm(_PRMT_INT8X4_F16, args=[x], constraints="=r,=r,r", pack=4,
+                                            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float16)])
         return y
-    if how in ("cvt", "prmt", "prmt-staged"):
+    if how in ("cvt", "prmt"):
         return x.astype(dtype)
     if how != "bits":
         raise ValueError(f"int8 conversion {how!r}: one of {INT8_CONVERTS}")

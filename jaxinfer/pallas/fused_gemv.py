@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import (int8_bits_to_f32, layer_operands, pow2_divisor,
+from jaxinfer.pallas.blocks import (INT8_CONVERTS, int8_bits_to_f32, layer_operands, pow2_divisor,
                                      resolve_int8_convert, row_tiles, scale_shape, silu_mul)
 
 f32 = jnp.float32
@@ -52,9 +52,6 @@ prmt.b32 $1, t, 0x4B000000, 0x7541;
 prmt.b32 $2, t, 0x4B000000, 0x7542;
 prmt.b32 $3, t, 0x4B000000, 0x7543;
 }"""
-
-
-GEMV_INT8_CONVERTS = ("cvt", "bits", "prmt")   # (no tile reaches an MMA here: nothing to stage)
 
 
 def weights_to_f32(w, int8_convert: str = "cvt"):
@@ -162,15 +159,15 @@ def fused_gemv(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, scale:
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, out] per output channel, or
     [L, ceil(out / bo), ceil(in / bi)] with w_block = (bo, bi) (then block_in divides bi, or is a multiple of it:
     tiles of block_in / bi rows of bi). int8_convert: how
-    int8 values become float32 (GEMV_INT8_CONVERTS, weights_to_f32; None: int8_convert_for's). num_warps: warps a
+    int8 values become float32 (INT8_CONVERTS, weights_to_f32; None: int8_convert_for's). num_warps: warps a
     program (1, measured best for 2-byte weights; 1-byte weights' tiles may span several, warps_for)."""
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
     if (w.dtype.itemsize == 1) != (w_scale is not None):
         raise ValueError(f"fused_gemv: 8-bit weights go with their w_scale, and only they ({w.dtype})")
-    if int8_convert not in (None, *GEMV_INT8_CONVERTS):
-        raise ValueError(f"fused_gemv: int8_convert is one of {GEMV_INT8_CONVERTS}, not {int8_convert!r}")
+    if int8_convert not in (None, *INT8_CONVERTS):
+        raise ValueError(f"fused_gemv: int8_convert is one of {INT8_CONVERTS}, not {int8_convert!r}")
     if w_scale is not None:
         want = scale_shape(w.shape, w_block)
         if w_scale.shape != want:
