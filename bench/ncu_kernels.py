@@ -175,6 +175,11 @@ ONE_KERNEL = {"qkv": "fused_gemv with the norm prologue (QKV)", "gate-up": "fuse
               "routed-combine": "routed_gemv combining the chosen experts' down products into the residual"}
 
 
+def _scale_or_none(w_scale: list | tuple):
+    """A workload's optional trailing scale operand (its fn's *w_scale): the scales where 8-bit, else None."""
+    return w_scale[0] if w_scale else None
+
+
 def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | None = None, rows: int | None = None,
                 interpret: bool = False, int8_convert: str | None = None, weights: str = "bf16"):
     """(fn, args): one kernel family (ONE_KERNEL) at `shape`'s sizes for B rows, as a function of its arrays. An arg
@@ -240,12 +245,12 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
         if name == "routed-gate-up":
             def fn(x, logits, scale, w, *w_scale):
                 return routed_gemv(x, logits, w, 0, epilogue="swiglu", scale=scale,
-                                   w_scale=w_scale[0] if w_scale else None, **route)
+                                   w_scale=_scale_or_none(w_scale), **route)
             return fn, [spec(1, D), logits, spec(D), *weight_specs(1, E, 2 * I, D)]
 
         def fn(h, logits, residual, w, *w_scale):
             return routed_gemv(h, logits, w, 0, epilogue="combine", residual=residual,
-                               w_scale=w_scale[0] if w_scale else None, **route)
+                               w_scale=_scale_or_none(w_scale), **route)
         return fn, [spec(k, I), logits, spec(1, D), *weight_specs(1, E, D, I)]
     if name.startswith("grouped"):   # B rows sorted by expert, spread evenly, one layer's stacked experts
         from jaxinfer.pallas.grouped_gemm import choose_config, grouped_gemm, sorted_items
@@ -258,7 +263,7 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
 
         def fn(x, w, *w_scale):
             return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret,
-                                w_scale=w_scale[0] if w_scale else None)
+                                w_scale=_scale_or_none(w_scale))
         return fn, [spec(B, n_in), *weight_specs(1, E, n_out, n_in)]
     n_out, n_in = {"qkv": (cfg.q_size + 2 * cfg.kv_size, D), "gate-up": (2 * cfg.intermediate_size, D),
                    "o-proj": (D, cfg.q_size), "down": (D, cfg.intermediate_size),
@@ -279,7 +284,7 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
     vector = spec(n_in) if name in ("qkv", "gate-up") else spec(B, n_out)   # the norm's scale, or the residual
 
     def fn(x, w, v, *w_scale):
-        return fns[name](x, w, v, **(dict(w_scale=w_scale[0]) if w_scale else {}))
+        return fns[name](x, w, v, w_scale=_scale_or_none(w_scale))
     w_args = weight_specs(1, n_out, n_in)
     return fn, [spec(B, n_in), w_args[0], vector, *w_args[1:]]
 
