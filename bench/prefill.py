@@ -8,7 +8,9 @@ A request of max_tokens=1 after a random prompt; TTFT is the wall time from subm
 first token (prompts longer than --chunk are prefilled chunk by chunk). FLOPs counted: the
 projections (2 * non-embedding parameters per token), the lm_head for the last token, and causal
 attention (4 * heads * head_dim * visible keys per query, per layer). Share = FLOPs / TTFT over the
-GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes, our loader.
+GEMM rate measured in this run (XLA, 8192^3). Random bf16 weights at real shapes, our loader. "start s": from
+the engine's construction (transformers: from_pretrained) to the end of the warm-up run: loading, quantizing,
+compiling and XLA's autotuning, which the TTFT leaves out.
 --quantization fp8 (int8): each of our paths runs again with its weights quantized at load (a path "pallas+fp8";
 EngineConfig.quantization), its speed-up over the same path in bf16 in this run in the last column. Its share is still
 of the bf16 GEMM rate (fp8 tensor cores, W8A8 from tables.FP8_W8A8_ROWS rows, can pass 100%). --fp8-tables JSON:
@@ -59,13 +61,15 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,
-                  profile_dir: str | None = None, tensor_parallel_size: int = 1) -> tuple[float, int]:
-    """The best TTFT in seconds over `repeats` runs after a warm-up, and the first (greedy) token."""
+                  profile_dir: str | None = None, tensor_parallel_size: int = 1) -> tuple[float, int, float]:
+    """The best TTFT in seconds over `repeats` runs after a warm-up, the first (greedy) token, and the seconds from
+    the engine's construction to the end of the warm-up (load, quantization, compiles, XLA's autotuning)."""
     chunk = min(chunk, len(prompt))
     path, _, quantization = path.partition("+")
     ops, options = PATH_OPTIONS.get(path, (path, {}))
     if quantization:
         options = {**options, "quantization": quantization}
+    t_start = time.perf_counter()
     engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
                     compile_all_at_start=True,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
@@ -73,13 +77,15 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
                     tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = float("inf")
-    for _ in range(repeats + 1):     # the first run is a warm-up
+    for i in range(repeats + 1):     # the first run is a warm-up
         t0 = time.perf_counter()
         rid = engine.add_request(prompt, params)
         while engine.has_unfinished():
             engine.step()
         token = engine.take_finished(rid).outputs[0].token_ids[0]
         best = min(best, time.perf_counter() - t0)
+        if i == 0:
+            start_s = time.perf_counter() - t_start
     if profile_dir:  # one more prompt, traced: which kernels the time goes to
         from bench.trace_kernels import kernel_trace, print_summary, summarize
 
@@ -91,25 +97,28 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
         print_summary(summarize(profile_dir, steps=1))
     del engine
     gc.collect()
-    return best, token
+    return best, token, start_s
 
 
-def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> tuple[float, int]:
+def ttft_hf(model_dir: Path, prompt: list[int], repeats: int = 3) -> tuple[float, int, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    t_start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     ids = torch.tensor([prompt], device="cuda")
     best = float("inf")
     with torch.inference_mode():
-        for _ in range(repeats + 1):
+        for i in range(repeats + 1):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             token = int(model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax())
             best = min(best, time.perf_counter() - t0)
+            if i == 0:
+                start_s = time.perf_counter() - t_start
     del model
     torch.cuda.empty_cache()
-    return best, token
+    return best, token, start_s
 
 
 def main() -> None:
@@ -144,8 +153,8 @@ def main() -> None:
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)
     print(f"# {jax.devices()[0].device_kind}, jax {jax.__version__}; dense bf16 GEMM {gemm / 1e12:.0f} TFLOP/s "
           f"(one device); tensor parallel size {tp}: shares of {tp} x that")
-    print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate | x bf16 |")
-    print("|---|---|---|---|---|---|---|---|", flush=True)
+    print("| shape | prompt | path | TTFT ms | prompt tok/s | TFLOP/s | share of GEMM rate | x bf16 | start s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
     # what the figures were measured on and with (written with every row)
     run = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, date=datetime.datetime.now().isoformat(),
                argv=sys.argv[1:], gemm=gemm, tensor_parallel_size=tp)
@@ -158,17 +167,17 @@ def main() -> None:
             prompt = np.random.default_rng(T).integers(100, cfg.vocab_size - 100, T).tolist()
             for path in args.paths:
                 try:
-                    s, token = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
+                    s, token, start_s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
                         model_dir, path, prompt, args.chunk,
                         profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None,
                         tensor_parallel_size=tp)
                 except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
-                    print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | | |", flush=True)
+                    print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | | | |", flush=True)
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
                     continue
                 flops = prefill_flops(cfg, T)
                 row = dict(shape=shape, prompt=T, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
-                           share=flops / s / (gemm * tp), first_token=token)
+                           share=flops / s / (gemm * tp), first_token=token, start_s=start_s)
                 base = [r for r in rows if (r["shape"], r["prompt"], r["path"]) == (shape, T, path.partition("+")[0])
                         and "ttft_ms" in r] if "+" in path else []
                 if base:
@@ -176,7 +185,7 @@ def main() -> None:
                 rows.append(row)
                 speedup = f"{row['speedup_vs_bf16']:.2f}" if base else "-"
                 print(f"| {shape} | {T} | {path} | {row['ttft_ms']:.1f} | {row['tok_s']:,.0f} | {row['tflops']:.0f} | "
-                      f"{100 * row['share']:.1f}% | {speedup} |", flush=True)
+                      f"{100 * row['share']:.1f}% | {speedup} | {start_s:.1f} |", flush=True)
                 # after every row: a run cut off by its time limit keeps what it measured
                 save()
     save()   # also a run with no rows

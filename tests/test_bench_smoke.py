@@ -66,6 +66,7 @@ def test_bench_runs(tmp_path, script, args, out):
     if script == "prefill.py":   # the machine, versions, date and command with the figures
         assert {"device", "jax", "date", "argv", "gemm"} <= set(data)
         assert data["argv"][:2] == ["--models", str(tmp_path / "models")]
+        assert all(r["start_s"] > 0 for r in data["rows"]), data["rows"]
 
 
 @pytest.mark.parametrize("client", ["httpx", "aiohttp"])
@@ -185,6 +186,34 @@ def test_the_skinny_sweeps_winners_reach_the_table(monkeypatch, tmp_path):
     T.patch_skinny_table(str(tmp_path / "s.json"))
     assert SG.table_config(32, 19456, 2560, "swiglu") == SG.SkinnyConfig(**cfg)
     assert not T._FORCED   # a table the executable cache's key sees: the cache stays on
+
+
+def test_the_8bit_sweeps_winners_reach_the_8bit_table(monkeypatch, tmp_path):
+    """bench/kernels/quantized_gemv.py --batched keeps a skinny config (converted tiles or W8A8) only where it beat
+    XLA's best product by 3%; throughput.py --skinny-table adds the run's format's rows to SKINNY_GEMM_8BIT, and
+    refuses rows of two formats (the table has no format in its key)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import json
+
+    import bench.throughput as T
+    from bench.kernels.quantized_gemv import batched_winners, table_rows
+    from jaxinfer.pallas import skinny_gemm as SG
+    from jaxinfer.pallas import tables
+
+    w8a8 = (64, 128, 4, 4, 1, True)
+    row = lambda fmt, kernel, us, cfg="": dict(dims="6144x2560", epilogue="none", format=fmt, M=64, kernel=kernel,   # noqa: E731
+                                               us=us, config=cfg, err="1e-3")
+    rows = [row("fp8", "xla", 14.6), row("fp8", "xla-w8a8", 13.4), row("fp8", "skinny-w8a8", 7.0, w8a8),
+            row("int8", "xla", 14.0), row("int8", "skinny-w8a8", 13.9, w8a8)]       # 13.9 against 14.0: no win
+    winners = table_rows(batched_winners(rows))
+    assert [(w["format"], w["cfg"]["w8a8"]) for w in winners] == [("fp8", True)]
+    (tmp_path / "q.json").write_text(json.dumps({"winners_8bit": winners + [dict(winners[0], format="int8")]}))
+    monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {})
+    T.patch_skinny_table(str(tmp_path / "q.json"), ["fp8"])
+    assert SG.table_config(64, 6144, 2560, "none", eight_bit=True) == SG.SkinnyConfig(*w8a8)
+    assert SG.table_config(64, 6144, 2560, "none") != SG.SkinnyConfig(*w8a8)     # the bf16 table is untouched
+    with pytest.raises(SystemExit, match="one --quantization format"):
+        T.patch_skinny_table(str(tmp_path / "q.json"), ["fp8", "int8"])
 
 
 @pytest.mark.parametrize("workload", ["engine", "no-cudnn", "synthetic", "qkv", "gate-up", "o-proj", "down",
