@@ -12,7 +12,8 @@ backward branch's body): instructions a warp an iteration and the most frequent 
 instructions spends them on (2026-12-04: the int8 decode attention's V tile loaded a byte an LDS.U8; every Pallas
 GEMM's product added to its accumulator by FADDs after waiting for its wgmma).
 --int8-convert C: the attention workloads on an int8 cache with conversion C; --weights int8|fp8: the GEMV, skinny
-and grouped workloads on 8-bit weights (the GEMVs' configs as the engine's ops pick them).
+and grouped workloads on 8-bit weights (the GEMVs' configs as the engine's ops pick them); int8-w8a8|fp8-w8a8: the
+skinny workloads in W8A8 (x's rows in 8 bits too).
 XLA compiles the same module with its own Triton: calibrated against Nsight Compute on the H200 (o_proj 96 here against 98 there). A tool for comparing variants before spending device
 time on them. Needs `pip install triton==3.6.0` (not a test dependency: ~190 MB).
 """
@@ -126,8 +127,9 @@ def main() -> None:
     ap.add_argument("--block-in", type=int, default=None)
     ap.add_argument("--rows", type=int, default=None)
     ap.add_argument("--int8-convert", default=None, choices=["cvt", "bits", "prmt"])
-    ap.add_argument("--weights", default="bf16", choices=["bf16", "int8", "fp8"],
-                    help="the GEMV, skinny and grouped workloads' weights (8-bit: a scale an output channel)")
+    ap.add_argument("--weights", default="bf16", choices=["bf16", "int8", "fp8", "int8-w8a8", "fp8-w8a8"],
+                    help="the GEMV, skinny and grouped workloads' weights (8-bit: a scale an output channel; -w8a8: "
+                         "the skinny workloads' x in that format too)")
     ap.add_argument("--sass", action="store_true", help="also each kernel's main loop (cuobjdump -sass)")
     args = ap.parse_args()
     print(f"{args.shape}, batch {args.batch}, context {args.context}"

@@ -187,8 +187,9 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
     slots, angles). block_in / rows: a GEMV's, instead of the engine's. int8_convert: the attention workloads on an int8
     cache (values and scales) with that conversion (decode_attention.int8_to). weights "int8" / "fp8": the GEMV, skinny
     and grouped workloads on 8-bit values with a scale an output channel (the GEMVs with the block_in, rows, warps and
-    conversion the engine's ops give them; the GEMMs at their choose_config). The grouped workloads spread the B rows
-    evenly over a mixture of experts' experts (the shape must have them)."""
+    conversion the engine's ops give them; the GEMMs at their choose_config). "int8-w8a8" / "fp8-w8a8": the same,
+    with the skinny workloads in W8A8 (x's rows in the weights' format with a scale each, 8-bit tile products). The
+    grouped workloads spread the B rows evenly over a mixture of experts' experts (the shape must have them)."""
     import jax
     import jax.numpy as jnp
 
@@ -205,7 +206,11 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
     def spec(*dims):
         return jax.ShapeDtypeStruct(dims, jnp.bfloat16)
 
+    w8a8 = weights.endswith("-w8a8")
+    weights = weights.removesuffix("-w8a8")
     w_dtype = {"bf16": jnp.bfloat16, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[weights]
+    if w8a8 and weights == "bf16":
+        raise ValueError("W8A8 workloads need 8-bit weights (int8-w8a8 or fp8-w8a8)")
 
     def weight_specs(*dims):   # the values, and their scales (one an output channel) where 8-bit
         if weights == "bf16":
@@ -282,10 +287,15 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
            "skinny-down": lambda x, w, v, **q: skinny_gemm(x, w, 0, residual=v, epilogue="residual",
                                                            interpret=interpret, **q)}
     vector = spec(n_in) if name in ("qkv", "gate-up") else spec(B, n_out)   # the norm's scale, or the residual
+    w_args = weight_specs(1, n_out, n_in)
+    if w8a8 and name.startswith("skinny"):   # x's rows in the weights' format, a float32 scale each
+        def fn(x, w, v, w_scale, x_scale):
+            return fns[name](x, w, v, w_scale=w_scale, x_scale=x_scale, out_dtype=jnp.bfloat16)
+        return fn, [jax.ShapeDtypeStruct((B, n_in), w_dtype), *w_args[:1], vector, *w_args[1:],
+                    jax.ShapeDtypeStruct((B,), jnp.float32)]
 
     def fn(x, w, v, *w_scale):
         return fns[name](x, w, v, w_scale=_scale_or_none(w_scale))
-    w_args = weight_specs(1, n_out, n_in)
     return fn, [spec(B, n_in), w_args[0], vector, *w_args[1:]]
 
 

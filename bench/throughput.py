@@ -223,13 +223,22 @@ def force_attention_config(num_splits: int, block_k: int) -> None:
     _FORCED.append(f"attention {num_splits}/{block_k}")
 
 
-def patch_skinny_table(path: str) -> None:
-    """Add the sweep's winning rows (bench/kernels/skinny_gemm.py's JSON, "winners") to the skinny GEMM's table."""
+def patch_skinny_table(path: str, formats: list[str] = ()) -> None:
+    """Add a sweep's winning rows to the skinny GEMM's tables: bench/kernels/skinny_gemm.py's JSON ("winners", bf16) to
+    SKINNY_GEMM; bench/kernels/quantized_gemv.py --batched's ("winners_8bit") to SKINNY_GEMM_8BIT, those of the
+    `formats` given (the 8-bit table is keyed by shape alone: give one format a run)."""
     from jaxinfer.pallas import tables
 
-    for w in json.loads(Path(path).read_text()).get("winners", []):
-        tables.SKINNY_GEMM[(*w["shape"], w["epilogue"], w["M"])] = tables.SkinnyConfig(**w["cfg"])
-        print(f"# skinny table + {w['shape'][0]} x {w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
+    data = json.loads(Path(path).read_text())
+    rows = [(tables.SKINNY_GEMM, w) for w in data.get("winners", [])]
+    rows += [(tables.SKINNY_GEMM_8BIT, w) for w in data.get("winners_8bit", []) if w["format"] in formats]
+    if len({w["format"] for _, w in rows if "format" in w}) > 1:
+        raise SystemExit(f"--skinny-table: 8-bit rows of {sorted(formats)} would share SKINNY_GEMM_8BIT's keys; "
+                         "run one --quantization format at a time")
+    for table, w in rows:
+        table[(*w["shape"], w["epilogue"], w["M"])] = tables.SkinnyConfig(**w["cfg"])
+        print(f"# skinny table{' (' + w['format'] + ')' if 'format' in w else ''} + {w['shape'][0]} x "
+              f"{w['shape'][1]} {w['epilogue']} M={w['M']}: {w['cfg']}", flush=True)
 
 
 def main() -> None:
@@ -248,7 +257,8 @@ def main() -> None:
     ap.add_argument("--attention-config", default=None, metavar="SPLITS/BLOCK_K",
                     help="every decode attention call with this split config, not the table's (A/B runs)")
     ap.add_argument("--skinny-table", default=None, metavar="JSON",
-                    help="add kernels_skinny_gemm.py --sweep's winning rows to the GEMM table (A/B runs)")
+                    help="add bench/kernels/skinny_gemm.py --sweep's winning rows to the GEMM table, and "
+                         "bench/kernels/quantized_gemv.py --batched's 8-bit ones of the --quantization format (A/B runs)")
     ap.add_argument("--lazy-compile", action="store_true",
                     help="compile only the steps the run takes (engine compile_all_at_start=False; A/B runs)")
     ap.add_argument("--quantization", nargs="*", default=[], choices=["int8", "fp8"],
@@ -264,7 +274,7 @@ def main() -> None:
     if args.attention_config:
         force_attention_config(*map(int, args.attention_config.split("/")))
     if args.skinny_table:
-        patch_skinny_table(args.skinny_table)
+        patch_skinny_table(args.skinny_table, args.quantization)
     if args.fp8_tables:
         from bench.kernels.fp8_rows import apply_tables
 

@@ -2,8 +2,8 @@
 # The H200 work that the CPU cannot do for the open issues, one device call a part (each under 10 minutes):
 #   part 1 (issues 39, 43): 8-bit experts on the GPU: the routed GEMVs' test at the real shapes, then
 #          Qwen3-30B-A3B@24 batch-1 decode with bf16 and int8 weights in one process
-#   part 2 (issue 39): FP8 and INT8 W8A8 whole steps (experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64):
-#          the 1k / 8k prefill and batch 64 at 1k context, bf16 / fp8 / int8 in one process each
+#   part 2 (issue 39): FP8 and INT8 W8A8 prompts (experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64):
+#          the 8k / 1k prefill against bf16, one format a process (batch 64 at 1k was measured 2026-12-05)
 #   part 3 (issue 38): speculation's batched section (random and block-repeating prompts at batch 64)
 #   part 4 (issues 43, 39): in-step A/B of the batch-1 MoE configs at Qwen3-30B-A3B@8 (experiments/with_tables.py),
 #          then part 2's 32k int8 cache step and FP8 prefill
@@ -16,6 +16,7 @@
 #          with prmt), against the tables, Qwen3-4B and Llama-3-8B batch 1, one process each
 #   part 13 (issue 43): Qwen3-30B-A3B's QKV and o_proj GEMVs at block_in 128 / 512 against the default 256 (which holds
 #          ~100 registers there), in-step A/B at @8, one process each
+#   part 15 (issue 39): W8A8 in the batched-decode kernel: GPU test, the 64-row sweep, batch 64 on its kept rows
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -33,13 +34,16 @@ case "${1:-1}" in
     step moe_int8_decode 330 python3 bench/decode.py --shapes qwen3-30b-a3b@24 --long --paths pallas --quantization int8 \
          --prompt 1024 --new 64 --out "$OUT"
     ;;
-  2)   # W8A8 on for both 8-bit formats (tables.FP8_W8A8_ROWS / INT8_W8A8_ROWS, None by default): bf16, fp8 and int8
-       # weights in one process each for the 1k / 8k prefill and for batch 64 at 1k context
+  2)   # W8A8 on for both 8-bit formats (tables.FP8_W8A8_ROWS / INT8_W8A8_ROWS, None by default): the 8k / 1k
+       # prefill, bf16 against each format in its own process
+       # (2026-12-05: batch 64 measured; the prompt rows ran out of time, so now one format a process, 8k first,
+       # with each row's engine start printed)
     W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64 --"
-    step w8a8_prefill 250 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
-         --quantization fp8 int8 --out "$OUT"
-    step w8a8_batch64 250 $W bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 \
-         --decode-only --lazy-compile --quantization fp8 int8 --out "$OUT"
+    for f in fp8 int8; do
+      step "w8a8_prefill_$f" 280 $W bench/prefill.py --shapes qwen3-4b --prompts 8192 1024 --paths pallas \
+           --quantization $f --out "$OUT"
+      mv "$OUT/prefill.json" "$OUT/prefill-$f.json" 2>/dev/null
+    done
     ;;
   4)   # in-step A/B of batch-1 configs at Qwen3-30B-A3B@8, each variant its own process
     D="bench/decode.py --shapes qwen3-30b-a3b@8 --long --paths pallas --prompt 1024 --new 64 --out $OUT"
@@ -110,6 +114,18 @@ case "${1:-1}" in
     TAIL=3 step moe_qkv_128 100 $W 'GEMV_BLOCK_IN[(5120, 2048)] = 128' -- $D
     TAIL=3 step moe_qkv_512 100 $W 'GEMV_BLOCK_IN[(5120, 2048)] = 512' -- $D
     TAIL=3 step moe_oproj_128 100 $W 'GEMV_BLOCK_IN[(2048, 4096)] = 128' -- $D
+    ;;
+  15)   # W8A8 in the batched-decode kernel (skinny_gemm's x_scale; e4m3 on wgmma through pallas/fp8_dot.py): its GPU
+        # test, the 8-bit rows' sweep at 64 rows (converted tiles and W8A8 per config, XLA's two products), then
+        # batch 64 at 1k on the sweep's kept rows (bench/throughput.py --skinny-table), one format a process
+    TAIL=3 step w8a8_skinny_test 150 python3 -m pytest -q -o addopts= tests/gpu/test_quantized_gemv_gpu.py -k w8a8
+    TAIL=14 step w8a8_skinny_sweep 200 python3 bench/kernels/quantized_gemv.py --shapes qwen3-4b --formats int8 fp8 \
+         --no-gemv --batched 64 --batched-sweep --budget 120 --out "$OUT"
+    for f in fp8 int8; do
+      step "w8a8_skinny_batch64_$f" 170 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 \
+           --context 1024 --steps 32 --decode-only --lazy-compile --quantization $f \
+           --skinny-table "$OUT/quantized_gemv.json" --out "$OUT"
+    done
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

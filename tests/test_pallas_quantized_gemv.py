@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import rel_err
-from jaxinfer.ops import LayerWeight, get_ops, twins
+from jaxinfer.ops import LayerWeight, get_ops, reference, twins
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas.fused_gemv import fused_gemv
 from jaxinfer.pallas.skinny_gemm import skinny_gemm
@@ -245,6 +245,106 @@ def test_prompt_rows_of_fp8_weights_take_w8a8_from_the_tables_rows(monkeypatch):
     assert rel_err(OPS.linear(x, lw), twins.linear_8bit(x, qw[layer])) <= TOL[bf16]
 
 
+def xla_w8a8(x, w: QuantizedWeight):
+    """ops.pallas's XLA W8A8 product for w's format (float32 [T, out])."""
+    from jaxinfer.ops.pallas import int8_w8a8_product, w8a8_product
+
+    return (int8_w8a8_product if w.dtype == jnp.int8 else w8a8_product)(x, w)
+
+
+W8A8_CONFIGS = [SkinnyConfig(block_n=32, block_k=64, w8a8=True),
+                SkinnyConfig(block_n=32, block_k=32, split_k=3, w8a8=True)]
+
+
+@pytest.mark.parametrize("config", [0, 1], ids=["one-pass", "split-k"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["plain", "bias", "residual", "swiglu"])
+def test_skinny_gemm_w8a8_matches_xlas_w8a8(kind, fmt, config):
+    """W8A8 in the batched-decode kernel (x's rows quantized to the weights' format, 8-bit tile products) against
+    XLA's W8A8 product of the same quantized rows, with each epilogue rounded as the reference ops round."""
+    from jaxinfer.ops.quantized import quantize_rows
+
+    base = dict(plain="plain", bias="norm_bias", residual="residual", swiglu="swiglu")[kind]
+    x, qw, layer, kw, twin_kw = case(base, 100, 200, bf16, fmt, None, T=5, seed=hash((kind, fmt, config)) % 2**31)
+    kw = {k: v for k, v in kw.items() if k not in ("scale", "eps")}
+    xq, x_scale = quantize_rows(x, qw.dtype)
+    y = skinny_gemm(xq, qw.values, layer, w_scale=qw.scale, x_scale=x_scale, out_dtype=bf16,
+                    config=W8A8_CONFIGS[config], interpret=True, **kw)
+    p = xla_w8a8(x, qw[layer])
+    if "b" in kw:
+        p = p + kw["b"][layer].astype(f32)
+    ref = p.astype(bf16)
+    if kind == "residual":
+        ref = kw["residual"] + ref
+    elif kind == "swiglu":
+        ref = reference.swiglu(ref)
+    assert y.shape == ref.shape and y.dtype == bf16
+    assert rel_err(y, ref) <= 1e-2
+    # and it did quantize the activations: further from the product of the unquantized rows
+    assert rel_err(y, twins.linear_8bit(x, qw[layer], **{k: v for k, v in twin_kw.items() if k not in ("scale", "eps")})) > 1e-3
+
+
+def test_w8a8_int8_sums_are_exact():
+    """int8 x int8 tile products summed in int32: the kernel's float32 result is XLA's s8 GEMM's bit for bit
+    (one pass; the same two scale multiplications in the same order)."""
+    from jaxinfer.ops.quantized import quantize_rows
+
+    x, qw, layer, _, _ = case("plain", 64, 256, bf16, "int8", None, T=7, seed=14)
+    xq, x_scale = quantize_rows(x, qw.dtype)
+    got = skinny_gemm(xq, qw.values, layer, w_scale=qw.scale, x_scale=x_scale, out_dtype=f32,
+                      config=W8A8_CONFIGS[0], interpret=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(xla_w8a8(x, qw[layer])))
+
+
+def test_w8a8_arguments_are_checked():
+    from jaxinfer.ops.quantized import quantize_rows
+
+    x, qw, layer, _, _ = case("plain", 64, 128, bf16, "fp8", None, T=4, seed=15)
+    xq, xs = quantize_rows(x, qw.dtype)
+    kw = dict(w_scale=qw.scale, interpret=True)
+    with pytest.raises(ValueError, match="x_scale"):     # x not in the weights' format
+        skinny_gemm(x, qw.values, layer, x_scale=xs, out_dtype=bf16, **kw)
+    with pytest.raises(ValueError, match="x_scale"):     # one scale a row
+        skinny_gemm(xq, qw.values, layer, x_scale=xs[:3], out_dtype=bf16, **kw)
+    with pytest.raises(ValueError, match="out_dtype"):   # the output's dtype must be said
+        skinny_gemm(xq, qw.values, layer, x_scale=xs, **kw)
+    with pytest.raises(ValueError, match="out_dtype"):   # and differs from x's only in W8A8
+        skinny_gemm(x, qw.values, layer, out_dtype=f32, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("op", ["linear", "rms_norm_linear", "linear_residual", "linear_residual_norm_swiglu"])
+def test_batched_rows_take_w8a8_where_the_8bit_tables_row_says(monkeypatch, op, fmt):
+    """A tables.SKINNY_GEMM_8BIT row with w8a8 set: the op quantizes x's rows and runs the kernel on 8-bit products
+    (XLA's W8A8 product's result); without the row, the converted weight tiles (the twin's)."""
+    from jaxinfer.pallas import tables
+
+    x, qw, layer, _, _ = case("plain", 64, 96, bf16, fmt, None, T=5, seed=16)
+    res = jax.random.normal(jax.random.PRNGKey(17), (5, 64), f32).astype(bf16)
+    norm = jnp.ones((3, 96), bf16)
+    gate_up = LayerWeight(random_weight(jax.random.PRNGKey(18), 3, 2 * 48, 64, fmt, None), jnp.int32(layer))
+    lw = LayerWeight(qw, jnp.int32(layer))
+    run = dict(linear=lambda: OPS.linear(x, lw),
+               rms_norm_linear=lambda: OPS.rms_norm_linear(x, LayerWeight(norm, jnp.int32(layer)), 1e-6, lw),
+               linear_residual=lambda: OPS.linear_residual(x, lw, None, res),
+               linear_residual_norm_swiglu=lambda: OPS.linear_residual_norm_swiglu(
+                   x, lw, None, res, LayerWeight(jnp.ones((3, 64), bf16), jnp.int32(layer)), 1e-6, gate_up)[0])[op]
+    epilogue = "residual" if op.startswith("linear_residual") else "none"
+    split = 2 if op == "linear_residual_norm_swiglu" else 1       # its split-K path: the partials' finish kernel
+    xn = reference.rms_norm(x, norm[layer], 1e-6) if op == "rms_norm_linear" else x
+    want = xla_w8a8(xn, qw[layer]).astype(bf16)
+    want = res + want if epilogue == "residual" else want
+    monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {(64, 96, epilogue, 16): SkinnyConfig(32, 32, split_k=split,
+                                                                                         w8a8=True)})
+    jax.clear_caches()
+    got = run()
+    assert rel_err(got, want) <= 1e-2
+    monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {})
+    jax.clear_caches()
+    converted = run()
+    assert rel_err(converted, got) > 1e-3      # the two paths differ by the activations' quantization
+
+
 # --- the Triton lowering for an H200 (tests/test_triton_lowering.py's way: on the CPU, the GPU stubbed in) ---------
 
 @pytest.fixture
@@ -272,6 +372,31 @@ def test_8bit_kernels_lower_to_triton(h200, fmt, block, convert):
     for cfg in SKINNY_CONFIGS:
         assert _lowers(lambda x, v, s: skinny_gemm(x, v, 1, w_scale=s, w_block=block, config=cfg, epilogue="swiglu"),
                        xm, qw.values, qw.scale)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_w8a8_kernels_lower_with_8bit_tile_products(h200, fmt):
+    """W8A8's skinny kernel lowers for an H200 with its tile products in 8 bits: the e4m3 dot carries
+    maxNumImpreciseAcc (fp8_dot.py; without it Triton upcasts both operands to float16), the int8 one sums in i32.
+    The converted-tiles kernel's bf16 dot carries no such attribute."""
+    from bench.kernel_registers import triton_modules
+    from jaxinfer.ops.quantized import quantize_rows
+
+    x, qw, _, _, _ = case("plain", 256, 200, bf16, fmt, None, T=16, seed=19)
+    cfg = SkinnyConfig(block_n=64, block_k=64, w8a8=True)
+    xq, xs = quantize_rows(x, qw.dtype)
+    [(_, w8a8)] = triton_modules(lambda x, v, s, xs: skinny_gemm(x, v, 1, w_scale=s, x_scale=xs, out_dtype=bf16,
+                                                                 config=cfg, epilogue="swiglu"), (xq, qw.values, qw.scale, xs))
+    dots = [line for line in w8a8.splitlines() if "tt.dot" in line]
+    assert dots
+    ty = {"int8": "i8", "fp8": "f8E4M3FN"}[fmt]
+    assert all(f"tensor<16x64x{ty}>" in d for d in dots), dots
+    if fmt == "fp8":
+        assert all("maxNumImpreciseAcc = 64" in d for d in dots), dots
+    else:
+        assert all("-> tensor<16x64xi32>" in d and "maxNumImpreciseAcc" not in d for d in dots), dots
+    [(_, converted)] = triton_modules(lambda x, v, s: skinny_gemm(x, v, 1, w_scale=s, config=cfg), (x, qw.values, qw.scale))
+    assert all("maxNumImpreciseAcc" not in line for line in converted.splitlines() if "tt.dot" in line)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])

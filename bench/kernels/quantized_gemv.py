@@ -15,10 +15,12 @@ and scales), the share of the HBM read ceiling measured in the run (ceiling time
 speed-up over bf16; then the best 8-bit config per shape and format (rows for tables.GEMV_BLOCK_IN_8BIT,
 GEMV_ROWS_8BIT, GEMV_WARPS_8BIT and, from the int8 rows, GEMV_INT8_CONVERT_BY_SHAPE) and the layer's sum.
 
---batched M...: the same projections at M rows (a batched decode step): XLA's product (reference.linear on the
-QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized) against the
-skinny kernel at skinny_gemm.choose_config (--batched-sweep: phase A of bench/kernels/skinny_gemm.py's configs);
-prints rows for tables.SKINNY_GEMM_8BIT where the kernel beat XLA by 3%.
+--batched M...: the same projections at M rows (a batched decode step): XLA's products (reference.linear on the
+QuantizedWeight: values converted to bf16 in the GEMM's fusion, scale after; block scales dequantized; and, per
+channel, its W8A8 product) against the skinny kernel at skinny_gemm.choose_config, each config also in W8A8 (x's rows
+quantized to the weights' format, 8-bit tile products; checked against XLA's W8A8) (--batched-sweep: phase A of
+bench/kernels/skinny_gemm.py's configs); prints rows for tables.SKINNY_GEMM_8BIT where the kernel beat XLA's best
+by 3%.
 
 --prompt M...: prompt rows (XLA's GEMMs, 4 layers' matrices a call): bf16 weights (reference.linear) against each
 format's XLA product as ops.pallas runs it (ops.pallas._xla_product: converted values, or block-scaled ones
@@ -41,14 +43,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bench.ceilings import hbm_read_ceiling
 from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
 from bench.random_model import SHAPES
 from bench.table import print_table
 from jaxinfer.ops import reference, twins
-from jaxinfer.ops.quantized import QuantizedWeight
+from jaxinfer.ops.quantized import QuantizedWeight, quantize_rows
 from jaxinfer.pallas import skinny_gemm as SG
 from jaxinfer.pallas.fused_gemv import block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 
@@ -213,9 +214,24 @@ def xla_product(epilogue):
     return fn
 
 
+def xla_w8a8_product(epilogue):
+    """ops.pallas's XLA W8A8 product (each row of x in the weights' format), the epilogue as the reference ops."""
+    from jaxinfer.ops.pallas import int8_w8a8_product, w8a8_product
+
+    def fn(x, w, res):
+        y = (int8_w8a8_product if w.dtype == jnp.int8 else w8a8_product)(x, w).astype(x.dtype)
+        return reference.swiglu(y) if epilogue == "swiglu" else res + y if epilogue == "residual" else y
+    return fn
+
+
 def skinny_product(cfg, epilogue):
+    """The skinny kernel at cfg; cfg.w8a8: x's rows quantized first (quantize_rows, timed with the kernel)."""
     def fn(x, w, res):
         kw = dict(residual=res) if epilogue == "residual" else {}
+        if cfg.w8a8:
+            x_bf16 = x
+            x, x_scale = quantize_rows(x_bf16, w.dtype)
+            kw.update(x_scale=x_scale, out_dtype=x_bf16.dtype)
         return SG.skinny_gemm(x, w.values[None], 0, w_scale=w.scale[None], w_block=w.block, config=cfg,
                               epilogue=epilogue, interpret=INTERPRET, **kw)
     return fn
@@ -239,24 +255,32 @@ def time_batched(shape: str, cfg: dict, formats: list[str], Ms: list[int], sweep
                 x = jax.random.normal(keys[1], (M, k), bf16)
                 res = jax.random.normal(keys[2], (M, n), bf16)
                 ref = twins.linear_8bit(x, ws[0], residual=res, epilogue="none" if epilogue == "none" else epilogue)
-                cands = {"xla": xla_product(epilogue)}
+                per_channel = ws[0].block is None
+                # W8A8 (per-channel weights): checked against XLA's W8A8 product of the same quantized rows
+                ref_w8a8 = xla_w8a8_product(epilogue)(x, ws[0], res) if per_channel else None
+                cands = {"xla": xla_product(epilogue)} | ({"xla-w8a8": xla_w8a8_product(epilogue)} if per_channel
+                                                          else {})
                 cfgs = [SG.choose_config(M, n, k, epilogue)]
+                if per_channel:   # each config also in W8A8, right after it
+                    cfgs.append(dataclasses.replace(cfgs[0], w8a8=True))
                 if sweep and time.time() < deadline:
-                    cfgs += [c for c in sweep_configs(k) if c not in cfgs]
+                    more = [c for c in sweep_configs(k) if c not in cfgs]
+                    cfgs += [v for c in more for v in ((c, dataclasses.replace(c, w8a8=True)) if per_channel else (c,))]
                 cands.update({c: skinny_product(c, epilogue) for c in cfgs})
                 for label, fn in cands.items():
-                    if label != "xla" and time.time() > deadline and label != cfgs[0]:
+                    if not str(label).startswith("xla") and time.time() > deadline and label not in cfgs[:2]:
                         break
+                    w8a8 = label == "xla-w8a8" or getattr(label, "w8a8", False)
                     try:
                         outs, ms = best_ms_per_call(batched_call(fn, epilogue), (x, ws, res), L, 3, target_s=0.15)
-                        err = rel_err(outs[0], ref)
+                        err = rel_err(outs[0], ref_w8a8 if w8a8 else ref)
                     except Exception as e:
                         log(f"# {shape} {name} {fmt} M={M} {label}: {type(e).__name__}: {str(e)[:200]}")
                         continue
                     nb = nbytes(ws[0])
                     row = dict(shape=shape, projection=name, dims=f"{n}x{k}", epilogue=epilogue, format=fmt, M=M,
-                               kernel="xla" if label == "xla" else "skinny",
-                               config="" if label == "xla" else dataclasses.astuple(label), us=1e3 * ms,
+                               kernel=label if isinstance(label, str) else "skinny-w8a8" if w8a8 else "skinny",
+                               config="" if isinstance(label, str) else dataclasses.astuple(label), us=1e3 * ms,
                                share=nb / (ms * 1e-3) / ceiling, err=f"{err:.1e}" + ("" if err <= TOL else " FAIL"))
                     out.append(row)
                     log(json.dumps(row))
@@ -269,12 +293,21 @@ def batched_winners(rows: list[dict], margin: float = 0.97) -> list[dict]:
     keys = dict.fromkeys((r["dims"], r["epilogue"], r["format"], r["M"]) for r in rows)
     for key in keys:
         group = [r for r in rows if (r["dims"], r["epilogue"], r["format"], r["M"]) == key and "FAIL" not in r["err"]]
-        xla = [r["us"] for r in group if r["kernel"] == "xla"]
-        kern = sorted((r for r in group if r["kernel"] == "skinny"), key=lambda r: r["us"])
+        xla = sorted((r for r in group if r["kernel"].startswith("xla")), key=lambda r: r["us"])
+        kern = sorted((r for r in group if r["kernel"].startswith("skinny")), key=lambda r: r["us"])
         if xla and kern:
-            out.append(dict(dims=key[0], epilogue=key[1], format=key[2], M=key[3], xla_us=xla[0], us=kern[0]["us"],
-                            config=str(kern[0]["config"]), keep="yes" if kern[0]["us"] < margin * xla[0] else "no"))
+            out.append(dict(dims=key[0], epilogue=key[1], format=key[2], M=key[3], xla=xla[0]["kernel"],
+                            xla_us=xla[0]["us"], us=kern[0]["us"], kernel=kern[0]["kernel"],
+                            config=str(kern[0]["config"]), cfg=list(kern[0]["config"]),
+                            keep="yes" if kern[0]["us"] < margin * xla[0]["us"] else "no"))
     return out
+
+
+def table_rows(winners: list[dict]) -> list[dict]:
+    """The kept winners as rows of tables.SKINNY_GEMM_8BIT (bench/throughput.py --skinny-table reads them)."""
+    fields = [f.name for f in dataclasses.fields(SG.SkinnyConfig)]
+    return [dict(shape=[int(d) for d in w["dims"].split("x")], epilogue=w["epilogue"], M=w["M"], format=w["format"],
+                 cfg=dict(zip(fields, w["cfg"]))) for w in winners if w["keep"] == "yes"]
 
 
 def time_prompt(shape: str, cfg: dict, formats: list[str], Ms: list[int], out: list) -> None:
@@ -377,7 +410,8 @@ def main() -> None:
     if batched_rows:
         print("\nbatched decode rows: XLA's product against the skinny kernel (tables.SKINNY_GEMM_8BIT)")
         print_table(batched_winners(batched_rows), [("out x in", "dims", ""), ("epilogue", "epilogue", ""),
-                                                    ("weights", "format", ""), ("M", "M", ""), ("XLA us", "xla_us", ".2f"),
+                                                    ("weights", "format", ""), ("M", "M", ""), ("XLA's best", "xla", ""),
+                                                    ("XLA us", "xla_us", ".2f"), ("kernel", "kernel", ""),
                                                     ("kernel us", "us", ".2f"), ("config", "config", ""),
                                                     ("keep", "keep", "")])
     if prompt_rows:
@@ -391,6 +425,8 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "quantized_gemv.json").write_text(json.dumps(dict(ceiling=ceiling, gemv=gemv_rows,
                                                                      batched=batched_rows, prompt=prompt_rows,
+                                                                     winners_8bit=table_rows(batched_winners(
+                                                                         batched_rows)),
                                                                      fp8_rows=fp8_rows),
                                                                 indent=1, default=str))
 

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference, weight
-from jaxinfer.ops.quantized import QuantizedWeight
+from jaxinfer.ops.quantized import QuantizedWeight, quantize_rows
 from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
@@ -132,10 +132,9 @@ def w8a8_product(x, q, dot_dtype=jnp.float32) -> jax.Array:
     q = _layer_matrix(q)
     if q.block is not None or q.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"w8a8_product: fp8 weights with a scale per output channel, not {q.dtype} block {q.block}")
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32), 1e-30)
-    xq = jnp.clip(x.astype(jnp.float32) * (448.0 / amax), -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    xq, x_scale = quantize_rows(x, q.dtype)
     y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=dot_dtype)
-    return y.astype(jnp.float32) * (amax / 448.0) * q.scale
+    return y.astype(jnp.float32) * x_scale[:, None] * q.scale
 
 
 def int8_w8a8_product(x, q) -> jax.Array:
@@ -147,10 +146,9 @@ def int8_w8a8_product(x, q) -> jax.Array:
     if q.block is not None or q.dtype != jnp.int8:
         raise ValueError(f"int8_w8a8_product: int8 weights with a scale per output channel, not {q.dtype} "
                          f"block {q.block}")
-    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True).astype(jnp.float32), 1e-30)
-    xq = jnp.round(jnp.clip(x.astype(jnp.float32) * (127.0 / amax), -127.0, 127.0)).astype(jnp.int8)
+    xq, x_scale = quantize_rows(x, q.dtype)
     y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return y.astype(jnp.float32) * (amax / 127.0) * q.scale
+    return y.astype(jnp.float32) * x_scale[:, None] * q.scale
 
 
 def _xla_linear(x, w, b=None) -> jax.Array:
@@ -177,15 +175,16 @@ def _small(x) -> bool:
 
 def _skinny_config(x, w, epilogue, interpret):
     """The tensor-core kernel's config for a batched decode step's rows at a shape where its measured table beat
-    XLA (in interpret mode at every shape, so the CPU tests cover it); else None (XLA's GEMM). Block-scaled 8-bit
-    weights take the kernel at every shape (choose_config where the table has none): XLA's product writes and
-    re-reads a bf16 copy of the matrix, 5 bytes a weight against the kernel's 1."""
+    XLA (in interpret mode at every shape, the table's row where it has one, so the CPU tests cover it); else None
+    (XLA's GEMM). Block-scaled 8-bit weights take the kernel at every shape (choose_config where the table has
+    none): XLA's product writes and re-reads a bf16 copy of the matrix, 5 bytes a weight against the kernel's 1. A
+    row with w8a8 set runs W8A8 (_skinny_operands)."""
     if not (x.ndim == 2 and MAX_T < x.shape[0] <= skinny_gemm.MAX_T):
         return None
     n, k = (w.stacked if isinstance(w, LayerWeight) else w).shape[-2:]
-    if interpret:
-        return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
     cfg = skinny_gemm.table_config(x.shape[0], n, k, epilogue, eight_bit=_quantized(w))
+    if interpret:
+        return cfg or skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
     if cfg is None and _quantized(w) and (w.stacked if isinstance(w, LayerWeight) else w).block is not None:
         return skinny_gemm.choose_config(x.shape[0], n, k, epilogue)
     return cfg
@@ -216,9 +215,19 @@ def _gemv(x, w, scale=None, b=None, *, interpret, **kw):
                       **quant, **kw)
 
 
+def _skinny_operands(x, stacked, config):
+    """(x, the matrix values, the skinny kernel's keywords for them) at a config: where the table's row says W8A8,
+    x's rows quantized to the weights' 8-bit format, with their scales and the activations' dtype for the output."""
+    values, quant = _matrix(stacked)
+    if not config.w8a8:
+        return x, values, quant
+    xq, x_scale = quantize_rows(x, values.dtype)
+    return xq, values, dict(quant, x_scale=x_scale, out_dtype=x.dtype)
+
+
 def _skinny(x, w, b=None, *, interpret, **kw):
     stacked, layer, vector_layer, (b,) = _stacked(w, b)
-    values, quant = _matrix(stacked)
+    x, values, quant = _skinny_operands(x, stacked, kw["config"])
     return skinny_gemm.skinny_gemm(x, values, layer, b=b, vector_layer=vector_layer, interpret=interpret, **quant,
                                    **kw)
 
@@ -287,8 +296,8 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
         r = linear_residual(x, w, b, residual, interpret=interpret)
         return r, rms_norm_swiglu(r, scale, eps, w_gate_up, interpret=interpret)
     stacked, layer, vector_layer, (scale_stack,) = _stacked(w, scale)
-    values, quant = _matrix(stacked)
-    partials = skinny_gemm.skinny_gemm(x, values, layer, config=cfg, finish=False, interpret=interpret, **quant)
+    xk, values, quant = _skinny_operands(x, stacked, cfg)
+    partials = skinny_gemm.skinny_gemm(xk, values, layer, config=cfg, finish=False, interpret=interpret, **quant)
     r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale_stack, eps,
                                                    layer if vector_layer is None else vector_layer,
                                                    interpret=interpret)

@@ -7,7 +7,8 @@ stands for is values * scale. Leading axes (a stack of layers) index both arrays
 stacked QuantizedWeight reads one layer's with `stacked[layer]`.
 
 `quantize(w, fmt)` makes one from a matrix: symmetric, one scale per output channel (max |w_row| over the format's
-largest value: 127 for int8, 448 for e4m3). `join` concatenates quantized matrices along their output axis (the
+largest value: 127 for int8, 448 for e4m3); `quantize_rows(x, dtype)` does the same for each row of activations
+(W8A8). `join` concatenates quantized matrices along their output axis (the
 fused Q/K/V and gate/up projections of separately quantized checkpoint tensors).
 """
 
@@ -88,6 +89,18 @@ def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
     if fmt == "int8":
         q = jnp.round(q)
     return QuantizedWeight(q.astype(FORMATS[fmt]), scale)
+
+
+def quantize_rows(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """Activations for W8A8: each row of x [T, in] in the 8-bit `dtype` (int8 or float8_e4m3fn) with its own
+    float32 scale [T] (its max |x| onto the format's largest value; the max taken in x's own dtype, exact, so that no
+    float32 copy of x is written; int8 rounded to nearest). x ~= values * scale[:, None]."""
+    top = MAX_VALUE[format_of(dtype)]
+    amax = jnp.maximum(jnp.max(jnp.abs(x), axis=-1).astype(jnp.float32), 1e-30)
+    q = jnp.clip(x.astype(jnp.float32) * (top / amax)[:, None], -top, top)
+    if jnp.dtype(dtype) == jnp.dtype(jnp.int8):
+        q = jnp.round(q)
+    return q.astype(dtype), amax / top
 
 
 def join(parts: list[QuantizedWeight]) -> QuantizedWeight:

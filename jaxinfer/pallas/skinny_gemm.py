@@ -19,6 +19,11 @@ reads rows I + n, and writes silu(gate) * up [M, I].
 (exact: every int8 and e4m3 value is a bf16) before the tensor-core product; a scale per output channel multiplies
 the float32 sums once (split K: each partial, so the finish is unchanged); block scales multiply each tile's
 product by its rows' scales, a tile lying inside one column block.
+
+W8A8 (`x_scale`, per-channel 8-bit weights): x arrives quantized to the weights' format with a float32 scale a row
+(ops.quantized.quantize_rows), the tiles multiply on 8-bit tensor cores (e4m3 x e4m3 summed in float32, int8 x int8
+in int32, exact), and the sums are multiplied by the row's and the output channel's scales once. The weight tiles
+then go from memory to the product unconverted.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas import tables
+from jaxinfer.pallas import fp8_dot, tables
 from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
 from jaxinfer.pallas.fused_gemv import weights_to_f32
 from jaxinfer.pallas.tables import SkinnyConfig
@@ -44,6 +49,7 @@ i32 = jnp.int32
 MAX_T = 64
 EPILOGUES = ("none", "residual", "swiglu")
 SMEM_BYTES = 200 * 1024   # of the H200's 227 KB per block: what the pipeline's stages may take
+fp8_dot.install()         # W8A8's e4m3 tile products on wgmma (fp8_dot.py)
 
 
 def table_config(M: int, N: int, K: int, epilogue: str = "none", eight_bit: bool = False) -> SkinnyConfig | None:
@@ -96,10 +102,11 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> Skinn
 
 
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
-            tiles_per_split, w_scaled=False, w_block=None):
+            tiles_per_split, w_scaled=False, w_block=None, x_scaled=False):
     refs = list(refs)
     o_ref = refs.pop()
     ws_ref = refs.pop(0) if w_scaled else None
+    xs_ref = refs.pop(0) if x_scaled else None
     b_ref = refs.pop(0) if has_bias else None
     res_ref = refs.pop(0) if epilogue == "residual" else None
     BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
@@ -120,6 +127,9 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
     lanes = jnp.arange(BK, dtype=i32)
     bases = (0, half) if epilogue == "swiglu" else (0,)
     prec = dot_precision(x_ref.dtype)
+    int_dot = x_scaled and x_ref.dtype == jnp.int8          # int8 x int8: exact int32 sums
+    acc_dtype = i32 if int_dot else f32
+    zero = 0.0 if x_ref.dtype == jnp.float8_e4m3fn else 0    # the lowering casts no integer to float8
     k_tiles = pl.cdiv(K, BK)
     t_lo = pl.program_id(2) * tiles_per_split if partial else 0
     t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
@@ -130,7 +140,7 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
         x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
-        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else 0)
+        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else zero)
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
@@ -139,16 +149,19 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
             else:
                 fill = 0.0 if w_ref.dtype == jnp.float8_e4m3fn else 0   # the lowering casts no integer to float8
                 w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=fill)
-            if w_scaled:   # exact: int8 through float32 as the GEMV converts it (tables.GEMV_INT8_CONVERT)
+            if w_scaled and not x_scaled:   # exact: int8 through float32 as the GEMV converts it
                 w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
-            y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+            y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=acc_dtype)
             if w_block is not None:   # the tile's block scales, one a row of W
                 bo, bi = w_block
                 y = y * plgpu.load(ws_ref.at[layer, (base + n_ld) // bo, k0 // bi])[None, :]
             out.append(acc + y)
         return tuple(out)
 
-    accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+    accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), acc_dtype) for _ in bases))
+    if x_scaled:   # the rows' scales, once (masked rows: 0, as their sums)
+        xs = plgpu.load(xs_ref.at[rows_ld], mask=row_ok, other=0.0)[:, None]
+        accs = tuple(acc.astype(f32) * xs for acc in accs)
     if w_scaled and w_block is None:   # the output channels' scales, once
         accs = tuple(acc * plgpu.load(ws_ref.at[layer, base + n_ld])[None, :] for base, acc in zip(bases, accs))
     mask = row_ok[:, None] & n_ok[None, :]
@@ -185,12 +198,12 @@ def finish_partials(partial, b, residual, epilogue, dtype):
     return y
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "finish", "w_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "finish", "w_block", "out_dtype", "interpret"))
 def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: jax.Array | None = None,
                 residual: jax.Array | None = None, epilogue: str = "none", config: SkinnyConfig | None = None,
                 vector_layer: jax.Array | int | None = None, finish: bool = True,
                 w_scale: jax.Array | None = None, w_block: tuple[int, int] | None = None,
-                interpret: bool = False) -> jax.Array:
+                x_scale: jax.Array | None = None, out_dtype=None, interpret: bool = False) -> jax.Array:
     """x [M, K]; w [L, N, K] read at `layer` (2-D w and 1-D b count as one layer); b [Lb, N] read at
     `vector_layer` (default `layer`);
     epilogue "residual" adds residual [M, N]; "swiglu" takes w as [2I, K] (gate rows, then up) and
@@ -198,7 +211,18 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     split-K config's float32 partial sums [S, M, N] as they are, for a fused finish elsewhere
     (residual_norm.py); the rounded product where the config does not split.
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, N] per output channel, or
-    [L, ceil(N / bo), ceil(K / bi)] with w_block = (bo, bi) (block_k is then cut to divide bi)."""
+    [L, ceil(N / bo), ceil(K / bi)] with w_block = (bo, bi) (block_k is then cut to divide bi).
+    W8A8: x_scale float32 [M], x in w's 8-bit dtype (per-channel w_scale only), out_dtype the activations' dtype
+    (the output's and the residual's; default x.dtype otherwise)."""
+    if x_scale is not None:
+        if x.dtype != w.dtype or w.dtype.itemsize != 1 or w_scale is None or w_block is not None:
+            raise ValueError(f"skinny_gemm: x_scale (W8A8) takes x in w's 8-bit dtype and per-channel w_scale, not x "
+                             f"{x.dtype}, w {w.dtype}, w_block {w_block}")
+        if x_scale.shape != (x.shape[0],) or out_dtype is None:
+            raise ValueError(f"skinny_gemm: x_scale {x_scale.shape} should be [{x.shape[0]}], with out_dtype given")
+    elif out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+        raise ValueError(f"skinny_gemm: out_dtype {out_dtype} differs from x's {x.dtype} only with x_scale (W8A8)")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     if w.ndim == 2:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
@@ -242,21 +266,22 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
     layers = layer_operands(layer, vector_layer)
-    quant = [] if w_scale is None else [w_scale]
+    quant = ([] if w_scale is None else [w_scale]) + ([] if x_scale is None else [x_scale.astype(f32)])
     if partial:
         args, out_shape = [*layers, x, w, *quant], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
         args = [*layers, x, w, *quant] + [a for a in (b, residual) if a is not None]
-        out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((M, cols), out_dtype)
     kernel = functools.partial(_kernel, M=M, N=N, K=K, BM=BM, cfg=cfg, has_bias=b is not None and not partial,
                                epilogue="none" if partial else epilogue, half=half,
-                               tiles_per_split=tiles_per_split, w_scaled=w_scale is not None, w_block=w_block)
+                               tiles_per_split=tiles_per_split, w_scaled=w_scale is not None, w_block=w_block,
+                               x_scaled=x_scale is not None)
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(M, BM), pl.cdiv(N if partial else cols, cfg.block_n), S),
         interpret=interpret,
-        name=f"skinny_gemm_{epilogue}" + ("_8bit" if w_scale is not None else ""),
+        name=f"skinny_gemm_{epilogue}" + ("_w8a8" if x_scale is not None else "_8bit" if w_scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*args)
     if partial and finish:
-        return finish_partials(y, None if b is None else b[layers[1][0]], residual, epilogue, x.dtype)
+        return finish_partials(y, None if b is None else b[layers[1][0]], residual, epilogue, out_dtype)
     return y

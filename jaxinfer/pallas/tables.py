@@ -231,6 +231,9 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
+    # 8-bit weights only: W8A8, each row of x quantized to the weights' format (its own scale) and the tile products
+    # on 8-bit tensor cores (fp8 e4m3 or int8), instead of the weight tiles converted to x's dtype
+    w8a8: bool = False
 
 
 # bench/kernels/skinny_gemm.py --sweep, H200, 2026-11-29, bf16: the best config per (N, K, epilogue) at M = 16 (used
