@@ -118,11 +118,11 @@ case "${1:-1}" in
   15)   # W8A8 in the batched-decode kernel (skinny_gemm's x_scale; e4m3 on wgmma through pallas/fp8_dot.py): its GPU
         # test, the 8-bit rows' sweep at 64 rows (converted tiles and W8A8 per config, XLA's two products), then
         # batch 64 at 1k on the sweep's kept rows (bench/throughput.py --skinny-table), one format a process
-    TAIL=3 step w8a8_skinny_test 150 python3 -m pytest -q -o addopts= tests/gpu/test_quantized_gemv_gpu.py -k w8a8
-    TAIL=14 step w8a8_skinny_sweep 200 python3 bench/kernels/quantized_gemv.py --shapes qwen3-4b --formats int8 fp8 \
-         --no-gemv --batched 64 --batched-sweep --budget 120 --out "$OUT"
+    TAIL=3 step w8a8_skinny_test 90 python3 -m pytest -q -o addopts= tests/gpu/test_quantized_gemv_gpu.py -k w8a8
+    TAIL=14 step w8a8_skinny_sweep 180 python3 bench/kernels/quantized_gemv.py --shapes qwen3-4b --formats int8 fp8 \
+         --no-gemv --batched 64 --batched-sweep --budget 110 --out "$OUT"
     for f in fp8 int8; do
-      step "w8a8_skinny_batch64_$f" 170 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 \
+      step "w8a8_skinny_batch64_$f" 160 python3 bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 \
            --context 1024 --steps 32 --decode-only --lazy-compile --quantization $f \
            --skinny-table "$OUT/quantized_gemv.json" --out "$OUT"
     done
