@@ -49,6 +49,8 @@ def _run(tmp_path, script, *args, timeout=300):
     ("kernels/moe.py", ["--interpret", "--tokens", "1", "8", "--format", "fp8"], "moe.json"),
     ("kernels/sampling.py", ["--vocab", "20000", "--rows", "1", "3", "--calls", "2"], "sampling.json"),
     ("kernels/skinny_gemm.py", ["--interpret", "--sweep", "--budget", "30"], "skinny_gemm.json"),
+    ("kernels/quantized_gemv.py", ["--interpret", "--shapes", "tiny", "--formats", "fp8", "--no-gemv", "--batched", "5"],
+     "quantized_gemv.json"),
     ("kernels/skinny_gemm.py", ["--interpret", "--norm"], "skinny_norm_gemm.json"),
     ("kernels/decode_attention_rope.py", ["--interpret", "--points", "2:40"], "decode_attention_rope.json"),
     ("kernels/decode_attention.py", ["--interpret", "--sweep", "--no-table", "--kv-cache-dtype", "fp8", "--query-dtype",
@@ -63,6 +65,9 @@ def test_bench_runs(tmp_path, script, args, out):
         rows = data["rows"]
         assert [r["cache"] for r in rows] == ["cold", "warm"][:len(rows)] and all(r["first_token_s"] > 0 for r in rows)
         assert all(r["summary"].startswith("[jaxinfer: tiny") for r in rows), rows
+    if script == "kernels/quantized_gemv.py":   # each product of the batched rows ran and matched its reference
+        kernels = {r["kernel"] for r in data["batched"] if "FAIL" not in r["err"]}
+        assert kernels == {"xla", "xla-w8a8", "skinny", "skinny-w8a8"} and "winners_8bit" in data, data["batched"]
     if script == "prefill.py":   # the machine, versions, date and command with the figures
         assert {"device", "jax", "date", "argv", "gemm"} <= set(data)
         assert data["argv"][:2] == ["--models", str(tmp_path / "models")]
