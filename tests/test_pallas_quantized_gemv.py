@@ -345,6 +345,18 @@ def test_batched_rows_take_w8a8_where_the_8bit_tables_row_says(monkeypatch, op, 
     assert rel_err(converted, got) > 1e-3      # the two paths differ by the activations' quantization
 
 
+def test_a_w8a8_row_leaves_block_scaled_weights_converted(monkeypatch):
+    """The 8-bit table is keyed by shape: block-scaled weights (the official FP8 checkpoints) at a shape whose row
+    says W8A8 take that row's tiles converted, as the twin computes them."""
+    from jaxinfer.pallas import tables
+
+    x, qw, layer, _, _ = case("plain", 64, 96, bf16, "fp8", (32, 32), T=5, seed=20)
+    monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {(64, 96, "none", 16): SkinnyConfig(32, 32, w8a8=True)})
+    jax.clear_caches()
+    got = OPS.linear(x, LayerWeight(qw, jnp.int32(layer)))
+    assert rel_err(got, twins.linear_8bit(x, qw[layer])) <= TOL[bf16]
+
+
 # --- the Triton lowering for an H200 (tests/test_triton_lowering.py's way: on the CPU, the GPU stubbed in) ---------
 
 @pytest.fixture

@@ -216,10 +216,11 @@ def _gemv(x, w, scale=None, b=None, *, interpret, **kw):
 
 
 def _skinny_operands(x, stacked, config):
-    """(x, the matrix values, the skinny kernel's keywords for them) at a config: where the table's row says W8A8,
-    x's rows quantized to the weights' 8-bit format, with their scales and the activations' dtype for the output."""
+    """(x, the matrix values, the skinny kernel's keywords for them) at a config: where the table's row says W8A8
+    and the weights have a scale per output channel, x's rows quantized to the weights' 8-bit format, with their
+    scales and the activations' dtype for the output (block-scaled weights of the same shape convert their tiles)."""
     values, quant = _matrix(stacked)
-    if not config.w8a8:
+    if not config.w8a8 or quant.get("w_block") is not None:   # block scales: the row's tiles, converted
         return x, values, quant
     xq, x_scale = quantize_rows(x, values.dtype)
     return xq, values, dict(quant, x_scale=x_scale, out_dtype=x.dtype)
