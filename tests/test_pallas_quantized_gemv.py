@@ -389,8 +389,9 @@ def test_8bit_kernels_lower_to_triton(h200, fmt, block, convert):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_w8a8_kernels_lower_with_8bit_tile_products(h200, fmt):
     """W8A8's skinny kernel lowers for an H200 with its tile products in 8 bits: the e4m3 dot carries
-    maxNumImpreciseAcc (fp8_dot.py; without it Triton upcasts both operands to float16), the int8 one sums in i32.
-    The converted-tiles kernel's bf16 dot carries no such attribute."""
+    maxNumImpreciseAcc (fp8_dot.py; without it Triton upcasts both operands to float16) on a tile of 64 rows for 16
+    (below wgmma's 64 Triton takes mma.sync, with no e4m3 form); the int8 one sums in i32 on the 16 rows. The
+    converted-tiles kernel's bf16 dot carries no such attribute."""
     from bench.kernel_registers import triton_modules
     from jaxinfer.ops.quantized import quantize_rows
 
@@ -402,7 +403,8 @@ def test_w8a8_kernels_lower_with_8bit_tile_products(h200, fmt):
     dots = [line for line in w8a8.splitlines() if "tt.dot" in line]
     assert dots
     ty = {"int8": "i8", "fp8": "f8E4M3FN"}[fmt]
-    assert all(f"tensor<16x64x{ty}>" in d for d in dots), dots
+    rows = 64 if fmt == "fp8" else 16     # e4m3 tiles padded to wgmma's 64 rows (skinny_gemm.block_rows)
+    assert all(f"tensor<{rows}x64x{ty}>" in d for d in dots), dots
     if fmt == "fp8":
         assert all("maxNumImpreciseAcc = 64" in d for d in dots), dots
     else:

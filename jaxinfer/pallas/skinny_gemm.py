@@ -86,15 +86,17 @@ def splits(cfg: SkinnyConfig, K: int) -> int:
     return min(cfg.split_k, -(-K // cfg.block_k))
 
 
-def block_rows(M: int) -> int:
-    """Rows of the one tile: all M rows padded to a power of two >= 16."""
-    return pow2_at_least(M, 16)
+def block_rows(M: int, e4m3_products: bool = False) -> int:
+    """Rows of the one tile: all M rows padded to a power of two >= 16; >= 64 for e4m3 x e4m3 products (W8A8 on fp8
+    weights), whose only tensor-core path on Hopper is wgmma, 64 rows a warpgroup: Triton runs a smaller tile's e4m3
+    product as float16 mma.sync, both operands converted (read offline: 16 rows, HMMA and F2FP)."""
+    return max(pow2_at_least(M, 16), 64 if e4m3_products else 16)
 
 
-def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str) -> SkinnyConfig:
+def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str, e4m3_products: bool = False) -> SkinnyConfig:
     """Fewer pipeline stages where the tiles of M rows would overflow shared memory (M = 128 with
     4 stages of 64 x 128 did, on the H200)."""
-    BM = block_rows(M)
+    BM = block_rows(M, e4m3_products)
     n_w = 2 if epilogue == "swiglu" else 1
     per_stage = (BM + n_w * cfg.block_n) * cfg.block_k * itemsize
     stages = max(1, min(cfg.num_stages, SMEM_BYTES // per_stage))
@@ -253,13 +255,14 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         cfg = dataclasses.replace(cfg, block_k=max(16, min(cfg.block_k, w_block[1] & -w_block[1])))
         if w_block[1] % cfg.block_k:
             raise ValueError(f"skinny_gemm: scale blocks of {w_block[1]} columns need a multiple of 16")
-    cfg = fit_stages(cfg, M, x.dtype.itemsize, epilogue)
+    e4m3_products = x_scale is not None and x.dtype == jnp.float8_e4m3fn
+    cfg = fit_stages(cfg, M, x.dtype.itemsize, epilogue, e4m3_products)
     if not (is_pow2(cfg.block_n) and is_pow2(cfg.block_k) and cfg.block_n >= 16 and cfg.block_k >= 16
             and cfg.split_k >= 1):
         raise ValueError(f"skinny_gemm: bad config {cfg}")
     half = N // 2
     cols = half if epilogue == "swiglu" else N
-    BM = block_rows(M)
+    BM = block_rows(M, e4m3_products)
     k_tiles = -(-K // cfg.block_k)
     S = splits(cfg, K)
     cfg = dataclasses.replace(cfg, split_k=S)
