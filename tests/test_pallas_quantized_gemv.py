@@ -413,6 +413,23 @@ def test_w8a8_kernels_lower_with_8bit_tile_products(h200, fmt):
     assert all("maxNumImpreciseAcc" not in line for line in converted.splitlines() if "tt.dot" in line)
 
 
+def test_other_kernels_e4m3_dots_lower_as_before(h200):
+    """fp8_dot.py changes only the kernels it registered (skinny_gemm's): another Pallas kernel's e4m3 dot in the same
+    process carries no maxNumImpreciseAcc."""
+    from jax.experimental import pallas as pl
+
+    from bench.kernel_registers import triton_modules
+
+    def kernel(x_ref, w_ref, o_ref):
+        o_ref[...] = jax.lax.dot_general(x_ref[...], w_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=f32)
+
+    fp8 = jnp.float8_e4m3fn
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((64, 64), f32), name="someone_elses_fp8_dot")
+    [(_, text)] = triton_modules(call, (jnp.ones((64, 128), fp8), jnp.ones((64, 128), fp8)))
+    dots = [line for line in text.splitlines() if "tt.dot" in line]
+    assert dots and all("f8E4M3FN" in d and "maxNumImpreciseAcc" not in d for d in dots), dots
+
+
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 def test_quantized_engine_steps_lower(h200, tmp_path, quantization):
     """Every compiled step of a small Qwen3 with weights quantized at load, through ops.pallas, lowers for an H200:

@@ -49,7 +49,7 @@ i32 = jnp.int32
 MAX_T = 64
 EPILOGUES = ("none", "residual", "swiglu")
 SMEM_BYTES = 200 * 1024   # of the H200's 227 KB per block: what the pipeline's stages may take
-fp8_dot.install()         # W8A8's e4m3 tile products on wgmma (fp8_dot.py)
+fp8_dot.install("skinny_gemm_")   # W8A8's e4m3 tile products on wgmma (fp8_dot.py)
 
 
 def table_config(M: int, N: int, K: int, epilogue: str = "none", eight_bit: bool = False) -> SkinnyConfig | None:
