@@ -14,6 +14,7 @@ import pytest
 
 from conftest import rel_err
 from jaxinfer.ops import LayerWeight, get_ops, reference, twins
+from jaxinfer.ops.pallas import xla_w8a8_product
 from jaxinfer.ops.quantized import QuantizedWeight
 from jaxinfer.pallas.fused_gemv import fused_gemv
 from jaxinfer.pallas.skinny_gemm import skinny_gemm
@@ -245,13 +246,6 @@ def test_prompt_rows_of_fp8_weights_take_w8a8_from_the_tables_rows(monkeypatch):
     assert rel_err(OPS.linear(x, lw), twins.linear_8bit(x, qw[layer])) <= TOL[bf16]
 
 
-def xla_w8a8(x, w: QuantizedWeight):
-    """ops.pallas's XLA W8A8 product for w's format (float32 [T, out])."""
-    from jaxinfer.ops.pallas import int8_w8a8_product, w8a8_product
-
-    return (int8_w8a8_product if w.dtype == jnp.int8 else w8a8_product)(x, w)
-
-
 W8A8_CONFIGS = [SkinnyConfig(block_n=32, block_k=64, w8a8=True),
                 SkinnyConfig(block_n=32, block_k=32, split_k=3, w8a8=True)]
 
@@ -270,7 +264,7 @@ def test_skinny_gemm_w8a8_matches_xlas_w8a8(kind, fmt, config):
     xq, x_scale = quantize_rows(x, qw.dtype)
     y = skinny_gemm(xq, qw.values, layer, w_scale=qw.scale, x_scale=x_scale, out_dtype=bf16,
                     config=W8A8_CONFIGS[config], interpret=True, **kw)
-    p = xla_w8a8(x, qw[layer])
+    p = xla_w8a8_product(x, qw[layer])
     if "b" in kw:
         p = p + kw["b"][layer].astype(f32)
     ref = p.astype(bf16)
@@ -293,7 +287,7 @@ def test_w8a8_int8_sums_are_exact():
     xq, x_scale = quantize_rows(x, qw.dtype)
     got = skinny_gemm(xq, qw.values, layer, w_scale=qw.scale, x_scale=x_scale, out_dtype=f32,
                       config=W8A8_CONFIGS[0], interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(xla_w8a8(x, qw[layer])))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(xla_w8a8_product(x, qw[layer])))
 
 
 def test_w8a8_arguments_are_checked():
@@ -332,7 +326,7 @@ def test_batched_rows_take_w8a8_where_the_8bit_tables_row_says(monkeypatch, op, 
     epilogue = "residual" if op.startswith("linear_residual") else "none"
     split = 2 if op == "linear_residual_norm_swiglu" else 1       # its split-K path: the partials' finish kernel
     xn = reference.rms_norm(x, norm[layer], 1e-6) if op == "rms_norm_linear" else x
-    want = xla_w8a8(xn, qw[layer]).astype(bf16)
+    want = xla_w8a8_product(xn, qw[layer]).astype(bf16)
     want = res + want if epilogue == "residual" else want
     monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {(64, 96, epilogue, 16): SkinnyConfig(32, 32, split_k=split,
                                                                                          w8a8=True)})

@@ -216,10 +216,10 @@ def xla_product(epilogue):
 
 def xla_w8a8_product(epilogue):
     """ops.pallas's XLA W8A8 product (each row of x in the weights' format), the epilogue as the reference ops."""
-    from jaxinfer.ops.pallas import int8_w8a8_product, w8a8_product
+    from jaxinfer.ops.pallas import xla_w8a8_product as product
 
     def fn(x, w, res):
-        y = (int8_w8a8_product if w.dtype == jnp.int8 else w8a8_product)(x, w).astype(x.dtype)
+        y = product(x, w).astype(x.dtype)
         return reference.swiglu(y) if epilogue == "swiglu" else res + y if epilogue == "residual" else y
     return fn
 

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference, weight
-from jaxinfer.ops.quantized import QuantizedWeight, quantize_rows
+from jaxinfer.ops.quantized import FORMATS, QuantizedWeight, quantize_rows
 from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
@@ -123,18 +123,24 @@ def _layer_matrix(w):
     return _one_matrix(w) if _is_one_matrix(w) else weight(w)
 
 
+def _w8a8(x, q, fmt: str, acc_dtype, name: str) -> jax.Array:
+    """XLA's W8A8 product for per-channel weights of format `fmt`: x's rows quantized (quantize_rows), the 8-bit
+    product summed in acc_dtype, then times the row's and the output channel's scales, float32 [T, out]."""
+    q = _layer_matrix(q)
+    if q.block is not None or q.dtype != FORMATS[fmt]:
+        raise ValueError(f"{name}: {fmt} weights with a scale per output channel, not {q.dtype} block {q.block}")
+    xq, x_scale = quantize_rows(x, q.dtype)
+    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
+    return y.astype(jnp.float32) * x_scale[:, None] * q.scale
+
+
 def w8a8_product(x, q, dot_dtype=jnp.float32) -> jax.Array:
     """x [T, in] @ q.T on fp8 tensor cores, float32 [T, out]; q: fp8 per-channel QuantizedWeight, or a LayerWeight
     holding one. Each row of x quantized to e4m3 with its own scale (its max |x| onto 448; the max taken in x's own
     dtype, exact, so that no float32 copy of x is written), the fp8 product summed in float32 and written in
     dot_dtype (bfloat16: the GEMM writes half the bytes, the sums rounded once more before the scales), then times
     the row's and the output channel's scales."""
-    q = _layer_matrix(q)
-    if q.block is not None or q.dtype != jnp.float8_e4m3fn:
-        raise ValueError(f"w8a8_product: fp8 weights with a scale per output channel, not {q.dtype} block {q.block}")
-    xq, x_scale = quantize_rows(x, q.dtype)
-    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=dot_dtype)
-    return y.astype(jnp.float32) * x_scale[:, None] * q.scale
+    return _w8a8(x, q, "fp8", dot_dtype, "w8a8_product")
 
 
 def int8_w8a8_product(x, q) -> jax.Array:
@@ -142,13 +148,13 @@ def int8_w8a8_product(x, q) -> jax.Array:
     holding one. Each row of x quantized to int8 with its own scale (its max |x| onto 127, rounded to nearest), the
     int8 products summed exactly in int32 (XLA's s8 GEMM: cuBLAS's IMMA on the GPU; |sum| <= in x 127^2 stays
     below 2^31 up to 133,000 columns), then times the row's and the output channel's scales in float32."""
-    q = _layer_matrix(q)
-    if q.block is not None or q.dtype != jnp.int8:
-        raise ValueError(f"int8_w8a8_product: int8 weights with a scale per output channel, not {q.dtype} "
-                         f"block {q.block}")
-    xq, x_scale = quantize_rows(x, q.dtype)
-    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.int32)
-    return y.astype(jnp.float32) * x_scale[:, None] * q.scale
+    return _w8a8(x, q, "int8", jnp.int32, "int8_w8a8_product")
+
+
+def xla_w8a8_product(x, q) -> jax.Array:
+    """XLA's W8A8 product in q's format (int8_w8a8_product or w8a8_product): the reference of the skinny kernel's
+    W8A8 tiles (skinny_gemm's x_scale)."""
+    return (int8_w8a8_product if _layer_matrix(q).dtype == jnp.int8 else w8a8_product)(x, q)
 
 
 def _xla_linear(x, w, b=None) -> jax.Array:

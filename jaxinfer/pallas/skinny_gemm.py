@@ -103,6 +103,11 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str, e4m3_pro
     return dataclasses.replace(cfg, num_stages=stages)
 
 
+def _zero(dtype):
+    """A masked load's fill: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
+    return 0.0 if dtype == jnp.float8_e4m3fn else 0
+
+
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
             tiles_per_split, w_scaled=False, w_block=None, x_scaled=False):
     refs = list(refs)
@@ -131,7 +136,6 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
     prec = dot_precision(x_ref.dtype)
     int_dot = x_scaled and x_ref.dtype == jnp.int8          # int8 x int8: exact int32 sums
     acc_dtype = i32 if int_dot else f32
-    zero = 0.0 if x_ref.dtype == jnp.float8_e4m3fn else 0    # the lowering casts no integer to float8
     k_tiles = pl.cdiv(K, BK)
     t_lo = pl.program_id(2) * tiles_per_split if partial else 0
     t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if partial else k_tiles
@@ -142,15 +146,14 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
         x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
-        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else zero)
+        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else _zero(x_ref.dtype))
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
             if w_mask is None:
                 w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
             else:
-                fill = 0.0 if w_ref.dtype == jnp.float8_e4m3fn else 0   # the lowering casts no integer to float8
-                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=fill)
+                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=_zero(w_ref.dtype))
             if w_scaled and not x_scaled:   # exact: int8 through float32 as the GEMV converts it
                 w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=acc_dtype)
@@ -220,8 +223,9 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         if x.dtype != w.dtype or w.dtype.itemsize != 1 or w_scale is None or w_block is not None:
             raise ValueError(f"skinny_gemm: x_scale (W8A8) takes x in w's 8-bit dtype and per-channel w_scale, not x "
                              f"{x.dtype}, w {w.dtype}, w_block {w_block}")
-        if x_scale.shape != (x.shape[0],) or out_dtype is None:
-            raise ValueError(f"skinny_gemm: x_scale {x_scale.shape} should be [{x.shape[0]}], with out_dtype given")
+        if x_scale.shape != (x.shape[0],) or x_scale.dtype != f32 or out_dtype is None:
+            raise ValueError(f"skinny_gemm: x_scale {x_scale.dtype} {x_scale.shape} should be float32 [{x.shape[0]}], "
+                             "with out_dtype given")
     elif out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
         raise ValueError(f"skinny_gemm: out_dtype {out_dtype} differs from x's {x.dtype} only with x_scale (W8A8)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -269,7 +273,7 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     tiles_per_split = -(-k_tiles // S)
     partial = S > 1
     layers = layer_operands(layer, vector_layer)
-    quant = ([] if w_scale is None else [w_scale]) + ([] if x_scale is None else [x_scale.astype(f32)])
+    quant = [a for a in (w_scale, x_scale) if a is not None]
     if partial:
         args, out_shape = [*layers, x, w, *quant], jax.ShapeDtypeStruct((S, M, N), f32)
     else:
