@@ -1,6 +1,7 @@
 """The Mosaic GPU GEMM (pallas/hopper_gemm.py) in Mosaic GPU's interpret mode on the CPU, against the reference
 ops at several tilings with fresh random inputs; its shape checks; its configs through the lowering for CUDA
-(no GPU needed); and the pallas ops taking it for prompt rows where its table has the product."""
+(no GPU needed); and the pallas ops taking it for prompt rows where its table has the product. The same for its W8A8
+form (8-bit rows and weights, the scales in the epilogue) against XLA's W8A8 product."""
 
 import functools
 
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.ops import LayerWeight, get_ops, reference, twins
+from jaxinfer.ops.pallas import xla_w8a8_product
+from jaxinfer.ops.quantized import QuantizedWeight, quantize, quantize_rows
 from jaxinfer.pallas import hopper_gemm, tables
 from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig
@@ -135,3 +138,134 @@ def test_the_kernel_needs_a_hopper_gpu():
     scale = jnp.ones((K,), jnp.bfloat16)
     text = jax.jit(lambda x, s, w: ops.rms_norm_linear(x, s, 1e-6, w)).lower(x, scale, w).as_text()
     assert "mosaic" not in text.lower() and "dot_general" in text
+
+
+# --- W8A8: 8-bit x and weights, the scales in the epilogue ------------------------------------------------------
+
+SMALL_8BIT = HopperConfig(tile_m=64, tile_n=64, tile_k=128, stages=2, epi_n=32)
+
+
+def _w8a8_inputs(seed, M, N, K, cols, fmt):
+    """x's rows quantized as the ops quantize them (quantize_rows), weights quantized a channel at a time."""
+    x, _, r = _inputs(seed, M, N, K, cols)
+    x = x * jnp.exp(jax.random.normal(jax.random.PRNGKey(seed + 1), (M, 1))).astype(jnp.bfloat16)   # rows' scales vary
+    q = quantize(jax.random.normal(jax.random.PRNGKey(seed + 2), (N, K), jnp.float32) / np.sqrt(K), fmt)
+    return x, q, r
+
+
+def _w8a8_twin(x, q, r, epilogue):
+    """XLA's W8A8 product of the same rows and weights (ops.pallas.xla_w8a8_product), rounded to x's dtype as
+    ops.pallas._xla_linear rounds it, then the epilogue as the bf16 kernel's twin applies it."""
+    y = xla_w8a8_product(x, q).astype(x.dtype)
+    if epilogue == "residual":
+        return r + y
+    if epilogue == "swiglu":
+        return silu_mul(*jnp.split(y, 2, axis=-1))
+    return y
+
+
+def _w8a8_call(x, q, r, epilogue, config, sms=3):
+    xq, xs = quantize_rows(x, q.dtype)
+    return hopper_gemm.hopper_gemm(xq, q.values, residual=r if epilogue == "residual" else None, epilogue=epilogue,
+                                   x_scale=xs, w_scale=q.scale, out_dtype=x.dtype, config=config, sms=sms,
+                                   interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("epilogue", hopper_gemm.EPILOGUES)
+@pytest.mark.parametrize("M, N, K, config", [
+    (128, 128, 128, SMALL_8BIT),                                     # one tile, one k step
+    (256, 192, 384, SMALL_8BIT),                                     # several tiles and k steps, 3 CTAs
+    (128, 128, 192, HopperConfig(64, 32, 64, 2, epi_n=16)),          # 64-byte rows (swizzle 64), 4 column tiles
+])
+def test_w8a8_matches_xlas_w8a8_product_in_interpret_mode(fmt, epilogue, M, N, K, config):
+    """int8 sums are exact in int32 and the scales multiply in XLA's order: the outputs equal XLA's W8A8 product bit
+    for bit. e4m3 products summed in float32 in another order: equal after rounding, or a bf16 step or two apart."""
+    n_w = 2 * N if epilogue == "swiglu" else N
+    x, q, r = _w8a8_inputs(M + N + K, M, n_w, K, N, fmt)
+    y, want = _w8a8_call(x, q, r, epilogue, config), _w8a8_twin(x, q, r, epilogue)
+    assert y.dtype == jnp.bfloat16 and y.shape == (M, N)
+    if fmt == "int8":
+        np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+    else:
+        _close(y, want)
+    # and the activations' rounding is in it: the bf16 product of the same weights differs
+    unquantized = twins.hopper_gemm(x, q.dequantize(jnp.bfloat16), r if epilogue == "residual" else None, epilogue)
+    assert not np.array_equal(np.asarray(y, np.float32), np.asarray(unquantized, np.float32))
+
+
+def test_w8a8_scales_are_checked():
+    x, q, _ = _w8a8_inputs(0, 128, 128, 128, 128, "int8")
+    xq, xs = quantize_rows(x, q.dtype)
+    call = functools.partial(hopper_gemm.hopper_gemm, config=SMALL_8BIT, interpret=True)
+    with pytest.raises(ValueError, match="take x_scale, w_scale and out_dtype"):
+        call(xq, q.values)
+    with pytest.raises(ValueError, match="take x_scale, w_scale and out_dtype"):
+        call(x, q.dequantize(jnp.bfloat16), x_scale=xs, w_scale=q.scale, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="want float32"):
+        call(xq, q.values, x_scale=xs[:64], w_scale=q.scale, out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="want float32"):
+        call(xq, q.values, x_scale=xs, w_scale=q.scale.astype(jnp.bfloat16), out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="do not match"):
+        call(xq, quantize(q.dequantize(), "fp8").values, x_scale=xs, w_scale=q.scale, out_dtype=jnp.bfloat16)
+
+
+# The configs part 16 of experiments/gpu_round_next.sh sweeps (bench/kernels/hopper_gemm.py --w8a8), at Qwen3-4B's
+# 1k and 8k prompt shapes: each must lower before device time is spent on it.
+W8A8_CONFIGS = [HopperConfig(64, 128, 128, 3), HopperConfig(64, 128, 128, 4), HopperConfig(64, 192, 128, 4),
+                HopperConfig(64, 256, 128, 2)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("config", W8A8_CONFIGS)
+def test_w8a8_configs_lower_for_the_gpu(dtype, config):
+    """8-bit wgmma takes both operands K-major (no transposes): x's rows and the weights' rows as stored. Each
+    epilogue lowers through Mosaic GPU for CUDA at Qwen3-4B's shapes, within the shared memory."""
+    for epilogue, N, K in (("none", 6144, 2560), ("swiglu", 19456, 2560), ("residual", 2560, 9728)):
+        M, cols = 1024, N // 2 if epilogue == "swiglu" else N
+        if not hopper_gemm.supported(M, N, K, epilogue, config):
+            continue
+        S = jax.ShapeDtypeStruct
+        r = S((M, cols), jnp.bfloat16) if epilogue == "residual" else None
+        f = functools.partial(hopper_gemm.hopper_gemm, epilogue=epilogue, config=config, sms=132,
+                              out_dtype=jnp.bfloat16)
+        text = jax.jit(f).trace(S((M, K), dtype), S((N, K), dtype), residual=r, x_scale=S((M,), jnp.float32),
+                                w_scale=S((N,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_pallas_ops_take_w8a8_where_the_8bit_table_has_the_product(monkeypatch, fmt):
+    """Prompt rows of per-channel 8-bit weights in tables.HOPPER_GEMM_8BIT run the kernel in W8A8 (the norm in XLA,
+    then the rows' quantization) and give XLA's W8A8 product's outputs; block-scaled weights of the same shape and
+    rows outside the table stay on XLA's product."""
+    M, D, I = 256, 128, 128
+    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(2 * I, D, "swiglu"): ((M, M, SMALL_8BIT),),
+                                                     (D, I, "residual"): ((M, M, SMALL_8BIT),),
+                                                     (D, D, "none"): ((M, M, SMALL_8BIT),)})
+    calls = []
+    real = hopper_gemm.hopper_gemm
+    monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda *a, **k: calls.append((k.get("epilogue", "none"),
+                                                                                     a[0].dtype))
+                        or real(*a, **{**k, "sms": 3}))
+    ops = get_ops("pallas-interpret")
+    ks = jax.random.split(jax.random.PRNGKey(8), 5)
+    x = jax.random.normal(ks[0], (M, D), jnp.float32).astype(jnp.bfloat16)
+    scale = (1 + 0.1 * jax.random.normal(ks[1], (D,))).astype(jnp.bfloat16)
+    w_gu, w_down, w_q = (quantize(jax.random.normal(k, shape) / np.sqrt(shape[1]), fmt)
+                         for k, shape in zip(ks[2:], [(2 * I, D), (D, I), (D, D)]))
+    check = (lambda y, want: np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+             ) if fmt == "int8" else _close
+    normed = reference.rms_norm(x, scale, 1e-6)
+    h = ops.rms_norm_swiglu(x, scale, 1e-6, w_gu)
+    check(h, _w8a8_twin(normed, w_gu, None, "swiglu"))
+    check(ops.linear_residual(h, w_down, None, x), _w8a8_twin(h, w_down, x, "residual"))
+    check(ops.rms_norm_linear(x, scale, 1e-6, LayerWeight(jax.tree.map(lambda a: a[None], w_q), jnp.int32(0))),
+          _w8a8_twin(normed, w_q, None, "none"))
+    eight = jnp.dtype(quantize(w_q.values[:1].astype(jnp.float32), fmt).dtype)
+    assert calls == [("swiglu", eight), ("residual", eight), ("none", eight)]
+    ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)            # 128 rows: not in the table, XLA's product
+    blocked = QuantizedWeight(w_q.values, jnp.ones((4, 4), jnp.float32), (32, 32))
+    ops.rms_norm_linear(x, scale, 1e-6, blocked)              # block scales: XLA's product
+    ops.rms_norm_linear(x, scale, 1e-6, q_bf16 := w_q.dequantize(jnp.bfloat16))   # bf16: HOPPER_GEMM, empty here
+    assert len(calls) == 3 and q_bf16.dtype == jnp.bfloat16

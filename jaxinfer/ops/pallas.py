@@ -22,8 +22,10 @@ rows the grouped GEMM over expert-sorted rows (pallas/grouped_gemm.py), routing 
 8-bit weights (ops.quantized.QuantizedWeight, bare or in a LayerWeight) take the same kernels' 8-bit variants:
 batch-1 decode the fused GEMV streaming 1-byte values (the same fusions, so no more kernels a layer), batched
 decode rows the tensor-core kernel converting tiles in registers where tables.SKINNY_GEMM_8BIT has the shape (in
-interpret mode always; block-scaled weights always); everything else (prompt rows, shapes not in the table) XLA's product (_xla_product): the
-values converted in the GEMM's fusion and the channel scales after (reference.quantized_product), block-scaled ones
+interpret mode always; block-scaled weights always); prompt rows of per-channel weights where
+tables.HOPPER_GEMM_8BIT has the product the Mosaic GPU GEMM in W8A8 (x's rows quantized to the weights' format, 8-bit
+wgmma, the scales in its epilogue); everything else (prompt rows, shapes not in the tables) XLA's product
+(_xla_product): the values converted in the GEMM's fusion and the channel scales after (reference.quantized_product), block-scaled ones
 dequantized to x's dtype first, int8 per-channel weights from tables.INT8_W8A8_ROWS rows on as W8A8 on int8 tensor
 cores (int8_w8a8_product), and fp8 per-channel weights from tables.FP8_W8A8_ROWS rows on as W8A8 on fp8 tensor
 cores (each row quantized to e4m3 with a scale of its own).
@@ -198,12 +200,18 @@ def _skinny_config(x, w, epilogue, interpret):
 
 def _hopper_config(x, w, epilogue, interpret):
     """The Mosaic GPU GEMM's config for prompt rows of one matrix where its measured table says it is the faster
-    (on a Hopper GPU, or in interpret mode); else None."""
+    (on a Hopper GPU, or in interpret mode); else None. 8-bit weights with a scale per output channel: its W8A8
+    table's."""
     if not (interpret or hopper_gemm.available()):
         return None
-    if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T and _is_one_matrix(w)) or _quantized(w):
+    if not (x.ndim == 2 and x.shape[0] > skinny_gemm.MAX_T and _is_one_matrix(w)):
         return None
-    return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
+    if not _quantized(w):
+        return hopper_gemm.table_config(x.shape[0], *w.shape, epilogue)
+    q = _one_matrix(w)
+    if q.block is not None:         # block scales: XLA's product of the dequantized matrix
+        return None
+    return hopper_gemm.table_config(x.shape[0], *q.shape, epilogue, eight_bit=True)
 
 
 # --- the kernels' calls -----------------------------------------------------------------------------------------
@@ -240,7 +248,13 @@ def _skinny(x, w, b=None, *, interpret, **kw):
 
 
 def _hopper(x, w, config, residual=None, *, interpret, **kw):
-    return hopper_gemm.hopper_gemm(x, _one_matrix(w), residual=residual, config=config, interpret=interpret, **kw)
+    """The Mosaic GPU GEMM on x and one matrix; an 8-bit one in W8A8 (x's rows quantized to its format)."""
+    m = _one_matrix(w)
+    if isinstance(m, QuantizedWeight):
+        xq, x_scale = quantize_rows(x, m.dtype)
+        kw.update(x_scale=x_scale, w_scale=m.scale, out_dtype=x.dtype)
+        x, m = xq, m.values
+    return hopper_gemm.hopper_gemm(x, m, residual=residual, config=config, interpret=interpret, **kw)
 
 
 def _swiglu_of_normed(h, w_gate_up, *, interpret):

@@ -36,9 +36,11 @@ EPILOGUES = ("none", "residual", "swiglu")
 f32 = jnp.float32
 
 
-def table_config(M: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
-    """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster."""
-    for first, last, config in tables.HOPPER_GEMM.get((N, K, epilogue), ()):
+def table_config(M: int, N: int, K: int, epilogue: str, eight_bit: bool = False) -> HopperConfig | None:
+    """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster; eight_bit:
+    W8A8 on 8-bit weights with a scale per output channel (tables.HOPPER_GEMM_8BIT)."""
+    table = tables.HOPPER_GEMM_8BIT if eight_bit else tables.HOPPER_GEMM
+    for first, last, config in table.get((N, K, epilogue), ()):
         if first <= M <= last and supported(M, N, K, epilogue, config):
             return config
     return None
@@ -56,8 +58,9 @@ def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bo
             and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
 
 
-def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int):
-    res_gmem = refs[0] if epilogue == "residual" else None
+def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int, scaled: bool):
+    xs_gmem, ws_gmem = refs[:2] if scaled else (None, None)
+    res_gmem = refs[2 if scaled else 0] if epilogue == "residual" else None
     out_gmem = refs[-1]
     M, K = x_gmem.shape
     dtype = out_gmem.dtype
@@ -71,6 +74,7 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(dtype).itemsize)),
                       plgpu.SwizzleTransform(out_swizzle))
     n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
+    acc_dtype = jnp.int32 if x_gmem.dtype == jnp.int8 else f32
 
     def pipeline(body, compute_context):
         w_spec = plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
@@ -104,10 +108,14 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
             wg_col0 = n_idx * cta_n     # the warpgroup's first output column
 
             def compute_context(run):
-                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), acc_dtype) for _ in range(n_w)])
                 def _accs(accs):
                     run(accs)
-                    ys = [acc[...].astype(dtype) for acc in accs]
+                    if scaled:
+                        ys = [_scaled(acc[...], xs_gmem.at[wg_rows], ws_gmem.at[pl.ds(c0, tn)]).astype(dtype)
+                              for acc, c0 in zip(accs, w_col0s)]
+                    else:
+                        ys = [acc[...].astype(dtype) for acc in accs]
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for e in range(tn // en):
                         cols_e = slice(e * en, (e + 1) * en)
@@ -134,11 +142,22 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                 plgpu.wgmma_wait(0)
                 return accs
 
-            col_slices = [pl.ds(n_idx * cta_n, cta_n)] + ([pl.ds(cols + n_idx * cta_n, cta_n)] if n_w == 2 else [])
+            w_col0s = [n_idx * cta_n] + ([cols + n_idx * cta_n] if n_w == 2 else [])   # gate's, then up's
+            col_slices = [pl.ds(c0, cta_n) for c0 in w_col0s]
             pipeline(mma, compute_context)(x_gmem.at[cta_rows, k_range], *[w_gmem.at[c, k_range] for c in col_slices],
                                            allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _scaled(acc: jax.Array, xs_rows, ws_cols) -> jax.Array:
+    """A W8A8 accumulator [tm, tn] (float32 or int32) times its rows' and columns' scales, in float32 and in that
+    order (XLA's W8A8 product's). The scales are read from global memory straight into the accumulator's row and
+    column layouts: tm + tn floats a tile."""
+    tm, tn = acc.shape
+    xs = plgpu.load(xs_rows, layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+    ws = plgpu.load(ws_cols, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+    return (acc.astype(f32) * lax.broadcast_in_dim(xs, (tm, tn), [0])) * lax.broadcast_in_dim(ws, (tm, tn), [1])
 
 
 @functools.cache
@@ -158,11 +177,16 @@ def num_sms() -> int:
         return 4
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "sms", "interpret"))
+EIGHT_BIT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "sms", "out_dtype", "interpret"))
 def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None, epilogue: str = "none",
+                x_scale: jax.Array | None = None, w_scale: jax.Array | None = None, out_dtype=None,
                 config: HopperConfig = HopperConfig(), sms: int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ w[N, K].T with `epilogue` (see the module docstring); sms: CTAs of the persistent grid
-    (default: the GPU's SM count)."""
+    (default: the GPU's SM count). W8A8: x and w int8 or float8_e4m3fn, x_scale float32 [M], w_scale float32 [N],
+    out_dtype the activations' dtype (the output's and the residual's)."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"hopper_gemm: unknown epilogue {epilogue!r}")
     if (epilogue == "residual") != (residual is not None):
@@ -171,6 +195,14 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
     N, K2 = w.shape
     if K != K2 or x.dtype != w.dtype:
         raise ValueError(f"hopper_gemm: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not match")
+    scaled = x.dtype in EIGHT_BIT
+    if scaled != (x_scale is not None and w_scale is not None and out_dtype is not None):
+        raise ValueError(f"hopper_gemm: {x.dtype} operands take x_scale, w_scale and out_dtype (W8A8) "
+                         "and other dtypes none")
+    if scaled and (x_scale.shape != (M,) or w_scale.shape != (N,) or x_scale.dtype != f32 or w_scale.dtype != f32):
+        raise ValueError(f"hopper_gemm: scales x {x_scale.shape} {x_scale.dtype}, w {w_scale.shape} "
+                         f"{w_scale.dtype}; want float32 {(M,)} and {(N,)}")
+    dtype = jnp.dtype(out_dtype) if scaled else x.dtype
     if not supported(M, N, K, epilogue, config):
         raise ValueError(f"hopper_gemm: ({M}, {N}, {K}) {epilogue} does not tile by {config}")
     cols = N // 2 if epilogue == "swiglu" else N
@@ -180,12 +212,12 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
     cta_m, cta_n = cta_tile(config)
     units = (M // cta_m) * (cols // cta_n)
     call = plgpu.kernel(
-        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols),
-        out_type=jax.ShapeDtypeStruct((M, cols), x.dtype),
+        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols, scaled=scaled),
+        out_type=jax.ShapeDtypeStruct((M, cols), dtype),
         grid=(min(sms, units),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
-        kernel_name=f"hopper_gemm_{epilogue}",
+        kernel_name=f"hopper_gemm_{'w8a8_' if scaled else ''}{epilogue}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    args = (x, w) + ((residual,) if epilogue == "residual" else ())
+    args = (x, w) + ((x_scale, w_scale) if scaled else ()) + ((residual,) if epilogue == "residual" else ())
     return run_mosaic(call, *args, interpret=interpret)
