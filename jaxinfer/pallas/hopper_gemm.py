@@ -75,6 +75,10 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
                       plgpu.SwizzleTransform(out_swizzle))
     n_w = 2 if epilogue == "swiglu" else 1     # weight tiles a step: gate and up, or the one matrix
     acc_dtype = jnp.int32 if x_gmem.dtype == jnp.int8 else f32
+    # e4m3 wgmma adds into its accumulator with fewer bits than float32 keeps (DeepSeek-V3's report: ~14 on H800),
+    # so an fp8 product of thousands of columns would drift: each k step's products go to a fresh accumulator and are
+    # added to float32 sums in registers (tile_k values a wgmma chain). int8 sums are exact in int32.
+    promote = x_gmem.dtype == jnp.float8_e4m3fn
 
     def pipeline(body, compute_context):
         w_spec = plgpu.BlockSpec((cta_n, tk), lambda k: (0, k), transforms=in_transforms, memory_space=plgpu.SMEM)
@@ -107,40 +111,57 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
             wg_rows = pl.ds(m_idx * cta_m + wg * tm, tm)
             wg_col0 = n_idx * cta_n     # the warpgroup's first output column
 
+            def epilogue_out(sums):
+                """The accumulators' values (float32, or int32 in int8 W8A8) rounded, the epilogue applied, stored."""
+                if scaled:
+                    ys = [_scaled(acc, xs_gmem.at[wg_rows], ws_gmem.at[pl.ds(c0, tn)]).astype(dtype)
+                          for acc, c0 in zip(sums, w_col0s)]
+                else:
+                    ys = [acc.astype(dtype) for acc in sums]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for e in range(tn // en):
+                    cols_e = slice(e * en, (e + 1) * en)
+                    out_cols = pl.ds(wg_col0 + e * en, en)
+                    slot = out_smem.at[wg, e % 2]
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                    if epilogue == "swiglu":
+                        slot[...] = silu_mul(ys[0][:, cols_e], ys[1][:, cols_e])
+                    elif epilogue == "residual":
+                        barrier = res_barrier.at[wg * 2 + e % 2]
+                        plgpu.copy_gmem_to_smem(res_gmem.at[wg_rows, out_cols], slot, barrier)
+                        plgpu.barrier_wait(barrier)
+                        slot[...] = slot[...] + ys[0][:, cols_e]
+                    else:
+                        slot[...] = ys[0][:, cols_e]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(slot, out_gmem.at[wg_rows, out_cols])
+
             def compute_context(run):
+                if promote:     # the carry: float32 sums in registers, one k step's products added at a time
+                    epilogue_out(run([plgpu.layout_cast(jnp.zeros((tm, tn), f32), plgpu.Layout.WGMMA)
+                                      for _ in range(n_w)]))
+                    return
+
                 @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, tn), acc_dtype) for _ in range(n_w)])
                 def _accs(accs):
                     run(accs)
-                    if scaled:
-                        ys = [_scaled(acc[...], xs_gmem.at[wg_rows], ws_gmem.at[pl.ds(c0, tn)]).astype(dtype)
-                              for acc, c0 in zip(accs, w_col0s)]
-                    else:
-                        ys = [acc[...].astype(dtype) for acc in accs]
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for e in range(tn // en):
-                        cols_e = slice(e * en, (e + 1) * en)
-                        out_cols = pl.ds(wg_col0 + e * en, en)
-                        slot = out_smem.at[wg, e % 2]
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        if epilogue == "swiglu":
-                            slot[...] = silu_mul(ys[0][:, cols_e], ys[1][:, cols_e])
-                        elif epilogue == "residual":
-                            barrier = res_barrier.at[wg * 2 + e % 2]
-                            plgpu.copy_gmem_to_smem(res_gmem.at[wg_rows, out_cols], slot, barrier)
-                            plgpu.barrier_wait(barrier)
-                            slot[...] = slot[...] + ys[0][:, cols_e]
-                        else:
-                            slot[...] = ys[0][:, cols_e]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(slot, out_gmem.at[wg_rows, out_cols])
+                    epilogue_out([acc[...] for acc in accs])
 
-            def mma(_, x_smem, *w_and_accs):
-                w_smems, accs = w_and_accs[:n_w], w_and_accs[n_w]
+            def mma(_, x_smem, *w_and_carry):
+                w_smems, carry = w_and_carry[:n_w], w_and_carry[n_w]
                 x_wg = x_smem.at[pl.ds(wg * tm, tm)]
-                for acc, w_smem in zip(accs, w_smems):
+                if promote:
+                    def products(refs):
+                        for ref, w_smem in zip(refs, w_smems):
+                            plgpu.wgmma(ref, x_wg, w_smem.T)
+                        return [ref[...] for ref in refs]      # reading an accumulator waits for its wgmma
+
+                    step = pl.run_scoped(products, [plgpu.ACC((tm, tn), f32) for _ in range(n_w)])
+                    return [total + p for total, p in zip(carry, step)]
+                for acc, w_smem in zip(carry, w_smems):
                     plgpu.wgmma(acc, x_wg, w_smem.T)
                 plgpu.wgmma_wait(0)
-                return accs
+                return carry
 
             w_col0s = [n_idx * cta_n] + ([cols + n_idx * cta_n] if n_w == 2 else [])   # gate's, then up's
             col_slices = [pl.ds(c0, cta_n) for c0 in w_col0s]
