@@ -133,6 +133,9 @@ def main() -> None:
                     help="run each of our paths again with its weights quantized at load (path+fp8)")
     ap.add_argument("--fp8-tables", default=None, metavar="JSON",
                     help="SKINNY_GEMM_8BIT rows and FP8_W8A8_ROWS from a quantized_gemv.py --fp8-rows run (A/B runs)")
+    ap.add_argument("--hopper-8bit-table", default=None, metavar="JSON",
+                    help="tables.HOPPER_GEMM_8BIT rows from a bench/kernels/hopper_gemm.py --w8a8 run's winners "
+                         "(A/B runs: 8-bit weights' prompt rows in the Mosaic GEMM's W8A8)")
     ap.add_argument("--models", default="/tmp/jaxinfer-bench-models")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -148,6 +151,10 @@ def main() -> None:
         from bench.kernels.fp8_rows import apply_tables
 
         print(f"# {apply_tables(args.fp8_tables)}", flush=True)
+    if args.hopper_8bit_table:
+        from bench.kernels.hopper_gemm import patch_table_8bit
+
+        patch_table_8bit(args.hopper_8bit_table)
     keep_command_buffers_when_profiling(bool(args.profile))   # before the first use of the GPU
     args.paths += [f"{p}+{q}" for q in args.quantization for p in args.paths if p != "hf"]
     gemm = dense_gemm_rate(8192 if jax.devices()[0].platform == "gpu" else 512)

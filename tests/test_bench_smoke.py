@@ -43,6 +43,8 @@ def _run(tmp_path, script, *args, timeout=300):
      "fused_gemv.json"),
     ("kernels/hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--configs", "best"],
      "kernels_hopper_gemm.json"),
+    ("kernels/hopper_gemm.py", ["--interpret", "--shape", "tiny", "--rows", "128", "--layers", "2", "--w8a8", "fp8",
+                                "--only", "qkv", "down"], "kernels_hopper_gemm_w8a8.json"),
     ("kernels/hopper_attention.py", ["--interpret", "--tokens", "128", "--configs", "2"], "kernels_hopper_attention.json"),
     ("kernels/top_k.py", ["--vocab", "5000", "--rows", "1", "3", "--calls", "2"], "top_k.json"),
     ("kernels/moe.py", ["--interpret", "--tokens", "1", "8"], "moe.json"),
@@ -375,3 +377,28 @@ def test_the_hopper_table_option_takes_each_rows_fastest_config(monkeypatch, tmp
     assert apply_bench_options({"hopper_table": str(path)}) == {}
     assert hopper_gemm.table_config(1024, 6144, 2560, "none") == fastest       # the wrong 30 us one is passed over
     assert tables.HOPPER_GEMM[(19456, 2560, "swiglu")] == gate_up_before
+
+
+def test_the_hopper_8bit_table_option_takes_the_w8a8_winners(monkeypatch, tmp_path):
+    """bench/prefill.py --hopper-8bit-table: each product and row count of a --w8a8 run's "winners_8bit" goes into
+    tables.HOPPER_GEMM_8BIT (replacing an earlier row of the same count), and the ops' lookup finds it."""
+    monkeypatch.syspath_prepend(str(REPO))
+    import json
+
+    from bench.kernels.hopper_gemm import patch_table_8bit
+    from jaxinfer.pallas import hopper_gemm, tables
+    from jaxinfer.pallas.hopper_gemm import HopperConfig
+
+    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(6144, 2560, "none"): ((1024, 1024, HopperConfig()),
+                                                                             (2048, 2048, HopperConfig()))})
+    won = HopperConfig(64, 192, 128, 4)
+    winners = [dict(N=6144, K=2560, epilogue="none", M=1024, config=won.__dict__, us=30.0, xla_us=40.0),
+               dict(N=2560, K=9728, epilogue="residual", M=8192, config=HopperConfig(64, 256, 128, 2).__dict__,
+                    us=300.0, xla_us=400.0)]
+    path = tmp_path / "kernels_hopper_gemm_w8a8.json"
+    path.write_text(json.dumps(dict(w8a8="fp8", results=winners, winners_8bit=winners)))
+    patch_table_8bit(str(path))
+    assert hopper_gemm.table_config(1024, 6144, 2560, "none", eight_bit=True) == won
+    assert hopper_gemm.table_config(2048, 6144, 2560, "none", eight_bit=True) == HopperConfig()
+    assert hopper_gemm.table_config(8192, 2560, 9728, "residual", eight_bit=True) == HopperConfig(64, 256, 128, 2)
+    assert hopper_gemm.table_config(8192, 2560, 9728, "residual") is None       # the bf16 table is untouched

@@ -4,6 +4,8 @@ ops at several tilings with fresh random inputs; its shape checks; its configs t
 form (8-bit rows and weights, the scales in the epilogue) against XLA's W8A8 product."""
 
 import functools
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -210,19 +212,23 @@ def test_w8a8_scales_are_checked():
         call(xq, quantize(q.dequantize(), "fp8").values, x_scale=xs, w_scale=q.scale, out_dtype=jnp.bfloat16)
 
 
-# The configs part 16 of experiments/gpu_round_next.sh sweeps (bench/kernels/hopper_gemm.py --w8a8), at Qwen3-4B's
-# 1k and 8k prompt shapes: each must lower before device time is spent on it.
-W8A8_CONFIGS = [HopperConfig(64, 128, 128, 3), HopperConfig(64, 128, 128, 4), HopperConfig(64, 192, 128, 4),
-                HopperConfig(64, 256, 128, 2)]
+# The configs part 16 of experiments/gpu_round_next.sh sweeps (bench/kernels/hopper_gemm.py --w8a8) at Qwen3-4B's
+# prompt shapes: each must lower before device time is spent on it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.kernels.hopper_gemm import W8A8_CONFIGS, W8A8_SWIGLU_CONFIGS  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
-@pytest.mark.parametrize("config", W8A8_CONFIGS)
-def test_w8a8_configs_lower_for_the_gpu(dtype, config):
+@pytest.mark.parametrize("epilogue, N, K, configs", [("none", 6144, 2560, W8A8_CONFIGS),
+                                                      ("residual", 2560, 9728, W8A8_CONFIGS),
+                                                      ("swiglu", 19456, 2560, W8A8_SWIGLU_CONFIGS)])
+@pytest.mark.parametrize("M", [1024, 8192])
+def test_w8a8_configs_lower_for_the_gpu(dtype, epilogue, N, K, configs, M):
     """8-bit wgmma takes both operands K-major (no transposes): x's rows and the weights' rows as stored. Each
-    epilogue lowers through Mosaic GPU for CUDA at Qwen3-4B's shapes, within the shared memory."""
-    for epilogue, N, K in (("none", 6144, 2560), ("swiglu", 19456, 2560), ("residual", 2560, 9728)):
-        M, cols = 1024, N // 2 if epilogue == "swiglu" else N
+    config lowers through Mosaic GPU for CUDA at Qwen3-4B's shapes, within the shared memory."""
+    cols = N // 2 if epilogue == "swiglu" else N
+    lowered = 0
+    for config in configs:
         if not hopper_gemm.supported(M, N, K, epilogue, config):
             continue
         S = jax.ShapeDtypeStruct
@@ -232,6 +238,8 @@ def test_w8a8_configs_lower_for_the_gpu(dtype, config):
         text = jax.jit(f).trace(S((M, K), dtype), S((N, K), dtype), residual=r, x_scale=S((M,), jnp.float32),
                                 w_scale=S((N,), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+        lowered += 1
+    assert lowered >= 2
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

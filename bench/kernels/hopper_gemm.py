@@ -2,7 +2,14 @@
 epilogue in XLA, at a model's prefill projections, on the H200.
 
     PYTHONPATH=. python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192
+    PYTHONPATH=. python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 --w8a8 fp8
     (CPU dry run: --interpret --shape tiny --rows 128 --layers 2 --configs best)
+
+--w8a8 int8|fp8: the weights quantized a channel at a time, and the kernel's W8A8 form (x's rows quantized in the
+timed call, as the ops do) against XLA's W8A8 product of the same weights with the epilogue in XLA
+(ops.pallas.xla_w8a8_product: the tables' FP8_W8A8_ROWS / INT8_W8A8_ROWS path), the bf16 GEMM of the same shape
+timed beside both. Its JSON's "winners_8bit" are the rows where the kernel beat XLA's W8A8: bench/prefill.py
+--hopper-8bit-table puts them in tables.HOPPER_GEMM_8BIT for the step's A/B.
 
 For each projection (QKV plain, o_proj and down with the residual add, gate/up with SwiGLU) and row count:
 the XLA composite's time, then each config of the kernel (errors against the XLA composite: relative
@@ -24,8 +31,11 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate
 from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
+from jaxinfer.ops.pallas import xla_w8a8_product
+from jaxinfer.ops.quantized import quantize, quantize_rows
 from jaxinfer.ops.twins import hopper_gemm as reference
 from jaxinfer.pallas import tables
+from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, supported
 from bench.random_model import SHAPES
 
@@ -47,6 +57,14 @@ SWIGLU_TABLE_NEIGHBOURS = [HopperConfig(64, 128, 64, 3), HopperConfig(64, 128, 6
 # --configs best: the winners of the first sweep (H200, 2026-12-01: 1,024 and 8,192 rows)
 BEST = [HopperConfig(64, 128, 64, 5), HopperConfig(64, 256, 64, 3), HopperConfig(128, 128, 64, 3)]
 SWIGLU_BEST = [HopperConfig(128, 64, 64, 3), HopperConfig(64, 128, 64, 3)]
+# W8A8: 128 one-byte values a k step (one 128-byte swizzled row). fp8 keeps a float32 carry beside each wgmma
+# accumulator (promoted every k step), so its SwiGLU tiles (two accumulators) stay narrow.
+W8A8_CONFIGS = [HopperConfig(64, 128, 128, 3), HopperConfig(64, 128, 128, 4), HopperConfig(64, 192, 128, 4),
+                HopperConfig(64, 256, 128, 2), HopperConfig(128, 128, 128, 2)]
+W8A8_SWIGLU_CONFIGS = [HopperConfig(64, 64, 128, 4), HopperConfig(64, 64, 128, 5), HopperConfig(64, 128, 128, 3),
+                       HopperConfig(64, 32, 128, 6, epi_n=32)]
+# a CPU dry run's W8A8 config (--interpret): 64-byte rows and 32-wide tiles divide the tiny shape
+DRY_RUN_8BIT = HopperConfig(64, 32, 64, 2, epi_n=16)
 # A config counts only where it matches XLA: the kernel does bit for bit where it is right, and a race shows
 # as rel err ~1e-3 (H200: a wgmma group left in flight gave 4.9e-3 with 0.2% of elements off)
 RIGHT = 1e-4
@@ -71,6 +89,38 @@ def patch_table(path: str) -> None:
                 print(f"# hopper table: {N} x {K} {epilogue} at {first} rows: {config} ({r['us']:.1f} us)", flush=True)
             new_rows.append((first, last, config))
         tables.HOPPER_GEMM[(N, K, epilogue)] = tuple(new_rows)
+
+
+def patch_table_8bit(path: str) -> None:
+    """For the step's A/B: tables.HOPPER_GEMM_8BIT takes each product and row count where a --w8a8 run of this
+    bench (its JSON's "winners_8bit") timed the kernel faster than XLA's W8A8 product, right."""
+    data = json.load(open(path))
+    for w in data.get("winners_8bit", []):
+        key = (w["N"], w["K"], w["epilogue"])
+        rows = tuple(r for r in tables.HOPPER_GEMM_8BIT.get(key, ()) if r[0] != w["M"])
+        tables.HOPPER_GEMM_8BIT[key] = rows + ((w["M"], w["M"], HopperConfig(**w["config"])),)
+        print(f"# hopper 8-bit table ({data.get('w8a8')}): {w['N']} x {w['K']} {w['epilogue']} at {w['M']} rows: "
+              f"{w['config']} ({w['us']:.1f} us, XLA W8A8 {w['xla_us']:.1f})", flush=True)
+
+
+def w8a8_xla_op(epilogue: str):
+    """XLA's W8A8 product of the quantized weights (x's rows quantized in it) rounded as ops.pallas._xla_linear
+    rounds, then the epilogue as the kernel applies it."""
+    def op(x, q, r):
+        y = xla_w8a8_product(x, q).astype(x.dtype)
+        if epilogue == "residual":
+            return r + y
+        return silu_mul(*jnp.split(y, 2, axis=-1)) if epilogue == "swiglu" else y
+    return op
+
+
+def w8a8_kernel_op(cfg: HopperConfig, epilogue: str, **kw):
+    """The kernel in W8A8 as ops.pallas._hopper calls it: x's rows quantized, then the kernel."""
+    def op(x, q, r):
+        xq, xs = quantize_rows(x, q.dtype)
+        return hopper_gemm(xq, q.values, residual=r if epilogue == "residual" else None, epilogue=epilogue,
+                           x_scale=xs, w_scale=q.scale, out_dtype=x.dtype, config=cfg, **kw)
+    return op
 
 
 def projections(shape: str) -> list[tuple[str, int, int, str]]:
@@ -102,11 +152,16 @@ def dry_run_timing() -> None:
     TIMING.update(repeats=1)
 
 
-def time_config(cfg: HopperConfig, epilogue: str, args: tuple, layers: int, label: str = "", **kw):
-    """(outputs, ms a call) of the kernel at cfg over `layers` weight matrices (args: x, ws, r), or None where
-    it failed to build or run (a config the SM cannot hold: reported, and the sweep goes on)."""
+def time_config(cfg: HopperConfig, epilogue: str, args: tuple, layers: int, label: str = "", w8a8: bool = False,
+                **kw):
+    """(outputs, ms a call) of the kernel at cfg over `layers` weight matrices (args: x, ws, r; w8a8: ws quantized,
+    the kernel's W8A8 form), or None where it failed to build or run (a config the SM cannot hold: reported, and the
+    sweep goes on)."""
     def op(x, w, r):
         return hopper_gemm(x, w, residual=r if epilogue == "residual" else None, epilogue=epilogue, config=cfg, **kw)
+
+    if w8a8:
+        op = w8a8_kernel_op(cfg, epilogue, **kw)
 
     try:
         return best_ms_per_call(over_layers(op, layers), args, layers, **TIMING)
@@ -124,6 +179,8 @@ def main() -> None:
     ap.add_argument("--configs", choices=("all", "best", "table"), default="all")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (use --shape tiny --rows 128)")
+    ap.add_argument("--w8a8", choices=("int8", "fp8"), default=None,
+                    help="weights of this format: the kernel's W8A8 form against XLA's W8A8 product")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     kw = dict(interpret=True, sms=4) if args.interpret else {}
@@ -131,13 +188,15 @@ def main() -> None:
         dry_run_timing()
     rate = 1e12 if args.interpret else dense_gemm_rate()
     log(f"# dense GEMM rate {rate / 1e12:.0f} TFLOP/s; {jax.devices()[0].device_kind}")
-    rows_out, results = [], []
+    rows_out, results, winners = [], [], []
+    json_name = "kernels_hopper_gemm_w8a8.json" if args.w8a8 else "kernels_hopper_gemm.json"
     for name, N, K, epilogue in projections(args.shape):
         if args.only and name not in args.only:
             continue
         keys = jax.random.split(jax.random.key(hash(name) % 2**31), 3)
         ws = tuple((jax.random.normal(k, (N, K), jnp.float32) / np.sqrt(K)).astype(jnp.bfloat16)
                    for k in jax.random.split(keys[0], args.layers))
+        qs = tuple(quantize(w.astype(jnp.float32), args.w8a8) for w in ws) if args.w8a8 else None
         for M in args.rows:
             cols = N // 2 if epilogue == "swiglu" else N
             x = jax.random.normal(keys[1], (M, K), jnp.bfloat16)
@@ -146,8 +205,17 @@ def main() -> None:
             (ref, *_), xla_ms = best_ms_per_call(over_layers(xla_op(epilogue), args.layers), (x, ws, r), args.layers,
                                                  **TIMING)
             log(f"{name} M={M}: XLA {1e3 * xla_ms:.1f} us ({flops / xla_ms / 1e9:.0f} TFLOP/s)")
+            bf16_ms = None
+            if qs is not None:      # the kernel is judged against XLA's W8A8 product; bf16 stays beside it
+                bf16_ms = xla_ms
+                (ref, *_), xla_ms = best_ms_per_call(over_layers(w8a8_xla_op(epilogue), args.layers), (x, qs, r),
+                                                     args.layers, **TIMING)
+                log(f"{name} M={M}: XLA {args.w8a8} W8A8 {1e3 * xla_ms:.1f} us ({flops / xla_ms / 1e9:.0f} TFLOP/s)")
             best = None
-            if args.configs == "best":
+            if qs is not None:
+                configs = W8A8_SWIGLU_CONFIGS if epilogue == "swiglu" else W8A8_CONFIGS
+                configs = configs + [DRY_RUN_8BIT] if args.interpret else configs
+            elif args.configs == "best":
                 configs = SWIGLU_BEST if epilogue == "swiglu" else BEST
             elif args.configs == "table":
                 configs = SWIGLU_TABLE_NEIGHBOURS if epilogue == "swiglu" else TABLE_NEIGHBOURS
@@ -156,31 +224,41 @@ def main() -> None:
             for cfg in configs:
                 if not supported(M, N, K, epilogue, cfg):
                     continue
-                if (timed := time_config(cfg, epilogue, (x, ws, r), args.layers, **kw)) is None:
+                timed = time_config(cfg, epilogue, (x, qs if qs is not None else ws, r), args.layers,
+                                    w8a8=qs is not None, **kw)
+                if timed is None:
                     continue
                 (y, *_), ms = timed
                 err = rel_err(y, ref)
                 same = float(np.mean(np.asarray(y) == np.asarray(ref)))
                 log(f"  {cfg}: {1e3 * ms:.1f} us ({flops / ms / 1e9:.0f} TFLOP/s), rel err {err:.2e}, equal {same:.4f}")
                 results.append(dict(name=name, M=M, N=N, K=K, epilogue=epilogue, config=cfg.__dict__, us=1e3 * ms,
-                                    xla_us=1e3 * xla_ms, rel_err=err, equal=same))
-                with open(os.path.join(args.out, "kernels_hopper_gemm.json"), "w") as f:   # kept if a step times out
-                    json.dump(dict(shape=args.shape, gemm_rate=rate, results=results), f, indent=1)
+                                    xla_us=1e3 * xla_ms, rel_err=err, equal=same,
+                                    **(dict(format=args.w8a8, bf16_xla_us=1e3 * bf16_ms) if qs is not None else {})))
                 if err < RIGHT and (best is None or ms < best[1]):
                     best = (cfg, ms, err, same)
-            rows_out.append((name, M, xla_ms, best, flops))
-    print(f"\n{args.shape}, dense GEMM rate {rate / 1e12:.0f} TFLOP/s ({time.strftime('%Y-%m-%d')})")
-    print("| projection | rows | XLA + epilogue us | TFLOP/s | Mosaic GEMM us | TFLOP/s | share of GEMM rate | "
-          "rel err | equal | config |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, M, xla_ms, best, flops in rows_out:
+                    if qs is not None and ms < xla_ms:      # this product's row: the fastest right config so far
+                        winners = [w for w in winners if (w["N"], w["K"], w["epilogue"], w["M"]) != (N, K, epilogue, M)]
+                        winners.append(results[-1])
+                with open(os.path.join(args.out, json_name), "w") as f:   # kept if a step times out
+                    json.dump(dict(shape=args.shape, gemm_rate=rate, w8a8=args.w8a8, results=results,
+                                   winners_8bit=winners), f, indent=1)
+            rows_out.append((name, M, xla_ms, best, flops, bf16_ms))
+    xla_name = f"XLA {args.w8a8} W8A8" if args.w8a8 else "XLA"
+    print(f"\n{args.shape}{', ' + args.w8a8 + ' W8A8' if args.w8a8 else ''}, dense GEMM rate {rate / 1e12:.0f} "
+          f"TFLOP/s ({time.strftime('%Y-%m-%d')})")
+    print(f"| projection | rows | {xla_name} + epilogue us | TFLOP/s | Mosaic GEMM us | TFLOP/s | share of GEMM rate | "
+          "rel err | equal | config | XLA bf16 us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, M, xla_ms, best, flops, bf16_ms in rows_out:
+        bf16 = "-" if bf16_ms is None else f"{1e3 * bf16_ms:.1f}"
         if best is None:
-            print(f"| {name} | {M} | {1e3 * xla_ms:.1f} | {flops / xla_ms / 1e9:.0f} | - | - | - | - | - | - |")
+            print(f"| {name} | {M} | {1e3 * xla_ms:.1f} | {flops / xla_ms / 1e9:.0f} | - | - | - | - | - | - | {bf16} |")
             continue
         cfg, ms, err, same = best
         print(f"| {name} | {M} | {1e3 * xla_ms:.1f} | {flops / xla_ms / 1e9:.0f} | {1e3 * ms:.1f} | "
               f"{flops / ms / 1e9:.0f} | {100 * flops / (ms / 1e3) / rate:.1f}% | {err:.1e} | {same:.4f} | "
-              f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.stages} |")
+              f"{cfg.tile_m}x{cfg.tile_n}x{cfg.tile_k}/{cfg.stages} | {bf16} |")
 
 
 if __name__ == "__main__":
