@@ -296,3 +296,42 @@ def test_routing_by_int8_w8a8_rows(monkeypatch, rows):
     monkeypatch.setattr(tables, "INT8_W8A8_ROWS", 1)
     jax.clear_caches()
     np.testing.assert_array_equal(np.asarray(OPS.logits(x, q8)), np.asarray(reference.quantized_product(x, q8)))
+
+
+def test_engine_prompt_rows_in_the_mosaic_gemms_w8a8_on_stories260k(monkeypatch):
+    """quantization="int8" with INT8_W8A8_ROWS = 1 (XLA's W8A8 product for every prompt row), then the same with
+    tables.HOPPER_GEMM_8BIT rows for stories260k's QKV and o_proj at a 128-row prompt chunk, on per-layer matrices
+    (unroll_layers, the GPU's layout): the Mosaic GPU GEMM takes those products in W8A8 (interpret mode) and, its int8 sums exact and its scales in XLA's order, the prompt's
+    logprobs and the generated tokens are the same bits as XLA's W8A8 path's."""
+    from jaxinfer.pallas import hopper_gemm
+    from jaxinfer.pallas.hopper_gemm import HopperConfig
+
+    prompt = ("once upon a time there was a little girl named lily. she liked to play in the park with her dog. "
+              "one day she saw a big red ball in the grass. she ran to the ball and picked it up. the ball was soft "
+              "and round. lily was happy and she ran home to show her mom the ball. her mom smiled and said it was "
+              "a very nice ball. lily played with the ball all day and")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    calls = []
+    real = hopper_gemm.hopper_gemm
+    monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda *a, **k: calls.append((a[0].shape, a[0].dtype,
+                                                                             k.get("epilogue", "none")))
+                        or real(*a, **{**k, "sms": 2}))
+    monkeypatch.setattr(tables, "INT8_W8A8_ROWS", 1)
+
+    def generate(table):
+        monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", table)
+        jax.clear_caches()
+        llm = LLM(STORIES, ops="pallas-interpret", quantization="int8", unroll_layers=True, max_num_seqs=1,
+                  max_num_batched_tokens=128, enable_prompt_logprobs=True, progress=False, executable_cache=False)
+        out = llm.generate([prompt], params)[0]
+        return out.outputs[0].token_ids, [p[0] for p in out.prompt_logprobs[1:]], len(out.prompt_token_ids)
+
+    tokens, logprobs, n_prompt = generate({})
+    assert n_prompt > 128 and not calls
+    small = HopperConfig(64, 32, 64, 2, epi_n=16)
+    kernel_tokens, kernel_logprobs, _ = generate({(128, 64, "none"): ((128, 128, small),),
+                                                  (64, 64, "residual"): ((128, 128, small),)})
+    assert {(shape, jnp.dtype(dtype), ep) for shape, dtype, ep in calls} == {((128, 64), jnp.dtype(jnp.int8), "none"),
+                                                                           ((128, 64), jnp.dtype(jnp.int8), "residual")}
+    assert kernel_tokens == tokens
+    np.testing.assert_array_equal(np.asarray(kernel_logprobs), np.asarray(logprobs))
