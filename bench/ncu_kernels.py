@@ -188,7 +188,8 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
     cache (values and scales) with that conversion (decode_attention.int8_to). weights "int8" / "fp8": the GEMV, skinny
     and grouped workloads on 8-bit values with a scale an output channel (the GEMVs with the block_in, rows, warps and
     conversion the engine's ops give them; the GEMMs at their choose_config). "int8-w8a8" / "fp8-w8a8": the same,
-    with the skinny workloads in W8A8 (x's rows in the weights' format with a scale each, 8-bit tile products). The
+    with the skinny and grouped workloads in W8A8 (x's rows in the weights' format with a scale each, 8-bit tile
+    products). The
     grouped workloads spread the B rows evenly over a mixture of experts' experts (the shape must have them)."""
     import jax
     import jax.numpy as jnp
@@ -265,6 +266,13 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
         epilogue = "swiglu" if name == "grouped-gate-up" else "none"
         n_out, n_in = (2 * I, D) if epilogue == "swiglu" else (D, I)
         block_m = choose_config(B / E, n_out, n_in, epilogue).block_m   # the kernel's own config for B / E rows
+
+        if w8a8:   # x's rows in the experts' format, a float32 scale each
+            def fn(x, w, w_scale, x_scale):
+                return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret,
+                                    w_scale=w_scale, x_scale=x_scale, out_dtype=jnp.bfloat16)
+            return fn, [jax.ShapeDtypeStruct((B, n_in), w_dtype), *weight_specs(1, E, n_out, n_in),
+                        jax.ShapeDtypeStruct((B,), jnp.float32)]
 
         def fn(x, w, *w_scale):
             return grouped_gemm(x, w, sorted_items(sizes, B, block_m), epilogue=epilogue, interpret=interpret,

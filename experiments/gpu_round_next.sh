@@ -20,11 +20,13 @@
 #   part 16 (issue 39): W8A8 in the Mosaic GPU prompt GEMM (hopper_gemm with x_scale): GPU test, the kernel sweep at
 #          1k / 8k rows per format against XLA's W8A8 and bf16, then Qwen3-4B prefill 1k / 8k on its winning rows
 #          against XLA's W8A8 alone (FP8_W8A8_ROWS / INT8_W8A8_ROWS = 64 in both), each engine's start printed
+#   part 17 / 18 (issue 39): 8-bit experts in W8A8 (grouped_gemm's x_scale, tables.GROUPED_W8A8_ROWS): fp8 (with
+#          the GPU test) / int8, Qwen3-30B-A3B@24 1k prefill with W8A8 off and on, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|16
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|18
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -138,6 +140,18 @@ case "${1:-1}" in
     for f in fp8 int8; do
       TAIL=5 step "hopper_w8a8_prefill_$f" 280 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 \
            --paths pallas --quantization $f --hopper-8bit-table "$OUT/$f/kernels_hopper_gemm_w8a8.json" --out "$OUT/$f"
+    done
+    ;;
+  17|18)   # 8-bit experts in W8A8 (17: fp8 with the GPU test first; 18: int8): 1k prefill of Qwen3-30B-A3B@24 with the
+           # grouped GEMM's W8A8 off (converted tiles) and on from 64 assignments (GROUPED_W8A8_ROWS), one process each
+           # (batched decode's 64 rows are ~4 an expert there: bytes, where W8A8 changes little)
+    f=fp8; [ "$1" = 18 ] && f=int8
+    [ "$1" = 17 ] && TAIL=4 step grouped_w8a8_test 150 python3 -m pytest -q -o addopts= \
+         tests/gpu/test_grouped_gemm_gpu.py -k w8a8
+    for v in off on; do
+      R=python3; [ "$v" = on ] && R="python3 experiments/with_tables.py GROUPED_W8A8_ROWS=64 --"
+      TAIL=4 step "grouped_w8a8_${f}_$v" 210 $R bench/prefill.py --shapes qwen3-30b-a3b@24 --prompts 1024 \
+           --paths pallas --quantization $f --out "$OUT"
     done
     ;;
   3)

@@ -15,6 +15,8 @@ from jaxinfer.model.transformer import prompt_logits, split_layers
 from jaxinfer.model.weights import load_params
 from jaxinfer.ops import LayerWeight, get_ops, reference
 from jaxinfer.ops.quantized import FORMATS, QuantizedWeight, quantize
+from jaxinfer.pallas import tables
+from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.moe_gemv import routed_gemv
 
 MOE = ["qwen3_moe", "mixtral"]
@@ -283,3 +285,134 @@ def test_8bit_engine_steps_lower_to_triton(tmp_path, monkeypatch, fmt):
                 x, jnp.ones((D,), jnp.bfloat16), 1e-6, r[0], LayerWeight(g, jnp.int32(0)),
                 LayerWeight(dn, jnp.int32(0)), 2, True), x, router, gate_up, down)
             assert TRITON_CALL in text and ("routed_gemv_combine" if T == 1 else "grouped_gemm") in text
+
+
+# --- W8A8 in the grouped GEMM (grouped_gemm's x_scale; ops.pallas from tables.GROUPED_W8A8_ROWS) -------------------
+
+def _per_row_w8a8(x, q, groups, dtype):
+    """Each row's XLA W8A8 product (ops.pallas.xla_w8a8_product) with its group's matrix, rounded to dtype."""
+    from jaxinfer.ops.pallas import xla_w8a8_product
+
+    return np.stack([np.asarray(xla_w8a8_product(x[r:r + 1], q[int(g)]).astype(dtype)[0], np.float32)
+                     for r, g in enumerate(groups)])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("epilogue, split", [("none", 1), ("none", 2), ("swiglu", 1), ("swiglu", 3)])
+def test_grouped_gemm_w8a8_is_xlas_w8a8_product_row_by_row(fmt, epilogue, split):
+    """Rows sorted by expert (an empty expert, a group crossing a row tile), x's rows quantized, 8-bit tile products:
+    each row equals XLA's W8A8 product with its expert's matrix (int8 bit for bit: exact int32 sums, the scales in
+    XLA's order; e4m3 within a bf16 step), with split K too (the scaled partial sums added in float32)."""
+    from jaxinfer.ops.quantized import quantize_rows
+    from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, grouped_gemm, sorted_items
+
+    E, N, K = 4, 48, 160
+    sizes = jnp.array([5, 0, 19, 3], jnp.int32)
+    M = int(sizes.sum())
+    q = quantize(jax.random.normal(jax.random.PRNGKey(split), (2, E, N, K)) / 8, fmt)
+    x = (jax.random.normal(jax.random.PRNGKey(7), (M, K)) * jnp.exp(jax.random.normal(jax.random.PRNGKey(8), (M, 1)))
+         ).astype(jnp.bfloat16)
+    xq, xs = quantize_rows(x, q.dtype)
+    cfg = GroupedGemmConfig(block_m=16, block_n=16, block_k=32, split_k=split)
+    y = grouped_gemm(xq, q.values, sorted_items(sizes, M, 16), jnp.int32(1), epilogue=epilogue, config=cfg,
+                     w_scale=q.scale, x_scale=xs, out_dtype=jnp.bfloat16, interpret=True)
+    assert y.dtype == jnp.bfloat16
+    want = _per_row_w8a8(x, q[1], np.repeat(np.arange(E), np.asarray(sizes)), jnp.bfloat16)
+    if epilogue == "swiglu":
+        want = np.asarray(silu_mul(*jnp.split(jnp.asarray(want, jnp.bfloat16), 2, axis=-1)), np.float32)
+    got = np.asarray(y, np.float32)
+    if fmt == "int8" and split == 1:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=2 ** -6)
+        assert np.mean(got == want) > 0.9
+
+
+def test_grouped_gemm_w8a8_operands_are_checked():
+    from jaxinfer.ops.quantized import quantize_rows
+    from jaxinfer.pallas.grouped_gemm import grouped_gemm, row_items
+
+    q = quantize(jax.random.normal(jax.random.PRNGKey(0), (3, 32, 64)), "int8")
+    x = jax.random.normal(jax.random.PRNGKey(1), (4, 64)).astype(jnp.bfloat16)
+    xq, xs = quantize_rows(x, q.dtype)
+    items = row_items(jnp.array([0, 2, 1, 1]))
+    kw = dict(w_scale=q.scale, interpret=True)
+    with pytest.raises(ValueError, match="x_scale"):       # x not quantized
+        grouped_gemm(x, q.values, items, x_scale=xs, out_dtype=jnp.bfloat16, **kw)
+    with pytest.raises(ValueError, match="should be float32"):
+        grouped_gemm(xq, q.values, items, x_scale=xs[:2], out_dtype=jnp.bfloat16, **kw)
+    with pytest.raises(ValueError, match="should be float32"):
+        grouped_gemm(xq, q.values, items, x_scale=xs, **kw)   # no out_dtype
+    with pytest.raises(ValueError, match="only with x_scale"):
+        grouped_gemm(x, q.values, items, out_dtype=jnp.float32, **kw)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_moe_mlp_rows_in_w8a8_from_the_tables_rows(monkeypatch, fmt):
+    """ops.pallas.moe_mlp with per-channel 8-bit experts: from tables.GROUPED_W8A8_ROWS assignments on, x's rows and
+    the SwiGLU's rows quantized before each grouped GEMM, so the block equals the reference composed of each row's
+    XLA W8A8 products (int8 bit for bit); below the threshold, with it None, and for block-scaled experts, the
+    converted tiles."""
+    E, k, D, I, T = 6, 2, 96, 40, 9
+    keys = jax.random.split(jax.random.PRNGKey(11), 4)
+    x = jax.random.normal(keys[0], (T, D)).astype(jnp.bfloat16)
+    router = LayerWeight(jax.random.normal(keys[1], (2, E, D)).astype(jnp.bfloat16), jnp.int32(1))
+    gate_up = LayerWeight(quantize(jax.random.normal(keys[2], (2, E, 2 * I, D)) / 8, fmt), jnp.int32(1))
+    down = LayerWeight(quantize(jax.random.normal(keys[3], (2, E, D, I)) / 6, fmt), jnp.int32(1))
+    ops = get_ops("pallas-interpret")
+
+    def run(threshold, gu=gate_up, dn=down):
+        monkeypatch.setattr(tables, "GROUPED_W8A8_ROWS", threshold)
+        jax.clear_caches()
+        return np.asarray(ops.moe_mlp(x, router, gu, dn, k, True), np.float32)
+
+    # the W8A8 composition: route and sort as the op does, each sorted row's W8A8 products with its expert's
+    logits = ops.linear(x, router)
+    weights, experts = reference.route(logits, k, True)
+    order, sizes = reference.sort_by_expert(experts, E)
+    groups = np.repeat(np.arange(E), np.asarray(sizes))
+    h = _per_row_w8a8(x[order // k], gate_up.stacked[1], groups, jnp.bfloat16)
+    h = silu_mul(*jnp.split(jnp.asarray(h, jnp.bfloat16), 2, axis=-1))
+    y = jnp.asarray(_per_row_w8a8(h, down.stacked[1], groups, jnp.bfloat16), jnp.bfloat16)
+    y = jnp.zeros_like(y).at[order].set(y).reshape(T, k, D)
+    want = np.asarray(jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(jnp.bfloat16), np.float32)
+    for threshold in (1, T * k):
+        got = run(threshold)
+        if fmt == "int8":
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert rel_err(got, want) <= 1e-2
+    converted = run(None)      # the converted tiles (test_grouped_gemm_reads_8bit_experts_as_the_reference)
+    np.testing.assert_array_equal(run(T * k + 1), converted)
+    assert not np.array_equal(run(1), converted)      # the activations' rounding is in it
+    blocked = [LayerWeight(_block_quantize(w.stacked.dequantize(), (16, 16)), w.layer) for w in (gate_up, down)]
+    if fmt == "fp8":    # block scales: converted tiles whatever the threshold
+        np.testing.assert_array_equal(run(1, *blocked), run(None, *blocked))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_grouped_gemm_w8a8_lowers_with_8bit_tile_products(fmt):
+    """For an H200 (on the CPU, the GPU stubbed in): the W8A8 grouped GEMM's e4m3 dot carries maxNumImpreciseAcc
+    (fp8_dot.py) on a row tile of 64 where the items hold 16 rows (wgmma's tile: Triton's mma.sync has no e4m3 form);
+    the int8 dot sums in i32 on the items' 16 rows."""
+    from bench.kernel_registers import triton_modules
+    from jaxinfer.ops.quantized import quantize_rows
+    from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, grouped_gemm, row_items
+
+    q = quantize(jax.random.normal(jax.random.PRNGKey(0), (8, 256, 512)), fmt)
+    x = jax.random.normal(jax.random.PRNGKey(1), (16, 512)).astype(jnp.bfloat16)
+    xq, xs = quantize_rows(x, q.dtype)
+    cfg = GroupedGemmConfig(block_m=16, block_n=64, block_k=64)
+    [(attrs, text)] = triton_modules(
+        lambda x, v, s, xs, items: grouped_gemm(x, v, items, w_scale=s, x_scale=xs, out_dtype=jnp.bfloat16,
+                                                epilogue="swiglu", config=cfg),
+        (xq, q.values, q.scale, xs, row_items(jnp.arange(16) % 8)))
+    assert attrs["name"] == "grouped_gemm_swiglu_w8a8"
+    dots = [line for line in text.splitlines() if "tt.dot" in line]
+    ty = {"int8": "i8", "fp8": "f8E4M3FN"}[fmt]
+    rows = 64 if fmt == "fp8" else 16
+    assert dots and all(f"tensor<{rows}x64x{ty}>" in d for d in dots), dots
+    if fmt == "fp8":
+        assert all("maxNumImpreciseAcc = 64" in d for d in dots), dots
+    else:
+        assert all(f"-> tensor<{rows}x64xi32>" in d and "maxNumImpreciseAcc" not in d for d in dots), dots

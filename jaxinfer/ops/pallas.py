@@ -466,6 +466,14 @@ def _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, residual, in
                        **route)
 
 
+def _grouped_w8a8(rows: int, *quants: dict) -> bool:
+    """Whether the grouped GEMMs of `rows` expert assignments run W8A8 (tables.GROUPED_W8A8_ROWS): 8-bit experts
+    with a scale per output channel (_matrix's keywords of each stack)."""
+    threshold = tables.GROUPED_W8A8_ROWS
+    return (threshold is not None and rows >= threshold
+            and all(q.get("w_scale") is not None and q.get("w_block") is None for q in quants))
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int, renormalize: bool,
             residual: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
     """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
@@ -474,7 +482,8 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     summing the experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by
     expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
     each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
-    stacks): both kernels read their values and scales."""
+    stacks): both kernels read their values and scales; from tables.GROUPED_W8A8_ROWS assignments on, per-channel
+    ones in W8A8 (each row of x, and of the SwiGLU's output, quantized to the experts' format)."""
     T, D = x.shape
     logits = linear(x, router, interpret=interpret)
     if T == 1:
@@ -489,9 +498,18 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
     cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
     items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
-    h = grouped_gemm(x[order // top_k], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
-                     **gu_kw)
-    y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret, **dn_kw)
+    rows = order // top_k
+    if _grouped_w8a8(T * top_k, gu_kw, dn_kw):   # x's rows quantized once, then gathered with their scales
+        xq, x_scale = quantize_rows(x, gate_up.dtype)
+        h = grouped_gemm(xq[rows], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
+                         x_scale=x_scale[rows], out_dtype=x.dtype, **gu_kw)
+        hq, h_scale = quantize_rows(h, down.dtype)
+        y = grouped_gemm(hq, down, items, down_layer, config=cfg_down, interpret=interpret, x_scale=h_scale,
+                         out_dtype=x.dtype, **dn_kw)
+    else:
+        h = grouped_gemm(x[rows], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
+                         **gu_kw)
+        y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret, **dn_kw)
     y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
     out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
     return out if residual is None else residual + out

@@ -15,6 +15,12 @@ Two schedules make the items (XLA, small arrays):
 Epilogues, rounding as the reference ops do: none (round to x.dtype); "swiglu": W is each expert's fused
 [2I, K] gate/up matrix, the program for columns n also reads rows I + n, and writes silu(gate) * up [M, I].
 With split K (split_k > 1) the programs write float32 partial sums that a small XLA epilogue adds and rounds.
+
+W8A8 (`x_scale`, per-channel 8-bit experts): x's rows arrive quantized to the experts' format with a float32 scale a
+row (ops.quantized.quantize_rows); the tiles multiply in 8 bits (int8 -> int32, exact; e4m3 -> float32 on wgmma
+through fp8_dot.py, each tile's product added to a float32 accumulator, and the row tile at least 64 rows: below it
+Triton's mma.sync has no e4m3 form), and the sums take the row's and then the channel's scale once, as XLA's W8A8
+product (ops.pallas._w8a8) does.
 """
 
 from __future__ import annotations
@@ -27,12 +33,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxinfer.pallas import fp8_dot
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape, silu_mul,
                                      tile_mask)
 
 f32 = jnp.float32
 i32 = jnp.int32
 EPILOGUES = ("none", "swiglu")
+WGMMA_ROWS = 64   # e4m3 products on tensor cores need wgmma, whose tiles are 64 rows
+
+fp8_dot.install("grouped_gemm_")   # W8A8's e4m3 tile products on wgmma (fp8_dot.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +103,18 @@ def row_items(groups: jax.Array) -> jax.Array:
     return jnp.stack([groups.astype(i32), r, r + 1], axis=1)
 
 
+def _zero(dtype):
+    """A masked load's fill: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
+    return 0.0 if dtype == jnp.float8_e4m3fn else 0
+
+
 def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemmConfig, epilogue, half,
-            tiles_per_split, w_block):
-    ws_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    BM, BN, BK, S = cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k
+            tiles_per_split, w_block, BM, x_scaled=False):
+    refs = list(refs)
+    o_ref = refs.pop()
+    ws_ref = refs.pop(0) if refs else None
+    xs_ref = refs.pop(0) if x_scaled else None
+    BN, BK, S = cfg.block_n, cfg.block_k, cfg.split_k
     item = pl.program_id(0)
     g = plgpu.load(items_ref.at[item, i32(0)])
     lo = plgpu.load(items_ref.at[item, i32(1)])
@@ -119,6 +137,7 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
         lanes = jnp.arange(BK, dtype=i32)
         bases = (0, half) if epilogue == "swiglu" else (0,)
         prec = dot_precision(x_ref.dtype)
+        acc_dtype = i32 if x_scaled and x_ref.dtype == jnp.int8 else f32     # int8 x int8: exact int32 sums
         k_tiles = pl.cdiv(K, BK)
         t_lo = split * tiles_per_split if S > 1 else 0
         t_hi = jnp.minimum(t_lo + tiles_per_split, k_tiles) if S > 1 else k_tiles
@@ -129,24 +148,29 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
             k_ok = k < K
             kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
             x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=tile_mask(row_ok, k_ok if ragged_k else None,
-                                                                          (BM, BK)), other=0)
+                                                                          (BM, BK)), other=_zero(x_ref.dtype))
             w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
             out = []
             for base, acc in zip(bases, accs):
                 if w_mask is None:
                     w = plgpu.load(w_ref.at[layer, g, pl.ds(base + n0, BN), pl.ds(k0, BK)])
                 else:
-                    w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask, other=0)
-                if ws_ref is not None:   # 8-bit values: exact in x's dtype
+                    w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask,
+                                   other=_zero(w_ref.dtype))
+                if ws_ref is not None and not x_scaled:   # 8-bit values: exact in x's dtype
                     w = w.astype(x.dtype)
-                prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+                prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,
+                                           preferred_element_type=acc_dtype)
                 if w_block is not None:   # this depth tile's block scale of each column (the tile in one block)
                     bo, bi = w_block
                     prod = prod * plgpu.load(ws_ref.at[layer, g, (base + n_ld) // bo, k0 // bi])[None, :]
                 out.append(acc + prod)
             return tuple(out)
 
-        accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), f32) for _ in bases))
+        accs = jax.lax.fori_loop(t_lo, t_hi, body, tuple(jnp.zeros((BM, BN), acc_dtype) for _ in bases))
+        if x_scaled:   # the rows' scales, once (masked rows: 0, as their sums)
+            xs = plgpu.load(xs_ref.at[rows_ld], mask=row_ok, other=0.0)[:, None]
+            accs = tuple(acc.astype(f32) * xs for acc in accs)
         if ws_ref is not None and w_block is None:   # each output channel's scale, once, after the sums
             accs = tuple(acc * plgpu.load(ws_ref.at[layer, g, base + n_ld])[None, :] for base, acc in zip(bases, accs))
         mask = row_ok[:, None] & n_ok[None, :]
@@ -159,10 +183,11 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
         plgpu.store(o_ref.at[rows[:, None], n[None, :]], y.astype(o_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "config", "w_block", "interpret"))
+@functools.partial(jax.jit, static_argnames=("epilogue", "config", "w_block", "out_dtype", "interpret"))
 def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array | int = 0, *,
                  epilogue: str = "none", config: GroupedGemmConfig | None = None, w_scale: jax.Array | None = None,
-                 w_block: tuple[int, int] | None = None, interpret: bool = False) -> jax.Array:
+                 w_block: tuple[int, int] | None = None, x_scale: jax.Array | None = None, out_dtype=None,
+                 interpret: bool = False) -> jax.Array:
     """x [M, K] @ W[layer, group].T for each item's rows: w [L, E, N, K] (or [E, N, K], one layer), items
     int32 [W, 3] (group, lo, hi) from sorted_items or row_items (an item holds at most config.block_m rows).
     Returns [M, N] in x's dtype ("swiglu": [M, N // 2], w each expert's [gate; up] rows); rows no item holds
@@ -170,7 +195,9 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     8-bit w (int8, float8_e4m3fn values) takes w_scale: [L, E, N] one scale an output channel, applied to the
     float32 sums (as reference.grouped_linear); or with w_block (bo, bi) [L, E, ceil(N / bo), ceil(K / bi)], each
     depth tile's products times its block's scales (block_k is cut to divide bi). The values are converted to x's
-    dtype (exact) on their way to the tensor cores."""
+    dtype (exact) on their way to the tensor cores.
+    W8A8: x_scale float32 [M] with x in w's 8-bit dtype (per-channel w_scale only), out_dtype the activations' dtype
+    (the output's); the tiles multiply in 8 bits (module docstring)."""
     if w.ndim == 3:
         w = w[None]
         w_scale = None if w_scale is None else w_scale[None]
@@ -181,8 +208,18 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     if K_w != K:
         raise ValueError(f"grouped_gemm: x {x.shape} and w {w.shape} disagree on K")
     eight_bit = w.dtype in (jnp.int8, jnp.float8_e4m3fn)
-    if not eight_bit and w.dtype != x.dtype:
+    if x_scale is not None:
+        if not eight_bit or x.dtype != w.dtype or w_block is not None:
+            raise ValueError(f"grouped_gemm: x_scale (W8A8) takes x in w's 8-bit dtype and per-channel w_scale, not "
+                             f"x {x.dtype}, w {w.dtype}, block {w_block}")
+        if x_scale.shape != (M,) or x_scale.dtype != f32 or out_dtype is None:
+            raise ValueError(f"grouped_gemm: x_scale {x_scale.dtype} {x_scale.shape} should be float32 [{M}], with "
+                             "out_dtype")
+    elif out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
+        raise ValueError(f"grouped_gemm: out_dtype {out_dtype} differs from x's {x.dtype} only with x_scale (W8A8)")
+    elif not eight_bit and w.dtype != x.dtype:
         raise ValueError(f"grouped_gemm: x {x.dtype} and w {w.dtype} must share a dtype")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
     want = scale_shape(w.shape, w_block) if eight_bit else None
     if (w_scale is None) != (want is None) or (w_scale is not None and w_scale.shape != want):
         raise ValueError(f"grouped_gemm: 8-bit weights take w_scale {want} (and only they); got w {w.dtype}, "
@@ -210,16 +247,20 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     if S > 1:
         out_shape = jax.ShapeDtypeStruct((S, M, N), f32)
     else:
-        out_shape = jax.ShapeDtypeStruct((M, cols), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((M, cols), out_dtype)
+    # e4m3 W8A8: the row tile padded to wgmma's (items keep cfg.block_m rows; the rows past an item's are masked)
+    BM = max(cfg.block_m, WGMMA_ROWS) if x_scale is not None and x.dtype == jnp.float8_e4m3fn else cfg.block_m
     kernel = functools.partial(_kernel, M=M, N=N, K=K, cfg=cfg, epilogue="none" if S > 1 else epilogue,
-                               half=half, tiles_per_split=tiles_per_split, w_block=w_block)
+                               half=half, tiles_per_split=tiles_per_split, w_block=w_block, BM=BM,
+                               x_scaled=x_scale is not None)
+    quant = [a for a in (w_scale, x_scale) if a is not None]
     y = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(items.shape[0], pl.cdiv(N if S > 1 else cols, cfg.block_n), S),
-        interpret=interpret, name=f"grouped_gemm_{epilogue}",
+        interpret=interpret, name=f"grouped_gemm_{epilogue}" + ("_w8a8" if x_scale is not None else ""),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(layer_operands(layer)[0], items.astype(i32), x, w, *(() if w_scale is None else (w_scale,)))
+    )(layer_operands(layer)[0], items.astype(i32), x, w, *quant)
     if S > 1:
-        y = jnp.sum(y, axis=0).astype(x.dtype)
+        y = jnp.sum(y, axis=0).astype(out_dtype)
         if epilogue == "swiglu":
             y = silu_mul(*jnp.split(y, 2, axis=-1))
     return y

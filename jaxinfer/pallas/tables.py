@@ -266,6 +266,12 @@ FP8_W8A8_ROWS: int | None = None
 # fusion instead). Not yet measured (gpu_round_next.sh 10); its quality is bench/quality.py's "int8 W8A8" row.
 INT8_W8A8_ROWS: int | None = None
 
+# A mixture of experts' rows (T x top_k expert assignments) from which 8-bit experts with per-channel scales run the
+# grouped GEMM in W8A8 (grouped_gemm's x_scale: each row quantized to the experts' format, 8-bit tile products),
+# either format; None: never (the expert tiles converted to the activations' dtype in registers). Not yet measured
+# (gpu_round_next.sh 17, 18).
+GROUPED_W8A8_ROWS: int | None = None
+
 
 # --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------
 

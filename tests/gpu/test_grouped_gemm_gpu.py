@@ -97,3 +97,31 @@ def test_8bit_experts_at_real_shapes(shape, fmt, T):
     block, block_ref = run(get_ops("pallas")), run(reference)
     assert np.all(np.isfinite(np.asarray(block, np.float64)))
     assert _rel(block - x, block_ref - x) <= 3e-2
+
+
+@pytest.mark.parametrize("T", [64, 1024])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_8bit_experts_in_w8a8_at_real_shapes(monkeypatch, shape, fmt, T):
+    """Rows through the grouped GEMM in W8A8 (tables.GROUPED_W8A8_ROWS = 1: x's rows and the SwiGLU's quantized, 8-bit
+    tile products) against the reference's grouped product of the same QuantizedWeights (weight-only, the
+    activations unquantized): the activations' rounding costs about what weight-only 8 bits cost, far below a wrong
+    tile's error."""
+    from jaxinfer.ops.quantized import quantize
+    from jaxinfer.pallas import tables
+
+    monkeypatch.setattr(tables, "GROUPED_W8A8_ROWS", 1)
+    jax.clear_caches()
+    _, E, k, D, I = shape
+    keys = jax.random.split(jax.random.PRNGKey(E + T), 4)
+    x = jax.random.normal(keys[0], (T, D), jnp.bfloat16)
+    router = jax.random.normal(keys[1], (2, E, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5)
+    gate_up = quantize(jax.random.normal(keys[2], (2, E, 2 * I, D), jnp.bfloat16) * jnp.bfloat16(D ** -0.5), fmt)
+    down = quantize(jax.random.normal(keys[3], (2, E, D, I), jnp.bfloat16) * jnp.bfloat16(I ** -0.5), fmt)
+
+    def run(ops):
+        return jax.jit(lambda r, g, d: ops.moe_mlp(x, *(LayerWeight(w, jnp.int32(1)) for w in (r, g, d)), k, True))(
+            router, gate_up, down)
+
+    got, ref = run(get_ops("pallas")), run(reference)
+    assert _rel(got, ref) <= (3e-2 if fmt == "int8" else 6e-2)
