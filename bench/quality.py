@@ -12,7 +12,8 @@ own next tokens). Float32 compute on the CPU, reference ops, one forward pass a 
 the projections through ops.pallas's routing instead (interpret mode; attention stays the reference's) with
 tables.FP8_W8A8_ROWS = INT8_W8A8_ROWS = 1: every row of a window (all past the skinny kernel's 64) quantized to e4m3
 (int8) with a scale of its own before its 8-bit product (ops.pallas.w8a8_product, int8_w8a8_product), as prompt rows
-run on the GPU from those tables' rows on.
+run on the GPU from those tables' rows on; a mixture of experts' experts likewise (GROUPED_W8A8_ROWS = 1: the grouped
+GEMM's W8A8, interpret mode).
 
 The text: stories sampled (temperature 1) from stories260k, seeded, with the TinyStories tokenizer
 (bench/data/quality_text.json, made by --make-text). stories260k and llama2xs-260k are real trained models; the
@@ -89,7 +90,7 @@ def _window_logits(cfg, ops, params, kv, ids):
 
 # The ops that take a weight matrix: ops.pallas's (kernels and XLA's products, its routing) in a W8A8 configuration.
 PROJECTIONS = ("linear", "rms_norm_linear", "rms_norm_swiglu", "linear_residual", "linear_residual_norm_swiglu",
-               "logits")
+               "logits", "moe_mlp", "rms_norm_moe_mlp")
 
 
 @functools.cache
@@ -105,17 +106,17 @@ def w8a8_ops():
 
 @contextlib.contextmanager
 def w8a8_rows(rows: int | None):
-    """tables.FP8_W8A8_ROWS and INT8_W8A8_ROWS = rows inside (jax's trace cache cleared on both sides: it does not see
-    the tables)."""
+    """tables.FP8_W8A8_ROWS, INT8_W8A8_ROWS and GROUPED_W8A8_ROWS (a mixture of experts' grouped GEMMs) = rows inside
+    (jax's trace cache cleared on both sides: it does not see the tables)."""
     from jaxinfer.pallas import tables
 
-    saved = tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS
-    tables.FP8_W8A8_ROWS = tables.INT8_W8A8_ROWS = rows
+    saved = tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS, tables.GROUPED_W8A8_ROWS
+    tables.FP8_W8A8_ROWS = tables.INT8_W8A8_ROWS = tables.GROUPED_W8A8_ROWS = rows
     jax.clear_caches()
     try:
         yield
     finally:
-        tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS = saved
+        tables.FP8_W8A8_ROWS, tables.INT8_W8A8_ROWS, tables.GROUPED_W8A8_ROWS = saved
         jax.clear_caches()
 
 
