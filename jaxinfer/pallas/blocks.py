@@ -100,6 +100,11 @@ def tile_mask(row_ok, col_ok, shape):
     return row_ok[:, None] & col_ok[None, :]
 
 
+def zero_fill(dtype):
+    """A masked load's fill value for `dtype`: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
+    return 0.0 if dtype == jnp.float8_e4m3fn else 0
+
+
 def page_slots(pt_ref, row, pos, limit, page_size: int, n_pages: int, first=None):
     """Cache slots of positions `pos` of page-table row `row`, read in place (slot 0 at pos >= limit, and with a
     sliding window's `first` position below it: its pages may have been freed, their table entries are not read)."""

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import fp8_dot
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape, silu_mul,
-                                     tile_mask)
+                                     tile_mask, zero_fill)
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -103,11 +103,6 @@ def row_items(groups: jax.Array) -> jax.Array:
     return jnp.stack([groups.astype(i32), r, r + 1], axis=1)
 
 
-def _zero(dtype):
-    """A masked load's fill: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
-    return 0.0 if dtype == jnp.float8_e4m3fn else 0
-
-
 def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemmConfig, epilogue, half,
             tiles_per_split, w_block, BM, x_scaled=False):
     refs = list(refs)
@@ -148,7 +143,7 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
             k_ok = k < K
             kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
             x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=tile_mask(row_ok, k_ok if ragged_k else None,
-                                                                          (BM, BK)), other=_zero(x_ref.dtype))
+                                                                          (BM, BK)), other=zero_fill(x_ref.dtype))
             w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
             out = []
             for base, acc in zip(bases, accs):
@@ -156,7 +151,7 @@ def _kernel(layer_ref, items_ref, x_ref, w_ref, *refs, M, N, K, cfg: GroupedGemm
                     w = plgpu.load(w_ref.at[layer, g, pl.ds(base + n0, BN), pl.ds(k0, BK)])
                 else:
                     w = plgpu.load(w_ref.at[layer, g, (base + n_ld)[:, None], kk], mask=w_mask,
-                                   other=_zero(w_ref.dtype))
+                                   other=zero_fill(w_ref.dtype))
                 if ws_ref is not None and not x_scaled:   # 8-bit values: exact in x's dtype
                     w = w.astype(x.dtype)
                 prod = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec,

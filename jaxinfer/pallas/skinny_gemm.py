@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import fp8_dot, tables
-from jaxinfer.pallas.blocks import dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask
+from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_at_least, silu_mul, tile_mask,
+                                     zero_fill)
 from jaxinfer.pallas.fused_gemv import weights_to_f32
 from jaxinfer.pallas.tables import SkinnyConfig
 
@@ -103,11 +104,6 @@ def fit_stages(cfg: SkinnyConfig, M: int, itemsize: int, epilogue: str, e4m3_pro
     return dataclasses.replace(cfg, num_stages=stages)
 
 
-def _zero(dtype):
-    """A masked load's fill: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
-    return 0.0 if dtype == jnp.float8_e4m3fn else 0
-
-
 def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: SkinnyConfig, has_bias, epilogue, half,
             tiles_per_split, w_scaled=False, w_block=None, x_scaled=False):
     refs = list(refs)
@@ -146,14 +142,14 @@ def _kernel(layer_ref, vlayer_ref, x_ref, w_ref, *refs, M, N, K, BM, cfg: Skinny
         k_ok = k < K
         kk = (jnp.minimum(k, K - 1) if ragged_k else k)[None, :]
         x_mask = tile_mask(row_ok if M % BM else None, k_ok if ragged_k else None, (BM, BK))
-        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else _zero(x_ref.dtype))
+        x = plgpu.load(x_ref.at[rows_ld[:, None], kk], mask=x_mask, other=None if x_mask is None else zero_fill(x_ref.dtype))
         w_mask = tile_mask(n_ok if ragged_n else None, k_ok if ragged_k else None, (BN, BK))
         out = []
         for base, acc in zip(bases, accs):
             if w_mask is None:
                 w = plgpu.load(w_ref.at[layer, pl.ds(base + n0, BN), pl.ds(k0, BK)])
             else:
-                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=_zero(w_ref.dtype))
+                w = plgpu.load(w_ref.at[layer, (base + n_ld)[:, None], kk], mask=w_mask, other=zero_fill(w_ref.dtype))
             if w_scaled and not x_scaled:   # exact: int8 through float32 as the GEMV converts it
                 w = (weights_to_f32(w, tables.GEMV_INT8_CONVERT) if w.dtype == jnp.int8 else w).astype(x.dtype)
             y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=acc_dtype)
