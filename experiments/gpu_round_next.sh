@@ -17,16 +17,16 @@
 #   part 13 (issue 43): Qwen3-30B-A3B's QKV and o_proj GEMVs at block_in 128 / 512 against the default 256 (which holds
 #          ~100 registers there), in-step A/B at @8, one process each
 #   part 15 (issue 39): W8A8 in the batched-decode kernel: GPU test, the 64-row sweep, batch 64 on its kept rows
-#   part 16 (issue 39): W8A8 in the Mosaic GPU prompt GEMM (hopper_gemm with x_scale): GPU test, the kernel sweep at
-#          1k / 8k rows per format against XLA's W8A8 and bf16, then Qwen3-4B prefill 1k / 8k on its winning rows
-#          against XLA's W8A8 alone (FP8_W8A8_ROWS / INT8_W8A8_ROWS = 64 in both), each engine's start printed
+#   part 16 / 19 (issue 39): W8A8 in the Mosaic GPU prompt GEMM (hopper_gemm with x_scale), fp8 (with its GPU test) /
+#          int8: the kernel sweep at 1k / 8k rows against XLA's W8A8 and bf16, then Qwen3-4B prefill 1k / 8k on its
+#          winning rows, each engine's start printed
 #   part 17 / 18 (issue 39): 8-bit experts in W8A8 (grouped_gemm's x_scale, tables.GROUPED_W8A8_ROWS): fp8 (with
 #          the GPU test) / int8, Qwen3-30B-A3B@24 1k prefill with W8A8 off and on, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|18
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|19
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -127,20 +127,19 @@ case "${1:-1}" in
            --skinny-table "$OUT/quantized_gemv.json" --out "$OUT"
     done
     ;;
-  16)   # W8A8 in the Mosaic GPU prompt GEMM: its GPU test, its sweep per format (JSON in $OUT/FMT/), then the prefill
-        # with XLA's W8A8 for every prompt product (the 2026-12-05 path) against the same with the kernel's winning
-        # rows (bench/prefill.py --hopper-8bit-table), fp8 first: its 8k engine never started in 300 s on XLA's W8A8
-    TAIL=4 step hopper_w8a8_test 150 python3 -m pytest -q -o addopts= tests/gpu/test_hopper_gemm_gpu.py -k w8a8
-    for f in fp8 int8; do
-      mkdir -p "$OUT/$f"
-      TAIL=12 step "hopper_w8a8_sweep_$f" 170 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 \
-           --w8a8 $f --out "$OUT/$f"
-    done
-    W="python3 experiments/with_tables.py FP8_W8A8_ROWS=64 INT8_W8A8_ROWS=64 --"
-    for f in fp8 int8; do
-      TAIL=5 step "hopper_w8a8_prefill_$f" 280 $W bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 \
-           --paths pallas --quantization $f --hopper-8bit-table "$OUT/$f/kernels_hopper_gemm_w8a8.json" --out "$OUT/$f"
-    done
+  16|19)   # W8A8 in the Mosaic GPU prompt GEMM, one format a call (16: fp8, with the GPU test first; 19: int8): the
+           # kernel's sweep at 1k / 8k rows (JSON in $OUT/FMT/, written after every config), then Qwen3-4B prefill 1k /
+           # 8k with its winning rows (bench/prefill.py --hopper-8bit-table) and every other product on the converted
+           # values (FP8_W8A8_ROWS / INT8_W8A8_ROWS None: no 8-bit GEMM left for XLA to autotune at start, the
+           # suspect of 2026-12-05's fp8 8k engine that never started), each engine's start printed
+    f=fp8; [ "$1" = 19 ] && f=int8
+    mkdir -p "$OUT/$f"
+    [ "$1" = 16 ] && TAIL=4 step hopper_w8a8_test 120 python3 -m pytest -q -o addopts= \
+         tests/gpu/test_hopper_gemm_gpu.py -k w8a8
+    TAIL=12 step "hopper_w8a8_sweep_$f" 200 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 \
+         --w8a8 $f --out "$OUT/$f"
+    TAIL=5 step "hopper_w8a8_prefill_$f" 270 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 \
+         --paths pallas --quantization $f --hopper-8bit-table "$OUT/$f/kernels_hopper_gemm_w8a8.json" --out "$OUT/$f"
     ;;
   17|18)   # 8-bit experts in W8A8 (17: fp8 with the GPU test first; 18: int8): 1k prefill of Qwen3-30B-A3B@24 with the
            # grouped GEMM's W8A8 off (converted tiles) and on from 64 assignments (GROUPED_W8A8_ROWS), one process each

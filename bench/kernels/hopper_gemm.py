@@ -68,6 +68,10 @@ DRY_RUN_8BIT = HopperConfig(64, 32, 64, 2, epi_n=16)
 # A config counts only where it matches XLA: the kernel does bit for bit where it is right, and a race shows
 # as rel err ~1e-3 (H200: a wgmma group left in flight gave 4.9e-3 with 0.2% of elements off)
 RIGHT = 1e-4
+# W8A8 against XLA's W8A8 product: int8 sums are exact on both sides (the same bits where right); e4m3 sums are float32
+# in another order and grouping (the kernel promotes wgmma's accumulator every 128 values), so round(y) lands a bf16
+# step away on more outputs: ~1e-3 for a step on ~5% of them, still under a race's 4.9e-3
+RIGHT_W8A8 = {"int8": 1e-4, "fp8": 1e-3}
 # best_ms_per_call's options: ~0.2 s loops of each call on the GPU; one run of each in a CPU dry run (--interpret)
 TIMING: dict = dict(target_s=0.2)
 
@@ -235,7 +239,7 @@ def main() -> None:
                 results.append(dict(name=name, M=M, N=N, K=K, epilogue=epilogue, config=cfg.__dict__, us=1e3 * ms,
                                     xla_us=1e3 * xla_ms, rel_err=err, equal=same,
                                     **(dict(format=args.w8a8, bf16_xla_us=1e3 * bf16_ms) if qs is not None else {})))
-                if err < RIGHT and (best is None or ms < best[1]):
+                if err < (RIGHT_W8A8[args.w8a8] if qs is not None else RIGHT) and (best is None or ms < best[1]):
                     best = (cfg, ms, err, same)
                     if qs is not None and ms < xla_ms:      # this product's row: the fastest right config so far
                         winners = [w for w in winners if (w["N"], w["K"], w["epilogue"], w["M"]) != (N, K, epilogue, M)]

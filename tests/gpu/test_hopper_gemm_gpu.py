@@ -54,7 +54,7 @@ W8A8_CASES += [(M, N, K, ep, cfg) for (N, K, ep), rows in tables.HOPPER_GEMM_8BI
 @pytest.mark.parametrize("M, N, K, epilogue, config", W8A8_CASES)
 def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
     """Against XLA's W8A8 product of the same quantized rows and weights (int8: the same bits, the sums exact in
-    int32; fp8: a bf16 step or two at most, on 99% of outputs equal), and the fp8 product against float64 sums of
+    int32; fp8: a bf16 step or two at most, 95% of outputs equal), and the fp8 product against float64 sums of
     the same e4m3 values within bf16's rounding and float32 sums' (an e4m3 wgmma chain over all of K accumulates
     with fewer bits than float32: why the kernel adds each k step's products to float32 sums in registers)."""
     from jaxinfer.ops.pallas import xla_w8a8_product
@@ -74,9 +74,9 @@ def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     if fmt == "int8":
         np.testing.assert_array_equal(y, ref)
-    else:
+    else:   # float32 sums in another grouping (promoted every 128 values): a bf16 step on a few percent at most
         np.testing.assert_allclose(y, ref, rtol=2 ** -6, atol=2 ** -6)
-        assert np.mean(y == ref) > 0.99
+        assert np.mean(y == ref) > 0.95
     if fmt == "fp8" and epilogue == "none":     # the float32 sums themselves, on a sample of rows
         rows = np.arange(0, M, max(1, M // 32))
         v = np.asarray(q.values.astype(jnp.float32), np.float64)
