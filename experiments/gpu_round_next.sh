@@ -22,11 +22,13 @@
 #          winning rows, each engine's start printed
 #   part 17 / 18 (issue 39): 8-bit experts in W8A8 (grouped_gemm's x_scale, tables.GROUPED_W8A8_ROWS): fp8 (with
 #          the GPU test) / int8, Qwen3-30B-A3B@24 1k prefill with W8A8 off and on, one process each
+#   part 20 (issue 39): after part 15's rows are in tables.SKINNY_GEMM_8BIT: fp8 batch 64 at 1k with W8A8's row
+#          quantization in XLA against its kernel (ROW_QUANTIZE_KERNEL), the first traced (the step's kernels)
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
 # The machine's disk (64 GB) holds qwen3-4b and one MoE shape, not both MoE shapes: clear the bench models between.
-# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|19
+# Usage on the device, from the repo root: bash experiments/gpu_round_next.sh 1|2|...|20
 # Carry the Qwen3 tokenizer and stories260k in .carry/ (the GPU tests read .carry/stories260k); llguidance's wheels
 # in .carry/wheels for the structured-output tests.
 set -u
@@ -152,6 +154,15 @@ case "${1:-1}" in
       TAIL=4 step "grouped_w8a8_${f}_$v" 210 $R bench/prefill.py --shapes qwen3-30b-a3b@24 --prompts 1024 \
            --paths pallas --quantization $f --out "$OUT"
     done
+    ;;
+  20)   # W8A8's row quantization kernel, in-step A/B at batch 64 (fp8; run once part 15's rows are in the table):
+        # its GPU test, then XLA's quantization (traced: how many kernels a layer it takes) against the kernel's
+    TAIL=3 step row_quantize_test 120 python3 -m pytest -q -o addopts= tests/gpu/test_row_quantize_gpu.py
+    T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --quantization fp8 --out $OUT"
+    TAIL=40 step row_quantize_xla 220 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 -- $T --profile 64
+    TAIL=6 step row_quantize_kernel 200 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 ROW_QUANTIZE_KERNEL=True \
+         -- $T
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.ops import LayerWeight, reference, weight
-from jaxinfer.ops.quantized import FORMATS, QuantizedWeight, quantize_rows
+from jaxinfer.ops.quantized import FORMATS, MAX_VALUE, QuantizedWeight, format_of, quantize_rows
 from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
@@ -57,6 +57,7 @@ from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_con
 from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
 from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
 from jaxinfer.pallas.moe_gemv import routed_gemv
+from jaxinfer.pallas.row_quantize import row_quantize
 from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
@@ -229,41 +230,67 @@ def _gemv(x, w, scale=None, b=None, *, interpret, **kw):
                       **quant, **kw)
 
 
-def _skinny_operands(x, stacked, config):
+def _w8a8_rows(x, dtype, interpret, norm=None) -> tuple[jax.Array, jax.Array]:
+    """W8A8's activations: x's rows (or rms_norm(x) with norm = (scale, eps)) quantized to the 8-bit dtype, a float32
+    scale each (quantize_rows' arithmetic). With tables.ROW_QUANTIZE_KERNEL, one kernel (pallas/row_quantize.py, the
+    norm folded in) instead of XLA's norm and its two passes."""
+    if tables.ROW_QUANTIZE_KERNEL:
+        top = MAX_VALUE[format_of(dtype)]
+        if norm is None:
+            return row_quantize(x, dtype, top, interpret=interpret)
+        (scale, eps), (scale_stack, layer) = norm, _vector(norm[0])
+        return row_quantize(x, dtype, top, scale_stack, eps, layer, interpret=interpret)
+    return quantize_rows(x if norm is None else reference.rms_norm(x, *norm), dtype)
+
+
+def _vector(v) -> tuple[jax.Array, jax.Array | int]:
+    """(the [L, N] stack, its layer) of a per-layer vector: a LayerWeight's, or a bare [N] as a one-layer stack."""
+    return (v.stacked, v.layer) if isinstance(v, LayerWeight) else (v[None], 0)
+
+
+def _normed(x, norm):
+    """rms_norm(x) where norm = (scale, eps) is given, else x."""
+    return x if norm is None else reference.rms_norm(x, *norm)
+
+
+def _skinny_operands(x, stacked, config, interpret=False, norm=None):
     """(x, the matrix values, the skinny kernel's keywords for them) at a config: where the table's row says W8A8
     and the weights have a scale per output channel, x's rows quantized to the weights' 8-bit format, with their
-    scales and the activations' dtype for the output (block-scaled weights of the same shape convert their tiles)."""
+    scales and the activations' dtype for the output (block-scaled weights of the same shape convert their tiles).
+    norm = (scale, eps): x is the norm's input (folded into the quantization where there is one)."""
     values, quant = _matrix(stacked)
     if not config.w8a8 or quant.get("w_block") is not None:   # block scales: the row's tiles, converted
-        return x, values, quant
-    xq, x_scale = quantize_rows(x, values.dtype)
+        return _normed(x, norm), values, quant
+    xq, x_scale = _w8a8_rows(x, values.dtype, interpret, norm)
     return xq, values, dict(quant, x_scale=x_scale, out_dtype=x.dtype)
 
 
-def _skinny(x, w, b=None, *, interpret, **kw):
+def _skinny(x, w, b=None, *, interpret, norm=None, **kw):
     stacked, layer, vector_layer, (b,) = _stacked(w, b)
-    x, values, quant = _skinny_operands(x, stacked, kw["config"])
+    x, values, quant = _skinny_operands(x, stacked, kw["config"], interpret, norm)
     return skinny_gemm.skinny_gemm(x, values, layer, b=b, vector_layer=vector_layer, interpret=interpret, **quant,
                                    **kw)
 
 
-def _hopper(x, w, config, residual=None, *, interpret, **kw):
-    """The Mosaic GPU GEMM on x and one matrix; an 8-bit one in W8A8 (x's rows quantized to its format)."""
+def _hopper(x, w, config, residual=None, *, interpret, norm=None, **kw):
+    """The Mosaic GPU GEMM on x (norm = (scale, eps): on rms_norm(x)) and one matrix; an 8-bit one in W8A8 (the
+    rows quantized to its format)."""
     m = _one_matrix(w)
-    if isinstance(m, QuantizedWeight):
-        xq, x_scale = quantize_rows(x, m.dtype)
-        kw.update(x_scale=x_scale, w_scale=m.scale, out_dtype=x.dtype)
-        x, m = xq, m.values
-    return hopper_gemm.hopper_gemm(x, m, residual=residual, config=config, interpret=interpret, **kw)
+    if not isinstance(m, QuantizedWeight):
+        return hopper_gemm.hopper_gemm(_normed(x, norm), m, residual=residual, config=config, interpret=interpret,
+                                       **kw)
+    xq, x_scale = _w8a8_rows(x, m.dtype, interpret, norm)
+    return hopper_gemm.hopper_gemm(xq, m.values, residual=residual, config=config, interpret=interpret,
+                                   x_scale=x_scale, w_scale=m.scale, out_dtype=x.dtype, **kw)
 
 
-def _swiglu_of_normed(h, w_gate_up, *, interpret):
-    """silu(gate) * up of rows already normed (more than MAX_T of them)."""
+def _swiglu_of_normed(h, w_gate_up, *, interpret, norm=None):
+    """silu(gate) * up of rows already normed (more than MAX_T of them); norm = (scale, eps): of rms_norm(h)."""
     if (cfg := _hopper_config(h, w_gate_up, "swiglu", interpret)) is not None:
-        return _hopper(h, w_gate_up, cfg, epilogue="swiglu", interpret=interpret)
+        return _hopper(h, w_gate_up, cfg, epilogue="swiglu", interpret=interpret, norm=norm)
     if (cfg := _skinny_config(h, w_gate_up, "swiglu", interpret)) is not None:
-        return _skinny(h, w_gate_up, epilogue="swiglu", config=cfg, interpret=interpret)
-    return reference.swiglu(_xla_linear(h, w_gate_up))
+        return _skinny(h, w_gate_up, epilogue="swiglu", config=cfg, interpret=interpret, norm=norm)
+    return reference.swiglu(_xla_linear(_normed(h, norm), w_gate_up))
 
 
 # --- the ops ----------------------------------------------------------------------------------------------------
@@ -285,16 +312,16 @@ def rms_norm_linear(x, scale, eps, w, b=None, *, interpret=False):
     if _small(x):
         return _gemv(x, w, scale=scale, eps=eps, b=b, interpret=interpret)
     if b is None and (cfg := _hopper_config(x, w, "none", interpret)) is not None:
-        return _hopper(reference.rms_norm(x, scale, eps), w, cfg, interpret=interpret)
+        return _hopper(x, w, cfg, interpret=interpret, norm=(scale, eps))
     if (cfg := _skinny_config(x, w, "none", interpret)) is not None:
-        return _skinny(reference.rms_norm(x, scale, eps), w, b, config=cfg, interpret=interpret)
+        return _skinny(x, w, b, config=cfg, interpret=interpret, norm=(scale, eps))
     return _xla_linear(reference.rms_norm(x, scale, eps), w, b)   # reference.rms_norm_linear
 
 
 def rms_norm_swiglu(x, scale, eps, w_gate_up, *, interpret=False):
     if _small(x):
         return _gemv(x, w_gate_up, scale=scale, eps=eps, epilogue="swiglu", interpret=interpret)
-    return _swiglu_of_normed(reference.rms_norm(x, scale, eps), w_gate_up, interpret=interpret)
+    return _swiglu_of_normed(x, w_gate_up, interpret=interpret, norm=(scale, eps))
 
 
 def linear_residual(x, w, b, residual, *, interpret=False):
@@ -317,7 +344,7 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
         r = linear_residual(x, w, b, residual, interpret=interpret)
         return r, rms_norm_swiglu(r, scale, eps, w_gate_up, interpret=interpret)
     stacked, layer, vector_layer, (scale_stack,) = _stacked(w, scale)
-    xk, values, quant = _skinny_operands(x, stacked, cfg)
+    xk, values, quant = _skinny_operands(x, stacked, cfg, interpret)
     partials = skinny_gemm.skinny_gemm(xk, values, layer, config=cfg, finish=False, interpret=interpret, **quant)
     r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale_stack, eps,
                                                    layer if vector_layer is None else vector_layer,
@@ -500,10 +527,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
     rows = order // top_k
     if _grouped_w8a8(T * top_k, gu_kw, dn_kw):   # x's rows quantized once, then gathered with their scales
-        xq, x_scale = quantize_rows(x, gate_up.dtype)
+        xq, x_scale = _w8a8_rows(x, gate_up.dtype, interpret)
         h = grouped_gemm(xq[rows], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
                          x_scale=x_scale[rows], out_dtype=x.dtype, **gu_kw)
-        hq, h_scale = quantize_rows(h, down.dtype)
+        hq, h_scale = _w8a8_rows(h, down.dtype, interpret)
         y = grouped_gemm(hq, down, items, down_layer, config=cfg_down, interpret=interpret, x_scale=h_scale,
                          out_dtype=x.dtype, **dn_kw)
     else:

@@ -272,6 +272,12 @@ INT8_W8A8_ROWS: int | None = None
 # (gpu_round_next.sh 17, 18).
 GROUPED_W8A8_ROWS: int | None = None
 
+# W8A8's activation rows (the skinny, Mosaic and grouped GEMMs' x_scale) quantized by one kernel
+# (pallas/row_quantize.py, the RMSNorm before it folded in) instead of XLA's norm and two passes. Not yet measured
+# (gpu_round_next.sh 15 traces the batch-64 step's kernels; an in-step A/B: experiments/with_tables.py
+# ROW_QUANTIZE_KERNEL=True).
+ROW_QUANTIZE_KERNEL: bool = False
+
 
 # --- prompt-row GEMM on Hopper (hopper_gemm.py) -----------------------------------------------------------------
 
