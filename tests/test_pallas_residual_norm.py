@@ -114,3 +114,24 @@ def test_op_takes_the_two_ops_where_nothing_splits():
         r_out, h = fn(a, r)
         r_ref, h_ref = reference.linear_residual_norm_swiglu(a, wo, None, r, jnp.ones((D,)), 1e-6, wgu)
         assert rel_err(r_out, r_ref) <= 1e-5 and rel_err(h, h_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("case", [1, 2, 4])
+def test_normed_rows_quantized_for_a_w8a8_product(case, fmt):
+    """quantize_to: the same residual rows, and the normed rows as quantize_rows quantizes the kernel's own normed rows
+    (bit for bit: one row's arithmetic, pallas/row_quantize.py's)."""
+    from jaxinfer.ops.quantized import FORMATS, MAX_VALUE, quantize_rows
+
+    S, M, N = CASES[case]
+    partials, residual, scale = _inputs(S, M, N, jnp.bfloat16, seed=case)
+    r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale, 1e-6, 1, interpret=True)
+    r_q, hq, h_scale = residual_norm.split_k_residual_rms_norm(
+        partials, residual, scale, 1e-6, 1, quantize_to=(FORMATS[fmt], MAX_VALUE[fmt]), interpret=True)
+    want_q, want_scale = quantize_rows(h, FORMATS[fmt])
+    np.testing.assert_array_equal(np.asarray(r_q, np.float32), np.asarray(r, np.float32))
+    np.testing.assert_array_equal(np.asarray(hq.astype(jnp.float32)), np.asarray(want_q.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(h_scale), np.asarray(want_scale))
+    with pytest.raises(ValueError, match="8-bit dtype"):
+        residual_norm.split_k_residual_rms_norm(partials, residual, scale, 1e-6, quantize_to=(jnp.bfloat16, 1.0),
+                                                interpret=True)

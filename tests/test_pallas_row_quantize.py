@@ -82,8 +82,9 @@ def test_lowers_for_an_h200_with_ieee_division(fmt):
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_ops_with_the_kernel_give_the_same_bits(monkeypatch, fmt):
     """tables.ROW_QUANTIZE_KERNEL on: a batched decode step's W8A8 rows (the skinny kernel; the norm folded into the
-    quantization for rms_norm_linear and rms_norm_swiglu), prompt rows in the Mosaic GEMM's W8A8, and a mixture of
-    experts' grouped GEMM in W8A8 equal the same ops with XLA's quantization, bit for bit."""
+    quantization for rms_norm_linear and rms_norm_swiglu; a split-K output projection's finish + norm kernel
+    quantizing the gate/up's rows), prompt rows in the Mosaic GEMM's W8A8, and a mixture of experts' grouped GEMM in
+    W8A8 equal the same ops with XLA's quantization, bit for bit."""
     M, D, I = 128, 128, 128
     ks = jax.random.split(jax.random.PRNGKey(5), 6)
     x = jax.random.normal(ks[0], (M, D)).astype(bf16)
@@ -94,6 +95,8 @@ def test_ops_with_the_kernel_give_the_same_bits(monkeypatch, fmt):
     small = HopperConfig(64, 32, 64, 2, epi_n=16)
     monkeypatch.setattr(tables, "SKINNY_GEMM_8BIT", {(n, k, ep, 64): cfg for n, k, ep in
                                                      [(2 * I, D, "swiglu"), (D, I, "residual"), (D, D, "none")]})
+    # split K for the output projection: linear_residual_norm_swiglu's finish + norm kernel, quantizing for the gate/up
+    tables.SKINNY_GEMM_8BIT[(D, I, "residual", 64)] = tables.SkinnyConfig(block_n=32, block_k=32, split_k=2, w8a8=True)
     monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(n, k, ep): ((M, M, small),) for n, k, ep in
                                                      [(2 * I, D, "swiglu"), (D, I, "residual"), (D, D, "none")]})
     monkeypatch.setattr(tables, "GROUPED_W8A8_ROWS", 1)
@@ -112,12 +115,17 @@ def test_ops_with_the_kernel_give_the_same_bits(monkeypatch, fmt):
             outs += [ops.rms_norm_linear(x[:rows], scale, 1e-6, w_q), h,
                      ops.linear_residual(h, w_down, None, x[:rows])]
         outs.append(ops.moe_mlp(x[:8], router, *experts, 2, True))
+        outs += list(ops.linear_residual_norm_swiglu(x[:64], w_down, None, x[64:], scale, 1e-6, w_gu))
         return [np.asarray(o.astype(f32)) for o in outs]
 
-    calls = []
-    kernel = ops_pallas.row_quantize
+    calls, finishes = [], []
+    kernel, finish = ops_pallas.row_quantize, ops_pallas.residual_norm.split_k_residual_rms_norm
     monkeypatch.setattr(ops_pallas, "row_quantize", lambda *a, **k: calls.append(len(a)) or kernel(*a, **k))
+    monkeypatch.setattr(ops_pallas.residual_norm, "split_k_residual_rms_norm",
+                        lambda *a, **k: finishes.append(k.get("quantize_to")) or finish(*a, **k))
     for a, b in zip(run(False), run(True)):
         np.testing.assert_array_equal(a, b)
-    # the kernel ran: with the norm (4 args: x, dtype, top, scale...) for the normed products, without for the rest
+    # the kernel ran: with the norm (4 args: x, dtype, top, scale...) for the normed products, without for the rest;
+    # the split-K finish quantized the gate/up's rows itself with it on only
     assert any(n > 3 for n in calls) and any(n == 3 for n in calls), calls
+    assert finishes[0] is None and finishes[-1] is not None and len(finishes) == 2, finishes

@@ -336,7 +336,8 @@ def linear_residual(x, w, b, residual, *, interpret=False):
 
 def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, interpret=False):
     """A batched decode step's split-K output projection: its finish (sum, round, residual) and the MLP's RMSNorm
-    in one kernel (pallas/residual_norm.py) instead of two XLA kernels; elsewhere the two ops."""
+    in one kernel (pallas/residual_norm.py) instead of two XLA kernels; elsewhere the two ops. With
+    tables.ROW_QUANTIZE_KERNEL and the gate/up in W8A8, that kernel also quantizes the normed rows for it."""
     cfg = None
     if b is None and not _small(x) and x.shape[0] <= skinny_gemm.MAX_T:
         cfg = _skinny_config(x, w, "residual", interpret)
@@ -346,9 +347,18 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
     stacked, layer, vector_layer, (scale_stack,) = _stacked(w, scale)
     xk, values, quant = _skinny_operands(x, stacked, cfg, interpret)
     partials = skinny_gemm.skinny_gemm(xk, values, layer, config=cfg, finish=False, interpret=interpret, **quant)
-    r, h = residual_norm.split_k_residual_rms_norm(partials, residual, scale_stack, eps,
-                                                   layer if vector_layer is None else vector_layer,
-                                                   interpret=interpret)
+    norm = (partials, residual, scale_stack, eps, layer if vector_layer is None else vector_layer)
+    gu_cfg = _skinny_config(residual, w_gate_up, "swiglu", interpret) if tables.ROW_QUANTIZE_KERNEL else None
+    gu_stacked, gu_layer, _, _ = _stacked(w_gate_up)
+    gu_values, gu_quant = _matrix(gu_stacked)
+    if gu_cfg is not None and gu_cfg.w8a8 and gu_quant and gu_quant["w_block"] is None:
+        # the gate/up in W8A8: this kernel writes its rows quantized (no normed row, no quantization kernel)
+        top = MAX_VALUE[format_of(gu_values.dtype)]
+        r, hq, h_scale = residual_norm.split_k_residual_rms_norm(*norm, quantize_to=(gu_values.dtype, top),
+                                                                 interpret=interpret)
+        return r, skinny_gemm.skinny_gemm(hq, gu_values, gu_layer, epilogue="swiglu", config=gu_cfg, x_scale=h_scale,
+                                          out_dtype=residual.dtype, interpret=interpret, **gu_quant)
+    r, h = residual_norm.split_k_residual_rms_norm(*norm, interpret=interpret)
     return r, _swiglu_of_normed(h, w_gate_up, interpret=interpret)
 
 

@@ -46,6 +46,22 @@ def _round(a, interpret: bool):
     return jnp.round(a) if interpret else _ptx("cvt.rni.f32.f32 $0, $1;", a)
 
 
+def quantized_row(x: jax.Array, dtype, top: float, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """Inside a kernel: (x's values in the 8-bit dtype, its scale as a one-element float32 vector) of one row x
+    [BN] (masked columns zero), with quantize_rows' arithmetic."""
+    if interpret and jnp.issubdtype(x.dtype, jnp.floating):
+        # XLA:CPU keeps a 16-bit product in float32 when only float32 reads it (excess precision); on the GPU the
+        # row is rounded to its dtype as computed, as quantize_rows' input was
+        info = jnp.finfo(x.dtype)
+        x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    amax = jnp.full((1,), jnp.maximum(jnp.max(jnp.abs(x)).astype(f32), 1e-30), f32)   # one-element vectors:
+    top_ = jnp.full((1,), top, f32)                                                     # what the PTX takes
+    q = jnp.clip(x.astype(f32) * _div(top_, amax, interpret), -top, top)
+    if jnp.dtype(dtype) == jnp.int8:
+        q = _round(q, interpret)
+    return q.astype(dtype), _div(amax, top_, interpret)
+
+
 def _kernel(vlayer_ref, x_ref, *refs, N: int, BN: int, top: float, normed: bool, eps: float, interpret: bool):
     refs = list(refs)
     s_ref, q_ref = refs.pop(), refs.pop()
@@ -59,16 +75,9 @@ def _kernel(vlayer_ref, x_ref, *refs, N: int, BN: int, top: float, normed: bool,
         h = h * jax.lax.rsqrt(jnp.sum(h * h) / N + eps)
         vlayer = plgpu.load(vlayer_ref.at[i32(0)])
         x = plgpu.load(norm_ref.at[vlayer, cols], mask=ok, other=0) * h.astype(x.dtype)
-        if interpret:   # XLA:CPU keeps a 16-bit product in float32 when only float32 reads it (excess precision)
-            info = jnp.finfo(x.dtype)
-            x = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-    amax = jnp.full((1,), jnp.maximum(jnp.max(jnp.abs(x)).astype(f32), 1e-30), f32)   # one-element vectors:
-    top_ = jnp.full((1,), top, f32)                                                     # what the PTX takes
-    q = jnp.clip(x.astype(f32) * _div(top_, amax, interpret), -top, top)
-    if q_ref.dtype == jnp.int8:
-        q = _round(q, interpret)
-    plgpu.store(q_ref.at[row, cols], q.astype(q_ref.dtype), mask=ok)
-    plgpu.store(s_ref.at[pl.ds(row, 1)], _div(amax, top_, interpret))
+    q, scale = quantized_row(x, q_ref.dtype, top, interpret)
+    plgpu.store(q_ref.at[row, cols], q, mask=ok)
+    plgpu.store(s_ref.at[pl.ds(row, 1)], scale)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "top", "eps", "num_warps", "interpret"))
