@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from jaxinfer.ops import LayerWeight, get_ops, reference, twins
-from jaxinfer.ops.pallas import xla_w8a8_product
 from jaxinfer.ops.quantized import QuantizedWeight, quantize, quantize_rows
 from jaxinfer.pallas import hopper_gemm, tables
 from jaxinfer.pallas.blocks import silu_mul
@@ -155,17 +154,6 @@ def _w8a8_inputs(seed, M, N, K, cols, fmt):
     return x, q, r
 
 
-def _w8a8_twin(x, q, r, epilogue):
-    """XLA's W8A8 product of the same rows and weights (ops.pallas.xla_w8a8_product), rounded to x's dtype as
-    ops.pallas._xla_linear rounds it, then the epilogue as the bf16 kernel's twin applies it."""
-    y = xla_w8a8_product(x, q).astype(x.dtype)
-    if epilogue == "residual":
-        return r + y
-    if epilogue == "swiglu":
-        return silu_mul(*jnp.split(y, 2, axis=-1))
-    return y
-
-
 def _w8a8_call(x, q, r, epilogue, config, sms=3):
     xq, xs = quantize_rows(x, q.dtype)
     return hopper_gemm.hopper_gemm(xq, q.values, residual=r if epilogue == "residual" else None, epilogue=epilogue,
@@ -185,7 +173,7 @@ def test_w8a8_matches_xlas_w8a8_product_in_interpret_mode(fmt, epilogue, M, N, K
     for bit. e4m3 products summed in float32 in another order: equal after rounding, or a bf16 step or two apart."""
     n_w = 2 * N if epilogue == "swiglu" else N
     x, q, r = _w8a8_inputs(M + N + K, M, n_w, K, N, fmt)
-    y, want = _w8a8_call(x, q, r, epilogue, config), _w8a8_twin(x, q, r, epilogue)
+    y, want = _w8a8_call(x, q, r, epilogue, config), twins.hopper_gemm_w8a8(x, q, r, epilogue)
     assert y.dtype == jnp.bfloat16 and y.shape == (M, N)
     if fmt == "int8":
         np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
@@ -266,10 +254,10 @@ def test_pallas_ops_take_w8a8_where_the_8bit_table_has_the_product(monkeypatch, 
              ) if fmt == "int8" else _close
     normed = reference.rms_norm(x, scale, 1e-6)
     h = ops.rms_norm_swiglu(x, scale, 1e-6, w_gu)
-    check(h, _w8a8_twin(normed, w_gu, None, "swiglu"))
-    check(ops.linear_residual(h, w_down, None, x), _w8a8_twin(h, w_down, x, "residual"))
+    check(h, twins.hopper_gemm_w8a8(normed, w_gu, None, "swiglu"))
+    check(ops.linear_residual(h, w_down, None, x), twins.hopper_gemm_w8a8(h, w_down, x, "residual"))
     check(ops.rms_norm_linear(x, scale, 1e-6, LayerWeight(jax.tree.map(lambda a: a[None], w_q), jnp.int32(0))),
-          _w8a8_twin(normed, w_q, None, "none"))
+          twins.hopper_gemm_w8a8(normed, w_q, None, "none"))
     eight = jnp.dtype(quantize(w_q.values[:1].astype(jnp.float32), fmt).dtype)
     assert calls == [("swiglu", eight), ("residual", eight), ("none", eight)]
     ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)            # 128 rows: not in the table, XLA's product

@@ -31,11 +31,10 @@ import numpy as np
 
 from bench.ceilings import dense_gemm_rate
 from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err
-from jaxinfer.ops.pallas import xla_w8a8_product
 from jaxinfer.ops.quantized import quantize, quantize_rows
 from jaxinfer.ops.twins import hopper_gemm as reference
+from jaxinfer.ops.twins import hopper_gemm_w8a8 as w8a8_reference
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig, hopper_gemm, supported
 from bench.random_model import SHAPES
 
@@ -108,14 +107,9 @@ def patch_table_8bit(path: str) -> None:
 
 
 def w8a8_xla_op(epilogue: str):
-    """XLA's W8A8 product of the quantized weights (x's rows quantized in it) rounded as ops.pallas._xla_linear
-    rounds, then the epilogue as the kernel applies it."""
-    def op(x, q, r):
-        y = xla_w8a8_product(x, q).astype(x.dtype)
-        if epilogue == "residual":
-            return r + y
-        return silu_mul(*jnp.split(y, 2, axis=-1)) if epilogue == "swiglu" else y
-    return op
+    """XLA's W8A8 product of the quantized weights (x's rows quantized in it) and the epilogue in XLA: the kernel's
+    W8A8 twin."""
+    return lambda x, q, r: w8a8_reference(x, q, r if epilogue == "residual" else None, epilogue)
 
 
 def w8a8_kernel_op(cfg: HopperConfig, epilogue: str, **kw):

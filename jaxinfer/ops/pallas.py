@@ -350,9 +350,9 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
     norm = (partials, residual, scale_stack, eps, layer if vector_layer is None else vector_layer)
     gu_cfg = _skinny_config(residual, w_gate_up, "swiglu", interpret) if tables.ROW_QUANTIZE_KERNEL else None
     gu_stacked, gu_layer, _, _ = _stacked(w_gate_up)
-    gu_values, gu_quant = _matrix(gu_stacked)
-    if gu_cfg is not None and gu_cfg.w8a8 and gu_quant and gu_quant["w_block"] is None:
+    if gu_cfg is not None and gu_cfg.w8a8 and _quantized(w_gate_up) and gu_stacked.block is None:
         # the gate/up in W8A8: this kernel writes its rows quantized (no normed row, no quantization kernel)
+        gu_values, gu_quant = _matrix(gu_stacked)
         top = MAX_VALUE[format_of(gu_values.dtype)]
         r, hq, h_scale = residual_norm.split_k_residual_rms_norm(*norm, quantize_to=(gu_values.dtype, top),
                                                                  interpret=interpret)

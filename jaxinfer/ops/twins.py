@@ -16,9 +16,22 @@ def hopper_gemm(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, e
     rounds (XLA's own SwiGLU fusion keeps silu in float32 before the product)."""
     if epilogue == "residual":
         return reference.linear_residual(x, w, None, residual)
-    if epilogue == "swiglu":
-        return silu_mul(*jnp.split(reference.linear(x, w), 2, axis=-1))
-    return reference.linear(x, w)
+    return _gemm_epilogue(reference.linear(x, w), None, epilogue)
+
+
+def hopper_gemm_w8a8(x: jax.Array, q, residual: jax.Array | None = None, epilogue: str = "none") -> jax.Array:
+    """pallas.hopper_gemm's W8A8 twin: XLA's W8A8 product of x's quantized rows and the 8-bit per-channel q
+    (ops.pallas.xla_w8a8_product) rounded to x's dtype as ops.pallas rounds it, then the same epilogues."""
+    from jaxinfer.ops.pallas import xla_w8a8_product
+
+    return _gemm_epilogue(xla_w8a8_product(x, q).astype(x.dtype), residual, epilogue)
+
+
+def _gemm_epilogue(y: jax.Array, residual: jax.Array | None, epilogue: str) -> jax.Array:
+    """The prompt GEMM's epilogue on a rounded product: the residual added, or the SwiGLU of its halves."""
+    if epilogue == "residual":
+        return residual + y
+    return silu_mul(*jnp.split(y, 2, axis=-1)) if epilogue == "swiglu" else y
 
 
 def split_k_residual_rms_norm(partials: jax.Array, residual: jax.Array, scale: jax.Array, eps: float,

@@ -100,6 +100,10 @@ def tile_mask(row_ok, col_ok, shape):
     return row_ok[:, None] & col_ok[None, :]
 
 
+# The 8-bit formats' dtypes (int8, e4m3) that the kernels take for weights, W8A8 rows and caches
+EIGHT_BIT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
 def zero_fill(dtype):
     """A masked load's fill value for `dtype`: 0.0 for float8 (the lowering casts no integer to float8), else 0."""
     return 0.0 if dtype == jnp.float8_e4m3fn else 0

@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jaxinfer.pallas import fp8_dot
-from jaxinfer.pallas.blocks import (dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape, silu_mul,
-                                     tile_mask, zero_fill)
+from jaxinfer.pallas.blocks import (EIGHT_BIT, dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape,
+                                     silu_mul, tile_mask, zero_fill)
 
 f32 = jnp.float32
 i32 = jnp.int32
@@ -202,7 +202,7 @@ def grouped_gemm(x: jax.Array, w: jax.Array, items: jax.Array, layer: jax.Array 
     _, E, N, K_w = w.shape
     if K_w != K:
         raise ValueError(f"grouped_gemm: x {x.shape} and w {w.shape} disagree on K")
-    eight_bit = w.dtype in (jnp.int8, jnp.float8_e4m3fn)
+    eight_bit = w.dtype in EIGHT_BIT
     if x_scale is not None:
         if not eight_bit or x.dtype != w.dtype or w_block is not None:
             raise ValueError(f"grouped_gemm: x_scale (W8A8) takes x in w's 8-bit dtype and per-channel w_scale, not "

@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxinfer.pallas import tables
-from jaxinfer.pallas.blocks import run_mosaic, silu_mul
+from jaxinfer.pallas.blocks import EIGHT_BIT, run_mosaic, silu_mul
 from jaxinfer.pallas.tables import HopperConfig
 
 EPILOGUES = ("none", "residual", "swiglu")
@@ -196,9 +196,6 @@ def num_sms() -> int:
         return jax.devices("gpu")[0].core_count
     except RuntimeError:
         return 4
-
-
-EIGHT_BIT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 @functools.partial(jax.jit, static_argnames=("epilogue", "config", "sms", "out_dtype", "interpret"))

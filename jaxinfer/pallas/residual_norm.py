@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import layer_operands, pow2_at_least
-from jaxinfer.pallas.row_quantize import EIGHT_BIT, quantized_row
+from jaxinfer.pallas.blocks import EIGHT_BIT, layer_operands, pow2_at_least
+from jaxinfer.pallas.row_quantize import quantized_row
 
 f32 = jnp.float32
 i32 = jnp.int32

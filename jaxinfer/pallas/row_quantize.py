@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas.blocks import layer_operands, pow2_at_least
+from jaxinfer.pallas.blocks import EIGHT_BIT, layer_operands, pow2_at_least
 
 f32 = jnp.float32
 i32 = jnp.int32
-EIGHT_BIT = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 
 
 def _ptx(asm: str, *args: jax.Array) -> jax.Array:

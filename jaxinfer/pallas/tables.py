@@ -304,7 +304,7 @@ HOPPER_GEMM: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...
 # The same kernel in W8A8 (x's rows quantized to the weights' format, 8-bit tensor cores, the scales in the epilogue)
 # for 8-bit weights with a scale per output channel, either format (the key has none, as SKINNY_GEMM_8BIT's): the
 # rows where it beat XLA's product of the same weights (FP8_W8A8_ROWS / INT8_W8A8_ROWS, or the converted values) in
-# the step. tile_k counts elements (128: one 128-byte row). Empty until measured (gpu_round_next.sh 16).
+# the step. tile_k counts elements (128: one 128-byte row). Empty until measured (gpu_round_next.sh 16, 19).
 HOPPER_GEMM_8BIT: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {}
 
 

@@ -11,7 +11,6 @@ import pytest
 
 from jaxinfer.ops import twins
 from jaxinfer.pallas import hopper_gemm, tables
-from jaxinfer.pallas.blocks import silu_mul
 from jaxinfer.pallas.hopper_gemm import HopperConfig
 
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
@@ -57,7 +56,6 @@ def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
     int32; fp8: a bf16 step or two at most, 95% of outputs equal), and the fp8 product against float64 sums of
     the same e4m3 values within bf16's rounding and float32 sums' (an e4m3 wgmma chain over all of K accumulates
     with fewer bits than float32: why the kernel adds each k step's products to float32 sums in registers)."""
-    from jaxinfer.ops.pallas import xla_w8a8_product
     from jaxinfer.ops.quantized import quantize, quantize_rows
 
     cols = N // 2 if epilogue == "swiglu" else N
@@ -68,9 +66,7 @@ def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
     xq, xs = quantize_rows(x, q.dtype)
     y = hopper_gemm.hopper_gemm(xq, q.values, residual=r if epilogue == "residual" else None, epilogue=epilogue,
                                 x_scale=xs, w_scale=q.scale, out_dtype=jnp.bfloat16, config=config)
-    prod = xla_w8a8_product(x, q).astype(jnp.bfloat16)
-    ref = r + prod if epilogue == "residual" else (silu_mul(*jnp.split(prod, 2, axis=-1)) if epilogue == "swiglu"
-                                                   else prod)
+    ref = twins.hopper_gemm_w8a8(x, q, r if epilogue == "residual" else None, epilogue)
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
     if fmt == "int8":
         np.testing.assert_array_equal(y, ref)
