@@ -71,14 +71,20 @@ class OpSet(SimpleNamespace):
 
 # --- weights as the kernels take them ---------------------------------------------------------------------------
 
+def _stack_of(a) -> tuple[jax.Array, jax.Array | int]:
+    """(the [L, ...] stack, its layer) of a per-layer parameter: a LayerWeight's, or a bare array as a one-layer
+    stack."""
+    return (a.stacked, a.layer) if isinstance(a, LayerWeight) else (a[None], 0)
+
+
 def _stacked(w, *others):
     """(stacked weight, its layer, the others' layer, stacked others): per-layer parameters come stacked with a
     layer index (the vectors may have their own: model.split_layers splits the matrices and keeps the vectors
     stacked); plain arrays count as a one-layer stack."""
-    vectors = [a for a in others if a is not None]
-    vector_layer = vectors[0].layer if vectors and isinstance(vectors[0], LayerWeight) else 0
-    others = tuple(None if a is None else a.stacked if isinstance(a, LayerWeight) else a[None] for a in others)
-    stacked, layer = (w.stacked, w.layer) if isinstance(w, LayerWeight) else (w[None], 0)
+    vectors = [_stack_of(a) for a in others if a is not None]
+    vector_layer = vectors[0][1] if vectors else 0
+    others = tuple(None if a is None else _stack_of(a)[0] for a in others)
+    stacked, layer = _stack_of(w)
     # None: the vectors share the matrix's layer (a scan's stacked layer, one traced index for both)
     return stacked, layer, None if vector_layer is layer else vector_layer, others
 
@@ -238,14 +244,9 @@ def _w8a8_rows(x, dtype, interpret, norm=None) -> tuple[jax.Array, jax.Array]:
         top = MAX_VALUE[format_of(dtype)]
         if norm is None:
             return row_quantize(x, dtype, top, interpret=interpret)
-        (scale, eps), (scale_stack, layer) = norm, _vector(norm[0])
+        (scale, eps), (scale_stack, layer) = norm, _stack_of(norm[0])
         return row_quantize(x, dtype, top, scale_stack, eps, layer, interpret=interpret)
     return quantize_rows(x if norm is None else reference.rms_norm(x, *norm), dtype)
-
-
-def _vector(v) -> tuple[jax.Array, jax.Array | int]:
-    """(the [L, N] stack, its layer) of a per-layer vector: a LayerWeight's, or a bare [N] as a one-layer stack."""
-    return (v.stacked, v.layer) if isinstance(v, LayerWeight) else (v[None], 0)
 
 
 def _normed(x, norm):
