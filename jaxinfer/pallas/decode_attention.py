@@ -95,6 +95,19 @@ def int8_to(x, dtype, how: str = "cvt"):
     return int8_bits_to_f32(x).astype(dtype)
 
 
+def load_kv_tiles(k_ref, v_ref, layer, h, slot, cols, kv_mask, cdt, quantized: bool, int8_convert: str):
+    """A block's K and V tiles [block_k, D] from the cache slots `slot` (masked loads read 0), in the compute dtype
+    cdt: int8 pages converted exactly (their scales come in later), float8 ones cast."""
+    pad = 0 if quantized else 0.0   # a masked load's value, in the pages' kind (int 0 does not cast to float8)
+    k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
+    v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
+    if quantized:
+        return int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
+    if k.dtype != cdt:   # a float8 cache
+        k, v = k.astype(cdt), v.astype(cdt)
+    return k, v
+
+
 def online_softmax_update_scaled(acc, m, l, sc, v, v_scale, prec):
     """blocks.online_softmax_update with v [block_k, D] int8 values (in the compute dtype) of scales v_scale
     [block_k]: p's column j multiplied by v_scale[j] / max(v_scale) before the product (in [0, 1], as p is), the
@@ -142,8 +155,6 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, *refs, group, G, hd, D, page_size,
         """Cache slots of block i's positions, gathered from the page table (slot 0 past ctx)."""
         return page_slots(pt_ref, b, i * block_k + offs, ctx, page_size, n_pages, first)
 
-    pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
-
     def body(i, carry):
         acc, m, l, slot = carry
         valid = i * block_k + offs < ctx
@@ -153,12 +164,7 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, *refs, group, G, hd, D, page_size,
         # table lookup is off the loop's latency chain.
         nxt = slots_of(i + 1)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
-        if quantized:        # int8 pages: exact in the compute dtype; the scales come in below
-            k, v = int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
-        elif k.dtype != cdt:   # a float8 cache: to the compute dtype
-            k, v = k.astype(cdt), v.astype(cdt)
+        k, v = load_kv_tiles(k_ref, v_ref, layer, h, slot, cols, kv_mask, cdt, quantized, int8_convert)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         if not quantized:
             sc = jnp.where(valid[None, :], sc * qk_scale, NEG)                 # [G, block_k]

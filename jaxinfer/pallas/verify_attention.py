@@ -45,7 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxinfer.pallas import tables
 from jaxinfer.pallas.blocks import (dot_precision, is_pow2, kv_block_for_head_dim, online_softmax_update,
                                      page_compute_dtype, page_slots, pow2_at_least, to_compute)
-from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, int8_to,
+from jaxinfer.pallas.decode_attention import (LOG2E, NEG, check_int8_operands, load_kv_tiles,
                                               resolve_int8_convert, merge_splits,
                                               online_softmax_update_scaled, window_split_range)
 from jaxinfer.pallas.tables import SplitConfig
@@ -102,20 +102,13 @@ def _split_kernel(layer_ref, pt_ref, cl_ref, *refs, Q, H, group, M, hd, D, page_
         """Cache slots of block i's positions, gathered from the page table (slot 0 past the last row's limit)."""
         return page_slots(pt_ref, b, i * block_k + offs, last, page_size, n_pages, first)
 
-    pad = 0 if quantized else 0.0   # a masked K/V load's value, in the pages' kind (int 0 does not cast to float8)
-
     def body(i, carry):
         acc, m, l, slot = carry
         pos = i * block_k + offs
         nxt = slots_of(i + 1)   # the next block's page-table entries, off the loop's latency chain
         valid = pos < last if first is None else (pos < last) & (pos >= first)
         kv_mask = valid[:, None] & col_mask[None, :] if ragged_cols else valid[:, None]
-        k = plgpu.load(k_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
-        v = plgpu.load(v_ref.at[layer, h, slot[:, None], cols[None, :]], mask=kv_mask, other=pad)
-        if quantized:          # int8 pages: exact in the compute dtype; the scales come in below
-            k, v = int8_to(k, cdt, int8_convert), int8_to(v, cdt, int8_convert)
-        elif k.dtype != cdt:   # a float8 cache: to the compute dtype
-            k, v = k.astype(cdt), v.astype(cdt)
+        k, v = load_kv_tiles(k_ref, v_ref, layer, h, slot, cols, kv_mask, cdt, quantized, int8_convert)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         seen = pos[None, :] < limit[:, None]                                    # [M, block_k], causal per row
         if windowed:
