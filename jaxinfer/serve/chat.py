@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, AsyncIterator
 
 from fastapi import Request
@@ -12,7 +11,7 @@ from jaxinfer.serve.async_engine import Event, Group
 from jaxinfer.serve.logprobs import chat_logprobs
 from jaxinfer.serve.params import prepare_chat
 from jaxinfer.serve.protocol import ChatCompletionRequest
-from jaxinfer.serve.metrics import received_at
+from jaxinfer.serve.metrics import handler_start
 from jaxinfer.serve.state import ServerState
 from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, final_events, new_id, now,
                                       off_loop, usage)
@@ -20,9 +19,7 @@ from jaxinfer.serve.tools import held_back, parse_tool_calls
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
-    arrived = time.perf_counter()
-    if state.metrics:
-        state.metrics.parse_time.observe(arrived - received_at(request, arrived))
+    arrived = handler_start(request, state.metrics)
     prep = await off_loop(prepare_chat, req, state.info)
     ids = prep.prompts[0].ids
     group = await state.engine.submit([ids] * prep.n, prep.params, arrived)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import Request
@@ -12,16 +11,14 @@ from jaxinfer.serve.async_engine import Event
 from jaxinfer.serve.logprobs import completion_logprobs
 from jaxinfer.serve.params import prepare_completion
 from jaxinfer.serve.protocol import CompletionRequest
-from jaxinfer.serve.metrics import received_at
+from jaxinfer.serve.metrics import handler_start
 from jaxinfer.serve.state import ServerState
 from jaxinfer.serve.streaming import (choice_chunks, chunk_maker, event_stream, final_events, new_id, now,
                                       off_loop, usage)
 
 
 async def create_completion(req: CompletionRequest, request: Request, state: ServerState) -> Response:
-    arrived = time.perf_counter()
-    if state.metrics:
-        state.metrics.parse_time.observe(arrived - received_at(request, arrived))
+    arrived = handler_start(request, state.metrics)
     prep = await off_loop(prepare_completion, req, state.info)
     n = prep.n
     choice_prompts = [prep.prompts[i // n] for i in range(len(prep.params))]
