@@ -2,11 +2,13 @@
 
     PYTHONPATH=. python3 bench/ncu_kernels.py [--shape qwen3-4b] [--batches 1 8] [--workload W] [--kernels REGEX]
                                               [--skip 600] [--count 14] [--block-in N] [--rows N] [--out DIR]
+                                              [--int8-convert cvt|bits|prmt] [--weights int8|fp8|...]
 
 On the H200, ncu's own process segfaults on the engine's workloads (`--workload engine`, `no-cudnn`, `synthetic`)
 but takes one kernel family alone (`--workload qkv`, `gate-up`, `o-proj`, `down`, `attention`,
 `attention-rope`, `skinny`, `skinny-gate-up`, `skinny-down`, `grouped-gate-up`, `grouped-down`, `routed-gate-up`,
-`routed-combine`: ONE_KERNEL, called --tokens times on random inputs; use `--skip 1 --count 2`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
+`routed-combine`: ONE_KERNEL, called --tokens times on random inputs; use `--skip 1 --count 2`; the attention
+workloads on an int8 cache with `--int8-convert`, the others on 8-bit weights with `--weights`). For the engine's workload: per batch, ncu runs a child (this file, --child) that builds
 the engine and decodes --tokens greedy tokens after a 1,024-token prompt per sequence, XLA's command buffers off
 so that every kernel is a launch of its own (the kernels are the same). ncu passes over the first --skip launches
 of kernels whose names match --kernels (by default the decode step's Pallas kernels: the GEMVs, the batched-decode
@@ -110,7 +112,8 @@ def child(args) -> None:
     from jaxinfer.sampling import SamplingParams
 
     if args.workload in ONE_KERNEL:
-        one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens, args.block_in, args.rows)
+        one_kernel(args.workload, args.shape, args.batch, args.context, args.tokens, args.block_in, args.rows,
+                   args.int8_convert, args.weights)
         print(f"# child: {args.workload} called {args.tokens} times", flush=True)
         return
     model_dir = args.model or bench_model(args.models, args.shape)
@@ -308,19 +311,34 @@ def kernel_call(name: str, shape: str, B: int, context: int, block_in: int | Non
 
 
 def one_kernel(name: str, shape: str, B: int, context: int, calls: int, block_in: int | None = None,
-               rows: int | None = None) -> None:
-    """`calls` calls of one kernel family (kernel_call) on random bf16 inputs (interpret mode on a CPU)."""
+               rows: int | None = None, int8_convert: str | None = None, weights: str = "bf16") -> None:
+    """`calls` calls of one kernel family (kernel_call; int8_convert: an int8 cache; weights: 8-bit ones) on random
+    inputs (interpret mode on a CPU)."""
     import jax
     import jax.numpy as jnp
 
-    fn, args = kernel_call(name, shape, B, context, block_in, rows, interpret=jax.default_backend() == "cpu")
+    fn, args = kernel_call(name, shape, B, context, block_in, rows, interpret=jax.default_backend() == "cpu",
+                           int8_convert=int8_convert, weights=weights)
     keys = iter(jax.random.split(jax.random.key(0), len(args)))
-    args = [(1 + 0.02 * jax.random.normal(next(keys), a.shape)).astype(a.dtype)
-            if isinstance(a, jax.ShapeDtypeStruct) else a for a in args]
+    args = [random_like(next(keys), a) if isinstance(a, jax.ShapeDtypeStruct) else a for a in args]
+    print(f"# child: {name}, operand dtypes {sorted({str(a.dtype) for a in args})}", flush=True)
     f = jax.jit(fn)
     outs = [f(*args) for _ in range(calls)]
     jax.block_until_ready(outs)
     assert all(bool(jnp.isfinite(o.astype(jnp.float32)).all()) for o in outs), name
+
+
+def random_like(key, a):
+    """Values for a kernel_call arg: floats near 1 (scales too), 8-bit weights and cache values spread over their
+    range (int8 -127..127, e4m3 +-[0, 2])."""
+    import jax
+    import jax.numpy as jnp
+
+    if a.dtype == jnp.int8:
+        return jax.random.randint(key, a.shape, -127, 128, jnp.int32).astype(jnp.int8)
+    if a.dtype == jnp.float8_e4m3fn:
+        return (2 * jax.random.uniform(key, a.shape) - 1).astype(a.dtype)
+    return (1 + 0.02 * jax.random.normal(key, a.shape)).astype(a.dtype)
 
 
 def main() -> None:
@@ -342,6 +360,10 @@ def main() -> None:
                          "Pallas kernel family alone (ONE_KERNEL), called --tokens times")
     ap.add_argument("--block-in", type=int, default=None, help="a one-kernel GEMV's block_in (default: the engine's)")
     ap.add_argument("--rows", type=int, default=None, help="a one-kernel GEMV's rows a program (default: the engine's)")
+    ap.add_argument("--int8-convert", choices=["cvt", "bits", "prmt"], default=None,
+                    help="the attention workloads on an int8 cache, converted so")
+    ap.add_argument("--weights", choices=["bf16", "int8", "fp8", "int8-w8a8", "fp8-w8a8"], default="bf16",
+                    help="the GEMV, skinny and grouped workloads' weights (kernel_call)")
     ap.add_argument("--timeout", type=float, default=170, help="seconds for each batch's ncu run")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -365,11 +387,15 @@ def main() -> None:
     for B in args.batches:
         tag = "" if args.workload == "engine" else f"-{args.workload}"
         tag += (f"-in{args.block_in}" if args.block_in else "") + (f"-rows{args.rows}" if args.rows else "")
+        tag += (f"-kv-int8-{args.int8_convert}" if args.int8_convert else "") + \
+            (f"-{args.weights}" if args.weights != "bf16" else "")
         report = os.path.join(args.out, f"ncu-B{B}{tag}")
         work = [sys.executable, os.path.abspath(__file__), "--child", "--batch", str(B), "--shape", args.shape,
                 "--tokens", str(args.tokens), "--context", str(args.context), "--ops", args.ops,
                 "--workload", args.workload, *(["--block-in", str(args.block_in)] if args.block_in else []),
-                *(["--rows", str(args.rows)] if args.rows else []), "--models",
+                *(["--rows", str(args.rows)] if args.rows else []),
+                *(["--int8-convert", args.int8_convert] if args.int8_convert else []), "--weights", args.weights,
+                "--models",
                 args.models] + (["--model", args.model] if args.model else [])
         # --apply-rules no: the rules' advice is not read here (turning them off did not stop the engine
         # workloads' crash)

@@ -238,6 +238,11 @@ def test_ncu_kernels_child_runs_its_workload(tmp_path, workload):
     if workload == "o-proj":   # a GEMV at another block_in and rows than the engine's
         _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "1", "--shape", shape, "--context", "40", "--tokens", "2",
              "--workload", workload, "--block-in", "32", "--rows", "2")
+    if workload in ("attention-rope", "down"):   # an int8 cache / int8 weights, as ncu would watch them
+        eight_bit = ["--int8-convert", "prmt"] if workload == "attention-rope" else ["--weights", "int8"]
+        out = _run(tmp_path, "ncu_kernels.py", "--child", "--batch", "1", "--shape", shape, "--context", "40",
+                   "--tokens", "2", "--workload", workload, *eight_bit)
+        assert "'int8'" in out.split("operand dtypes")[1].splitlines()[0], out
     if workload == "synthetic":
         positions = json.loads(out.split("rows now at positions ")[1].splitlines()[0])
         assert len(positions) == 2 and all(p > 40 for p in positions) and positions[0] == positions[1], out
