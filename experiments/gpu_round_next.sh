@@ -24,6 +24,7 @@
 #          the GPU test) / int8, Qwen3-30B-A3B@24 1k prefill with W8A8 off and on, one process each
 #   part 20 (issue 39): after part 15's rows are in tables.SKINNY_GEMM_8BIT: fp8 batch 64 at 1k with W8A8's row
 #          quantization in XLA against its kernel (ROW_QUANTIZE_KERNEL), the first traced (the step's kernels)
+#   part 21 (issue 39): Nsight Compute on the int8 decode attention at 32k and the int8 GEMVs, each beside bf16
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -163,6 +164,20 @@ case "${1:-1}" in
     TAIL=40 step row_quantize_xla 220 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 -- $T --profile 64
     TAIL=6 step row_quantize_kernel 200 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 ROW_QUANTIZE_KERNEL=True \
          -- $T
+    ;;
+  21)   # Nsight Compute on the int8 kernels whose shares of HBM are unexplained, each beside its bf16 twin: the decode
+        # attention at batch 1 and 32k (int8 pages, prmt: ~50% of HBM against bf16's 78%) and the batch-1 GEMVs (int8
+        # 41-58% against bf16's 66-84% in the 2026-12-04 trace); one kernel family a run (ncu takes no engine here)
+    N="python3 bench/ncu_kernels.py --shape qwen3-4b --batches 1 --skip 1 --count 2 --tokens 4 --out $OUT"
+    TAIL=6 step ncu_attention_32k_bf16 70 $N --workload attention-rope --context 32767 --timeout 60
+    TAIL=6 step ncu_attention_32k_int8 70 $N --workload attention-rope --context 32767 --timeout 60 --int8-convert prmt
+    for w in o-proj gate-up; do
+      TAIL=5 step "ncu_${w}_bf16" 55 $N --workload $w --timeout 45
+      TAIL=5 step "ncu_${w}_int8" 55 $N --workload $w --timeout 45 --weights int8
+    done
+    for w in qkv down; do
+      TAIL=5 step "ncu_${w}_int8" 55 $N --workload $w --timeout 45 --weights int8
+    done
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
