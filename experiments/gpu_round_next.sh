@@ -25,6 +25,7 @@
 #   part 20 (issue 39): after part 15's rows are in tables.SKINNY_GEMM_8BIT: fp8 batch 64 at 1k with W8A8's row
 #          quantization in XLA against its kernel (ROW_QUANTIZE_KERNEL), the first traced (the step's kernels)
 #   part 21 (issue 39): Nsight Compute on the int8 decode attention at 32k and the int8 GEMVs, each beside bf16
+#   part 22 (issue 39): the int8 decode attention's sweep at 32k with deeper pipelines, then the 32k step on its winner
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -178,6 +179,15 @@ case "${1:-1}" in
     for w in qkv down; do
       TAIL=5 step "ncu_${w}_int8" 55 $N --workload $w --timeout 45 --weights int8
     done
+    ;;
+  22)   # the int8 decode attention at 32k: its kernel sweep, now with 3-4 pipeline stages around the first pass's top
+        # three (a 1-byte stage holds half a bf16 one's bytes; only 32x128 had been tried at 3 stages), then the 32k
+        # step with the sweep's winner in the int8 table (bf16 and int8 weights, each against the bf16 cache)
+    TAIL=4 step attn_int8_sweep 200 python3 bench/kernels/decode_attention_rope.py --points 1:32768 \
+         --kv-cache-dtype int8 --int8-convert prmt --budget 150
+    A=$(python3 experiments/attention_table_from_sweep.py "$OUT/decode_attention_rope.json") && \
+      TAIL=8 step attn_int8_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes --long \
+           qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -119,6 +119,37 @@ def test_throughput_forces_the_attention_config(monkeypatch):
         assert module.choose_config(8, 8, 40960) == decode_attention.SplitConfig(2, 16)
 
 
+def test_the_attention_sweeps_second_pass_and_its_winner_as_a_table_row(monkeypatch, tmp_path):
+    """bench/kernels/decode_attention_rope.py's second pass tries the best's warps and stages and the next two's
+    deeper pipelines; experiments/attention_table_from_sweep.py makes the fastest right config the int8 table's
+    batch-1 long-context row (for experiments/with_tables.py), and nothing where no config was right."""
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench.kernels.decode_attention_rope import variants
+    from jaxinfer.pallas import tables
+    from jaxinfer.pallas.decode_attention import SplitConfig, choose_config
+
+    top = [SplitConfig(32, 128), SplitConfig(64, 64), SplitConfig(16, 128)]
+    got = variants(top)
+    assert len(got) == len(set(got)) == 11
+    assert {(c.num_warps, c.num_stages) for c in got if c.num_splits == 32} == {(2, 2), (8, 2), (4, 1), (4, 3), (4, 4),
+                                                                                (8, 3), (4, 2)}
+    assert {c for c in got if c.num_splits != 32} == {SplitConfig(64, 64, num_stages=3), SplitConfig(64, 64, num_stages=4),
+                                                      SplitConfig(16, 128, num_stages=3),
+                                                      SplitConfig(16, 128, num_stages=4)}
+    rows = [{"cfg": {"num_splits": 32, "block_k": 128, "num_stages": 3}, "us": 30.0, "ok": True},
+            {"cfg": {"num_splits": 64, "block_k": 64, "num_stages": 4}, "us": 25.0, "ok": True},
+            {"cfg": {"num_splits": 128, "block_k": 32, "num_stages": 4}, "us": 20.0, "ok": False}]
+    (tmp_path / "s.json").write_text(json.dumps({"points": [{"B": 1, "ctx": 32768, "rows": rows}]}))
+    script = [sys.executable, str(REPO / "experiments" / "attention_table_from_sweep.py"), str(tmp_path / "s.json")]
+    assignment = subprocess.run(script, capture_output=True, text=True, check=True).stdout
+    monkeypatch.setattr(tables, "DECODE_ATTENTION_INT8", list(tables.DECODE_ATTENTION_INT8))
+    exec(assignment, vars(tables))
+    assert choose_config(1, 8, 32768, 1, True) == SplitConfig(64, 64, num_stages=4)
+    assert choose_config(1, 8, 1024, 1, True) == choose_config(1, 8, 1024, 1)   # other rows as they were
+    (tmp_path / "s.json").write_text(json.dumps({"points": [{"B": 1, "ctx": 32768, "rows": rows[2:]}]}))
+    assert subprocess.run(script, capture_output=True).returncode == 1
+
+
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     """The rope-tiled variants: the bench option sets tables.ROPE_KV_WRITE_TILE."""
     monkeypatch.syspath_prepend(str(REPO))
