@@ -39,7 +39,10 @@ import numpy as np
 KERNELS = "gemv|decode_attention|skinny_gemm"   # routed_gemv_* matches too
 SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats")
 # (column, ncu's metric name on the details page)
-COLUMNS = [("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("grid", "Grid Size"), ("block", "Block Size"),
+# (L2 and L1 beside DRAM: a batch-1 GEMV program re-reads x, 2 bytes an input, for every output row it makes, from
+# the caches; at 1-byte weights those reads can outweigh the weights' own)
+COLUMNS = [("us", "Duration"), ("DRAM %", "DRAM Throughput"), ("L2 %", "L2 Cache Throughput"),
+           ("L1 %", "L1/TEX Cache Throughput"), ("grid", "Grid Size"), ("block", "Block Size"),
            ("regs", "Registers Per Thread"), ("theor. occ. %", "Theoretical Occupancy"),
            ("achieved occ. %", "Achieved Occupancy"), ("waves", "Waves Per SM"),
            ("cycles / issue", "Warp Cycles Per Issued Instruction")]

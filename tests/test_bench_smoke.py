@@ -307,6 +307,7 @@ def test_ncu_kernels_reads_the_details_page():
         "==PROF== Connected to process 7", head,
         row(0, "gemv_none_norm", "GPU Speed Of Light Throughput", "Duration", "usecond", "9.71"),
         row(0, "gemv_none_norm", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "71.20"),
+        row(0, "gemv_none_norm", "GPU Speed Of Light Throughput", "L2 Cache Throughput", "%", "55.10"),
         row(0, "gemv_none_norm", "Launch Statistics", "Registers Per Thread", "register/thread", "40"),
         row(0, "gemv_none_norm", "Occupancy", "Block Limit Registers", "block", "12"),
         row(0, "gemv_none_norm", "Occupancy", "Block Limit Warps", "block", "16"),
@@ -320,7 +321,7 @@ def test_ncu_kernels_reads_the_details_page():
     assert kernels[0]["Registers Per Thread"] == 40.0
     assert limiter(kernels[0]) == "Registers (12)" and limiter(kernels[1]) == "Registers/Shared Mem (3)"
     out = table(kernels)
-    assert "| gemv_none_norm | 9.71 | 71.2 |" in out and "4.31" in out
+    assert "| gemv_none_norm | 9.71 | 71.2 | 55.1 | - |" in out and "4.31" in out
 
 
 def test_kernel_registers_occupancy_matches_what_ncu_reported():
