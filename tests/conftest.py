@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -46,6 +47,18 @@ def rel_err(y, ref) -> float:
     y, ref = np.asarray(y, np.float64), np.asarray(ref, np.float64)
     assert np.all(np.isfinite(y)), "non-finite output (unwritten or masked-in garbage)"
     return np.linalg.norm(y - ref) / np.linalg.norm(ref)
+
+
+def poisoned_outside(k, v, page_table, page_size: int, visible_lens):
+    """k, v caches [L, KVH, slots, hd] with every slot but the first visible_lens[b] positions of each sequence b's
+    pages (page_table [B, P]) set to NaN or +-inf: an attention kernel that reads a slot it should not shows it."""
+    slots = np.asarray(page_table)[:, :, None] * page_size + np.arange(page_size)
+    visible = np.zeros(k.shape[2], bool)
+    for b, n in enumerate(visible_lens):
+        visible[slots[b].reshape(-1)[:n]] = True
+    poison = jnp.asarray(np.where(np.arange(k.shape[2]) % 2 == 0, np.nan, np.inf).astype(np.float32))
+    mask = jnp.asarray(visible)[None, None, :, None]
+    return jnp.where(mask, k, poison[None, None, :, None]), jnp.where(mask, v, -poison[None, None, :, None])
 
 
 @contextlib.contextmanager

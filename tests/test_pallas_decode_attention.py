@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import poisoned_outside
 from jaxinfer.ops import reference
 from jaxinfer.pallas import decode_attention as DA
 
@@ -106,14 +107,7 @@ def test_padding_rows_and_poisoned_slots_give_no_nan():
     lens = [1, 13, 1]
     q, k, v, pt, cl = _problem(5, B, H, KVH, hd, ps, lens, jnp.float32)
     pt = pt.at[0].set(0).at[2].set(0)                    # padding rows point at the scratch page
-    slots = np.asarray(pt)[:, :, None] * ps + np.arange(ps)
-    visible = np.zeros(k.shape[2], bool)
-    for b, n in enumerate(lens):
-        visible[slots[b].reshape(-1)[:n]] = True
-    poison = np.where(np.arange(k.shape[2]) % 2 == 0, np.nan, np.inf).astype(np.float32)
-    mask = jnp.asarray(visible)[None, None, :, None]
-    k_bad = jnp.where(mask, k, jnp.asarray(poison)[None, None, :, None])
-    v_bad = jnp.where(mask, v, -jnp.asarray(poison)[None, None, :, None])
+    k_bad, v_bad = poisoned_outside(k, v, pt, ps, lens)
     ref = ref_op(q, k, v, jnp.int32(0), pt, cl, ps, 0.25)
     for S in (1, 4):
         out = DA.paged_decode_attention(q, k_bad, v_bad, jnp.int32(0), pt, cl, ps, 0.25,

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax._src.pallas.triton import gpu_info
 
+from conftest import poisoned_outside
 from jaxinfer.model.kv_cache import to_cache
 from jaxinfer.ops import get_ops, reference
 from jaxinfer.pallas import tables
@@ -107,14 +108,8 @@ def test_padding_sequences_and_poisoned_slots_give_no_nan():
     q, k, v, pt, cl = _problem(5, B, Q, H, KVH, hd, ps, [13] * B, jnp.float32)
     cl = jnp.asarray(lens, jnp.int32)
     pt = pt.at[0].set(0).at[2].set(0)                    # padding sequences point at the scratch page
-    slots = np.asarray(pt)[:, :, None] * ps + np.arange(ps)
-    visible = np.zeros(k.shape[2], bool)
-    for b, n in enumerate(lens):
-        visible[slots[b].reshape(-1)[:max(n, 1)]] = True   # context 0 still sees position 0 (the reference clamps)
-    poison = np.where(np.arange(k.shape[2]) % 2 == 0, np.nan, np.inf).astype(np.float32)
-    mask = jnp.asarray(visible)[None, None, :, None]
-    k_bad = jnp.where(mask, k, jnp.asarray(poison)[None, None, :, None])
-    v_bad = jnp.where(mask, v, -jnp.asarray(poison)[None, None, :, None])
+    # context 0 still sees position 0 (the reference clamps)
+    k_bad, v_bad = poisoned_outside(k, v, pt, ps, [max(n, 1) for n in lens])
     ref = ref_op(q, k, v, jnp.int32(0), pt, cl, ps, 0.25)
     for S in (1, 4):
         out = VA.paged_verify_attention(q, k_bad, v_bad, jnp.int32(0), pt, cl, ps, 0.25,
