@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist): the suite is mostly single-threaded compiles and interpret-mode kernels;
 # on the 2-core CI machine it took 14 min against 21.5 in one process (2026-12-02). Work stealing evens out the
-# workers' ends (the tensor-parallel tests take 20-100 s each): 16.4 min against 18.3 with xdist's default (2026-12-05).
+# workers' ends (the tensor-parallel tests take 20-100 s each): 16.4-17.4 min against 18.3 with xdist's default
+# (three runs and one, 2026-12-05).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -x -n 2 --dist worksteal tests
