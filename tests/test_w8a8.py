@@ -97,6 +97,31 @@ def test_w8a8_product_refuses_other_formats():
         w8a8_product(x, blocked)
 
 
+def test_the_twin_sums_fp8_in_float32_and_the_ops_path_does_not_ask_it():
+    """On the GPU, XLA's fp8 GEMM at the default precision uses cuBLAS's fast accumulation (openxla/xla#6599), whose
+    sums keep fewer bits than the kernels' (promoted to float32 every k tile): the kernels' twin asks HIGHEST, the
+    ops' own XLA path does not (its speed is what the tables compare against). int8 sums are exact either way."""
+    from jaxinfer.ops import twins
+    from jaxinfer.ops.pallas import xla_w8a8_product
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (8, 64), bf16)
+    q = fp8_stack(jax.random.PRNGKey(2), 1, 32, 64)[0]
+    q8 = quantize(jax.random.normal(jax.random.PRNGKey(3), (32, 64), f32), "int8")
+    hlo = lambda f, *a: jax.jit(f).lower(*a).as_text()
+    def precision(text: str) -> list[str]:   # of each dot of e4m3 operands
+        dots = [line for line in text.splitlines() if "dot_general" in line and "f8E4M3FN>" in line]
+        return [(re.search(r"precision = \[(\w+),", d) or [None, "DEFAULT"])[1] for d in dots]
+
+    assert precision(hlo(lambda x, q: xla_w8a8_product(x, q, precise=True), x, q)) == ["HIGHEST"]
+    assert precision(hlo(lambda x, q: twins.hopper_gemm_w8a8(x, q), x, q)) == ["HIGHEST"]
+    assert precision(hlo(lambda x, q: xla_w8a8_product(x, q), x, q)) == ["DEFAULT"]
+    # the same values on the CPU (float32 sums either way), and int8's exact sums whatever is asked
+    np.testing.assert_array_equal(np.asarray(xla_w8a8_product(x, q, precise=True)),
+                                  np.asarray(xla_w8a8_product(x, q)))
+    np.testing.assert_array_equal(np.asarray(xla_w8a8_product(x, q8, precise=True)),
+                                  np.asarray(int8_w8a8_product(x, q8)))
+
+
 @pytest.mark.parametrize("rows", [70, 100])
 def test_routing_by_fp8_w8a8_rows(monkeypatch, rows):
     """ops.pallas sends rows past the skinny kernel's to XLA's product: W8A8 from tables.FP8_W8A8_ROWS rows on (the

@@ -214,12 +214,13 @@ def xla_product(epilogue):
     return fn
 
 
-def xla_w8a8_product(epilogue):
-    """ops.pallas's XLA W8A8 product (each row of x in the weights' format), the epilogue as the reference ops."""
+def xla_w8a8_product(epilogue, precise: bool = False):
+    """ops.pallas's XLA W8A8 product (each row of x in the weights' format), the epilogue as the reference ops;
+    precise: fp8 sums in float32 (the kernels' twin), else as the ops run it (cuBLAS's fast accumulation)."""
     from jaxinfer.ops.pallas import xla_w8a8_product as product
 
     def fn(x, w, res):
-        y = product(x, w).astype(x.dtype)
+        y = product(x, w, precise=precise).astype(x.dtype)
         return reference.swiglu(y) if epilogue == "swiglu" else res + y if epilogue == "residual" else y
     return fn
 
@@ -260,8 +261,9 @@ def time_batched(shape: str, cfg: dict, formats: list[str], Ms: list[int], sweep
                 res = jax.random.normal(keys[2], (M, n), bf16)
                 ref = twins.linear_8bit(x, ws[0], residual=res, epilogue="none" if epilogue == "none" else epilogue)
                 per_channel = ws[0].block is None
-                # W8A8 (per-channel weights): checked against XLA's W8A8 product of the same quantized rows
-                ref_w8a8 = xla_w8a8_product(epilogue)(x, ws[0], res) if per_channel else None
+                # W8A8 (per-channel weights): checked against XLA's W8A8 product of the same quantized rows, fp8
+                # sums in float32 as the kernel's (the xla-w8a8 row's own error shows fast accumulation's)
+                ref_w8a8 = xla_w8a8_product(epilogue, precise=True)(x, ws[0], res) if per_channel else None
                 cands = {"xla": xla_product(epilogue)} | ({"xla-w8a8": xla_w8a8_product(epilogue)} if per_channel
                                                           else {})
                 cfgs = [SG.choose_config(M, n, k, epilogue)]

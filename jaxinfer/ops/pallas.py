@@ -132,24 +132,29 @@ def _layer_matrix(w):
     return _one_matrix(w) if _is_one_matrix(w) else weight(w)
 
 
-def _w8a8(x, q, fmt: str, acc_dtype, name: str) -> jax.Array:
+def _w8a8(x, q, fmt: str, acc_dtype, name: str, precision=None) -> jax.Array:
     """XLA's W8A8 product for per-channel weights of format `fmt`: x's rows quantized (quantize_rows), the 8-bit
     product summed in acc_dtype, then times the row's and the output channel's scales, float32 [T, out]."""
     q = _layer_matrix(q)
     if q.block is not None or q.dtype != FORMATS[fmt]:
         raise ValueError(f"{name}: {fmt} weights with a scale per output channel, not {q.dtype} block {q.block}")
     xq, x_scale = quantize_rows(x, q.dtype)
-    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), preferred_element_type=acc_dtype)
+    y = jax.lax.dot_general(xq, q.values, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=acc_dtype)
     return y.astype(jnp.float32) * x_scale[:, None] * q.scale
 
 
-def w8a8_product(x, q, dot_dtype=jnp.float32) -> jax.Array:
+def w8a8_product(x, q, dot_dtype=jnp.float32, *, precise: bool = False) -> jax.Array:
     """x [T, in] @ q.T on fp8 tensor cores, float32 [T, out]; q: fp8 per-channel QuantizedWeight, or a LayerWeight
     holding one. Each row of x quantized to e4m3 with its own scale (its max |x| onto 448; the max taken in x's own
     dtype, exact, so that no float32 copy of x is written), the fp8 product summed in float32 and written in
     dot_dtype (bfloat16: the GEMM writes half the bytes, the sums rounded once more before the scales), then times
-    the row's and the output channel's scales."""
-    return _w8a8(x, q, "fp8", dot_dtype, "w8a8_product")
+    the row's and the output channel's scales.
+
+    On the GPU, XLA's fp8 GEMM at the default precision uses cuBLAS's fast accumulation (openxla/xla#6599: sums kept
+    in the tensor cores' fewer bits, never promoted), as vLLM's fp8 GEMMs do; precise=True (HIGHEST) promotes them
+    to float32 as our kernels do every k tile: the kernels' twin. The CPU sums in float32 either way."""
+    return _w8a8(x, q, "fp8", dot_dtype, "w8a8_product", jax.lax.Precision.HIGHEST if precise else None)
 
 
 def int8_w8a8_product(x, q) -> jax.Array:
@@ -160,10 +165,13 @@ def int8_w8a8_product(x, q) -> jax.Array:
     return _w8a8(x, q, "int8", jnp.int32, "int8_w8a8_product")
 
 
-def xla_w8a8_product(x, q) -> jax.Array:
-    """XLA's W8A8 product in q's format (int8_w8a8_product or w8a8_product): the reference of the skinny kernel's
-    W8A8 tiles (skinny_gemm's x_scale)."""
-    return (int8_w8a8_product if _layer_matrix(q).dtype == jnp.int8 else w8a8_product)(x, q)
+def xla_w8a8_product(x, q, *, precise: bool = False) -> jax.Array:
+    """XLA's W8A8 product in q's format (int8_w8a8_product or w8a8_product). precise=True: fp8 sums promoted to
+    float32 (w8a8_product's), the reference of the kernels' W8A8 tiles (skinny_gemm's and hopper_gemm's x_scale);
+    int8 sums are exact either way."""
+    if _layer_matrix(q).dtype == jnp.int8:
+        return int8_w8a8_product(x, q)
+    return w8a8_product(x, q, precise=precise)
 
 
 def _xla_linear(x, w, b=None) -> jax.Array:

@@ -19,12 +19,15 @@ def hopper_gemm(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, e
     return _gemm_epilogue(reference.linear(x, w), None, epilogue)
 
 
-def hopper_gemm_w8a8(x: jax.Array, q, residual: jax.Array | None = None, epilogue: str = "none") -> jax.Array:
+def hopper_gemm_w8a8(x: jax.Array, q, residual: jax.Array | None = None, epilogue: str = "none",
+                     precise: bool = True) -> jax.Array:
     """pallas.hopper_gemm's W8A8 twin: XLA's W8A8 product of x's quantized rows and the 8-bit per-channel q
-    (ops.pallas.xla_w8a8_product) rounded to x's dtype as ops.pallas rounds it, then the same epilogues."""
+    (ops.pallas.xla_w8a8_product; precise: fp8 sums promoted to float32 as the kernel's are, not cuBLAS's fast
+    accumulation, which the ops' own XLA path uses) rounded to x's dtype as ops.pallas rounds it, then the same
+    epilogues."""
     from jaxinfer.ops.pallas import xla_w8a8_product
 
-    return _gemm_epilogue(xla_w8a8_product(x, q).astype(x.dtype), residual, epilogue)
+    return _gemm_epilogue(xla_w8a8_product(x, q, precise=precise).astype(x.dtype), residual, epilogue)
 
 
 def _gemm_epilogue(y: jax.Array, residual: jax.Array | None, epilogue: str) -> jax.Array:
