@@ -26,6 +26,7 @@
 #          quantization in XLA against its kernel (ROW_QUANTIZE_KERNEL), the first traced (the step's kernels)
 #   part 21 (issue 39): Nsight Compute on the int8 decode attention at 32k and the int8 GEMVs, each beside bf16
 #   part 22 (issue 39): the int8 decode attention's sweep at 32k with deeper pipelines, then the 32k step on its winner
+#   part 23 (issue 39): part 15's batch-64 steps after their out-of-memory on the H100: the step plans' memory first
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -188,6 +189,19 @@ case "${1:-1}" in
     A=$(python3 experiments/attention_table_from_sweep.py "$OUT/decode_attention_rope.json") && \
       TAIL=8 step attn_int8_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes --long \
            qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
+    ;;
+  23)   # part 15's batch-64 steps again: on the H100 (2026-12-05) both formats' bf16 baselines ran out of memory in
+        # their first mixed step (XLA asked for 20.25 GiB: the size of one of the KV pool's two arrays, K or V, of
+        # 18,433 pages; 11 GiB left under the 0.75 memory fraction). First the same engine's step plans (XLA's memory
+        # analysis: a copy of K or V shows as >= 20 GiB of temporaries), then the A/B at a 0.9 fraction on the
+        # H100 sweep's kept rows (committed), one format a process
+    TAIL=8 step step_memory_b64 240 python3 experiments/step_memory.py --shape qwen3-4b --max-num-seqs 64 \
+         --max-model-len 2304 --out "$OUT"
+    for f in fp8 int8; do
+      step "w8a8_skinny_batch64_$f" 170 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 bench/throughput.py \
+           --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only --lazy-compile \
+           --quantization $f --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json --out "$OUT"
+    done
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
