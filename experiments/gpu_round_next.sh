@@ -27,6 +27,7 @@
 #   part 21 (issue 39): Nsight Compute on the int8 decode attention at 32k and the int8 GEMVs, each beside bf16
 #   part 22 (issue 39): the int8 decode attention's sweep at 32k with deeper pipelines, then the 32k step on its winner
 #   part 23 (issue 39): part 15's batch-64 steps after their out-of-memory on the H100: the step plans' memory first
+#   part 24 (issue 39): fp8 W8A8 in XLA with its Triton GEMM fusions off (cuBLASLt only): the 8k engine's start
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -202,6 +203,13 @@ case "${1:-1}" in
            --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only --lazy-compile \
            --quantization $f --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json --out "$OUT"
     done
+    ;;
+  24)   # fp8 W8A8 in XLA (FP8_W8A8_ROWS=64) with XLA's Triton GEMM fusions off, so every fp8 GEMM is cuBLASLt's: is
+        # the 300 s engine start of 2026-12-05's 8k W8A8 runs XLA autotuning Triton fusions of the fp8 dots (with
+        # autotuning off altogether it started but ran at 11 TFLOP/s)? 8k and 1k prompts, each engine start printed
+    step w8a8_prefill_fp8_no_triton_gemm 560 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+         python3 experiments/with_tables.py FP8_W8A8_ROWS=64 -- bench/prefill.py --shapes qwen3-4b \
+         --prompts 8192 1024 --paths pallas --quantization fp8 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
