@@ -48,15 +48,16 @@ def main() -> None:
             rows.append(dict(step=f"{part} {bucket_of(batch)}", arguments=m.argument_size_in_bytes / GIB,
                              outputs=m.output_size_in_bytes / GIB, aliased=m.alias_size_in_bytes / GIB,
                              temporaries=m.temp_size_in_bytes / GIB,
-                             # K and V are the pool's two arrays: a step that copies either needs half the pool
-                             copies_kv=m.temp_size_in_bytes >= engine.kv_bytes / 2
-                             or m.output_size_in_bytes - m.alias_size_in_bytes >= engine.kv_bytes / 2))
+                             # K and V are the pool's two arrays: a plan that copies either holds >= 1 of them in
+                             # temporaries or in outputs not aliased to their donated arguments
+                             per_kv=max(m.temp_size_in_bytes, m.output_size_in_bytes - m.alias_size_in_bytes)
+                             / (engine.kv_bytes / 2)))
             print(f"# {json.dumps(rows[-1])}", flush=True)
     print(f"\n{args.shape}, {args.dtype}, ops {args.ops}, max_num_seqs {args.max_num_seqs}, "
           f"KV pool {engine.kv_bytes / GIB:.2f} GiB (GiB per step, XLA's memory analysis)")
     print_table(rows, [("step", "step", ""), ("arguments", "arguments", ".2f"), ("outputs", "outputs", ".2f"),
                        ("aliased to donated arguments", "aliased", ".2f"), ("temporaries", "temporaries", ".3f"),
-                       ("a copy of K or V?", "copies_kv", "")])
+                       ("max(temporaries, unaliased outputs) / K's size", "per_kv", ".3f")])
     Path(args.out, "step_memory.json").write_text(json.dumps(dict(kv_gib=engine.kv_bytes / GIB, rows=rows), indent=1))
 
 
