@@ -250,9 +250,10 @@ SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
 }
 
 # The same for 1-byte weights (skinny_gemm's w_scale), kept where the kernel beat XLA's products (the converted
-# values, reference.quantized_product, or fp8 W8A8) by 3%. Not yet measured: for fp8, `PYTHONPATH=. python3
-# bench/kernels/quantized_gemv.py --shapes qwen3-4b --no-gemv --fp8-rows 16 64 1024 8192 --batched-sweep` on the H200
-# prints its rows; until then batched decode steps with 8-bit weights take XLA's GEMM.
+# values, reference.quantized_product, or fp8 W8A8) by 3%, in a whole step. Kernels alone (H100, 2026-12-05, `bench/
+# kernels/quantized_gemv.py --no-gemv --batched 64 --batched-sweep`): only gate/up's W8A8 tiles beat XLA at 64 rows
+# (24.8 / 23.4 us against 30.8 / 29.4, int8 / fp8); the whole-step A/B is experiments/gpu_round_next.sh 23. Until
+# then batched decode steps with 8-bit weights take XLA's GEMM.
 SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 
 # Rows from which XLA's product with fp8 per-channel weights runs as W8A8 on fp8 tensor cores (ops.pallas.w8a8_product:
@@ -304,7 +305,9 @@ HOPPER_GEMM: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...
 # The same kernel in W8A8 (x's rows quantized to the weights' format, 8-bit tensor cores, the scales in the epilogue)
 # for 8-bit weights with a scale per output channel, either format (the key has none, as SKINNY_GEMM_8BIT's): the
 # rows where it beat XLA's product of the same weights (FP8_W8A8_ROWS / INT8_W8A8_ROWS, or the converted values) in
-# the step. tile_k counts elements (128: one 128-byte row). Empty until measured (gpu_round_next.sh 16, 19).
+# the step. tile_k counts elements (128: one 128-byte row). Empty until measured (gpu_round_next.sh 16, 19; the first
+# fp8 sweep, H100 2026-12-05, judged the kernel against XLA's fast-accumulating fp8 GEMM and kept no row, though it
+# took QKV at 1k rows in 29.8 us against XLA fp8's 52.6 and bf16's 75.2).
 HOPPER_GEMM_8BIT: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {}
 
 
