@@ -11,3 +11,8 @@ class ModelLoadError(JaxinferError, ValueError):
 
 class PromptTooLongError(JaxinferError, ValueError):
     """A prompt that leaves no room in the context window."""
+
+
+class DeviceMemoryError(JaxinferError, MemoryError):
+    """A step that ran out of device memory: the KV pool, sized at start-up from the memory left after the weights,
+    left the step's temporaries too little (the settings that shrink the pool are in the message)."""

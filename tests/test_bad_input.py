@@ -91,6 +91,35 @@ def test_prompt_longer_than_context(llm):
     assert llm.generate("Once", SamplingParams(max_tokens=3, temperature=0))[0].outputs[0].finish_reason == "length"
 
 
+def test_a_step_out_of_device_memory_says_what_to_lower(monkeypatch):
+    """XLA's RESOURCE_EXHAUSTED at a step's read-back (where an allocation failure inside the step surfaces) becomes a
+    DeviceMemoryError naming the KV pool and the settings that shrink it; the CLI prints it as one line, exit 2.
+    Other runtime errors pass through as they are."""
+    import jax
+
+    from jaxinfer import cli
+    from jaxinfer.errors import DeviceMemoryError
+
+    def fails(message):
+        def device_get(x):
+            raise jax.errors.JaxRuntimeError(message)
+        return device_get
+
+    llm = LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=64, progress=False)
+    pages = llm.engine.runner.num_pages
+    monkeypatch.setattr(jax, "device_get", fails("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 20.25GiB"
+                                                 " with allocator GPU_0_bfc on device 0.\nmore lines"))
+    with pytest.raises(DeviceMemoryError, match=rf"allocate 20.25GiB.*KV pool holds 0.0 GiB \({pages} pages\): "
+                                                r"lower gpu_memory_fraction, max_num_seqs or max_model_len"):
+        llm.generate("Once upon a time", SamplingParams(max_tokens=4, temperature=0))
+    monkeypatch.setattr(jax, "device_get", fails("INTERNAL: something else"))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL: something else"):
+        LLM(STORIES, max_num_seqs=2, max_num_batched_tokens=64, progress=False).generate(
+            "Once", SamplingParams(max_tokens=2, temperature=0))
+    monkeypatch.setattr(jax, "device_get", fails("RESOURCE_EXHAUSTED: Out of memory"))
+    assert cli.main(["generate", "--model", str(STORIES), "--max-tokens", "4", "Once"]) == 2
+
+
 def test_empty_prompt_and_bad_ids(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], SamplingParams(max_tokens=4))

@@ -9,6 +9,7 @@ from the executable cache where an earlier process saved it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -21,6 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from jaxinfer.errors import DeviceMemoryError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
 from jaxinfer.model.tensor_parallel import allocate_kv
@@ -79,6 +81,7 @@ class ModelRunner:
             pow2_buckets(min(16, budget), budget)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.kv = allocate_kv(cfg, getattr(ops, "mesh", None), num_pages, config.page_size, kv_dtype)
+        self.num_pages, self.kv_bytes = num_pages, sum(a.nbytes for a in jax.tree.leaves(self.kv))
         self.state = SamplerState.allocate(config.max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = config.max_num_seqs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
@@ -224,15 +227,32 @@ class ModelRunner:
     def fetch(self, arrays) -> tuple[np.ndarray, ...]:
         """Read device arrays back, counting the time spent waiting in `device_wait_seconds`."""
         t0 = time.perf_counter()
-        out = tuple(jax.device_get(list(arrays)))   # the copies start together, not one after another
+        with self._out_of_memory_explained():   # a step's allocation failure surfaces here, at the read-back
+            out = tuple(jax.device_get(list(arrays)))   # the copies start together, not one after another
         self.device_wait_seconds += time.perf_counter() - t0
         return out
 
     def wait(self, arrays) -> None:
         """Block until device arrays are computed (no read-back), counted as `fetch` counts."""
         t0 = time.perf_counter()
-        jax.block_until_ready(arrays)
+        with self._out_of_memory_explained():
+            jax.block_until_ready(arrays)
         self.device_wait_seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _out_of_memory_explained(self):
+        """XLA's RESOURCE_EXHAUSTED as a DeviceMemoryError that says what holds the memory and what frees some."""
+        try:
+            yield
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300]
+            raise DeviceMemoryError(
+                f"a step ran out of device memory ({first}); the KV pool holds {self.kv_bytes / 2 ** 30:.1f} GiB "
+                f"({self.num_pages} "
+                f"pages): lower gpu_memory_fraction, max_num_seqs or max_model_len (or set num_pages) to leave the "
+                f"steps more room") from e
 
     def _call(self, variant: StepVariant, batch: StepBatch | DecodeBatch):
         """Run a step on (params, kv, state, batch) with its executable for the batch's bucket: warm-up's, the
@@ -415,9 +435,10 @@ class ModelRunner:
                 bar.update()
             spent["compile_wall"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        for variant, batch in calls:
-            self.kv, self.state, *out = self._call(variant, batch)
-            jax.block_until_ready(out)
+        with self._out_of_memory_explained():
+            for variant, batch in calls:
+                self.kv, self.state, *out = self._call(variant, batch)
+                jax.block_until_ready(out)
         spent["first_runs"] = time.perf_counter() - t1
         self.first_call_seconds = 0.0
         bar.close()
