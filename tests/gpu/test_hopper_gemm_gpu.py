@@ -69,11 +69,6 @@ def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
                                 x_scale=xs, w_scale=q.scale, out_dtype=jnp.bfloat16, config=config)
     ref = twins.hopper_gemm_w8a8(x, q, r if epilogue == "residual" else None, epilogue)
     y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
-    if fmt == "int8":
-        np.testing.assert_array_equal(y, ref)
-    else:   # float32 sums in another grouping (promoted every 128 values): a bf16 step on a few percent at most
-        np.testing.assert_allclose(y, ref, rtol=2 ** -6, atol=2 ** -6)
-        assert np.mean(y == ref) > 0.95
     if fmt == "fp8" and epilogue == "none":     # the float32 sums themselves, on a sample of rows
         rows = np.arange(0, M, max(1, M // 32))
         v = np.asarray(q.values.astype(jnp.float32), np.float64)
@@ -84,3 +79,9 @@ def test_w8a8_matches_xla_and_float64(M, N, K, epilogue, config, fmt):
         # rounding to bf16 (2^-9 of the value) plus float32 sums (K x 2^-24 of the magnitude)
         np.testing.assert_array_less(np.abs(y[rows] - exact), 2 ** -8 * np.abs(exact) + K * 2 ** -24 * magnitude
                                      + 1e-6)
+    # against the twin, after the float64 check: a rounding disagreement with XLA is then told apart from an error
+    if fmt == "int8":
+        np.testing.assert_array_equal(y, ref)
+    else:   # float32 sums in another grouping (promoted every 128 values): a bf16 step on a few percent at most
+        np.testing.assert_allclose(y, ref, rtol=2 ** -6, atol=2 ** -6)
+        assert np.mean(y == ref) > 0.95, np.mean(y == ref)
