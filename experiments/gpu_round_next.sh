@@ -140,11 +140,13 @@ case "${1:-1}" in
            # suspect of 2026-12-05's fp8 8k engine that never started), each engine's start printed
     f=fp8; [ "$1" = 19 ] && f=int8
     mkdir -p "$OUT/$f"
-    [ "$1" = 16 ] && TAIL=4 step hopper_w8a8_test 120 python3 -m pytest -q -o addopts= \
+    # (2026-12-05, H100: the test took 83 s, the prefill step 175 s; the sweep now also compiles the fp8 twin at
+    # HIGHEST precision for each product, untimed)
+    [ "$1" = 16 ] && TAIL=4 step hopper_w8a8_test 100 python3 -m pytest -q -o addopts= \
          tests/gpu/test_hopper_gemm_gpu.py -k w8a8
-    TAIL=12 step "hopper_w8a8_sweep_$f" 200 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 \
+    TAIL=12 step "hopper_w8a8_sweep_$f" 230 python3 bench/kernels/hopper_gemm.py --shape qwen3-4b --rows 1024 8192 \
          --w8a8 $f --out "$OUT/$f"
-    TAIL=5 step "hopper_w8a8_prefill_$f" 270 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 \
+    TAIL=5 step "hopper_w8a8_prefill_$f" 260 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 \
          --paths pallas --quantization $f --hopper-8bit-table "$OUT/$f/kernels_hopper_gemm_w8a8.json" --out "$OUT/$f"
     ;;
   17|18)   # 8-bit experts in W8A8 (17: fp8 with the GPU test first; 18: int8): 1k prefill of Qwen3-30B-A3B@24 with the
