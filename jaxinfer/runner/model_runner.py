@@ -81,7 +81,7 @@ class ModelRunner:
             pow2_buckets(min(16, budget), budget)
         self.batch_buckets = pow2_buckets(1, config.max_num_seqs)
         self.kv = allocate_kv(cfg, getattr(ops, "mesh", None), num_pages, config.page_size, kv_dtype)
-        self.num_pages, self.kv_bytes = num_pages, sum(a.nbytes for a in jax.tree.leaves(self.kv))
+        self.num_pages = num_pages
         self.state = SamplerState.allocate(config.max_num_seqs + 1, cfg.vocab_size)
         self.scratch_row = config.max_num_seqs
         self.device_wait_seconds = 0.0   # time the host spent blocked on the device (read-backs, waits)
@@ -248,9 +248,9 @@ class ModelRunner:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             first = str(e).strip().splitlines()[0][:300]
+            pool = sum(a.nbytes for a in jax.tree.leaves(self.kv)) / 2 ** 30   # shapes: whether donated or not
             raise DeviceMemoryError(
-                f"a step ran out of device memory ({first}); the KV pool holds {self.kv_bytes / 2 ** 30:.1f} GiB "
-                f"({self.num_pages} "
+                f"a step ran out of device memory ({first}); the KV pool holds {pool:.1f} GiB ({self.num_pages} "
                 f"pages): lower gpu_memory_fraction, max_num_seqs or max_model_len (or set num_pages) to leave the "
                 f"steps more room") from e
 
