@@ -52,8 +52,22 @@ def test_normed_rows_equal_quantize_rows_of_rms_norm(fmt, M, N, dtype):
     for scale, layer, vector in ((g, 2, g[2]), (g[1], 0, g[1])):
         q, s = row_quantize(x, FORMATS[fmt], MAX_VALUE[fmt], scale, 1e-5, layer, interpret=True)
         want_q, want_s = quantize_rows(reference.rms_norm(x, vector, 1e-5), FORMATS[fmt])
-        _same(q, want_q)
-        _same(s, want_s)
+        if dtype == f32:   # float32 rows are not rounded after the norm: the sum of squares' order shows
+            _within_rounding(q, s, want_q, want_s)
+        else:
+            _same(q, want_q)
+            _same(s, want_s)
+
+
+def _within_rounding(q, s, want_q, want_s):
+    """The kernel's sum of squares and XLA:CPU's mean add in different orders (XLA:CPU's by the machine's vector
+    width), so a float32 row's scale may differ in its last bits and a value lying on a rounding boundary may go
+    one step the other way; nothing more."""
+    np.testing.assert_allclose(np.asarray(s), np.asarray(want_s), rtol=4 * np.finfo(np.float32).eps, atol=0)
+    a, b = np.asarray(q.astype(f32)), np.asarray(want_q.astype(f32))
+    step = 1.0 if q.dtype == jnp.int8 else np.maximum(np.abs(a), np.abs(b)) / 8   # e4m3: 3 mantissa bits
+    assert np.all(np.abs(a - b) <= step), np.abs(a - b).max()
+    assert np.mean(a != b) <= 0.01, np.mean(a != b)
 
 
 def test_bad_arguments_are_refused():
@@ -97,7 +111,7 @@ def test_ops_with_the_kernel_give_the_same_bits(monkeypatch, fmt):
                                                      [(2 * I, D, "swiglu"), (D, I, "residual"), (D, D, "none")]})
     # split K for the output projection: linear_residual_norm_swiglu's finish + norm kernel, quantizing for the gate/up
     tables.SKINNY_GEMM_8BIT[(D, I, "residual", 64)] = tables.SkinnyConfig(block_n=32, block_k=32, split_k=2, w8a8=True)
-    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(n, k, ep): ((M, M, small),) for n, k, ep in
+    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(n, k, ep, fmt): ((M, M, small),) for n, k, ep in
                                                      [(2 * I, D, "swiglu"), (D, I, "residual"), (D, D, "none")]})
     monkeypatch.setattr(tables, "GROUPED_W8A8_ROWS", 1)
     ops = get_ops("pallas-interpret")

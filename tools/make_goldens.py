@@ -396,6 +396,9 @@ def is_norm(name: str, module: torch.nn.Module) -> bool:
 def rescale_init(model: torch.nn.Module, gen: torch.Generator) -> None:
     """Re-draw every parameter with larger scales so logits are far from uniform."""
     tied = model.config.tie_word_embeddings
+    # Gemma's RMSNorms scale by 1 + w, so its checkpoints hold w near 0: drawn as 1 + N(0, 0.2) they would scale by
+    # ~2 at each of a layer's six norms and leave float32 logits no digits to agree in at 1e-4
+    norm_offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     emb_in = model.get_input_embeddings()
     emb_out = model.get_output_embeddings()
     for mod_name, module in model.named_modules():
@@ -407,7 +410,7 @@ def rescale_init(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_((TIED_STD if tied else EMBED_STD) * torch.randn(p.shape, generator=gen))
             elif is_norm(mod_name, module):
                 if p_name == "weight":
-                    p.copy_(1.0 + NORM_WEIGHT_STD * torch.randn(p.shape, generator=gen))
+                    p.copy_(norm_offset + NORM_WEIGHT_STD * torch.randn(p.shape, generator=gen))
                 else:  # LayerNorm bias
                     p.copy_(BIAS_STD * torch.randn(p.shape, generator=gen))
             elif isinstance(module, torch.nn.Embedding):
