@@ -371,7 +371,7 @@ def test_kernel_registers_new_workloads_lower_and_sass_loops_read_a_loop():
 @pytest.mark.parametrize("weights", ["int8", "fp8"])
 def test_kernel_registers_8bit_workloads_are_the_engines_kernels(weights):
     """--weights int8|fp8: the GEMV workloads lower to the 8-bit kernels with the rows and int8 conversion the engine's
-    ops give them (int8 down: one row, "prmt" by tables.GEMV_INT8_CONVERT_BY_SHAPE; o_proj: two rows); the skinny and
+    ops give them (int8 down: one row, "prmt" by tables.GEMV_INT8_CONVERT_BY_SHAPE; o_proj: one row too); the skinny and
     grouped workloads to their 8-bit kernels."""
     from bench.kernel_registers import triton_modules
     from bench.ncu_kernels import kernel_call
@@ -382,7 +382,7 @@ def test_kernel_registers_8bit_workloads_are_the_engines_kernels(weights):
     if weights == "int8":
         assert "prmt" in module   # tables.GEMV_INT8_CONVERT_BY_SHAPE[(2560, 9728)]
     (attrs, _), = triton_modules(*kernel_call("o-proj", "qwen3-4b", 1, 1024, weights=weights))
-    assert attrs["grid_x"] == 2560 // 2   # GEMV_ROWS_8BIT: 2 rows a program
+    assert attrs["grid_x"] == 2560   # one row a program (GEMV_ROWS_8BIT has no o_proj row since 2026-12-05)
     (attrs, _), = triton_modules(*kernel_call("skinny-gate-up", "qwen3-4b", 64, 1024, weights=weights))
     assert attrs["name"] == "skinny_gemm_swiglu_8bit"
     (attrs, module), = triton_modules(*kernel_call("grouped-down", "mixtral-8x7b", 256, 0, weights=weights))
@@ -426,8 +426,8 @@ def test_the_hopper_8bit_table_option_takes_the_w8a8_winners(monkeypatch, tmp_pa
     from jaxinfer.pallas import hopper_gemm, tables
     from jaxinfer.pallas.hopper_gemm import HopperConfig
 
-    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(6144, 2560, "none"): ((1024, 1024, HopperConfig()),
-                                                                             (2048, 2048, HopperConfig()))})
+    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(6144, 2560, "none", "fp8"): ((1024, 1024, HopperConfig()),
+                                                                                    (2048, 2048, HopperConfig()))})
     won = HopperConfig(64, 192, 128, 4)
     winners = [dict(N=6144, K=2560, epilogue="none", M=1024, config=won.__dict__, us=30.0, xla_us=40.0),
                dict(N=2560, K=9728, epilogue="residual", M=8192, config=HopperConfig(64, 256, 128, 2).__dict__,
@@ -435,7 +435,8 @@ def test_the_hopper_8bit_table_option_takes_the_w8a8_winners(monkeypatch, tmp_pa
     path = tmp_path / "kernels_hopper_gemm_w8a8.json"
     path.write_text(json.dumps(dict(w8a8="fp8", results=winners, winners_8bit=winners)))
     patch_table_8bit(str(path))
-    assert hopper_gemm.table_config(1024, 6144, 2560, "none", eight_bit=True) == won
-    assert hopper_gemm.table_config(2048, 6144, 2560, "none", eight_bit=True) == HopperConfig()
-    assert hopper_gemm.table_config(8192, 2560, 9728, "residual", eight_bit=True) == HopperConfig(64, 256, 128, 2)
+    assert hopper_gemm.table_config(1024, 6144, 2560, "none", eight_bit="fp8") == won
+    assert hopper_gemm.table_config(2048, 6144, 2560, "none", eight_bit="fp8") == HopperConfig()
+    assert hopper_gemm.table_config(8192, 2560, 9728, "residual", eight_bit="fp8") == HopperConfig(64, 256, 128, 2)
+    assert hopper_gemm.table_config(1024, 6144, 2560, "none", eight_bit="int8") is None   # an fp8 run's rows
     assert hopper_gemm.table_config(8192, 2560, 9728, "residual") is None       # the bf16 table is untouched

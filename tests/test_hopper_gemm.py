@@ -234,11 +234,11 @@ def test_w8a8_configs_lower_for_the_gpu(dtype, epilogue, N, K, configs, M):
 def test_pallas_ops_take_w8a8_where_the_8bit_table_has_the_product(monkeypatch, fmt):
     """Prompt rows of per-channel 8-bit weights in tables.HOPPER_GEMM_8BIT run the kernel in W8A8 (the norm in XLA,
     then the rows' quantization) and give XLA's W8A8 product's outputs; block-scaled weights of the same shape and
-    rows outside the table stay on XLA's product."""
+    rows outside the table, and the other 8-bit format's weights, stay on XLA's product."""
     M, D, I = 256, 128, 128
-    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(2 * I, D, "swiglu"): ((M, M, SMALL_8BIT),),
-                                                     (D, I, "residual"): ((M, M, SMALL_8BIT),),
-                                                     (D, D, "none"): ((M, M, SMALL_8BIT),)})
+    monkeypatch.setattr(tables, "HOPPER_GEMM_8BIT", {(2 * I, D, "swiglu", fmt): ((M, M, SMALL_8BIT),),
+                                                     (D, I, "residual", fmt): ((M, M, SMALL_8BIT),),
+                                                     (D, D, "none", fmt): ((M, M, SMALL_8BIT),)})
     calls = []
     real = hopper_gemm.hopper_gemm
     monkeypatch.setattr(hopper_gemm, "hopper_gemm", lambda *a, **k: calls.append((k.get("epilogue", "none"),
@@ -263,5 +263,7 @@ def test_pallas_ops_take_w8a8_where_the_8bit_table_has_the_product(monkeypatch, 
     ops.rms_norm_linear(x[:128], scale, 1e-6, w_q)            # 128 rows: not in the table, XLA's product
     blocked = QuantizedWeight(w_q.values, jnp.ones((4, 4), jnp.float32), (32, 32))
     ops.rms_norm_linear(x, scale, 1e-6, blocked)              # block scales: XLA's product
+    other = quantize(w_q.dequantize(jnp.float32), "fp8" if fmt == "int8" else "int8")
+    ops.rms_norm_linear(x, scale, 1e-6, other)                # the other format: its own rows, none here
     ops.rms_norm_linear(x, scale, 1e-6, q_bf16 := w_q.dequantize(jnp.bfloat16))   # bf16: HOPPER_GEMM, empty here
     assert len(calls) == 3 and q_bf16.dtype == jnp.bfloat16

@@ -354,8 +354,8 @@ def test_engine_prompt_rows_in_the_mosaic_gemms_w8a8_on_stories260k(monkeypatch)
     tokens, logprobs, n_prompt = generate({})
     assert n_prompt > 128 and not calls
     small = HopperConfig(64, 32, 64, 2, epi_n=16)
-    kernel_tokens, kernel_logprobs, _ = generate({(128, 64, "none"): ((128, 128, small),),
-                                                  (64, 64, "residual"): ((128, 128, small),)})
+    kernel_tokens, kernel_logprobs, _ = generate({(128, 64, "none", "int8"): ((128, 128, small),),
+                                                  (64, 64, "residual", "int8"): ((128, 128, small),)})
     assert {(shape, jnp.dtype(dtype), ep) for shape, dtype, ep in calls} == {((128, 64), jnp.dtype(jnp.int8), "none"),
                                                                            ((128, 64), jnp.dtype(jnp.int8), "residual")}
     assert kernel_tokens == tokens
@@ -366,8 +366,8 @@ def test_engine_prompt_rows_in_the_mosaic_gemms_w8a8_on_stories260k(monkeypatch)
     # rounding (a row's scale by an ulp; now and then an int8 value across a rounding boundary, which later
     # positions attend to). tests/test_pallas_row_quantize.py shows the same bits in bf16.
     monkeypatch.setattr(tables, "ROW_QUANTIZE_KERNEL", True)
-    row_kernel_tokens, row_kernel_logprobs, _ = generate({(128, 64, "none"): ((128, 128, small),),
-                                                          (64, 64, "residual"): ((128, 128, small),)})
+    row_kernel_tokens, row_kernel_logprobs, _ = generate({(128, 64, "none", "int8"): ((128, 128, small),),
+                                                          (64, 64, "residual", "int8"): ((128, 128, small),)})
     monkeypatch.setattr(tables, "INT8_W8A8_ROWS", None)
     _, float_logprobs, _ = generate({}, quantization=None)
     assert row_kernel_tokens == tokens

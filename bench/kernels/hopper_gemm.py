@@ -101,7 +101,7 @@ def patch_table_8bit(path: str) -> None:
     bench (its JSON's "winners_8bit") timed the kernel faster than XLA's W8A8 product, right."""
     data = json.load(open(path))
     for w in data.get("winners_8bit", []):
-        key = (w["N"], w["K"], w["epilogue"])
+        key = (w["N"], w["K"], w["epilogue"], w.get("format", data.get("w8a8")))
         rows = tuple(r for r in tables.HOPPER_GEMM_8BIT.get(key, ()) if r[0] != w["M"])
         tables.HOPPER_GEMM_8BIT[key] = rows + ((w["M"], w["M"], HopperConfig(**w["config"])),)
         print(f"# hopper 8-bit table ({data.get('w8a8')}): {w['N']} x {w['K']} {w['epilogue']} at {w['M']} rows: "

@@ -226,7 +226,8 @@ def _hopper_config(x, w, epilogue, interpret):
     q = _one_matrix(w)
     if q.block is not None:         # block scales: XLA's product of the dequantized matrix
         return None
-    return hopper_gemm.table_config(x.shape[0], *q.shape, epilogue, eight_bit=True)
+    fmt = "int8" if q.values.dtype == jnp.int8 else "fp8"
+    return hopper_gemm.table_config(x.shape[0], *q.shape, epilogue, eight_bit=fmt)
 
 
 # --- the kernels' calls -----------------------------------------------------------------------------------------

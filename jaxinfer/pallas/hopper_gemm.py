@@ -36,11 +36,13 @@ EPILOGUES = ("none", "residual", "swiglu")
 f32 = jnp.float32
 
 
-def table_config(M: int, N: int, K: int, epilogue: str, eight_bit: bool = False) -> HopperConfig | None:
-    """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster; eight_bit:
-    W8A8 on 8-bit weights with a scale per output channel (tables.HOPPER_GEMM_8BIT)."""
-    table = tables.HOPPER_GEMM_8BIT if eight_bit else tables.HOPPER_GEMM
-    for first, last, config in table.get((N, K, epilogue), ()):
+def table_config(M: int, N: int, K: int, epilogue: str, eight_bit: str | None = None) -> HopperConfig | None:
+    """The measured config for M prompt rows of this product, or None where XLA's GEMM is the faster; eight_bit
+    ("int8" or "fp8"): W8A8 on 8-bit weights of that format with a scale per output channel
+    (tables.HOPPER_GEMM_8BIT)."""
+    table, key = ((tables.HOPPER_GEMM_8BIT, (N, K, epilogue, eight_bit)) if eight_bit
+                  else (tables.HOPPER_GEMM, (N, K, epilogue)))
+    for first, last, config in table.get(key, ()):
         if first <= M <= last and supported(M, N, K, epilogue, config):
             return config
     return None

@@ -189,13 +189,19 @@ GEMV_DEFAULT_ROWS = 1
 # bench/results/2026-12-03-quant-h200-gemv-prmt.log), best: qkv 8.10 (512, 8 rows, prmt; kept 256/2/cvt, 8.83 here
 # and 8.41 before: rows 8 lost badly at every other shape), o_proj 7.42 (256, 2, prmt), gate/up 18.75 (256, 2, prmt),
 # down 9.61 (512, 1, prmt), lm_head 95.6 (256, 4 rows, prmt; 89.6% of its ceiling). A layer 43.9 us (bf16 56.0).
-# Float8 weights keep the defaults (not measured). The default of 512 columns gives each lane of the warp one 16-byte
+# 2026-12-05 (H100; bench/results/2026-12-05-h100-2-{p21,gemv-warps,int8ab,int8ab2}-*): Nsight Compute put o_proj's
+# int8 GEMV (2 rows a program: 1,280 one-warp programs) at 0.3 waves and 38% of DRAM, gate/up's (4,864 programs at 84
+# registers, 20 an SM) at 1.84 waves; a sweep of block_in 256/512/1024 x rows 1/2/4 x warps 1/2/4 (prmt) took o_proj
+# to 1024 columns and one row (6.45 us), gate/up to one row (21.0 us), down to 256 columns (11.0 us); more warps a
+# program lost at every shape. The whole step (Qwen3-4B, batch 1, one process a table, table / these / table, twice):
+# 2.181 / 2.142 / 2.186 ms, then 2.149 (these) / 2.183: -1.7%, the table below since.
+# Float8 weights read the same tables (keyed by shape; not measured on their own). The default of 512 columns gives each lane of the warp one 16-byte
 # load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the scale block's
 # columns.
-GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 256, (9728, 2560): 256,
-                                                  (2560, 9728): 512, (151936, 2560): 256}
+GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 1024, (9728, 2560): 256,
+                                                  (2560, 9728): 256, (151936, 2560): 256}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
-GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (2560, 4096): 2, (9728, 2560): 2, (151936, 2560): 4}
+GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 4}
 GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweeps above ran one warp only)
 # How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; all exact): "cvt" (I2F, a quarter of the FMA
 # rate: at 4.5 TB/s of int8 about what 132 SMs convert), "bits" (integer logic and a float add at full rate) or "prmt"
@@ -303,12 +309,22 @@ HOPPER_GEMM: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...
 }
 
 # The same kernel in W8A8 (x's rows quantized to the weights' format, 8-bit tensor cores, the scales in the epilogue)
-# for 8-bit weights with a scale per output channel, either format (the key has none, as SKINNY_GEMM_8BIT's): the
-# rows where it beat XLA's product of the same weights (FP8_W8A8_ROWS / INT8_W8A8_ROWS, or the converted values) in
-# the step. tile_k counts elements (128: one 128-byte row). Empty until measured (gpu_round_next.sh 16, 19; the first
-# fp8 sweep, H100 2026-12-05, judged the kernel against XLA's fast-accumulating fp8 GEMM and kept no row, though it
-# took QKV at 1k rows in 29.8 us against XLA fp8's 52.6 and bf16's 75.2).
-HOPPER_GEMM_8BIT: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {}
+# for 8-bit weights with a scale per output channel, keyed by the format too ("fp8" / "int8": W8A8 changes what a
+# prompt step computes, so a format runs it only where its own whole step was measured): the rows where it beat
+# XLA's product of the same weights (FP8_W8A8_ROWS / INT8_W8A8_ROWS, or the converted values) in the step. tile_k
+# counts elements (128: one 128-byte row). fp8 (experiments/gpu_round_next.sh 16, H100, 2026-12-05; logs
+# bench/results/2026-12-05-h100-2-p16-*): the sweep's winners against XLA's fp8 W8A8, the outputs the bits of the
+# float32-summing twin; us, kernel / XLA fp8 W8A8 / XLA bf16: QKV 1k 29.3 / 52.2 / 74.5, 8k 222.6 / 289.6 / 340.8;
+# gate/up 1k 107.7 / 117.5 / 161.5, 8k 806.4 / 820.4 / 1214.8. o_proj and down lost to XLA's W8A8 (35.4 against 31.4
+# at 1k, 71.7 against 64.0) and stay on the converted values. With these rows the fp8 prefill ran 1.04x bf16's at
+# 1k and 1.08x at 8k (bench/prefill.py, one process; 0.81x / 0.85x on the converted values alone). int8: not
+# measured (gpu_round_next.sh 19), so none.
+HOPPER_GEMM_8BIT: dict[tuple[int, int, str, str], tuple[tuple[int, int, HopperConfig], ...]] = {
+    (6144, 2560, "none", "fp8"): ((1024, 1024, HopperConfig(64, 192, 128, 4)),
+                                  (8192, 8192, HopperConfig(64, 192, 128, 4))),
+    (19456, 2560, "swiglu", "fp8"): ((1024, 1024, HopperConfig(64, 64, 128, 4)),
+                                     (8192, 8192, HopperConfig(64, 64, 128, 4))),
+}
 
 
 # --- one fresh prompt's attention on Hopper (hopper_attention.py) -----------------------------------------------

@@ -46,7 +46,7 @@ W8A8_CASES = [(1024, 6144, 2560, "none", HopperConfig(64, 128, 128, 4)),
               (1024, 19456, 2560, "swiglu", HopperConfig(64, 64, 128, 4)),
               (1024, 2560, 9728, "residual", HopperConfig(64, 128, 128, 4)),
               (8192, 2560, 9728, "residual", HopperConfig(64, 256, 128, 2))]
-W8A8_CASES += [(M, N, K, ep, cfg) for (N, K, ep), rows in tables.HOPPER_GEMM_8BIT.items() for M, _, cfg in rows]
+W8A8_CASES += [(M, N, K, ep, cfg) for (N, K, ep, _), rows in tables.HOPPER_GEMM_8BIT.items() for M, _, cfg in rows]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
