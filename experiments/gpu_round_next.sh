@@ -28,6 +28,10 @@
 #   part 22 (issue 39): the int8 decode attention's sweep at 32k with deeper pipelines, then the 32k step on its winner
 #   part 23 (issue 39): part 15's batch-64 steps after their out-of-memory on the H100: the step plans' memory first
 #   part 24 (issue 39): fp8 W8A8 in XLA with its Triton GEMM fusions off (cuBLASLt only): the 8k engine's start
+#   part 25 (issue 39): the defaults since d2ff9f0 (fp8 prompt rows on the Mosaic W8A8 GEMM, int8 GEMVs at one row)
+#          on the card at hand for RESULTS' current table: int8 batch 1 (Qwen3-4B, Llama-3-8B), fp8 prefill 1k / 8k
+#   part 26 (issue 39): Llama-3-8B's int8 GEMVs swept over rows and block_in, then the step on the sweep's winners
+#          (experiments/gemv_table_from_sweep.py) against the tables, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -212,6 +216,23 @@ case "${1:-1}" in
     step w8a8_prefill_fp8_no_triton_gemm 560 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
          python3 experiments/with_tables.py FP8_W8A8_ROWS=64 -- bench/prefill.py --shapes qwen3-4b \
          --prompts 8192 1024 --paths pallas --quantization fp8 --out "$OUT"
+    ;;
+  25)  # the current defaults' figures (run on an H200 where one comes: RESULTS' current 8-bit rows predate them)
+    TAIL=8 step int8_decode_defaults 300 python3 bench/decode.py --shapes qwen3-4b llama3-8b --long --paths pallas \
+         --quantization int8 --out "$OUT"
+    TAIL=6 step fp8_prefill_defaults 280 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
+         --quantization fp8 --out "$OUT"
+    ;;
+  26)  # Llama-3-8B's int8 GEMVs: no 8-bit rows in the tables (512 columns, one row, cvt); Qwen3-4B's sweep over rows
+       # (2026-12-05, H100) took its step -1.7%
+    TAIL=10 step llama_int8_gemv_sweep 200 python3 bench/kernels/quantized_gemv.py --shapes llama3-8b --formats int8 \
+         --sweep --sweep-rows 1 2 4 --sweep-block-in 256 512 1024 --sweep-converts cvt prmt --out "$OUT/sweep"
+    mapfile -t V < <(python3 experiments/gemv_table_from_sweep.py "$OUT/sweep/quantized_gemv.json" --shape llama3-8b \
+                     | grep '^GEMV_')
+    printf '# %s\n' "${V[@]}"
+    D="bench/decode.py --shapes llama3-8b --long --paths pallas --quantization int8 --out $OUT"
+    TAIL=3 step llama_int8_tables 180 python3 experiments/with_tables.py -- $D
+    TAIL=3 step llama_int8_swept 180 python3 experiments/with_tables.py "${V[@]}" -- $D
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

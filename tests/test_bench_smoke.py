@@ -150,6 +150,40 @@ def test_the_attention_sweeps_second_pass_and_its_winner_as_a_table_row(monkeypa
     assert subprocess.run(script, capture_output=True).returncode == 1
 
 
+def test_the_gemv_sweeps_winners_as_table_rows(monkeypatch, tmp_path):
+    """experiments/gemv_table_from_sweep.py: each projection's fastest swept int8 config of the shape asked for
+    becomes the 8-bit GEMV tables' rows, keyed as fused_gemv looks them up (gate/up by its gate rows); the table's own
+    row, other shapes and other formats are not candidates; no swept row at all is an error."""
+    import jax.numpy as jnp
+
+    from jaxinfer.pallas import fused_gemv, tables
+
+    def row(projection, dims, config, us, shape="llama3-8b", fmt="int8"):
+        return dict(shape=shape, projection=projection, dims=dims, format=fmt, config=config, us=us)
+    rows = [row("gate/up", "28672x4096", "table", 10.0, fmt="bf16"),
+            row("gate/up", "28672x4096", "block_in 512, rows 1, cvt", 30.0),
+            row("gate/up", "28672x4096", "block_in 256, rows 2, prmt, 2 warps", 29.0),
+            row("gate/up", "28672x4096", "block_in 1024, rows 4, prmt", 5.0, shape="qwen3-4b"),
+            row("gate/up", "28672x4096", "block_in 1024, rows 4", 5.0, fmt="fp8"),
+            row("o_proj", "4096x4096", "block_in 1024, rows 1, prmt", 8.0),
+            row("o_proj", "4096x4096", "block_in 256, rows 2, cvt", 9.0)]
+    (tmp_path / "s.json").write_text(json.dumps({"gemv": rows}))
+    script = [sys.executable, str(REPO / "experiments" / "gemv_table_from_sweep.py"), str(tmp_path / "s.json"),
+              "--shape", "llama3-8b"]
+    lines = subprocess.run(script, capture_output=True, text=True, check=True).stdout.splitlines()
+    for name in ("GEMV_BLOCK_IN_8BIT", "GEMV_ROWS_8BIT", "GEMV_WARPS_8BIT", "GEMV_INT8_CONVERT_BY_SHAPE"):
+        monkeypatch.setattr(tables, name, dict(getattr(tables, name)))
+    for line in lines:
+        exec(line, vars(tables))
+    i8 = jnp.int8
+    assert (fused_gemv.block_in_for(14336, 4096, i8), fused_gemv.rows_for(14336, 4096, i8),
+            fused_gemv.warps_for(14336, 4096, i8), fused_gemv.int8_convert_for(14336, 4096)) == (256, 2, 2, "prmt")
+    assert (fused_gemv.block_in_for(4096, 4096, i8), fused_gemv.rows_for(4096, 4096, i8),
+            fused_gemv.warps_for(4096, 4096, i8), fused_gemv.int8_convert_for(4096, 4096)) == (1024, 1, 1, "prmt")
+    assert len(lines) == 8
+    assert subprocess.run(script[:-1] + ["gpt2"], capture_output=True).returncode == 1
+
+
 def test_the_tiled_rope_write_option_reaches_the_kernel(monkeypatch):
     """The rope-tiled variants: the bench option sets tables.ROPE_KV_WRITE_TILE."""
     monkeypatch.syspath_prepend(str(REPO))
