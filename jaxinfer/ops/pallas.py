@@ -226,8 +226,7 @@ def _hopper_config(x, w, epilogue, interpret):
     q = _one_matrix(w)
     if q.block is not None:         # block scales: XLA's product of the dequantized matrix
         return None
-    fmt = "int8" if q.values.dtype == jnp.int8 else "fp8"
-    return hopper_gemm.table_config(x.shape[0], *q.shape, epilogue, eight_bit=fmt)
+    return hopper_gemm.table_config(x.shape[0], *q.shape, epilogue, eight_bit=format_of(q.values.dtype))
 
 
 # --- the kernels' calls -----------------------------------------------------------------------------------------

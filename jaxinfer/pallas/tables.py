@@ -195,9 +195,9 @@ GEMV_DEFAULT_ROWS = 1
 # to 1024 columns and one row (6.45 us), gate/up to one row (21.0 us), down to 256 columns (11.0 us); more warps a
 # program lost at every shape. The whole step (Qwen3-4B, batch 1, one process a table, table / these / table, twice):
 # 2.181 / 2.142 / 2.186 ms, then 2.149 (these) / 2.183: -1.7%, the table below since.
-# Float8 weights read the same tables (keyed by shape; not measured on their own). The default of 512 columns gives each lane of the warp one 16-byte
-# load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled weights clamp it to the scale block's
-# columns.
+# Float8 weights read the same tables (keyed by shape; not measured on their own). The default of 512 columns gives
+# each lane of the warp one 16-byte load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled
+# weights clamp it to the scale block's columns.
 GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 1024, (9728, 2560): 256,
                                                   (2560, 9728): 256, (151936, 2560): 256}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
