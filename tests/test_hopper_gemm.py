@@ -71,6 +71,12 @@ def test_table_config_covers_only_measured_rows():
     assert cfg is not None and hopper_gemm.supported(1024, 19456, 2560, "swiglu", cfg)
     assert hopper_gemm.table_config(1000, 19456, 2560, "swiglu") is None        # rows not measured
     assert hopper_gemm.table_config(1024, 2560, 9728, "residual") is None       # XLA measured faster
+    # W8A8 rows are the format's own: int8's down at 1k won (2026-12-06), fp8's lost to XLA's W8A8; int8's o_proj at
+    # 1k lost, at 8k won
+    assert hopper_gemm.table_config(1024, 2560, 9728, "residual", "int8") is not None
+    assert hopper_gemm.table_config(1024, 2560, 9728, "residual", "fp8") is None
+    assert hopper_gemm.table_config(1024, 2560, 4096, "residual", "int8") is None
+    assert hopper_gemm.table_config(8192, 2560, 4096, "residual", "int8") is not None
 
 
 def test_pallas_ops_take_the_kernel_where_the_table_has_the_product(monkeypatch):

@@ -198,10 +198,17 @@ GEMV_DEFAULT_ROWS = 1
 # Float8 weights read the same tables (keyed by shape; not measured on their own). The default of 512 columns gives
 # each lane of the warp one 16-byte load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled
 # weights clamp it to the scale block's columns.
+# 2026-12-06 (H100; bench/results/2026-12-06-h100-p26-*): Llama-3-8B's shapes, which had no rows (512 columns, one
+# row, cvt), swept the same way (rows 1/2/4 x block_in 256/512/1024 x cvt/prmt, one warp), us a call: QKV 11.54 (256,
+# 2 rows, prmt), o_proj 7.99 (256, 2, prmt), gate/up 43.58 (256, 1, prmt), down 21.97 (512, 1, prmt), lm_head 171.37
+# (1024, 1, cvt); a layer's four 85.1 us (81.3% of the int8 ceiling; bf16 151.9). The whole step (Llama-3-8B, batch
+# 1, 1k, one process each): 3.721 ms on the old defaults -> 3.196 on these (-14%; 1.48x -> 1.72x bf16's 5.51).
 GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096): 1024, (9728, 2560): 256,
-                                                  (2560, 9728): 256, (151936, 2560): 256}
+                                                  (2560, 9728): 256, (151936, 2560): 256,
+                                                  (6144, 4096): 256, (4096, 4096): 256, (14336, 4096): 256,
+                                                  (4096, 14336): 512, (128256, 4096): 1024}
 GEMV_DEFAULT_BLOCK_IN_8BIT = 512
-GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 4}
+GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 4, (6144, 4096): 2, (4096, 4096): 2}
 GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweeps above ran one warp only)
 # How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; all exact): "cvt" (I2F, a quarter of the FMA
 # rate: at 4.5 TB/s of int8 about what 132 SMs convert), "bits" (integer logic and a float add at full rate) or "prmt"
@@ -211,7 +218,10 @@ GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1;
 GEMV_INT8_CONVERT = "cvt"
 GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (2560, 4096): "prmt",
                                                           (9728, 2560): "prmt", (2560, 9728): "prmt",
-                                                          (151936, 2560): "prmt"}
+                                                          (151936, 2560): "prmt",
+                                                          (6144, 4096): "prmt", (4096, 4096): "prmt",
+                                                          (14336, 4096): "prmt", (4096, 14336): "prmt",
+                                                          (128256, 4096): "cvt"}
 
 
 # --- batch-1 mixture of experts (moe_gemv.py) ------------------------------------------------------------------
@@ -317,13 +327,25 @@ HOPPER_GEMM: dict[tuple[int, int, str], tuple[tuple[int, int, HopperConfig], ...
 # float32-summing twin; us, kernel / XLA fp8 W8A8 / XLA bf16: QKV 1k 29.3 / 52.2 / 74.5, 8k 222.6 / 289.6 / 340.8;
 # gate/up 1k 107.7 / 117.5 / 161.5, 8k 806.4 / 820.4 / 1214.8. o_proj and down lost to XLA's W8A8 (35.4 against 31.4
 # at 1k, 71.7 against 64.0) and stay on the converted values. With these rows the fp8 prefill ran 1.04x bf16's at
-# 1k and 1.08x at 8k (bench/prefill.py, one process; 0.81x / 0.85x on the converted values alone). int8: not
-# measured (gpu_round_next.sh 19), so none.
+# 1k and 1.08x at 8k (bench/prefill.py, one process; 0.81x / 0.85x on the converted values alone). int8
+# (gpu_round_next.sh 19, H100, 2026-12-06; bench/results/2026-12-06-h100-p19-*): every output the bits of XLA's exact
+# s8 x s8 -> s32 product; us, kernel / XLA int8 W8A8 / XLA bf16: QKV 1k 27.7 / 56.0 / 75.0, 8k 198.3 / 393.5 / 346.6;
+# o_proj 8k 169.9 / 238.4 / 275.6; gate/up 1k 92.4 / 173.6 / 162.5, 8k 696.8 / 1276.2 / 1236.0; down 1k 68.7 / 69.2
+# / 102.2, 8k 364.2 / 413.9 / 567.7 (o_proj 1k lost to XLA's W8A8, 34.3 against 33.8, and was left out of the step).
+# With these rows the int8 prefill ran 1.10x bf16's at 1k (13.1 against 14.4 ms) and 1.27x at 8k (101.3 against
+# 128.2), one process; the rest on the converted values.
 HOPPER_GEMM_8BIT: dict[tuple[int, int, str, str], tuple[tuple[int, int, HopperConfig], ...]] = {
     (6144, 2560, "none", "fp8"): ((1024, 1024, HopperConfig(64, 192, 128, 4)),
                                   (8192, 8192, HopperConfig(64, 192, 128, 4))),
     (19456, 2560, "swiglu", "fp8"): ((1024, 1024, HopperConfig(64, 64, 128, 4)),
                                      (8192, 8192, HopperConfig(64, 64, 128, 4))),
+    (6144, 2560, "none", "int8"): ((1024, 1024, HopperConfig(64, 192, 128, 4)),
+                                   (8192, 8192, HopperConfig(64, 192, 128, 4))),
+    (2560, 4096, "residual", "int8"): ((8192, 8192, HopperConfig(64, 128, 128, 4)),),
+    (19456, 2560, "swiglu", "int8"): ((1024, 1024, HopperConfig(64, 64, 128, 5)),
+                                      (8192, 8192, HopperConfig(64, 64, 128, 5))),
+    (2560, 9728, "residual", "int8"): ((1024, 1024, HopperConfig(64, 128, 128, 4)),
+                                       (8192, 8192, HopperConfig(64, 128, 128, 4))),
 }
 
 
