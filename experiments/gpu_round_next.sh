@@ -32,6 +32,8 @@
 #          on the card at hand for RESULTS' current table: int8 batch 1 (Qwen3-4B, Llama-3-8B), fp8 prefill 1k / 8k
 #   part 26 (issue 39): Llama-3-8B's int8 GEMVs swept over rows and block_in, then the step on the sweep's winners
 #          (experiments/gemv_table_from_sweep.py) against the tables, one process each
+#   part 27 (issue 39): the int8 prompt rows on the Mosaic W8A8 GEMM (defaults since 3585f25) on the card at hand:
+#          int8 prefill 1k / 8k against bf16 (measured on an H100 only, 2026-12-06: 1.10x / 1.27x)
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -233,6 +235,10 @@ case "${1:-1}" in
     D="bench/decode.py --shapes llama3-8b --long --paths pallas --quantization int8 --out $OUT"
     TAIL=3 step llama_int8_tables 180 python3 experiments/with_tables.py -- $D
     TAIL=3 step llama_int8_swept 180 python3 experiments/with_tables.py "${V[@]}" -- $D
+    ;;
+  27)  # int8 prefill on the defaults (the Mosaic W8A8 rows since 3585f25), each engine's start printed
+    TAIL=6 step int8_prefill_defaults 300 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
+         --quantization int8 --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
