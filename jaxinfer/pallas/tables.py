@@ -195,9 +195,8 @@ GEMV_DEFAULT_ROWS = 1
 # to 1024 columns and one row (6.45 us), gate/up to one row (21.0 us), down to 256 columns (11.0 us); more warps a
 # program lost at every shape. The whole step (Qwen3-4B, batch 1, one process a table, table / these / table, twice):
 # 2.181 / 2.142 / 2.186 ms, then 2.149 (these) / 2.183: -1.7%, the table below since.
-# Float8 weights read the same tables (keyed by shape; not measured on their own). The default of 512 columns gives
-# each lane of the warp one 16-byte load a row a tile, as 128 columns do at 4 bytes and 256 at 2; block-scaled
-# weights clamp it to the scale block's columns.
+# Float8 weights read the same tables (keyed by shape; not measured on their own). Block-scaled weights clamp
+# block_in to the scale block's columns.
 # 2026-12-06 (H100; bench/results/2026-12-06-h100-p26-*): Llama-3-8B's shapes, which had no rows (512 columns, one
 # row, cvt), swept the same way (rows 1/2/4 x block_in 256/512/1024 x cvt/prmt, one warp), us a call: QKV 11.54 (256,
 # 2 rows, prmt), o_proj 7.99 (256, 2, prmt), gate/up 43.58 (256, 1, prmt), down 21.97 (512, 1, prmt), lm_head 171.37
@@ -207,7 +206,11 @@ GEMV_BLOCK_IN_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 256, (2560, 4096
                                                   (2560, 9728): 256, (151936, 2560): 256,
                                                   (6144, 4096): 256, (4096, 4096): 256, (14336, 4096): 256,
                                                   (4096, 14336): 512, (128256, 4096): 1024}
-GEMV_DEFAULT_BLOCK_IN_8BIT = 512
+# The default for shapes never swept: one block_in for every product of a layer, summed over its four GEMVs (the two
+# H100 sweeps above, one row a program): Llama-3-8B 256/cvt 88.95 us, 512/cvt 100.8, 512/prmt 96.1; Qwen3-4B (prmt
+# only) 256 48.1, 512 52.3. 256 columns (each lane one 8-byte load a row a tile) beat 512 on both models' layers and
+# tied at the lm_heads (172.6 against 172.6 us, 130.1 against 129.6).
+GEMV_DEFAULT_BLOCK_IN_8BIT = 256
 GEMV_ROWS_8BIT: dict[tuple[int, int], int] = {(6144, 2560): 2, (151936, 2560): 4, (6144, 4096): 2, (4096, 4096): 2}
 GEMV_WARPS_8BIT: dict[tuple[int, int], int] = {}   # warps a program (absent: 1; the sweeps above ran one warp only)
 # How the GEMV turns int8 into float32 (fused_gemv.weights_to_f32; all exact): "cvt" (I2F, a quarter of the FMA
