@@ -18,6 +18,29 @@ STORIES = SHARED / "models" / "stories260k"
 TOKENIZERS = SHARED / "tokenizers"
 
 
+# JAX's persistent compilation cache from each test process's first compile, its subprocesses' too (the tensor-parallel
+# workers, the bench scripts, the CLI's). The engine already turns it on (min compile time 0) at ~/.cache/jaxinfer/jax
+# on a CPU, but only once an Engine starts with the default cache_dir, so a process that passes cache_dir="" or compiles
+# before its first Engine compiled everything afresh on every run. The cache holds XLA's executables keyed by the
+# lowered module, the compile options and the versions: what runs is what a fresh compile gives (one loaded back
+# also records backend_compile_duration, as a fresh compile does). A warm machine (a second run) loads them; a fresh
+# one shares them between the run's processes. Not with the executable cache (tests/test_executable_cache.py's
+# children drop it, as the engine keeps JAX's off there), nor on GPUs, nor over a JAX_COMPILATION_CACHE_DIR set.
+if jax.default_backend() == "cpu" and not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    from jaxinfer.settings import CACHE_DIR
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(CACHE_DIR, "jax")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def without_jax_cache(env: dict) -> dict:
+    """`env` for a child that must not use JAX's persistent compilation cache (above)."""
+    return {k: v for k, v in env.items() if k not in ("JAX_COMPILATION_CACHE_DIR",
+                                                      "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")}
+
+
 def pytest_runtest_logreport(report):
     """With JAXINFER_PRINT_FAILURES=1 (GPU rounds), a failure is printed as it happens: a run killed at its
     time limit loses pytest's closing summary."""

@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import without_jax_cache
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(tmp_path, script, *args, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OUT": str(tmp_path)}
+    if script == "warm_start.py":   # its first run cold: JAX's cache only in the runs' own HOME (tests/conftest.py)
+        env = without_jax_cache(env)
     where = [] if script.startswith("kernels/") else ["--models", str(tmp_path / "models"), "--out", str(tmp_path)]
     r = subprocess.run([sys.executable, str(REPO / "bench" / script), *where, *args], capture_output=True, text=True,
                        timeout=timeout, env=env, cwd=REPO)

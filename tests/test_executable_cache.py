@@ -11,6 +11,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from conftest import without_jax_cache
 from jaxinfer.runner.executable_cache import ExecutableCache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +48,7 @@ def start_engine(model_dir, cache_dir, dtype: str = "float32", **options) -> tup
     p = subprocess.run([sys.executable, "-c", CHILD, str(model_dir), str(cache_dir), dtype, json.dumps(options)],
                        capture_output=True,
                        text=True,
-                       cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
+                       cwd=REPO, env=without_jax_cache({**os.environ, "PYTHONPATH": str(REPO)}), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
