@@ -238,8 +238,15 @@ def quantize_sharded(w: jax.Array, rule: Rule, fmt: str, mesh: Mesh) -> Quantize
     """A float matrix (stack) laid out for the mesh by load_sharded, quantized in place as ops.quantized.quantize
     quantizes (each row's scale from the whole row: an all-reduce of its max where columns are split)."""
     vspec = spec(rule.shard, w.ndim - 2)
-    shardings = QuantizedWeight(NamedSharding(mesh, vspec), NamedSharding(mesh, scale_spec(vspec, w.ndim - 1, None)))
-    return jax.jit(functools.partial(quantize, fmt=fmt), out_shardings=shardings)(w)
+    return _sharded_quantizer(fmt, NamedSharding(mesh, vspec),
+                              NamedSharding(mesh, scale_spec(vspec, w.ndim - 1, None)))(w)
+
+
+@functools.cache
+def _sharded_quantizer(fmt: str, values: NamedSharding, scales: NamedSharding):
+    """One jitted quantizer per format and layout, so the matrices of one shape and layout (every layer's) compile
+    once: a fresh jax.jit a call compiled each of them again."""
+    return jax.jit(functools.partial(quantize, fmt=fmt), out_shardings=QuantizedWeight(values, scales))
 
 
 def _take(a: np.ndarray, idx: np.ndarray, axis: int, fill: float = 0) -> np.ndarray:
