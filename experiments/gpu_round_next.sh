@@ -34,6 +34,7 @@
 #          (experiments/gemv_table_from_sweep.py) against the tables, one process each
 #   part 27 (issue 39): the int8 prompt rows on the Mosaic W8A8 GEMM (defaults since 3585f25) on the card at hand:
 #          int8 prefill 1k / 8k against bf16 (measured on an H100 only, 2026-12-06: 1.10x / 1.27x)
+#   part 28 (issue 39): part 26 for Qwen3-4B (its 8-bit GEMV rows come from H100 sweeps) on the card at hand
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -239,6 +240,17 @@ case "${1:-1}" in
   27)  # int8 prefill on the defaults (the Mosaic W8A8 rows since 3585f25), each engine's start printed
     TAIL=6 step int8_prefill_defaults 300 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
          --quantization int8 --out "$OUT"
+    ;;
+  28)  # part 26 for Qwen3-4B on the card at hand: its 8-bit GEMV rows were swept on H100s only; an H200 streams ~1.4x
+       # the bytes at the same latency, so it may want more bytes in flight a program (rows, block_in)
+    TAIL=10 step qwen_int8_gemv_sweep 200 python3 bench/kernels/quantized_gemv.py --shapes qwen3-4b --formats int8 \
+         --sweep --sweep-rows 1 2 4 --sweep-block-in 256 512 1024 --sweep-converts cvt prmt --out "$OUT/sweep"
+    mapfile -t V < <(python3 experiments/gemv_table_from_sweep.py "$OUT/sweep/quantized_gemv.json" --shape qwen3-4b \
+                     | grep '^GEMV_')
+    printf '# %s\n' "${V[@]}"
+    D="bench/decode.py --shapes qwen3-4b --long --paths pallas --quantization int8 --out $OUT"
+    TAIL=3 step qwen_int8_tables 150 python3 experiments/with_tables.py -- $D
+    TAIL=3 step qwen_int8_swept 150 python3 experiments/with_tables.py "${V[@]}" -- $D
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
