@@ -162,6 +162,8 @@ GEMV_BLOCK_IN: dict[tuple[int, int], int] = {
     (28672, 4096): 512,     # Llama-3-8B gate/up
     (4096, 14336): 256,     # Llama-3-8B down
     (151936, 2560): 256,    # Qwen3-4B lm_head
+    (5120, 2048): 128,      # Qwen3-30B-A3B qkv: its batch-1 step at @8 0.725 / 0.723 ms against 256's 0.730 / 0.734
+                            # (H100, 2026-12-05 and -06, one process a variant; 512 0.722 / 0.732, o_proj 128 level)
 }
 GEMV_DEFAULT_BLOCK_IN = 256   # within 2% of the best at 5 of the 8 shapes, 16-35% behind at the others
 
@@ -276,10 +278,13 @@ SKINNY_GEMM: dict[tuple[int, int, str, int], SkinnyConfig] = {
 SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 
 # Rows from which XLA's product with fp8 per-channel weights runs as W8A8 on fp8 tensor cores (ops.pallas.w8a8_product:
-# each row of x quantized to e4m3 with its own scale), None: never (the values converted to bf16 instead). Not yet
-# measured: the --fp8-rows run above prints it (the fewest measured rows from which W8A8 beat the converted values at
-# every projection and every larger row count the skinny table does not take).
-FP8_W8A8_ROWS: int | None = None
+# each row of x quantized to e4m3 with its own scale), None: never (the values converted to bf16 instead). It takes
+# the products HOPPER_GEMM_8BIT and SKINNY_GEMM_8BIT do not (at 1k / 8k prompt rows o_proj and down; every product at
+# other row counts and at batch 64). Qwen3-4B on the H100 (2026-12-06, one process a variant, against bf16 in the
+# same process): prefill 1k 1.16x / 1.17x and 8k 1.16x / 1.19x with it, against 1.04x / 1.08x with the converted
+# values; batch 64 at 1k 1.13x against 1.10x. The fewest rows measured; 16-row products lost (2026-12-03). The steps
+# of a model it reaches compile without XLA's Triton GEMM fusions (runner/compiler_options.py).
+FP8_W8A8_ROWS: int | None = 64
 
 # The same for int8 per-channel weights on int8 tensor cores (ops.pallas.int8_w8a8_product: each row of x quantized
 # to int8 with its own scale, the sums exact in int32), None: never (the values converted to bf16 in XLA's GEMM

@@ -27,6 +27,7 @@ from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
 from jaxinfer.model.tensor_parallel import allocate_kv
 from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
+from jaxinfer.runner.compiler_options import step_compiler_options
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.split_step import SplitStep
 from jaxinfer.runner.steps import (decode_forward, decode_sample, decode_steps, init_row, mixed_step,
@@ -91,10 +92,12 @@ class ModelRunner:
         self.capture_layers = tuple(capture_layers)
         self.captured: jax.Array | None = None   # [len(capture_layers), T, D] of the last prompt or verify step
         unroll, n_top = t.unroll_layers, config.max_logprobs
+        self.compiler_options = step_compiler_options(params)
+        jit = self._jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for sampler in samplers_built(t.plain_sampling_step, None, decode=True):
                 v = StepVariant("decode", sampler, steps=n)
-                self.steps[v] = jax.jit(functools.partial(decode_steps, cfg, ops, n, unroll, v.n_top(n_top), v.greedy,
+                self.steps[v] = jit(functools.partial(decode_steps, cfg, ops, n, unroll, v.n_top(n_top), v.greedy,
                                                           method=v.method), donate_argnums=(1, 2))
         attentions = ["paged"] + ["fresh"] * (self.fresh_prompt_min_tokens > 0) + \
             ["prefixed"] * bool(self.fresh_prompt_min_tokens and t.prefixed_chunk_attention)
@@ -104,32 +107,32 @@ class ModelRunner:
                 v = StepVariant("mixed", sampler, attention)
                 if v.one_sequence and 0 < t.prompt_step_head_layers < cfg.num_layers and not capture_layers:
                     self.steps[v] = SplitStep(cfg, ops, v.n_top(n_top), t.prompt_step_head_layers, v.greedy,
-                                              attention, v.method)
+                                              attention, v.method, jit=jit)
                     continue
                 step = functools.partial(mixed_step, cfg, ops, v.n_top(n_top), greedy=v.greedy, attention=attention,
                                          method=v.method, capture=self.capture_layers)
-                self.steps[v] = jax.jit(step, donate_argnums=(1, 2))
+                self.steps[v] = jit(step, donate_argnums=(1, 2))
         self.verify_widths = verify_widths(config.num_speculative_tokens if config.speculative else None)
         for width in self.verify_widths:
             for sampler in ("greedy", "sort"):
                 attentions = ("paged", "verify") if width == max(self.verify_widths) else ("verify",)
                 for attention in attentions:
                     v = StepVariant("verify", sampler, attention, steps=width)
-                    self.steps[v] = jax.jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
+                    self.steps[v] = jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
                                                               attention=attention, method=v.method,
                                                               capture=self.capture_layers),
                                             donate_argnums=(1, 2))
         if config.enable_prompt_logprobs:
-            self.steps[StepVariant("prompt-logprobs")] = jax.jit(
+            self.steps[StepVariant("prompt-logprobs")] = jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
         # a constrained decode step, in two dispatches (steps.decode_forward, decode_sample by sampler), compiled on
         # first use
-        self._masked_forward = jax.jit(functools.partial(decode_forward, cfg, ops, unroll), donate_argnums=(1,))
+        self._masked_forward = jit(functools.partial(decode_forward, cfg, ops, unroll), donate_argnums=(1,))
         self._masked_samples: dict[str, Any] = {}
-        self._init_row = jax.jit(init_row, donate_argnums=(0,))
+        self._init_row = jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll, n_top,
-                               t.plain_sampling_step, t.prompt_step_head_layers))
+                               t.plain_sampling_step, t.prompt_step_head_layers, self.compiler_options))
         self.executable_cache = executable_cache
         self._executables: dict[StepKey, Any] = {}   # loaded or compiled, by variant, bucket and part
         self._called: set[tuple[StepVariant, int]] = set()
@@ -212,7 +215,7 @@ class ModelRunner:
         fn = self._masked_samples.get(sampler)
         if fn is None:
             v = StepVariant("decode", sampler)
-            fn = jax.jit(functools.partial(decode_sample, v.n_top(self.max_logprobs), v.greedy, v.method),
+            fn = self._jit(functools.partial(decode_sample, v.n_top(self.max_logprobs), v.greedy, v.method),
                          donate_argnums=(0,))
             self._masked_samples[sampler] = fn
         self.state, advanced, *out = fn(self.state, batch, logits, bitmask)

@@ -24,12 +24,12 @@ class SplitStep:
     PARTS = ("head", "tail")
 
     def __init__(self, cfg: ModelConfig, ops: ModuleType, n_top: int, head_layers: int, greedy: bool,
-                 attention: str, method: str):
+                 attention: str, method: str, jit=jax.jit):
         self.cfg, self.head_layers = cfg, head_layers
-        self.head = jax.jit(functools.partial(mixed_head, cfg, ops, head_layers, attention), donate_argnums=(1,))
+        self.head = jit(functools.partial(mixed_head, cfg, ops, head_layers, attention), donate_argnums=(1,))
         tail = functools.partial(mixed_tail, cfg, ops, n_top, head_layers, greedy=greedy, attention=attention,
                                  method=method)
-        self.tail = jax.jit(tail, donate_argnums=(1, 2))
+        self.tail = jit(tail, donate_argnums=(1, 2))
         self._split = (None, None, None)
 
     def split_params(self, params: dict) -> tuple[dict, dict]:
