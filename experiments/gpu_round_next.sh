@@ -35,6 +35,7 @@
 #   part 27 (issue 39): the int8 prompt rows on the Mosaic W8A8 GEMM (defaults since 3585f25) on the card at hand:
 #          int8 prefill 1k / 8k against bf16 (measured on an H100 only, 2026-12-06: 1.10x / 1.27x)
 #   part 28 (issue 39): part 26 for Qwen3-4B (its 8-bit GEMV rows come from H100 sweeps) on the card at hand
+#   part 29 (issue 39): fp8 batch 64 on the defaults since FP8_W8A8_ROWS = 64, then with part 15's skinny W8A8 rows
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -251,6 +252,15 @@ case "${1:-1}" in
     D="bench/decode.py --shapes qwen3-4b --long --paths pallas --quantization int8 --out $OUT"
     TAIL=3 step qwen_int8_tables 150 python3 experiments/with_tables.py -- $D
     TAIL=3 step qwen_int8_swept 150 python3 experiments/with_tables.py "${V[@]}" -- $D
+    ;;
+  29)  # fp8 batch 64 at 1k on the defaults since FP8_W8A8_ROWS = 64 (XLA's fp8 W8A8, no Triton GEMM fusions), against
+       # the same with part 15's kept skinny rows (its W8A8 gate/up tiles 23.4 us against XLA's 29.4 at 64 rows), one
+       # process each, bf16 in each; the memory fraction of part 23
+    T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+       --lazy-compile --quantization fp8 --out $OUT"
+    TAIL=6 step fp8_b64_defaults 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
+    TAIL=6 step fp8_b64_skinny_rows 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T \
+         --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
