@@ -36,6 +36,8 @@
 #          int8 prefill 1k / 8k against bf16 (measured on an H100 only, 2026-12-06: 1.10x / 1.27x)
 #   part 28 (issue 39): part 26 for Qwen3-4B (its 8-bit GEMV rows come from H100 sweeps) on the card at hand
 #   part 29 (issue 39): fp8 batch 64 on the defaults since FP8_W8A8_ROWS = 64, then with part 15's skinny W8A8 rows
+#   part 30 / 31 (issue 43): the grouped Mosaic GEMM for MoE prompt rows (tables.HOPPER_GROUPED_GEMM): its GPU test,
+#          then Mixtral-8x7B@8 / Qwen3-30B-A3B@8 1k prefill, the Triton grouped GEMM against it, one process each
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -261,6 +263,23 @@ case "${1:-1}" in
     TAIL=6 step fp8_b64_defaults 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
     TAIL=6 step fp8_b64_skinny_rows 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T \
          --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json
+    ;;
+  30|31)  # the grouped Mosaic GEMM for a mixture of experts' prompt rows (tables.HOPPER_GROUPED_GEMM, empty by default):
+          # 30: its GPU test, then Mixtral-8x7B@8 1k prefill on the Triton grouped GEMM (default) against it; 31: the
+          # same pair at Qwen3-30B-A3B@8. One process each; the 1k prompt is one step of 1,024 rows (x top_k assignments)
+    G="HOPPER_GROUPED_GEMM = {(8, 28672, 4096, 'swiglu'): ((2048, 2048, HopperConfig(64, 128, 64, 3)),), \
+(8, 4096, 14336, 'none'): ((2048, 2048, HopperConfig(64, 128, 64, 4)),), \
+(128, 1536, 2048, 'swiglu'): ((8192, 8192, HopperConfig(64, 64, 64, 4)),), \
+(128, 2048, 768, 'none'): ((8192, 8192, HopperConfig(64, 128, 64, 4)),)}"
+    if [ "$1" = 30 ]; then
+      TAIL=6 step grouped_hopper_gpu_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_hopper_gemm_gpu.py
+      S=mixtral-8x7b@8
+    else
+      S=qwen3-30b-a3b@8
+    fi
+    P="bench/prefill.py --shapes $S --prompts 1024 --paths pallas --out $OUT"
+    TAIL=3 step "prefill_${S%%@*}_triton_grouped" 180 python3 $P
+    TAIL=3 step "prefill_${S%%@*}_mosaic_grouped" 180 python3 experiments/with_tables.py "$G" -- $P
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

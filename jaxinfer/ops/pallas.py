@@ -54,11 +54,13 @@ from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
+from jaxinfer.pallas.expert_tiles import expert_tiles, gather_rows
 from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
 from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
 from jaxinfer.pallas.moe_gemv import routed_gemv
 from jaxinfer.pallas.row_quantize import row_quantize
 from jaxinfer.pallas.verify_attention import paged_verify_attention
+from jaxinfer.pallas.tables import HopperConfig
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
 
@@ -520,6 +522,35 @@ def _grouped_w8a8(rows: int, *quants: dict) -> bool:
             and all(q.get("w_scale") is not None and q.get("w_block") is None for q in quants))
 
 
+def _grouped_hopper_configs(assignments: int, gate_up, down, gu_kw: dict, dn_kw: dict, interpret: bool):
+    """(gate/up's, down's) configs of the grouped Mosaic GEMM where tables.HOPPER_GROUPED_GEMM has both products at
+    this many assignments with one row tile (one padded layout for both), bf16 experts on Hopper; else None."""
+    if gu_kw or dn_kw or not (interpret or hopper_gemm.available()):
+        return None
+    E, two_i, D = gate_up.shape[1:]
+    up = hopper_gemm.grouped_table_config(assignments, E, two_i, D, "swiglu")
+    dn = hopper_gemm.grouped_table_config(assignments, E, D, two_i // 2, "none")
+    if up is None or dn is None or hopper_gemm.cta_tile(up)[0] != hopper_gemm.cta_tile(dn)[0]:
+        return None
+    return up, dn
+
+
+def _moe_on_hopper(x, experts, gate_up, layer, down, down_layer, top_k: int, cfg_up: HopperConfig,
+                   cfg_down: HopperConfig, interpret: bool) -> jax.Array:
+    """Each assignment's expert output [T, top_k, D] through the grouped Mosaic GEMM: the rows in the padded
+    layout of pallas/expert_tiles.py, gate/up + SwiGLU then down on each tile's expert, read in place from the [L,
+    E, N, K] stacks as [L * E, N, K] (a reshape, no copy; group layer * E + expert)."""
+    L, E = gate_up.shape[:2]
+    tiles = expert_tiles(experts, E, hopper_gemm.cta_tile(cfg_up)[0])
+    groups = jnp.where(tiles.tile_expert >= 0, layer * E + tiles.tile_expert, -1).astype(jnp.int32)
+    down_groups = jnp.where(tiles.tile_expert >= 0, down_layer * E + tiles.tile_expert, -1).astype(jnp.int32)
+    h = hopper_gemm.hopper_gemm(gather_rows(x, tiles, top_k), gate_up.reshape(L * E, *gate_up.shape[2:]),
+                                epilogue="swiglu", row_tile_group=groups, config=cfg_up, interpret=interpret)
+    y = hopper_gemm.hopper_gemm(h, down.reshape(-1, *down.shape[2:]), row_tile_group=down_groups, config=cfg_down,
+                                interpret=interpret)
+    return y[tiles.position].reshape(x.shape[0], top_k, -1)
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, top_k: int, renormalize: bool,
             residual: jax.Array | None = None, *, interpret: bool = False) -> jax.Array:
     """A mixture of experts, weights read in place from the layer's [E, N, K] expert stacks; the router's product
@@ -539,6 +570,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)
     E, two_i, _ = gate_up.shape[1:]
     weights, experts = reference.route(logits, top_k, renormalize)
+    if (cfgs := _grouped_hopper_configs(T * top_k, gate_up, down, gu_kw, dn_kw, interpret)) is not None:
+        y = _moe_on_hopper(x, experts, gate_up, layer, down, down_layer, top_k, *cfgs, interpret)
+        out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+        return out if residual is None else residual + out
     order, group_sizes = reference.sort_by_expert(experts, E)
     per_group = T * top_k / E
     cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)

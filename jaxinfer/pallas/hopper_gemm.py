@@ -14,6 +14,11 @@ and two compute warpgroups (each tile_m of the CTA's 2 x tile_m rows) issuing wg
 compute warpgroups read the same weight tile: weights cross the bus once per CTA tile. The
 weight tile is loaded as stored ([tile_n, tile_k], K-major) and handed to wgmma transposed.
 
+Grouped (a mixture of experts' prompt rows, `row_tile_group`): w is a stack [G, N, K] and each CTA tile of rows
+multiplies the matrix its group names (row_tile_group[i] for rows i * cta_m ..), or is skipped where that is
+negative (its output rows are left unwritten). The rows come sorted by group with each group padded to whole tiles
+(pallas/expert_tiles.py), so that no tile holds two groups' rows and every store stays a whole-tile TMA copy.
+
 Shapes must tile exactly (M and N by the CTA tile, `cta_tile`; K by tile_k); `supported` says whether they
 do. `interpret=True` runs Mosaic GPU's interpret mode (CPU tests).
 """
@@ -48,6 +53,16 @@ def table_config(M: int, N: int, K: int, epilogue: str, eight_bit: str | None = 
     return None
 
 
+def grouped_table_config(assignments: int, E: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
+    """The measured config for a mixture of experts' product of `assignments` rows (tokens x top_k) over E experts'
+    [N, K] matrices (tables.HOPPER_GROUPED_GEMM), or None. Its columns and depth must tile; the rows always do (the
+    padded layout is whole tiles)."""
+    for first, last, config in tables.HOPPER_GROUPED_GEMM.get((E, N, K, epilogue), ()):
+        if first <= assignments <= last and supported(cta_tile(config)[0], N, K, epilogue, config):
+            return config
+    return None
+
+
 def cta_tile(config: HopperConfig) -> tuple[int, int]:
     """(rows, columns) of a CTA's output tile: two warpgroups side by side along M."""
     return 2 * config.tile_m, config.tile_n
@@ -60,10 +75,12 @@ def supported(M: int, N: int, K: int, epilogue: str, config: HopperConfig) -> bo
             and config.tile_n % config.epi_n == 0 and (epilogue != "swiglu" or N % 2 == 0))
 
 
-def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int, scaled: bool):
-    xs_gmem, ws_gmem = refs[:2] if scaled else (None, None)
-    res_gmem = refs[2 if scaled else 0] if epilogue == "residual" else None
-    out_gmem = refs[-1]
+def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: int, scaled: bool, grouped: bool):
+    refs = list(refs)
+    out_gmem = refs.pop()
+    group_gmem = refs.pop(0) if grouped else None
+    xs_gmem, ws_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+    res_gmem = refs.pop(0) if epilogue == "residual" else None
     M, K = x_gmem.shape
     dtype = out_gmem.dtype
     tm, tn, tk, en = config.tile_m, config.tile_n, config.tile_k, config.epi_n
@@ -91,7 +108,8 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
             compute_context=compute_context)
 
-    w_args = (w_gmem, w_gmem) if n_w == 2 else (w_gmem,)
+    w_one = w_gmem.at[0] if grouped else w_gmem    # a matrix of the stack: the pipeline's shapes
+    w_args = (w_one, w_one) if n_w == 2 else (w_one,)
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
 
     @functools.partial(
@@ -104,10 +122,8 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
     def _scope(allocs, out_smem, res_barrier):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-        def _tile(info: plgpu.NDLoopInfo):
-            (lin,) = info.index
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 0, config.snake_width)
+        def _output_tile(m_idx, n_idx, w_mat):
+            """The CTA's output tile (m_idx, n_idx) of x @ w_mat.T, its epilogue applied and stored."""
             k_range = pl.ds(0, k_iters * tk)
             cta_rows = pl.ds(m_idx * cta_m, cta_m)
             wg_rows = pl.ds(m_idx * cta_m + wg * tm, tm)
@@ -167,8 +183,18 @@ def _kernel(x_gmem, w_gmem, *refs, config: HopperConfig, epilogue: str, cols: in
 
             w_col0s = [n_idx * cta_n] + ([cols + n_idx * cta_n] if n_w == 2 else [])   # gate's, then up's
             col_slices = [pl.ds(c0, cta_n) for c0 in w_col0s]
-            pipeline(mma, compute_context)(x_gmem.at[cta_rows, k_range], *[w_gmem.at[c, k_range] for c in col_slices],
+            pipeline(mma, compute_context)(x_gmem.at[cta_rows, k_range], *[w_mat.at[c, k_range] for c in col_slices],
                                            allocations=allocs)
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tile(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), 0, config.snake_width)
+            if not grouped:
+                _output_tile(m_idx, n_idx, w_gmem)
+                return
+            group = group_gmem[m_idx]
+            pl.when(group >= 0)(lambda: _output_tile(m_idx, n_idx, w_gmem.at[jnp.maximum(group, 0)]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -203,16 +229,28 @@ def num_sms() -> int:
 @functools.partial(jax.jit, static_argnames=("epilogue", "config", "sms", "out_dtype", "interpret"))
 def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None, epilogue: str = "none",
                 x_scale: jax.Array | None = None, w_scale: jax.Array | None = None, out_dtype=None,
-                config: HopperConfig = HopperConfig(), sms: int | None = None, interpret: bool = False) -> jax.Array:
+                row_tile_group: jax.Array | None = None, config: HopperConfig = HopperConfig(),
+                sms: int | None = None, interpret: bool = False) -> jax.Array:
     """x [M, K] @ w[N, K].T with `epilogue` (see the module docstring); sms: CTAs of the persistent grid
     (default: the GPU's SM count). W8A8: x and w int8 or float8_e4m3fn, x_scale float32 [M], w_scale float32 [N],
-    out_dtype the activations' dtype (the output's and the residual's)."""
+    out_dtype the activations' dtype (the output's and the residual's). Grouped: w [G, N, K] and row_tile_group
+    int32 [M / cta_m], the group of each CTA tile of rows (< 0: skipped, its rows unwritten); 16-bit operands,
+    epilogue "none" or "swiglu"."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"hopper_gemm: unknown epilogue {epilogue!r}")
     if (epilogue == "residual") != (residual is not None):
         raise ValueError("hopper_gemm: a residual goes with epilogue='residual'")
+    grouped = row_tile_group is not None
+    if grouped:
+        if w.ndim != 3 or x.dtype in EIGHT_BIT or epilogue == "residual":
+            raise ValueError(f"hopper_gemm: a grouped product takes a [G, N, K] stack of 16-bit weights and the "
+                             f"'none' or 'swiglu' epilogue, not {w.shape} {w.dtype} {epilogue!r}")
+        want = (x.shape[0] // cta_tile(config)[0],)
+        if row_tile_group.shape != want or row_tile_group.dtype != jnp.int32:
+            raise ValueError(f"hopper_gemm: row_tile_group {row_tile_group.shape} {row_tile_group.dtype}; want "
+                             f"int32 {want} (a group a tile of {cta_tile(config)[0]} rows)")
     M, K = x.shape
-    N, K2 = w.shape
+    N, K2 = w.shape[-2:]
     if K != K2 or x.dtype != w.dtype:
         raise ValueError(f"hopper_gemm: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} do not match")
     scaled = x.dtype in EIGHT_BIT
@@ -232,12 +270,13 @@ def hopper_gemm(x: jax.Array, w: jax.Array, *, residual: jax.Array | None = None
     cta_m, cta_n = cta_tile(config)
     units = (M // cta_m) * (cols // cta_n)
     call = plgpu.kernel(
-        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols, scaled=scaled),
+        functools.partial(_kernel, config=config, epilogue=epilogue, cols=cols, scaled=scaled, grouped=grouped),
         out_type=jax.ShapeDtypeStruct((M, cols), dtype),
         grid=(min(sms, units),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
-        kernel_name=f"hopper_gemm_{'w8a8_' if scaled else ''}{epilogue}",
+        kernel_name=f"hopper_gemm_{'grouped_' if grouped else ''}{'w8a8_' if scaled else ''}{epilogue}",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    args = (x, w) + ((x_scale, w_scale) if scaled else ()) + ((residual,) if epilogue == "residual" else ())
+    args = ((x, w) + ((row_tile_group,) if grouped else ()) + ((x_scale, w_scale) if scaled else ())
+            + ((residual,) if epilogue == "residual" else ()))
     return run_mosaic(call, *args, interpret=interpret)

@@ -356,6 +356,14 @@ HOPPER_GEMM_8BIT: dict[tuple[int, int, str, str], tuple[tuple[int, int, HopperCo
                                        (8192, 8192, HopperConfig(64, 128, 128, 4))),
 }
 
+# A mixture of experts' prompt rows on the grouped Mosaic GPU GEMM (hopper_gemm's row_tile_group; the rows sorted by
+# expert and padded to whole CTA tiles, pallas/expert_tiles.py) in place of the Triton grouped GEMM, bf16 experts:
+# (experts, N, K, epilogue) -> ((first assignments, last assignments, config), ...), assignments = tokens x top_k.
+# Both products of a block (gate/up + SwiGLU, down) need a row for the block to take it. Empty: not yet measured
+# (experiments/gpu_round_next.sh 30; the Triton grouped GEMM reached 33.9% / 21.9% of the GEMM rate in Mixtral-8x7B /
+# Qwen3-30B-A3B 1k prefill, H200 2026-12-04).
+HOPPER_GROUPED_GEMM: dict[tuple[int, int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {}
+
 
 # --- one fresh prompt's attention on Hopper (hopper_attention.py) -----------------------------------------------
 
