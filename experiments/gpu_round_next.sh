@@ -38,6 +38,7 @@
 #   part 29 (issue 39): fp8 batch 64 on the defaults since FP8_W8A8_ROWS = 64, then with part 15's skinny W8A8 rows
 #   part 30 / 31 (issue 43): the grouped Mosaic GEMM for MoE prompt rows (tables.HOPPER_GROUPED_GEMM): its GPU test,
 #          then Mixtral-8x7B@8 / Qwen3-30B-A3B@8 1k prefill, the Triton grouped GEMM against it, one process each
+#   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
 # (8-bit weights at TP > 1: tests/gpu/test_tensor_parallel_gpu.py and experiments/multi_gpu_round.sh 8, several GPUs)
@@ -280,6 +281,11 @@ case "${1:-1}" in
     P="bench/prefill.py --shapes $S --prompts 1024 --paths pallas --out $OUT"
     TAIL=3 step "prefill_${S%%@*}_triton_grouped" 180 python3 $P
     TAIL=3 step "prefill_${S%%@*}_mosaic_grouped" 180 python3 experiments/with_tables.py "$G" -- $P
+    ;;
+  32)  # the grouped Mosaic GEMM's configs at 1k tokens, both MoE shapes, beside the Triton grouped GEMM's and XLA's
+       # ragged_dot (bench/kernels/moe.py's MOSAIC rows): what parts 30 / 31's table rows should be
+    TAIL=40 step moe_grouped_sweep 400 python3 bench/kernels/moe.py --shapes mixtral-8x7b qwen3-30b-a3b --tokens 1024 \
+         --out "$OUT"
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"

@@ -13,7 +13,9 @@ Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 r
   the gate/up and the combine alone, the two with their routes from elsewhere, and a dense GEMV of the gate/up's
   bytes; each against the bytes it must read over the HBM read bandwidth.
 - T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
-  expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work).
+  expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work); on Hopper with bf16
+  experts also the grouped Mosaic GPU GEMM at each config of MOSAIC (hopper_gemm's row_tile_group, the rows in
+  pallas/expert_tiles.py's padded layout; its TFLOP/s count the routed rows, not the padding).
 --format int8 / fp8: the experts' stacks 8-bit (quantize(): one scale an expert's row), the kernels reading their
 values and scales, the bytes counted at one a weight.
 Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
@@ -37,7 +39,10 @@ from bench.kernels.kernel_timing import best_ms_per_call, log, rel_err  # noqa: 
 from jaxinfer.ops import LayerWeight, get_ops, reference  # noqa: E402
 from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, choose_config, grouped_gemm, sorted_items  # noqa: E402
 from jaxinfer.ops.quantized import QuantizedWeight, quantize  # noqa: E402
+from jaxinfer.pallas import expert_tiles as et  # noqa: E402
+from jaxinfer.pallas import hopper_gemm  # noqa: E402
 from jaxinfer.pallas.moe_gemv import routed_gemv  # noqa: E402
+from jaxinfer.pallas.tables import HopperConfig  # noqa: E402
 
 # (experts, active, D, I)
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336), "tiny-moe": (8, 2, 64, 32)}
@@ -46,6 +51,7 @@ CONFIGS = [GroupedGemmConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, nu
            for bm, bn, bk, w, s in [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (32, 64, 64, 4, 3), (32, 128, 64, 4, 3),
                                     (64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3),
                                     (128, 128, 64, 8, 2)]]
+MOSAIC = [HopperConfig(64, n, 64, stages) for n in (64, 128, 256) for stages in (3, 4)]
 ROUTED = [(rows, block_in, warps) for rows in (1, 2, 4) for block_in in (256, 512) for warps in (1, 2)]
 
 
@@ -122,10 +128,43 @@ def main() -> None:
                                    error=f"{type(e).__name__}: {e}"[:200])
                     rows.append(row)
                     _print(row)
+                if args.format == "bf16" and not interpret and hopper_gemm.available():
+                    rows += sweep_mosaic(shape, name, a, w, experts, order, ep, ref, xla_ms, flops)
             (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
                                                                      rows=rows), indent=1))
     (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
                                                              rows=rows), indent=1))
+
+
+def sweep_mosaic(shape, name, a, w, experts, order, epilogue, ref, xla_ms, flops) -> list[dict]:
+    """The grouped Mosaic GPU GEMM at each config of MOSAIC on the rows `a` (in expert-sorted order, assignment
+    order[i] at row i) laid out as pallas/expert_tiles.py pads them; its outputs taken back to the sorted order and
+    compared with `ref`. Times the kernel alone (the layout's gathers are XLA's, as the Triton rows' sort is)."""
+    T, k = experts.shape
+    E, A = w.shape[1], a.shape[0]
+    by_assignment = jnp.zeros_like(a).at[order].set(a)
+    out = []
+    for cfg in MOSAIC:
+        n_out = w.shape[2] // 2 if epilogue == "swiglu" else w.shape[2]
+        row = dict(shape=shape, T=T, what=name, config=f"mosaic {_name(cfg)}")
+        if not hopper_gemm.supported(hopper_gemm.cta_tile(cfg)[0], w.shape[2], a.shape[1], epilogue, cfg):
+            continue
+        tiles = et.expert_tiles(experts, E, hopper_gemm.cta_tile(cfg)[0])
+        padded = jnp.concatenate([by_assignment, jnp.zeros((1, a.shape[1]), a.dtype)])[tiles.source]
+        stack = w.reshape(-1, *w.shape[2:])
+        groups = jnp.where(tiles.tile_expert >= 0, E + tiles.tile_expert, -1)   # layer 1 of the [2, E] stack
+        f = jax.jit(lambda x, w, g, cfg=cfg: hopper_gemm.hopper_gemm(x, w, epilogue=epilogue, row_tile_group=g,
+                                                                        config=cfg))
+        try:
+            y, ms = _timed(f, (padded, stack, groups), False)
+            y = y[tiles.position][order]
+            row.update(ms=ms, xla_ms=xla_ms, tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref),
+                       padded_rows=int(jnp.sum(tiles.tile_expert >= 0)) * hopper_gemm.cta_tile(cfg)[0], n_out=n_out)
+        except Exception as e:   # a config that fails to compile (shared memory) is reported, not fatal
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+        out.append(row)
+        _print(row)
+    return out
 
 
 def _timed(f, args: tuple, interpret: bool):
