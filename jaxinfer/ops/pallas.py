@@ -53,14 +53,14 @@ from jaxinfer.ops.quantized import FORMATS, MAX_VALUE, QuantizedWeight, format_o
 from jaxinfer.ops.quantized_cache import QuantizedCache
 from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_attention, hopper_gemm,
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
-from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 from jaxinfer.pallas.expert_tiles import expert_tiles, gather_rows
+from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
 from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
 from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
 from jaxinfer.pallas.moe_gemv import routed_gemv
 from jaxinfer.pallas.row_quantize import row_quantize
-from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.tables import HopperConfig
+from jaxinfer.pallas.verify_attention import paged_verify_attention
 from jaxinfer.pallas.verify_attention import supports as verify_supports
 
 
