@@ -140,17 +140,16 @@ def sweep_mosaic(shape, name, a, w, experts, order, epilogue, ref, xla_ms, flops
     """The grouped Mosaic GPU GEMM at each config of MOSAIC on the rows `a` (in expert-sorted order, assignment
     order[i] at row i) laid out as pallas/expert_tiles.py pads them; its outputs taken back to the sorted order and
     compared with `ref`. Times the kernel alone (the layout's gathers are XLA's, as the Triton rows' sort is)."""
-    T, k = experts.shape
-    E, A = w.shape[1], a.shape[0]
-    by_assignment = jnp.zeros_like(a).at[order].set(a)
+    T = experts.shape[0]
+    E = w.shape[1]
+    by_assignment = jnp.zeros_like(a).at[order].set(a)   # row a: assignment a's (one row a "token", top_k 1)
     out = []
     for cfg in MOSAIC:
-        n_out = w.shape[2] // 2 if epilogue == "swiglu" else w.shape[2]
-        row = dict(shape=shape, T=T, what=name, config=f"mosaic {_name(cfg)}")
         if not hopper_gemm.supported(hopper_gemm.cta_tile(cfg)[0], w.shape[2], a.shape[1], epilogue, cfg):
             continue
+        row = dict(shape=shape, T=T, what=name, config=f"mosaic {_name(cfg)}")
         tiles = et.expert_tiles(experts, E, hopper_gemm.cta_tile(cfg)[0])
-        padded = jnp.concatenate([by_assignment, jnp.zeros((1, a.shape[1]), a.dtype)])[tiles.source]
+        padded = et.gather_rows(by_assignment, tiles, 1)
         stack = w.reshape(-1, *w.shape[2:])
         groups = jnp.where(tiles.tile_expert >= 0, E + tiles.tile_expert, -1)   # layer 1 of the [2, E] stack
         f = jax.jit(lambda x, w, g, cfg=cfg: hopper_gemm.hopper_gemm(x, w, epilogue=epilogue, row_tile_group=g,
@@ -159,7 +158,7 @@ def sweep_mosaic(shape, name, a, w, experts, order, epilogue, ref, xla_ms, flops
             y, ms = _timed(f, (padded, stack, groups), False)
             y = y[tiles.position][order]
             row.update(ms=ms, xla_ms=xla_ms, tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref),
-                       padded_rows=int(jnp.sum(tiles.tile_expert >= 0)) * hopper_gemm.cta_tile(cfg)[0], n_out=n_out)
+                       padded_rows=int(jnp.sum(tiles.tile_expert >= 0)) * hopper_gemm.cta_tile(cfg)[0])
         except Exception as e:   # a config that fails to compile (shared memory) is reported, not fatal
             row["error"] = f"{type(e).__name__}: {e}"[:200]
         out.append(row)

@@ -540,14 +540,16 @@ def _moe_on_hopper(x, experts, gate_up, layer, down, down_layer, top_k: int, cfg
     """Each assignment's expert output [T, top_k, D] through the grouped Mosaic GEMM: the rows in the padded
     layout of pallas/expert_tiles.py, gate/up + SwiGLU then down on each tile's expert, read in place from the [L,
     E, N, K] stacks as [L * E, N, K] (a reshape, no copy; group layer * E + expert)."""
-    L, E = gate_up.shape[:2]
+    E = gate_up.shape[1]
     tiles = expert_tiles(experts, E, hopper_gemm.cta_tile(cfg_up)[0])
-    groups = jnp.where(tiles.tile_expert >= 0, layer * E + tiles.tile_expert, -1).astype(jnp.int32)
-    down_groups = jnp.where(tiles.tile_expert >= 0, down_layer * E + tiles.tile_expert, -1).astype(jnp.int32)
-    h = hopper_gemm.hopper_gemm(gather_rows(x, tiles, top_k), gate_up.reshape(L * E, *gate_up.shape[2:]),
-                                epilogue="swiglu", row_tile_group=groups, config=cfg_up, interpret=interpret)
-    y = hopper_gemm.hopper_gemm(h, down.reshape(-1, *down.shape[2:]), row_tile_group=down_groups, config=cfg_down,
-                                interpret=interpret)
+
+    def groups(stack_layer):   # each tile's matrix in the [L * E] view of a stack read at stack_layer
+        return jnp.where(tiles.tile_expert >= 0, stack_layer * E + tiles.tile_expert, -1).astype(jnp.int32)
+
+    h = hopper_gemm.hopper_gemm(gather_rows(x, tiles, top_k), gate_up.reshape(-1, *gate_up.shape[2:]),
+                                epilogue="swiglu", row_tile_group=groups(layer), config=cfg_up, interpret=interpret)
+    y = hopper_gemm.hopper_gemm(h, down.reshape(-1, *down.shape[2:]), row_tile_group=groups(down_layer),
+                                config=cfg_down, interpret=interpret)
     return y[tiles.position].reshape(x.shape[0], top_k, -1)
 
 
@@ -557,23 +559,32 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     is `linear` (the GEMV at batch 1). One token (a batch-1 decode step): two routed GEMVs (pallas/moe_gemv.py),
     the first routing from the logits and reading only the chosen experts' matrices, the second taking its routes and
     summing the experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by
-    expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles),
-    each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
+    expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles;
+    on Hopper, where tables.HOPPER_GROUPED_GEMM has both products, the grouped Mosaic GPU GEMM), each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
     stacks): both kernels read their values and scales; from tables.GROUPED_W8A8_ROWS assignments on, per-channel
     ones in W8A8 (each row of x, and of the SwiGLU's output, quantized to the experts' format)."""
-    T, D = x.shape
+    T = x.shape[0]
     logits = linear(x, router, interpret=interpret)
     if T == 1:
         return _routed_block(x, logits, w_gate_up, w_down, top_k, renormalize, residual, interpret)
     gate_up, layer, _, _ = _stacked(w_gate_up)
     down, down_layer, _, _ = _stacked(w_down)
     (gate_up, gu_kw), (down, dn_kw) = _matrix(gate_up), _matrix(down)
-    E, two_i, _ = gate_up.shape[1:]
     weights, experts = reference.route(logits, top_k, renormalize)
     if (cfgs := _grouped_hopper_configs(T * top_k, gate_up, down, gu_kw, dn_kw, interpret)) is not None:
         y = _moe_on_hopper(x, experts, gate_up, layer, down, down_layer, top_k, *cfgs, interpret)
-        out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
-        return out if residual is None else residual + out
+    else:
+        y = _moe_on_triton(x, experts, gate_up, layer, gu_kw, down, down_layer, dn_kw, top_k, interpret)
+    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
+    return out if residual is None else residual + out
+
+
+def _moe_on_triton(x, experts, gate_up, layer, gu_kw: dict, down, down_layer, dn_kw: dict, top_k: int,
+                   interpret: bool) -> jax.Array:
+    """Each assignment's expert output [T, top_k, D] through the Triton grouped GEMM (pallas/grouped_gemm.py) over
+    the expert-sorted rows, in W8A8 where _grouped_w8a8 says."""
+    T, D = x.shape
+    E, two_i, _ = gate_up.shape[1:]
     order, group_sizes = reference.sort_by_expert(experts, E)
     per_group = T * top_k / E
     cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
@@ -591,9 +602,7 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
         h = grouped_gemm(x[rows], gate_up, items, layer, epilogue="swiglu", config=cfg_up, interpret=interpret,
                          **gu_kw)
         y = grouped_gemm(h, down, items, down_layer, config=cfg_down, interpret=interpret, **dn_kw)
-    y = jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
-    out = jnp.sum(y.astype(jnp.float32) * weights[..., None], axis=1).astype(x.dtype)
-    return out if residual is None else residual + out
+    return jnp.zeros_like(y).at[order].set(y).reshape(T, top_k, D)
 
 
 def rms_norm_moe_mlp(x: jax.Array, scale: jax.Array, eps: float, router: jax.Array, w_gate_up: jax.Array,
