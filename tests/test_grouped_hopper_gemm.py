@@ -137,4 +137,29 @@ def test_moe_mlp_takes_the_grouped_kernel_where_the_table_has_both_products(monk
     ops.moe_mlp(x[:20], r, gu, dn, top_k, True, residual=x[:20])        # 40 assignments: not in the table
     monkeypatch.setattr(tables, "HOPPER_GROUPED_GEMM", {(E, 2 * I, D, "swiglu"): ((rows, rows, SMALL),)})
     ops.moe_mlp(x, r, gu, dn, top_k, True, residual=x)                   # the down's row missing
+    monkeypatch.setattr(tables, "HOPPER_GROUPED_GEMM", {(E, 2 * I, D, "swiglu"): ((rows, rows, SMALL),),
+                                                       (E, D, I, "none"): ((rows, rows, SMALL),)})
+    f32 = jnp.float32                                                    # float32 experts: bf16 operands only
+    ops.moe_mlp(x.astype(f32), LayerWeight(router[None].astype(f32), jnp.int32(0)),
+                LayerWeight(w_gu.astype(f32), layer), LayerWeight(w_dn.astype(f32), layer), top_k, True,
+                residual=x.astype(f32))
     assert calls == ["swiglu", "none"]
+
+
+def test_grouped_table_rows_tile_their_products():
+    """Every row of tables.HOPPER_GROUPED_GEMM: a config the kernel takes at its product, and at each assignment
+    count one CTA row tile for both products of a block (else the block would fall back to the Triton GEMM)."""
+    table = tables.HOPPER_GROUPED_GEMM
+    assert table
+    for (E, N, K, epilogue), rows in table.items():
+        for first, last, config in rows:
+            assert 0 < first <= last
+            assert hopper_gemm.supported(hopper_gemm.cta_tile(config)[0], N, K, epilogue, config)
+        if epilogue == "swiglu":
+            down = (E, K, N // 2, "none")
+            assert down in table
+            for a in sorted({r[0] for r in rows} | {r[1] for r in rows} | {r[0] for r in table[down]}):
+                up, dn = (hopper_gemm.grouped_table_config(a, E, N, K, "swiglu"),
+                          hopper_gemm.grouped_table_config(a, *down))
+                assert (up is None) == (dn is None), a
+                assert up is None or hopper_gemm.cta_tile(up)[0] == hopper_gemm.cta_tile(dn)[0]

@@ -525,7 +525,7 @@ def _grouped_w8a8(rows: int, *quants: dict) -> bool:
 def _grouped_hopper_configs(assignments: int, gate_up, down, gu_kw: dict, dn_kw: dict, interpret: bool):
     """(gate/up's, down's) configs of the grouped Mosaic GEMM where tables.HOPPER_GROUPED_GEMM has both products at
     this many assignments with one row tile (one padded layout for both), bf16 experts on Hopper; else None."""
-    if gu_kw or dn_kw or not (interpret or hopper_gemm.available()):
+    if gu_kw or dn_kw or gate_up.dtype != jnp.bfloat16 or not (interpret or hopper_gemm.available()):
         return None
     E, two_i, D = gate_up.shape[1:]
     up = hopper_gemm.grouped_table_config(assignments, E, two_i, D, "swiglu")

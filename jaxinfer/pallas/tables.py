@@ -359,10 +359,24 @@ HOPPER_GEMM_8BIT: dict[tuple[int, int, str, str], tuple[tuple[int, int, HopperCo
 # A mixture of experts' prompt rows on the grouped Mosaic GPU GEMM (hopper_gemm's row_tile_group; the rows sorted by
 # expert and padded to whole CTA tiles, pallas/expert_tiles.py) in place of the Triton grouped GEMM, bf16 experts:
 # (experts, N, K, epilogue) -> ((first assignments, last assignments, config), ...), assignments = tokens x top_k.
-# Both products of a block (gate/up + SwiGLU, down) need a row for the block to take it. Empty: not yet measured
-# (experiments/gpu_round_next.sh 30; the Triton grouped GEMM reached 33.9% / 21.9% of the GEMM rate in Mixtral-8x7B /
-# Qwen3-30B-A3B 1k prefill, H200 2026-12-04).
-HOPPER_GROUPED_GEMM: dict[tuple[int, int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {}
+# Both products of a block (gate/up + SwiGLU, down) need a row for the block to take it, with one CTA row tile.
+# Measured (H100, 2026-12-06, bench/kernels/moe.py, bench/results/2026-12-06-h100-3/moe_*): the best config at 128,
+# 1,024 and 8,192 tokens (Mixtral-8x7B) / 128, 1,024 and 4,096 (Qwen3-30B-A3B), against the Triton grouped GEMM's
+# best: Mixtral gate/up 0.896 against 1.403 ms and down 0.495 against 0.768 at 1,024 tokens, both 1.7x at 8,192, a
+# tie at 128; Qwen3-30B-A3B gate/up 0.327 against 0.439 and down 0.176 against 0.266 at 1,024, 2.1x / 2.2x at 4,096.
+# Below 128 tokens (batched decode) the Triton GEMM keeps the rows (not measured). Qwen3-30B-A3B's last range
+# reaches an 8,192-token prompt chunk (65,536 assignments), measured to 4,096 tokens: the sweep's XLA reference ran
+# out of memory at 8,192.
+HOPPER_GROUPED_GEMM: dict[tuple[int, int, int, str], tuple[tuple[int, int, HopperConfig], ...]] = {
+    # Mixtral-8x7B: 8 experts of 14,336, 2 active
+    (8, 28672, 4096, "swiglu"): ((256, 16384, HopperConfig(64, 128, 64, 4)),),
+    (8, 4096, 14336, "none"): ((256, 16384, HopperConfig(64, 256, 64, 4)),),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 active
+    (128, 1536, 2048, "swiglu"): ((1024, 8192, HopperConfig(64, 128, 64, 3)),
+                                  (8193, 65536, HopperConfig(64, 128, 64, 4))),
+    (128, 2048, 768, "none"): ((1024, 8192, HopperConfig(64, 128, 64, 4)),
+                               (8193, 65536, HopperConfig(64, 256, 64, 4))),
+}
 
 
 # --- one fresh prompt's attention on Hopper (hopper_attention.py) -----------------------------------------------
