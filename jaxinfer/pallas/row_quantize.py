@@ -6,9 +6,11 @@ clips and casts, after the norm's own kernel when one comes before: two or three
 batched decode step's 8-64 rows. Here one program a row reads the row once and writes its 8-bit values and scale.
 
 The arithmetic is quantize_rows': max |x| taken in x's dtype (exact), top / max in float32, x times that, clipped
-to +-top, int8 rounded to nearest (ties to even), cast; the scale is max / top. Both divisions are IEEE's (PTX
-div.rn: Triton's own float division is an approximate one) and the rounding is cvt.rni, so the values are the bits
-quantize_rows gives the same row. The norm is reference.rms_norm's (the mean of squares in float32, the normed row
+to +-top, int8 rounded to nearest (ties to even), cast; the scale is max times 1 / top, as XLA computes max / top
+(its algebraic simplifier turns a division by a constant into a product with its reciprocal, on every backend). top /
+max is IEEE's division (PTX div.rn: Triton's own float division is an approximate one) and the rounding is cvt.rni,
+so the scales are the bits quantize_rows gives the same row, and so are the values where XLA divides as IEEE does
+(XLA:CPU; on an H100 its quantize_rows put ~0.03% of int8 values one step away, 2026-12-06). The norm is reference.rms_norm's (the mean of squares in float32, the normed row
 rounded to x's dtype, then times the scale); its sum runs in another order than XLA's, so a normed value may land a
 rounding step away, as in the other kernels with a norm prologue (residual_norm.py, fused_gemv.py).
 """
@@ -19,6 +21,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -58,7 +61,7 @@ def quantized_row(x: jax.Array, dtype, top: float, interpret: bool) -> tuple[jax
     q = jnp.clip(x.astype(f32) * _div(top_, amax, interpret), -top, top)
     if jnp.dtype(dtype) == jnp.int8:
         q = _round(q, interpret)
-    return q.astype(dtype), _div(amax, top_, interpret)
+    return q.astype(dtype), amax * jnp.full((1,), np.float32(1) / np.float32(top), f32)
 
 
 def _kernel(vlayer_ref, x_ref, *refs, N: int, BN: int, top: float, normed: bool, eps: float, interpret: bool):

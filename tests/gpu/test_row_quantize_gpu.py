@@ -1,6 +1,7 @@
 """W8A8's row quantization kernel (pallas/row_quantize.py) on the GPU at Qwen3-4B's widths and batched-decode /
-prompt rows: without the norm, the same bits as XLA's quantize_rows; with it, against quantize_rows(rms_norm(x)),
-values a step apart at most where the normed row rounded the other way (the mean of squares summed in another order).
+prompt rows: without the norm, the same scales as XLA's quantize_rows and values a step apart at most; with it,
+against quantize_rows(rms_norm(x)), values a step apart at most where the normed row rounded the other way (the mean
+of squares summed in another order).
 
 Runs only where JAX sees a GPU:
     PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_row_quantize_gpu.py
@@ -28,7 +29,12 @@ def test_matches_xlas_quantization(fmt, M, N):
     q, s = jax.jit(lambda x: row_quantize(x, FORMATS[fmt], MAX_VALUE[fmt]))(x)
     want_q, want_s = jax.jit(lambda x: quantize_rows(x, FORMATS[fmt]))(x)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s))
-    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), np.asarray(want_q.astype(jnp.float32)))
+    # XLA's GPU fusion may round top / max otherwise than IEEE's division (H100, 2026-12-06: ~0.03% of int8 values
+    # a step away): values a step apart at most, nearly all equal
+    qf, wf = np.asarray(q.astype(jnp.float32)), np.asarray(want_q.astype(jnp.float32))
+    step = 1.0 if fmt == "int8" else np.maximum(np.abs(wf) * 2 ** -3, 2 ** -9)
+    assert np.all(np.abs(qf - wf) <= step + 1e-6)
+    assert np.mean(qf == wf) > 0.999
     g = (1 + 0.1 * jax.random.normal(k3, (36, N))).astype(jnp.bfloat16)
     q, s = jax.jit(lambda x, g: row_quantize(x, FORMATS[fmt], MAX_VALUE[fmt], g, 1e-6, 5))(x, g)
     want_q, want_s = jax.jit(lambda x, g: quantize_rows(reference.rms_norm(x, g[5], 1e-6), FORMATS[fmt]))(x, g)
