@@ -205,7 +205,7 @@ def quantized_decode(model_dir, cfg, args, bw, gemm, max_len, base: list[dict]) 
               "| x bf16 |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         out[q] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, np.random.default_rng(0),
-                              warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base,
+                              args.profile, warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base,
                               tensor_parallel_size=args.tensor_parallel_size)
         del engine
         gc.collect()

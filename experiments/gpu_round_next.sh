@@ -38,6 +38,8 @@
 #   part 29 (issue 39): fp8 batch 64 on the defaults since FP8_W8A8_ROWS = 64, then with part 15's skinny W8A8 rows
 #   part 30 / 31 (issue 43): the grouped Mosaic GEMM for MoE prompt rows (tables.HOPPER_GROUPED_GEMM): its GPU test,
 #          then Mixtral-8x7B@8 / Qwen3-30B-A3B@8 1k prefill, the Triton grouped GEMM against it, one process each
+#   part 32 / 33 (issue 43): the grouped GEMMs' config sweep at 1k tokens; the 1k prefill beside transformers
+#   part 34 (issue 43): the same sweep at batched-decode rows (32 and 64 tokens)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -177,9 +179,9 @@ case "${1:-1}" in
     TAIL=3 step row_quantize_test 120 python3 -m pytest -q -o addopts= tests/gpu/test_row_quantize_gpu.py
     T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
 --lazy-compile --quantization fp8 --out $OUT"
-    TAIL=40 step row_quantize_xla 220 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 -- $T --profile 64
-    TAIL=6 step row_quantize_kernel 200 python3 experiments/with_tables.py FP8_W8A8_ROWS=64 ROW_QUANTIZE_KERNEL=True \
-         -- $T
+    TAIL=40 step row_quantize_xla 220 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T --profile 64
+    TAIL=6 step row_quantize_kernel 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
+         ROW_QUANTIZE_KERNEL=True -- $T
     ;;
   21)   # Nsight Compute on the int8 kernels whose shares of HBM are unexplained, each beside its bf16 twin: the decode
         # attention at batch 1 and 32k (int8 pages, prmt: ~50% of HBM against bf16's 78%) and the batch-1 GEMVs (int8
@@ -265,27 +267,35 @@ case "${1:-1}" in
     TAIL=6 step fp8_b64_skinny_rows 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T \
          --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json
     ;;
-  30|31)  # the grouped Mosaic GEMM for a mixture of experts' prompt rows (tables.HOPPER_GROUPED_GEMM, empty by default):
-          # 30: its GPU test, then Mixtral-8x7B@8 1k prefill on the Triton grouped GEMM (default) against it; 31: the
-          # same pair at Qwen3-30B-A3B@8. One process each; the 1k prompt is one step of 1,024 rows (x top_k assignments)
-    G="HOPPER_GROUPED_GEMM = {(8, 28672, 4096, 'swiglu'): ((2048, 2048, HopperConfig(64, 128, 64, 3)),), \
-(8, 4096, 14336, 'none'): ((2048, 2048, HopperConfig(64, 128, 64, 4)),), \
-(128, 1536, 2048, 'swiglu'): ((8192, 8192, HopperConfig(64, 64, 64, 4)),), \
-(128, 2048, 768, 'none'): ((8192, 8192, HopperConfig(64, 128, 64, 4)),)}"
+  30|31)  # the grouped Mosaic GEMM for a mixture of experts' prompt rows (tables.HOPPER_GROUPED_GEMM, the default since
+          # 2026-12-06): 30: its GPU test, then Mixtral-8x7B@8 1k prefill on the Triton grouped GEMM (the table
+          # emptied) against the default; 31: the same pair at Qwen3-30B-A3B@8. One process each
     if [ "$1" = 30 ]; then
-      TAIL=6 step grouped_hopper_gpu_test 200 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_hopper_gemm_gpu.py
+      TAIL=6 step grouped_hopper_gpu_test 300 python3 -m pytest -q -o addopts= tests/gpu/test_grouped_hopper_gemm_gpu.py
       S=mixtral-8x7b@8
     else
       S=qwen3-30b-a3b@8
     fi
     P="bench/prefill.py --shapes $S --prompts 1024 --paths pallas --out $OUT"
-    TAIL=3 step "prefill_${S%%@*}_triton_grouped" 180 python3 $P
-    TAIL=3 step "prefill_${S%%@*}_mosaic_grouped" 180 python3 experiments/with_tables.py "$G" -- $P
+    TAIL=3 step "prefill_${S%%@*}_triton_grouped" 180 python3 experiments/with_tables.py "HOPPER_GROUPED_GEMM = {}" -- $P
+    TAIL=3 step "prefill_${S%%@*}_mosaic_grouped" 180 python3 $P
     ;;
   32)  # the grouped Mosaic GEMM's configs at 1k tokens, both MoE shapes, beside the Triton grouped GEMM's and XLA's
        # ragged_dot (bench/kernels/moe.py's MOSAIC rows): what parts 30 / 31's table rows should be
     TAIL=40 step moe_grouped_sweep 400 python3 bench/kernels/moe.py --shapes mixtral-8x7b qwen3-30b-a3b --tokens 1024 \
          --out "$OUT"
+    ;;
+  34)  # the grouped GEMMs at batched-decode rows (32 and 64 tokens: below the Mosaic rows' first assignments), both
+       # MoE shapes: whether HOPPER_GROUPED_GEMM's ranges should reach down to batch 32 / 64
+    TAIL=60 step moe_grouped_sweep_decode_rows 300 python3 bench/kernels/moe.py --shapes mixtral-8x7b qwen3-30b-a3b \
+         --tokens 32 64 --out "$OUT"
+    ;;
+  33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
+    for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
+      mkdir -p "$OUT/${S%%@*}"
+      TAIL=4 step "prefill_${S%%@*}_mosaic_vs_hf" 240 python3 bench/prefill.py --shapes $S --prompts 1024 \
+           --paths pallas hf --out "$OUT/${S%%@*}"
+    done
     ;;
   3)
     step speculative_batched 330 python3 bench/speculative.py --sections batched --new 128 --out "$OUT"
