@@ -40,6 +40,8 @@
 #          then Mixtral-8x7B@8 / Qwen3-30B-A3B@8 1k prefill, the Triton grouped GEMM against it, one process each
 #   part 32 / 33 (issue 43): the grouped GEMMs' config sweep at 1k tokens; the 1k prefill beside transformers
 #   part 34 (issue 43): the same sweep at batched-decode rows (32 and 64 tokens)
+#   part 35 (issue 39): fp8 batch 64 with all four products on the skinny kernel in W8A8, with and without the row
+#          quantization kernel
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -174,14 +176,16 @@ case "${1:-1}" in
            --paths pallas --quantization $f --out "$OUT"
     done
     ;;
-  20)   # W8A8's row quantization kernel, in-step A/B at batch 64 (fp8; run once part 15's rows are in the table):
-        # its GPU test, then XLA's quantization (traced: how many kernels a layer it takes) against the kernel's
+  20)   # W8A8's row quantization kernel, in-step A/B at batch 64 (fp8): its GPU test, then the defaults (XLA's
+        # quantization and fp8 GEMMs) traced against the kernel with part 15's skinny W8A8 rows, traced (the norm,
+        # the quantization and the gate/up's rows in one kernel: as many kernels a layer as bf16's step)
     TAIL=3 step row_quantize_test 120 python3 -m pytest -q -o addopts= tests/gpu/test_row_quantize_gpu.py
     T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
 --lazy-compile --quantization fp8 --out $OUT"
     TAIL=40 step row_quantize_xla 220 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T --profile 64
-    TAIL=6 step row_quantize_kernel 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
-         ROW_QUANTIZE_KERNEL=True -- $T
+    TAIL=40 step row_quantize_kernel_skinny_rows 220 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 \
+         experiments/with_tables.py ROW_QUANTIZE_KERNEL=True -- $T --profile 64 \
+         --skinny-table bench/results/2026-12-05-h100-p15-quantized_gemv.json
     ;;
   21)   # Nsight Compute on the int8 kernels whose shares of HBM are unexplained, each beside its bf16 twin: the decode
         # attention at batch 1 and 32k (int8 pages, prmt: ~50% of HBM against bf16's 78%) and the batch-1 GEMVs (int8
@@ -289,6 +293,15 @@ case "${1:-1}" in
        # MoE shapes: whether HOPPER_GROUPED_GEMM's ranges should reach down to batch 32 / 64
     TAIL=60 step moe_grouped_sweep_decode_rows 300 python3 bench/kernels/moe.py --shapes mixtral-8x7b qwen3-30b-a3b \
          --tokens 32 64 --out "$OUT"
+    ;;
+  35)  # fp8 batch 64 with every product of the step on the skinny kernel in W8A8 (experiments/fp8_skinny_w8a8_all_
+       # products.json: each product's best config of part 15's sweep, kept against XLA alone or not), the rows'
+       # quantization by the row kernel (norm folded in; traced) and by XLA, one process each, bf16 in each
+    T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --quantization fp8 --skinny-table experiments/fp8_skinny_w8a8_all_products.json --out $OUT"
+    TAIL=40 step fp8_b64_all_skinny_row_kernel 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 \
+         experiments/with_tables.py ROW_QUANTIZE_KERNEL=True -- $T --profile 64
+    TAIL=6 step fp8_b64_all_skinny_xla_rows 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
