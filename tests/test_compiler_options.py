@@ -1,6 +1,6 @@
-"""The XLA options a model's steps compile with (runner/compiler_options.py): XLA's Triton GEMM fusions off for a
-model whose products run XLA's fp8 W8A8 GEMM, nothing for any other model; and that the options reach every step
-an engine compiles (an option XLA does not know fails the engine's start)."""
+"""The XLA options a model's steps compile with (runner/compiler_options.py): XLA's Triton GEMM fusions off for the
+steps of a model whose products run XLA's fp8 W8A8 GEMM there (tables.FP8_W8A8_ROWS rows or more), nothing for its
+smaller steps or any other model; and that the options reach those steps (an option XLA does not know fails them)."""
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +11,8 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.ops.quantized import quantize
 from jaxinfer.pallas import tables
 from jaxinfer.runner import compiler_options
-from jaxinfer.runner.compiler_options import NO_TRITON_GEMM, runs_fp8_w8a8, step_compiler_options
+from jaxinfer.runner.compiler_options import NO_TRITON_GEMM, RowsJit, runs_fp8_w8a8, step_compiler_options
+from jaxinfer.runner.split_step import SplitStep
 
 
 def params_with(w) -> dict:
@@ -31,24 +32,49 @@ def test_fp8_per_channel_weights_compile_without_triton_gemm(monkeypatch):
     assert step_compiler_options(params_with(quantize(w, "fp8"))) == {}
 
 
-@pytest.mark.parametrize("quantization", ["fp8", None])
-def test_the_options_reach_every_step_the_engine_compiles(monkeypatch, quantization):
-    """An option name XLA does not know in place of NO_TRITON_GEMM: an fp8 engine fails at its first compile (so the
-    options are passed), a bf16 engine starts and generates (so they are passed to no other model)."""
+def test_rows_jit_takes_the_options_from_min_rows():
+    """A step of fewer rows than min_rows compiles without the options, one of min_rows or more with them (an option
+    name XLA does not know fails that compile); lower and trace pick as the call does."""
+    f = RowsJit(lambda x, y: x * 2 + y, {"xla_not_an_option": False}, 4, lambda x: x.shape[0], batch_arg=0)
+    small, large = jnp.ones((2, 3)), jnp.ones((4, 3))
+    assert float(f(small, 1.0).sum()) == 18.0
+    f.lower(small, 1.0).compile()
+    assert f.trace(large, 1.0).jaxpr is not None
+    with pytest.raises(Exception, match="xla_not_an_option"):
+        f(large, 1.0)
+    with pytest.raises(Exception, match="xla_not_an_option"):
+        f.lower(large, 1.0).compile()
+
+
+SPLIT = dict(greedy_mixed_step=True, fresh_prompt_attention=True, fresh_prompt_min_tokens=16,
+             prompt_step_head_layers=2, unroll_layers=True)   # a fresh prompt of 16 tokens or more: a SplitStep
+
+
+@pytest.mark.parametrize("quantization,split", [("fp8", False), (None, False), ("fp8", True)])
+def test_the_options_reach_the_steps_of_w8a8_rows(monkeypatch, quantization, split):
+    """An option name XLA does not know in place of NO_TRITON_GEMM: an fp8 engine's steps below FP8_W8A8_ROWS rows
+    compile without it (two prompts decode at two rows), and its first step of FP8_W8A8_ROWS rows or more fails (so
+    the options are passed there); a bf16 engine runs every step (they are passed to no other model). split: one
+    sequence's prompt step as two executables (prompt_step_head_layers), each taking the options as the step does."""
     monkeypatch.setattr(compiler_options, "NO_TRITON_GEMM", {"xla_not_an_option": False})
-    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 64)
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 32)
 
-    def generate():
+    def generate(prompts):
         llm = LLM(STORIES, ops="pallas-interpret", quantization=quantization, max_num_seqs=2,
-                  max_num_batched_tokens=64, progress=False, executable_cache=False)
+                  max_num_batched_tokens=64, progress=False, executable_cache=False,
+                  **(SPLIT if split else {}))
         assert llm.engine.runner.compiler_options == ({"xla_not_an_option": False} if quantization else {})
-        return llm.generate(["once upon a time"], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert any(isinstance(s, SplitStep) for s in llm.engine.runner.steps.values()) == split
+        return llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))
 
+    short = ["once upon a time", "the cat"]                         # prompt steps of a 16-row bucket
+    assert [len(o.outputs[0].token_ids) for o in generate(short)] == [4, 4]
+    long = ["once upon a time there was a little girl who liked to play in the park with her dog"]
     if quantization:
         with pytest.raises(Exception, match="xla_not_an_option"):
-            generate()
+            generate(long)
     else:
-        assert len(generate().outputs[0].token_ids) == 4
+        assert len(generate(long)[0].outputs[0].token_ids) == 4
 
 
 def test_an_fp8_engine_generates_with_the_options_on_the_cpu(monkeypatch):

@@ -282,8 +282,9 @@ SKINNY_GEMM_8BIT: dict[tuple[int, int, str, int], SkinnyConfig] = {}
 # the products HOPPER_GEMM_8BIT and SKINNY_GEMM_8BIT do not (at 1k / 8k prompt rows o_proj and down; every product at
 # other row counts and at batch 64). Qwen3-4B on the H100 (2026-12-06, one process a variant, against bf16 in the
 # same process): prefill 1k 1.16x / 1.17x and 8k 1.16x / 1.19x with it, against 1.04x / 1.08x with the converted
-# values; batch 64 at 1k 1.13x against 1.10x. The fewest rows measured; 16-row products lost (2026-12-03). The steps
-# of a model it reaches compile without XLA's Triton GEMM fusions (runner/compiler_options.py).
+# values; batch 64 at 1k 1.13x against 1.10x. The fewest rows measured; 16-row products lost (2026-12-03). A model's
+# steps of this many rows or more compile without XLA's Triton GEMM fusions, its smaller ones with them (their
+# converted values fused into the GEMM: runner/compiler_options.py).
 FP8_W8A8_ROWS: int | None = 64
 
 # The same for int8 per-channel weights on int8 tensor cores (ops.pallas.int8_w8a8_product: each row of x quantized

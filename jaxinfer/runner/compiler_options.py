@@ -1,6 +1,8 @@
-"""The XLA options a model's steps compile with, chosen from what the model holds."""
+"""The XLA options a model's steps compile with, chosen from what the model holds and the rows a step runs."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +27,44 @@ def runs_fp8_w8a8(params) -> bool:
 
 
 def step_compiler_options(params) -> dict[str, bool]:
-    """jax.jit's compiler_options for the steps of a model with these parameters: NO_TRITON_GEMM where XLA's fp8
-    W8A8 GEMMs run (runs_fp8_w8a8), else none (every other model compiles as it always has)."""
+    """jax.jit's compiler_options for the steps of a model with these parameters whose products run XLA's fp8 W8A8
+    GEMM (tables.FP8_W8A8_ROWS token rows or more): NO_TRITON_GEMM where the model has such products
+    (runs_fp8_w8a8), else none (every other model compiles as it always has)."""
     return dict(NO_TRITON_GEMM) if runs_fp8_w8a8(params) else {}
+
+
+class RowsJit:
+    """A step jitted twice: compiled with `options` for batches of `min_rows` token rows or more (their fp8 products
+    run XLA's W8A8 GEMM), without them below. Below, the products are XLA's converted values (fp8 to bf16), which XLA
+    fuses into its Triton GEMMs reading one byte a weight; without the fusions it writes a bf16 copy of each matrix
+    first (5 bytes a weight: H100, 2026-12-06, fp8 batch-64 end to end, whose last steps run 2-62 rows: 12.0-12.3 ms
+    a token with the option on every step, 8.7 without W8A8). Called, lowered and traced as the jitted step is;
+    the batch is argument `batch_arg` and `rows_of(batch)` its rows."""
+
+    def __init__(self, fn: Callable, options: dict[str, Any], min_rows: int, rows_of: Callable[[Any], int],
+                 batch_arg: int = 3, **jit_kw):
+        self.with_options = jax.jit(fn, compiler_options=options, **jit_kw)
+        self.without = jax.jit(fn, **jit_kw)
+        self.min_rows, self.rows_of, self.batch_arg = min_rows, rows_of, batch_arg
+
+    def pick(self, args: tuple):
+        """The jitted step these arguments run."""
+        return self.with_options if self.rows_of(args[self.batch_arg]) >= self.min_rows else self.without
+
+    def __call__(self, *args):
+        return self.pick(args)(*args)
+
+    def lower(self, *args):
+        return self.pick(args).lower(*args)
+
+    def trace(self, *args):
+        return self.pick(args).trace(*args)
+
+
+def step_jit(params, rows_of: Callable[[Any], int]) -> Callable[..., Any]:
+    """jit(fn, batch_arg=3, **jax.jit's keywords) for a model's steps: jax.jit, or for a model whose products reach
+    XLA's fp8 W8A8 GEMM a RowsJit with step_compiler_options from tables.FP8_W8A8_ROWS rows."""
+    options = step_compiler_options(params)
+    if not options:
+        return lambda fn, batch_arg=3, **kw: jax.jit(fn, **kw)
+    return lambda fn, batch_arg=3, **kw: RowsJit(fn, options, tables.FP8_W8A8_ROWS, rows_of, batch_arg, **kw)

@@ -26,8 +26,9 @@ from jaxinfer.errors import DeviceMemoryError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
 from jaxinfer.model.tensor_parallel import allocate_kv
+from jaxinfer.pallas import tables
 from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
-from jaxinfer.runner.compiler_options import step_compiler_options
+from jaxinfer.runner.compiler_options import step_compiler_options, step_jit
 from jaxinfer.runner.executable_cache import ExecutableCache
 from jaxinfer.runner.split_step import SplitStep
 from jaxinfer.runner.steps import (decode_forward, decode_sample, decode_steps, init_row, mixed_step,
@@ -92,8 +93,9 @@ class ModelRunner:
         self.capture_layers = tuple(capture_layers)
         self.captured: jax.Array | None = None   # [len(capture_layers), T, D] of the last prompt or verify step
         unroll, n_top = t.unroll_layers, config.max_logprobs
+        # the options of the steps whose fp8 products run XLA's W8A8 (tables.FP8_W8A8_ROWS rows or more), if any
         self.compiler_options = step_compiler_options(params)
-        jit = self._jit = functools.partial(jax.jit, compiler_options=self.compiler_options or None)
+        jit = self._jit = step_jit(params, bucket_of)
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for sampler in samplers_built(t.plain_sampling_step, None, decode=True):
                 v = StepVariant("decode", sampler, steps=n)
@@ -127,12 +129,14 @@ class ModelRunner:
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
         # a constrained decode step, in two dispatches (steps.decode_forward, decode_sample by sampler), compiled on
         # first use
-        self._masked_forward = jit(functools.partial(decode_forward, cfg, ops, unroll), donate_argnums=(1,))
+        self._masked_forward = jit(functools.partial(decode_forward, cfg, ops, unroll), batch_arg=2,
+                                   donate_argnums=(1,))
         self._masked_samples: dict[str, Any] = {}
-        self._init_row = jit(init_row, donate_argnums=(0,))
+        self._init_row = jax.jit(init_row, donate_argnums=(0,))
         # What the steps are built from besides their arguments: the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll, n_top,
-                               t.plain_sampling_step, t.prompt_step_head_layers, self.compiler_options))
+                               t.plain_sampling_step, t.prompt_step_head_layers, self.compiler_options,
+                               tables.FP8_W8A8_ROWS if self.compiler_options else None))
         self.executable_cache = executable_cache
         self._executables: dict[StepKey, Any] = {}   # loaded or compiled, by variant, bucket and part
         self._called: set[tuple[StepVariant, int]] = set()
@@ -215,8 +219,8 @@ class ModelRunner:
         fn = self._masked_samples.get(sampler)
         if fn is None:
             v = StepVariant("decode", sampler)
-            fn = self._jit(functools.partial(decode_sample, v.n_top(self.max_logprobs), v.greedy, v.method),
-                         donate_argnums=(0,))
+            fn = jax.jit(functools.partial(decode_sample, v.n_top(self.max_logprobs), v.greedy, v.method),
+                         donate_argnums=(0,))   # no products: the options never apply
             self._masked_samples[sampler] = fn
         self.state, advanced, *out = fn(self.state, batch, logits, bitmask)
         return advanced, tuple(out)
