@@ -42,6 +42,7 @@
 #   part 34 (issue 43): the same sweep at batched-decode rows (32 and 64 tokens)
 #   part 35 (issue 39): fp8 batch 64 with all four products on the skinny kernel in W8A8, with and without the row
 #          quantization kernel
+#   part 36 (issue 39): fp8 batch 64 end to end with the Triton GEMM fusions kept below FP8_W8A8_ROWS, against W8A8 off
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -302,6 +303,15 @@ case "${1:-1}" in
     TAIL=40 step fp8_b64_all_skinny_row_kernel 240 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 \
          experiments/with_tables.py ROW_QUANTIZE_KERNEL=True -- $T --profile 64
     TAIL=6 step fp8_b64_all_skinny_xla_rows 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
+    ;;
+  36)  # fp8 batch 64's end-to-end step since the steps below FP8_W8A8_ROWS rows keep XLA's Triton GEMM fusions (the
+       # batch's last steps run 2-62 rows: their converted values fused again), against W8A8 off (FP8_W8A8_ROWS =
+       # None: every step with the fusions, as before aae24cd); one process each, bf16 in each
+    T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --quantization fp8 --out $OUT"
+    TAIL=6 step fp8_b64_rows_jit 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
+    TAIL=6 step fp8_b64_w8a8_off 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
+         FP8_W8A8_ROWS=None -- $T
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
