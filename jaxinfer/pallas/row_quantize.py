@@ -10,9 +10,10 @@ to +-top, int8 rounded to nearest (ties to even), cast; the scale is max times 1
 (its algebraic simplifier turns a division by a constant into a product with its reciprocal, on every backend). top /
 max is IEEE's division (PTX div.rn: Triton's own float division is an approximate one) and the rounding is cvt.rni,
 so the scales are the bits quantize_rows gives the same row, and so are the values where XLA divides as IEEE does
-(XLA:CPU; on an H100 its quantize_rows put ~0.03% of int8 values one step away, 2026-12-06). The norm is reference.rms_norm's (the mean of squares in float32, the normed row
-rounded to x's dtype, then times the scale); its sum runs in another order than XLA's, so a normed value may land a
-rounding step away, as in the other kernels with a norm prologue (residual_norm.py, fused_gemv.py).
+(XLA:CPU; on an H100 its quantize_rows put ~0.03% of int8 values one step away, 2026-12-06). The norm is
+reference.rms_norm's (the mean of squares in float32, the normed row rounded to x's dtype, then times the scale); its
+sum runs in another order than XLA's, so a normed value may land a rounding step away, as in the other kernels with
+a norm prologue (residual_norm.py, fused_gemv.py).
 """
 
 from __future__ import annotations

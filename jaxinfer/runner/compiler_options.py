@@ -37,9 +37,9 @@ class RowsJit:
     """A step jitted twice: compiled with `options` for batches of `min_rows` token rows or more (their fp8 products
     run XLA's W8A8 GEMM), without them below. Below, the products are XLA's converted values (fp8 to bf16), which XLA
     fuses into its Triton GEMMs reading one byte a weight; without the fusions it writes a bf16 copy of each matrix
-    first (5 bytes a weight: H100, 2026-12-06, fp8 batch-64 end to end, whose last steps run 2-62 rows: 12.0-12.3 ms
-    a token with the option on every step, 8.7 without W8A8). Called, lowered and traced as the jitted step is;
-    the batch is argument `batch_arg` and `rows_of(batch)` its rows."""
+    first, ~5 bytes a weight (inferred from fp8 batch 64 end to end on an H100, 2026-12-06, whose last steps run 2-62
+    rows: 12.0-12.3 ms a step with the option on every step, 8.7 without W8A8). Called, lowered and traced as the
+    jitted step is; the batch is argument `batch_arg` and `rows_of(batch)` its rows."""
 
     def __init__(self, fn: Callable, options: dict[str, Any], min_rows: int, rows_of: Callable[[Any], int],
                  batch_arg: int = 3, **jit_kw):
