@@ -85,14 +85,12 @@ def test_grouped_products_are_checked():
 
 
 @pytest.mark.parametrize("E, N, K, epilogue, config, A", [
-    (8, 28672, 4096, "swiglu", HopperConfig(64, 128, 64, 3), 2048),     # Mixtral-8x7B's gate/up at 1k tokens
-    (8, 4096, 14336, "none", HopperConfig(64, 128, 64, 4), 2048),       # and its down
-    (128, 1536, 2048, "swiglu", HopperConfig(64, 64, 64, 4), 8192),     # Qwen3-30B-A3B's, 1k tokens
-    (128, 2048, 768, "none", HopperConfig(64, 128, 64, 4), 8192),
-])
+    (E, N, K, epilogue, config, A) for (E, N, K, epilogue), rows in tables.HOPPER_GROUPED_GEMM.items()
+    for first, last, config in rows for A in (first, last)])
 def test_grouped_configs_lower_for_the_gpu(E, N, K, epilogue, config, A):
-    """The grouped kernel at the real MoE shapes through Mosaic GPU's lowering for CUDA (no GPU needed), the stack
-    read as [L * E, N, K]."""
+    """Each row of tables.HOPPER_GROUPED_GEMM (Mixtral-8x7B's and Qwen3-30B-A3B's products) at the first and last
+    assignment counts it takes, through Mosaic GPU's lowering for CUDA (no GPU needed), the stack read as
+    [L * E, N, K]."""
     P = et.padded_rows(A, E, hopper_gemm.cta_tile(config)[0])
     x = jax.ShapeDtypeStruct((P, K), bf16)
     w = jax.ShapeDtypeStruct((2 * E, N, K), bf16)

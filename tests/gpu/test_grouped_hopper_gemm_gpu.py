@@ -1,5 +1,5 @@
 """On the GPU: the grouped Mosaic GPU GEMM (hopper_gemm's row_tile_group) at Mixtral-8x7B's and Qwen3-30B-A3B's 1k
-prefill shapes, random routings in the padded layout (pallas/expert_tiles.py), each tile against its expert's own
+prefill shapes and their table's configs, random routings in the padded layout (pallas/expert_tiles.py), each tile against its expert's own
 product (twins.hopper_gemm); then ops.pallas.moe_mlp with both products tabled against the Triton grouped GEMM.
 
 Run on the H200: PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_grouped_hopper_gemm_gpu.py
@@ -18,9 +18,19 @@ from jaxinfer.pallas.hopper_gemm import HopperConfig
 pytestmark = pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="needs a GPU")
 bf16 = jnp.bfloat16
 
-# (experts, top_k, tokens, D, I, gate/up config, down config)
-SHAPES = {"mixtral-8x7b": (8, 2, 1024, 4096, 14336, HopperConfig(64, 128, 64, 3), HopperConfig(64, 128, 64, 4)),
-          "qwen3-30b-a3b": (128, 8, 1024, 2048, 768, HopperConfig(64, 64, 64, 4), HopperConfig(64, 128, 64, 4))}
+# (experts, top_k, tokens, D, I); the configs tables.HOPPER_GROUPED_GEMM gives their 1k prefill
+SIZES = {"mixtral-8x7b": (8, 2, 1024, 4096, 14336), "qwen3-30b-a3b": (128, 8, 1024, 2048, 768)}
+
+
+def _shape(name: str) -> tuple[int, int, int, int, int, HopperConfig, HopperConfig]:
+    E, top_k, T, D, I = SIZES[name]
+    up = hopper_gemm.grouped_table_config(T * top_k, E, 2 * I, D, "swiglu")
+    down = hopper_gemm.grouped_table_config(T * top_k, E, D, I, "none")
+    assert up is not None and down is not None
+    return E, top_k, T, D, I, up, down
+
+
+SHAPES = {name: _shape(name) for name in SIZES}
 
 
 def _routing(key, T, top_k, E):
