@@ -7,7 +7,11 @@
 
 1. Decode step time at each batch size B, every sequence at `--context` tokens: roofline per step =
    max(bytes / HBM read bandwidth, FLOPs / dense GEMM rate), bytes = weights once + each sequence's
-   K/V, FLOPs = 2 * params * B (+ attention), both ceilings measured in this run.
+   K/V, FLOPs = 2 * params * B (+ attention), both ceilings measured in this run. Beside the device's step, two
+   end-to-end ones (the engine's whole loop): over a run of --steps tokens, whose prompts finish prefill a chunk
+   apart so that most of its steps run fewer than B rows (the batch's tail), and over the --steps more steps that a
+   run of twice the tokens adds, all of B rows once every prompt is done before the first sequence is (the full
+   batch: prefill chunks fewer than --steps).
 2. Offline throughput: `--requests` requests, prompt lengths uniform in [64, 1024], output lengths
    uniform in [16, 512] (seeded), all submitted at once; generated tokens / wall time.
 3. Prefix caching: time to first token of a request whose `--system`-token system prompt is cached
@@ -77,6 +81,14 @@ def run_all(engine: Engine, prompts, params) -> tuple[float, list]:
     return time.perf_counter() - t0, [engine.take_finished(i) for i in ids]
 
 
+def _percent(share: float | None) -> str:
+    return "-" if share is None else f"{100 * share:.1f}%"
+
+
+ROW_HEADER = ("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | share "
+              "| full-batch end-to-end ms | share | roofline ms | greedy tokens |")
+
+
 def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=(), warm_all: bool = False,
                  weight_bytes: float | None = None, base: list[dict] | None = None,
                  tensor_parallel_size: int = 1) -> list[dict]:
@@ -88,8 +100,8 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
     for B in batches:
         prompts = [rng.integers(100, cfg.vocab_size - 100, context).tolist() for _ in range(B)]
         params = [SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)] * B
-        if warm_all:   # both runs below once, so that each compiles what it takes first
-            for n in (1, steps):
+        if warm_all:   # the runs below once each, so that each compiles what it takes first
+            for n in (1, steps, 2 * steps):
                 run_all(engine, prompts, [dataclasses.replace(p, max_tokens=n) for p in params])
         else:
             run_all(engine, prompts[:1], params[:1])                 # warm
@@ -100,6 +112,11 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         full, outs = run_all(engine, prompts, params)
         tokens_sha = tokens_fingerprint([o.outputs[0].token_ids for o in outs])
         step_ms = 1e3 * (full - prefill_only) / (steps - 1)
+        # The prompts finish prefill a chunk apart, so most of those steps run fewer than B rows (the batch's tail).
+        # A run of twice the tokens adds `steps` steps of all B rows where every sequence is done with its prompt
+        # before the first is done decoding: the batch's own end-to-end step.
+        double, _ = run_all(engine, prompts, [dataclasses.replace(p, max_tokens=2 * steps) for p in params])
+        full_batch_ms = 1e3 * (double - full) / steps
         # a mixture of experts reads the experts that B tokens' top-k choices are expected to touch (uniform routing,
         # as random weights route) and multiplies each token by its top-k
         touched = cfg.num_experts * (1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** B) if cfg.num_experts \
@@ -112,12 +129,15 @@ def decode_sweep(engine, cfg, batches, context, steps, bw, gemm, rng, profile=()
         raw_ms = raw_decode_step_ms(engine, B, context)
         row = dict(batch=B, step_ms=step_ms, tok_s=1e3 * B / step_ms, roofline_ms=roof_ms,
                    share=roof_ms / step_ms, decode_step_ms=raw_ms, decode_share=roof_ms / raw_ms, tokens_sha=tokens_sha,
+                   full_batch_step_ms=full_batch_ms,
+                   full_batch_share=roof_ms / full_batch_ms if full_batch_ms > 0 else None,   # (noise at tiny sizes)
                    weight_bytes=weights, kv_bytes=kv, tensor_parallel_size=tensor_parallel_size)
         same = [b for b in base or [] if b["batch"] == B]
         if same:
             row["speedup_vs_bf16"] = same[0]["decode_step_ms"] / raw_ms
         print(f"| {B} | {raw_ms:.3f} | {1e3 * B / raw_ms:,.0f} | {100 * roof_ms / raw_ms:.1f}% | {step_ms:.3f} | "
-              f"{row['tok_s']:,.0f} | {roof_ms:.3f} | {100 * row['share']:.1f}% | {tokens_sha} |"
+              f"{row['tok_s']:,.0f} | {100 * row['share']:.1f}% | {full_batch_ms:.3f} | "
+              f"{_percent(row['full_batch_share'])} | {roof_ms:.3f} | {tokens_sha} |"
               + (f" {row['speedup_vs_bf16']:.2f} |" if same else ""), flush=True)
         if B in profile:
             row["profile"] = trace_engine_decode(engine, prompts, params, f"/tmp/trace-batch-{B}")
@@ -201,9 +221,8 @@ def quantized_decode(model_dir, cfg, args, bw, gemm, max_len, base: list[dict]) 
         print(f"\n## decode step at {args.context} tokens of context, {q} weights ({weight_bytes / 1e6:,.1f} MB a step, "
               f"the roofline's weight bytes), KV cache {np.dtype(engine.kv_dtype).name}; the last column: decode step "
               "x bf16's")
-        print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens "
-              "| x bf16 |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print(ROW_HEADER + " x bf16 |")
+        print("|---" * 12 + "|")
         out[q] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, np.random.default_rng(0),
                               args.profile, warm_all=args.lazy_compile, weight_bytes=weight_bytes, base=base,
                               tensor_parallel_size=args.tensor_parallel_size)
@@ -303,9 +322,10 @@ def main() -> None:
     print(f"# engine start {out['start_s']['total']:.1f} s (compile {engine.compile_seconds:.1f} s)", flush=True)
 
     print(f"\n## decode step at {args.context} tokens of context: the device alone (back-to-back dispatches), "
-          "then end to end ((wall(n tokens) - wall(1 token)) / (n - 1), decodes riding in prefill steps included)")
-    print("| batch | decode step ms | tok/s | share | end-to-end step ms | tok/s | roofline ms | share | greedy tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "then end to end ((wall(n tokens) - wall(1 token)) / (n - 1), decodes riding in prefill steps included, and "
+          "the batch's tail of fewer rows), then the full batch end to end ((wall(2n) - wall(n)) / n)")
+    print(ROW_HEADER)
+    print("|---" * 11 + "|")
     out["decode"] = decode_sweep(engine, cfg, args.batches, args.context, args.steps, bw, gemm, rng, args.profile,
                                  warm_all=args.lazy_compile, tensor_parallel_size=args.tensor_parallel_size)
     if args.decode_only:
