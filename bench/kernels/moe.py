@@ -148,7 +148,7 @@ def sweep_mosaic(shape, name, a, w, experts, order, epilogue, ref, xla_ms, flops
         if not hopper_gemm.supported(hopper_gemm.cta_tile(cfg)[0], w.shape[2], a.shape[1], epilogue, cfg):
             continue
         row = dict(shape=shape, T=T, what=name, config=f"mosaic {_name(cfg)}")
-        tiles = et.expert_tiles(experts, E, hopper_gemm.cta_tile(cfg)[0])
+        tiles = et.expert_tiles(*reference.sort_by_expert(experts, E), hopper_gemm.cta_tile(cfg)[0])
         padded = et.gather_rows(by_assignment, tiles, 1)
         stack = w.reshape(-1, *w.shape[2:])
         groups = jnp.where(tiles.tile_expert >= 0, E + tiles.tile_expert, -1)   # layer 1 of the [2, E] stack

@@ -541,7 +541,7 @@ def _moe_on_hopper(x, experts, gate_up, layer, down, down_layer, top_k: int, cfg
     layout of pallas/expert_tiles.py, gate/up + SwiGLU then down on each tile's expert, read in place from the [L,
     E, N, K] stacks as [L * E, N, K] (a reshape, no copy; group layer * E + expert)."""
     E = gate_up.shape[1]
-    tiles = expert_tiles(experts, E, hopper_gemm.cta_tile(cfg_up)[0])
+    tiles = expert_tiles(*reference.sort_by_expert(experts, E), hopper_gemm.cta_tile(cfg_up)[0])
 
     def groups(stack_layer):   # each tile's matrix in the [L * E] view of a stack read at stack_layer
         return jnp.where(tiles.tile_expert >= 0, stack_layer * E + tiles.tile_expert, -1).astype(jnp.int32)
@@ -560,9 +560,10 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate_up: jax.Array, w_down: jax.A
     the first routing from the logits and reading only the chosen experts' matrices, the second taking its routes and
     summing the experts' outputs into the residual. More rows: softmax and top-k in XLA, the assignments sorted by
     expert (reference.sort_by_expert) through the grouped GEMM (pallas/grouped_gemm.py, each expert's rows in tiles;
-    on Hopper, where tables.HOPPER_GROUPED_GEMM has both products, the grouped Mosaic GPU GEMM), each expert's output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight
-    stacks): both kernels read their values and scales; from tables.GROUPED_W8A8_ROWS assignments on, per-channel
-    ones in W8A8 (each row of x, and of the SwiGLU's output, quantized to the experts' format)."""
+    on Hopper, where tables.HOPPER_GROUPED_GEMM has both products, the grouped Mosaic GPU GEMM), each expert's
+    output weighted and summed in float32 as reference.moe_mlp. 8-bit experts (QuantizedWeight stacks): both kernels
+    read their values and scales; from tables.GROUPED_W8A8_ROWS assignments on, per-channel ones in W8A8 (each row
+    of x, and of the SwiGLU's output, quantized to the experts' format)."""
     T = x.shape[0]
     logits = linear(x, router, interpret=interpret)
     if T == 1:

@@ -27,17 +27,16 @@ class ExpertTiles:
     tile_expert: jax.Array   # int32 [P / tile]: the expert of each tile of rows, -1 where it holds none
 
 
-def expert_tiles(experts: jax.Array, num_experts: int, tile: int) -> ExpertTiles:
-    """The padded layout of the assignments experts [T, top_k] (int32 expert ids), `tile` rows a tile."""
-    a = experts.reshape(-1).astype(jnp.int32)
-    A = a.shape[0]
+def expert_tiles(order: jax.Array, group_sizes: jax.Array, tile: int) -> ExpertTiles:
+    """The padded layout, `tile` rows a tile, of the assignments sorted by expert as reference.sort_by_expert gives
+    them: order [A] (the assignment at each sorted row) and group_sizes [E] (each expert's assignments)."""
+    A, num_experts = order.shape[0], group_sizes.shape[0]
     P = padded_rows(A, num_experts, tile)
-    counts = jnp.zeros(num_experts, jnp.int32).at[a].add(1)
+    counts = group_sizes.astype(jnp.int32)
     padded = -(-counts // tile) * tile
     start = jnp.cumsum(padded) - padded               # each expert's first padded row
     first = jnp.cumsum(counts) - counts               # each expert's first row in sorted order
-    order = jnp.argsort(a, stable=True)               # assignments sorted by expert, in token order within one
-    sorted_experts = a[order]
+    sorted_experts = jnp.repeat(jnp.arange(num_experts, dtype=jnp.int32), counts, total_repeat_length=A)
     rank = jnp.arange(A, dtype=jnp.int32) - first[sorted_experts]
     position = jnp.zeros(A, jnp.int32).at[order].set(start[sorted_experts] + rank)
     source = jnp.full(P, A, jnp.int32).at[position].set(jnp.arange(A, dtype=jnp.int32))

@@ -47,20 +47,20 @@ def table_config(M: int, N: int, K: int, epilogue: str, eight_bit: str | None = 
     (tables.HOPPER_GEMM_8BIT)."""
     table, key = ((tables.HOPPER_GEMM_8BIT, (N, K, epilogue, eight_bit)) if eight_bit
                   else (tables.HOPPER_GEMM, (N, K, epilogue)))
-    for first, last, config in table.get(key, ()):
-        if first <= M <= last and supported(M, N, K, epilogue, config):
-            return config
-    return None
+    return _measured(table.get(key, ()), M, lambda config: supported(M, N, K, epilogue, config))
 
 
 def grouped_table_config(assignments: int, E: int, N: int, K: int, epilogue: str) -> HopperConfig | None:
     """The measured config for a mixture of experts' product of `assignments` rows (tokens x top_k) over E experts'
     [N, K] matrices (tables.HOPPER_GROUPED_GEMM), or None. Its columns and depth must tile; the rows always do (the
     padded layout is whole tiles)."""
-    for first, last, config in tables.HOPPER_GROUPED_GEMM.get((E, N, K, epilogue), ()):
-        if first <= assignments <= last and supported(cta_tile(config)[0], N, K, epilogue, config):
-            return config
-    return None
+    return _measured(tables.HOPPER_GROUPED_GEMM.get((E, N, K, epilogue), ()), assignments,
+                     lambda config: supported(cta_tile(config)[0], N, K, epilogue, config))
+
+
+def _measured(rows, count: int, fits) -> HopperConfig | None:
+    """The config of the first table row (first, last, config) whose range holds `count` and that `fits`."""
+    return next((config for first, last, config in rows if first <= count <= last and fits(config)), None)
 
 
 def cta_tile(config: HopperConfig) -> tuple[int, int]:

@@ -95,7 +95,7 @@ class ModelRunner:
         unroll, n_top = t.unroll_layers, config.max_logprobs
         # the options of the steps whose fp8 products run XLA's W8A8 (tables.FP8_W8A8_ROWS rows or more), if any
         self.compiler_options = step_compiler_options(params)
-        jit = self._jit = step_jit(params, bucket_of)
+        jit = step_jit(params, bucket_of)
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for sampler in samplers_built(t.plain_sampling_step, None, decode=True):
                 v = StepVariant("decode", sampler, steps=n)

@@ -1,6 +1,7 @@
 """On the GPU: the grouped Mosaic GPU GEMM (hopper_gemm's row_tile_group) at Mixtral-8x7B's and Qwen3-30B-A3B's 1k
-prefill shapes and their table's configs, random routings in the padded layout (pallas/expert_tiles.py), each tile against its expert's own
-product (twins.hopper_gemm); then ops.pallas.moe_mlp with both products tabled against the Triton grouped GEMM.
+prefill shapes and their table's configs, random routings in the padded layout (pallas/expert_tiles.py), each tile
+against its expert's own product (twins.hopper_gemm); then ops.pallas.moe_mlp with both products tabled against the
+Triton grouped GEMM.
 
 Run on the H200: PYTHONPATH=. python3 -m pytest -q -o addopts= tests/gpu/test_grouped_hopper_gemm_gpu.py
 """
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.ops import LayerWeight, get_ops, twins
+from jaxinfer.ops import LayerWeight, get_ops, reference, twins
 from jaxinfer.pallas import expert_tiles as et
 from jaxinfer.pallas import hopper_gemm, tables
 from jaxinfer.pallas.hopper_gemm import HopperConfig
@@ -45,7 +46,7 @@ def test_each_tile_is_its_experts_product(shape, product):
     E, top_k, T, D, I, cfg_up, cfg_down = SHAPES[shape]
     N, K, epilogue, cfg = (2 * I, D, "swiglu", cfg_up) if product == "gate_up" else (D, I, "none", cfg_down)
     ks = jax.random.split(jax.random.PRNGKey(E + N), 3)
-    tiles = et.expert_tiles(_routing(ks[0], T, top_k, E), E, hopper_gemm.cta_tile(cfg)[0])
+    tiles = et.expert_tiles(*reference.sort_by_expert(_routing(ks[0], T, top_k, E), E), hopper_gemm.cta_tile(cfg)[0])
     x = et.gather_rows(jax.random.normal(ks[1], (T, K), jnp.float32).astype(bf16), tiles, top_k)
     w = (jax.random.normal(ks[2], (E, N, K), jnp.float32) / np.sqrt(K)).astype(bf16)
     y = np.asarray(hopper_gemm.hopper_gemm(x, w, epilogue=epilogue, row_tile_group=tiles.tile_expert, config=cfg),
