@@ -61,10 +61,9 @@ class RowsJit:
         return self.pick(args).trace(*args)
 
 
-def step_jit(params, rows_of: Callable[[Any], int]) -> Callable[..., Any]:
-    """jit(fn, batch_arg=3, **jax.jit's keywords) for a model's steps: jax.jit, or for a model whose products reach
-    XLA's fp8 W8A8 GEMM a RowsJit with step_compiler_options from tables.FP8_W8A8_ROWS rows."""
-    options = step_compiler_options(params)
+def step_jit(options: dict[str, Any], rows_of: Callable[[Any], int]) -> Callable[..., Any]:
+    """jit(fn, batch_arg=3, **jax.jit's keywords) for a model's steps, given its step_compiler_options: jax.jit where
+    there are none, else a RowsJit taking them from tables.FP8_W8A8_ROWS rows."""
     if not options:
         return lambda fn, batch_arg=3, **kw: jax.jit(fn, **kw)
     return lambda fn, batch_arg=3, **kw: RowsJit(fn, options, tables.FP8_W8A8_ROWS, rows_of, batch_arg, **kw)

@@ -95,12 +95,12 @@ class ModelRunner:
         unroll, n_top = t.unroll_layers, config.max_logprobs
         # the options of the steps whose fp8 products run XLA's W8A8 (tables.FP8_W8A8_ROWS rows or more), if any
         self.compiler_options = step_compiler_options(params)
-        jit = step_jit(params, bucket_of)
+        jit = step_jit(self.compiler_options, bucket_of)
         for n in {self.decode_steps_for(b) for b in self.batch_buckets}:
             for sampler in samplers_built(t.plain_sampling_step, None, decode=True):
                 v = StepVariant("decode", sampler, steps=n)
                 self.steps[v] = jit(functools.partial(decode_steps, cfg, ops, n, unroll, v.n_top(n_top), v.greedy,
-                                                          method=v.method), donate_argnums=(1, 2))
+                                                      method=v.method), donate_argnums=(1, 2))
         attentions = ["paged"] + ["fresh"] * (self.fresh_prompt_min_tokens > 0) + \
             ["prefixed"] * bool(self.fresh_prompt_min_tokens and t.prefixed_chunk_attention)
         for attention in attentions:
@@ -121,9 +121,9 @@ class ModelRunner:
                 for attention in attentions:
                     v = StepVariant("verify", sampler, attention, steps=width)
                     self.steps[v] = jit(functools.partial(verify_step, cfg, ops, v.n_top(n_top), greedy=v.greedy,
-                                                              attention=attention, method=v.method,
-                                                              capture=self.capture_layers),
-                                            donate_argnums=(1, 2))
+                                                          attention=attention, method=v.method,
+                                                          capture=self.capture_layers),
+                                        donate_argnums=(1, 2))
         if config.enable_prompt_logprobs:
             self.steps[StepVariant("prompt-logprobs")] = jit(
                 functools.partial(mixed_step_prompt_logprobs, cfg, ops, n_top), donate_argnums=(1, 2))
