@@ -157,7 +157,10 @@ def greedy_decode_batch(engine, B: int, context: int, pages: list[int], per_seq:
     a = r.empty_decode(r.batch_bucket(B))
     for b in range(B):
         a["page_table"][b, :per_seq] = pages[b * per_seq:(b + 1) * per_seq]
-    a["tokens"][:B], a["positions"][:B], a["remaining"][:B], a["active"][:B] = 7, context, 10**6, True
+    # a different token a row: rows of one token would route a mixture of experts' rows alike (a few experts read)
+    lo = min(100, r.cfg.vocab_size // 4)
+    a["tokens"][:B] = lo + np.arange(B) * 7919 % (r.cfg.vocab_size - 2 * lo)
+    a["positions"][:B], a["remaining"][:B], a["active"][:B] = context, 10**6, True
     a["state_row"][:B] = np.arange(B)
     params = SamplingParams(temperature=0, ignore_eos=True)
     return jax.device_put(DecodeBatch(**a, sampling=SamplingArrays.from_params([params] * B, [0] * B,
