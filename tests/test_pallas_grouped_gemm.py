@@ -120,3 +120,64 @@ def test_lowers_to_triton_at_real_shapes(monkeypatch, T):
 
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @__gpu$xla.gpu.triton") >= 2
+
+
+def test_table_rows_share_one_schedule_for_both_products():
+    """Every row of tables.GROUPED_GEMM: a valid config, and at each assignment count the gate/up's and the down's
+    rows at one block_m (else table_configs gives None and the block falls back to choose_config's pair)."""
+    from jaxinfer.pallas import grouped_gemm as gg, tables
+
+    table = tables.GROUPED_GEMM
+    assert table
+    for (E, N, K, epilogue), rows in table.items():
+        for first, last, c in rows:
+            assert 0 < first <= last
+            assert all(v > 0 and v & (v - 1) == 0 for v in (c.block_m, c.block_n, c.block_k)) and c.block_m >= 16
+        if epilogue == "swiglu":
+            assert (E, K, N // 2, "none") in table
+            for a in sorted({r[0] for r in rows} | {r[1] for r in rows}):
+                up, down = gg.table_configs(a, E, N, K)
+                assert up.block_m == down.block_m, a
+
+
+def test_moe_mlp_takes_the_table_configs_where_both_products_have_a_row(monkeypatch):
+    """The pallas ops' mixture of experts on batched rows runs tables.GROUPED_GEMM's configs where both products
+    have a row at that many assignments with one block_m (the reference's outputs), else choose_config's pair."""
+    from jaxinfer.ops import get_ops
+    from jaxinfer.ops import pallas as pallas_ops
+    from jaxinfer.pallas import tables
+    from jaxinfer.pallas.grouped_gemm import choose_config
+
+    T, D, I, E, top_k = 20, 64, 64, 4, 2
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    bf16 = jnp.bfloat16
+    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(bf16)
+    router = (jax.random.normal(ks[1], (E, D)) / np.sqrt(D)).astype(bf16)
+    w_gu = (jax.random.normal(ks[2], (2, E, 2 * I, D)) / np.sqrt(D)).astype(bf16)
+    w_dn = (jax.random.normal(ks[3], (2, E, D, I)) / np.sqrt(I)).astype(bf16)
+    layer = jnp.int32(1)
+    gu, dn, r = LayerWeight(w_gu, layer), LayerWeight(w_dn, layer), LayerWeight(router[None], jnp.int32(0))
+    want = np.asarray(reference.moe_mlp(x, router, w_gu[1], w_dn[1], top_k, True, residual=x), np.float32)
+
+    configs = []
+    real = pallas_ops.grouped_gemm
+    monkeypatch.setattr(pallas_ops, "grouped_gemm", lambda *a, **k: configs.append(k["config"]) or real(*a, **k))
+    monkeypatch.setattr(tables, "HOPPER_GROUPED_GEMM", {})
+    ops = get_ops("pallas-interpret")
+    up, down = GroupedGemmConfig(32, 32, 32, 4, 2), GroupedGemmConfig(32, 64, 16, 4, 3)
+    monkeypatch.setattr(tables, "GROUPED_GEMM", {(E, 2 * I, D, "swiglu"): ((T * top_k, T * top_k, up),),
+                                                 (E, D, I, "none"): ((T * top_k, T * top_k, down),)})
+    got = np.asarray(ops.moe_mlp(x, r, gu, dn, top_k, True, residual=x), np.float32)
+    assert configs == [up, down]
+    np.testing.assert_allclose(got, want, rtol=2 ** -6, atol=2 ** -5)
+
+    rule = choose_config(T * top_k / E, 2 * I, D, "swiglu")
+    for table in ({(E, 2 * I, D, "swiglu"): ((T * top_k, T * top_k, up),)},                       # no down row
+                  {(E, 2 * I, D, "swiglu"): ((T * top_k, T * top_k, up),),                       # two schedules
+                   (E, D, I, "none"): ((T * top_k, T * top_k, GroupedGemmConfig(16, 64, 16)),)},
+                  {(E, 2 * I, D, "swiglu"): ((1, T * top_k - 1, up),),                           # another count
+                   (E, D, I, "none"): ((1, T * top_k - 1, down),)}):
+        monkeypatch.setattr(tables, "GROUPED_GEMM", table)
+        configs.clear()
+        ops.moe_mlp(x, r, gu, dn, top_k, True, residual=x)
+        assert configs[0] == rule and configs[1].block_m == rule.block_m

@@ -55,8 +55,8 @@ from jaxinfer.pallas import (decode_attention, decode_attention_rope, hopper_att
                              prefill_attention, residual_norm, rope_kv_write, skinny_gemm, tables)
 from jaxinfer.pallas.expert_tiles import expert_tiles, gather_rows
 from jaxinfer.pallas.fused_gemv import MAX_T, block_in_for, fused_gemv, int8_convert_for, rows_for, warps_for
-from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config
-from jaxinfer.pallas.grouped_gemm import grouped_gemm, sorted_items
+from jaxinfer.pallas.grouped_gemm import choose_config as grouped_config, grouped_gemm, sorted_items
+from jaxinfer.pallas.grouped_gemm import table_configs as grouped_table_configs
 from jaxinfer.pallas.moe_gemv import routed_gemv
 from jaxinfer.pallas.row_quantize import row_quantize
 from jaxinfer.pallas.tables import HopperConfig
@@ -587,9 +587,12 @@ def _moe_on_triton(x, experts, gate_up, layer, gu_kw: dict, down, down_layer, dn
     T, D = x.shape
     E, two_i, _ = gate_up.shape[1:]
     order, group_sizes = reference.sort_by_expert(experts, E)
-    per_group = T * top_k / E
-    cfg_up, cfg_down = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
-    cfg_down = dataclasses.replace(cfg_down, block_m=cfg_up.block_m)   # one schedule for both products
+    cfgs = grouped_table_configs(T * top_k, E, two_i, D) if not (gu_kw or dn_kw) else None   # bf16 experts' rows
+    if cfgs is None:
+        per_group = T * top_k / E
+        cfgs = grouped_config(per_group, two_i, D, "swiglu"), grouped_config(per_group, D, two_i // 2)
+        cfgs = cfgs[0], dataclasses.replace(cfgs[1], block_m=cfgs[0].block_m)   # one schedule for both products
+    cfg_up, cfg_down = cfgs
     items = sorted_items(group_sizes, T * top_k, cfg_up.block_m)
     rows = order // top_k
     if _grouped_w8a8(T * top_k, gu_kw, dn_kw):   # x's rows quantized once, then gathered with their scales

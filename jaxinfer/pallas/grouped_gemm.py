@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxinfer.pallas import fp8_dot
+from jaxinfer.pallas import fp8_dot, tables
 from jaxinfer.pallas.blocks import (EIGHT_BIT, dot_precision, is_pow2, layer_operands, pow2_divisor, scale_shape,
                                      silu_mul, tile_mask, zero_fill)
 
@@ -42,23 +42,26 @@ i32 = jnp.int32
 EPILOGUES = ("none", "swiglu")
 WGMMA_ROWS = 64   # e4m3 products on tensor cores need wgmma, whose tiles are 64 rows
 
+GroupedGemmConfig = tables.GroupedGemmConfig
 fp8_dot.install("grouped_gemm_")   # W8A8's e4m3 tile products on wgmma (fp8_dot.py)
 
 
-@dataclasses.dataclass(frozen=True)
-class GroupedGemmConfig:
-    block_m: int = 64     # rows an item holds at most (a power of two >= 16: tensor-core tiles)
-    block_n: int = 64
-    block_k: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    split_k: int = 1
+def table_configs(assignments: int, E: int, two_i: int, D: int) -> tuple[GroupedGemmConfig, GroupedGemmConfig] | None:
+    """(gate/up's, down's) measured configs for a block of `assignments` rows (tokens x top_k) over E experts of
+    gate/up [two_i, D] and down [D, two_i / 2] (tables.GROUPED_GEMM), or None where the table lacks either product
+    there or their block_m differ (both products run one item schedule)."""
+    def lookup(key):
+        return next((c for first, last, c in tables.GROUPED_GEMM.get(key, ()) if first <= assignments <= last), None)
+    up, down = lookup((E, two_i, D, "swiglu")), lookup((E, D, two_i // 2, "none"))
+    if up is None or down is None or up.block_m != down.block_m:
+        return None
+    return up, down
 
 
 def choose_config(rows_per_group: float, N: int, K: int, epilogue: str = "none") -> GroupedGemmConfig:
     """A config for groups of about rows_per_group rows: items of the next power of two (16..128) rows; where
     there are few rows a group (decode), split K so that each expert's matrix is streamed by several programs.
-    Not yet measured on a GPU (bench/kernels/moe.py sweeps it)."""
+    The rule where tables.GROUPED_GEMM has no row (table_configs); bench/kernels/moe.py sweeps it."""
     bm = 16
     while bm < 128 and bm < rows_per_group:
         bm *= 2

@@ -243,6 +243,37 @@ GEMV_INT8_CONVERT_BY_SHAPE: dict[tuple[int, int], str] = {(6144, 2560): "cvt", (
 ROUTED_GEMV: dict[str, tuple[int, int]] = {"swiglu": (4, 256), "combine": (1, 256)}
 
 
+# --- a mixture of experts' rows on the Triton grouped GEMM (grouped_gemm.py) -------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GroupedGemmConfig:
+    block_m: int = 64     # rows an item holds at most (a power of two >= 16: tensor-core tiles)
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+
+# Batched-decode rows, bf16 experts: (experts, N, K, epilogue) -> ((first assignments, last assignments, config),
+# ...), assignments = tokens x top_k; both products of a block need a row with one block_m (one item schedule).
+# Kernels (H100, 2026-12-06, bench/kernels/moe.py --tokens 32 64, bench/results/2026-12-06-h100-4/p34-*; ms a call,
+# gate/up + down at one block_m) against choose_config's split-K pair: Qwen3-30B-A3B at 32 / 64 tokens 0.517 / 0.606
+# against 0.665 / 0.692; Mixtral-8x7B 1.014 / 1.020 against 1.092 / 1.160 (split K lost at every point). Whole
+# steps, batch 64 at 1k (bench/throughput.py, this table against it emptied, one process each; p40*, p41*): Mixtral-
+# 8x7B@8 device step 10.385 -> 9.348 ms, full-batch end to end 12.258 -> 10.964; Qwen3-30B-A3B@24 14.685 / 14.740 ->
+# 14.380 / 14.387 (two pairs; -2%). From 128 tokens the grouped Mosaic GEMM takes the rows (HOPPER_GROUPED_GEMM;
+# from 32 tokens it lost in the step: its padded layout); below 32 tokens choose_config's rule (not measured).
+GROUPED_GEMM: dict[tuple[int, int, int, str], tuple[tuple[int, int, GroupedGemmConfig], ...]] = {
+    # Qwen3-30B-A3B: 128 experts of 768, 8 active; 32-127 tokens
+    (128, 1536, 2048, "swiglu"): ((256, 1023, GroupedGemmConfig(32, 64, 64, 4, 3)),),
+    (128, 2048, 768, "none"): ((256, 1023, GroupedGemmConfig(32, 128, 64, 4, 3)),),
+    # Mixtral-8x7B: 8 experts of 14,336, 2 active; 32-127 tokens
+    (8, 28672, 4096, "swiglu"): ((64, 255, GroupedGemmConfig(64, 64, 64, 4, 3)),),
+    (8, 4096, 14336, "none"): ((64, 255, GroupedGemmConfig(64, 128, 64, 8, 3)),),
+}
+
+
 # --- batched-decode GEMM (skinny_gemm.py) -----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
