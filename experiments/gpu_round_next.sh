@@ -43,6 +43,10 @@
 #   part 35 (issue 39): fp8 batch 64 with all four products on the skinny kernel in W8A8, with and without the row
 #          quantization kernel
 #   part 36 (issue 39): fp8 batch 64 end to end with the Triton GEMM fusions kept below FP8_W8A8_ROWS, against W8A8 off
+#   part 37 / 38 (issue 43): batch 32 / 64 of Qwen3-30B-A3B@24 / Mixtral-8x7B@8 on the grouped Mosaic GEMM from 32
+#          tokens (part 34's ranges) against the Triton grouped GEMM below 128 tokens, one process each
+#   part 39 (issue 43): both MoE shapes' batch 32 / 64 device step with a different token a row
+#   part 40 / 41 (issue 43): tables.GROUPED_GEMM against choose_config's rule, batch 64, Qwen3-30B-A3B@24 / Mixtral
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -312,6 +316,32 @@ case "${1:-1}" in
     TAIL=6 step fp8_b64_rows_jit 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
     TAIL=6 step fp8_b64_w8a8_off 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
          FP8_W8A8_ROWS=None -- $T
+    ;;
+  37|38)  # the grouped Mosaic GEMM at batched-decode rows (HOPPER_GROUPED_GEMM's ranges from 32 tokens since part 34)
+          # against the ranges before (from 128 tokens: the Triton grouped GEMM below), batch 64 and 32 at 1k, one
+          # process each: 37 Qwen3-30B-A3B@24, 38 Mixtral-8x7B@8
+    if [ "$1" = 37 ]; then S=qwen3-30b-a3b@24; LO=1024; else S=mixtral-8x7b@8; LO=256; fi
+    T="bench/throughput.py --shape $S --ops pallas --batches 32 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --out $OUT"
+    TAIL=8 step "b64_${S%%@*}_triton_below_128" 280 python3 experiments/with_tables.py \
+         "HOPPER_GROUPED_GEMM = {k: tuple((max(a, $LO), b, c) for a, b, c in v if b >= $LO) for k, v in HOPPER_GROUPED_GEMM.items()}" -- $T
+    TAIL=8 step "b64_${S%%@*}_mosaic_from_32" 280 python3 $T
+    ;;
+  39)  # both MoE shapes' batch 32 / 64 device step since bench/throughput.py's timed batch gives each row its own
+       # token (it gave every row token 7, which routes the rows alike: shares of 145-208% at batch 32), one process each
+    for S in qwen3-30b-a3b@24 mixtral-8x7b@8; do
+      mkdir -p "$OUT/${S%%@*}"
+      TAIL=6 step "moe_b64_distinct_rows_${S%%@*}" 280 python3 bench/throughput.py --shape $S --ops pallas \
+           --batches 32 64 --context 1024 --steps 32 --decode-only --lazy-compile --out "$OUT/${S%%@*}"
+    done
+    ;;
+  40|41)  # tables.GROUPED_GEMM (the Triton grouped GEMM's measured configs at 32-127 tokens, no split K) against
+          # choose_config's rule (the table emptied), batch 64 at 1k, one process each: 40 Qwen3-30B-A3B@24, 41 Mixtral
+    if [ "$1" = 40 ]; then S=qwen3-30b-a3b@24; else S=mixtral-8x7b@8; fi
+    T="bench/throughput.py --shape $S --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --out $OUT"
+    TAIL=4 step "b64_${S%%@*}_grouped_rule" 180 python3 experiments/with_tables.py "GROUPED_GEMM = {}" -- $T
+    TAIL=4 step "b64_${S%%@*}_grouped_table" 180 python3 $T
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
