@@ -47,6 +47,7 @@
 #          tokens (part 34's ranges) against the Triton grouped GEMM below 128 tokens, one process each
 #   part 39 (issue 43): both MoE shapes' batch 32 / 64 device step with a different token a row
 #   part 40 / 41 (issue 43): tables.GROUPED_GEMM against choose_config's rule, batch 64, Qwen3-30B-A3B@24 / Mixtral
+#   part 42 (issue 39): an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values, fp8 batch 64
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -342,6 +343,14 @@ case "${1:-1}" in
 --lazy-compile --out $OUT"
     TAIL=4 step "b64_${S%%@*}_grouped_rule" 180 python3 experiments/with_tables.py "GROUPED_GEMM = {}" -- $T
     TAIL=4 step "b64_${S%%@*}_grouped_table" 180 python3 $T
+    ;;
+  42)  # an fp8 lm_head's 2-63 sampled rows on the skinny kernel (ops.pallas._fp8_logits_rows) against XLA's converted
+       # values (the prompt steps that sample them compile without XLA's GEMM fusions), fp8 batch 64, one process each
+    T="bench/throughput.py --shape qwen3-4b --ops pallas --batches 64 --context 1024 --steps 32 --decode-only \
+--lazy-compile --quantization fp8 --out $OUT"
+    TAIL=6 step fp8_b64_logits_xla 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
+         "import jaxinfer.ops.pallas as p; p._fp8_logits_rows = lambda x, w: False" -- $T
+    TAIL=6 step fp8_b64_logits_skinny 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do

@@ -374,3 +374,35 @@ def test_engine_prompt_rows_in_the_mosaic_gemms_w8a8_on_stories260k(monkeypatch)
     assert row_kernel_tokens == tokens
     cost = lambda lp: np.abs(np.asarray(lp) - np.asarray(float_logprobs)).mean()   # noqa: E731
     assert 0 < cost(row_kernel_logprobs) < 1.25 * cost(logprobs), (cost(row_kernel_logprobs), cost(logprobs))
+
+
+@pytest.mark.parametrize("rows", [2, 17, 63])
+def test_fp8_logits_below_the_w8a8_rows_take_the_skinny_kernel(monkeypatch, rows):
+    """An fp8 lm_head at 2 to FP8_W8A8_ROWS - 1 rows: the skinny kernel with float32 outputs (its tiles converted in
+    registers, so that a prompt step compiled without XLA's GEMM fusions never writes a bf16 copy of the matrix),
+    per-channel and block scales, the 8-bit twin's sums; with FP8_W8A8_ROWS None, or int8 weights, XLA's converted
+    values as before."""
+    from jaxinfer.ops import twins
+    from jaxinfer.pallas import skinny_gemm
+
+    calls = []
+    real = skinny_gemm.skinny_gemm
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", lambda *a, **k: calls.append(k["out_dtype"]) or real(*a, **k))
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 64)
+    x = jax.random.normal(jax.random.PRNGKey(11), (rows, 128), bf16)
+    per_channel = fp8_stack(jax.random.PRNGKey(12), 1, 200, 128)[0]
+    wb = jax.random.normal(jax.random.PRNGKey(13), (200, 128), f32) / np.sqrt(128)
+    scale = jnp.max(jnp.abs(wb.reshape(2, 100, 2, 64)), axis=(1, 3)) / 448
+    blocked = QuantizedWeight(jnp.clip(wb / jnp.repeat(jnp.repeat(scale, 100, 0), 64, 1), -448, 448)
+                              .astype(jnp.float8_e4m3fn), scale, (100, 64))
+    for q in (per_channel, blocked):
+        calls.clear()
+        got = OPS.logits(x, q)
+        assert calls == [jnp.float32] and got.dtype == jnp.float32 and got.shape == (rows, 200)
+        want = twins.linear_8bit(x, q, out_dtype=jnp.float32)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for threshold, q in ((None, per_channel), (64, quantize(wb, "int8"))):
+        monkeypatch.setattr(tables, "FP8_W8A8_ROWS", threshold)
+        calls.clear()
+        np.testing.assert_array_equal(np.asarray(OPS.logits(x, q)), np.asarray(reference.quantized_product(x, q)))
+        assert calls == []

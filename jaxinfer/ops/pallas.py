@@ -375,13 +375,29 @@ def linear_residual_norm_swiglu(x, w, b, residual, scale, eps, w_gate_up, *, int
 
 def logits(x, w, *, interpret=False):
     """The lm_head: at batch 1 the GEMV with float32 outputs (H200, Qwen3-4B's 778 MB matrix: 175 us a call
-    against XLA's reduce fusions' 184); else XLA's float32 GEMM."""
+    against XLA's reduce fusions' 184); fp8 weights at the rows below tables.FP8_W8A8_ROWS the skinny kernel
+    (_fp8_logits_rows); else XLA's float32 GEMM."""
     if _small(x):
         values, quant = _matrix(w[None])
         return fused_gemv(x, values, 0, block_in=block_in_for(*w.shape, w.dtype, quant.get("w_block")),
                           rows=rows_for(*w.shape, w.dtype), num_warps=warps_for(*w.shape, w.dtype),
                           int8_convert=int8_convert_for(*w.shape), out_dtype=jnp.float32, interpret=interpret, **quant)
+    if _fp8_logits_rows(x, w):
+        values, quant = _matrix(weight(w))
+        return skinny_gemm.skinny_gemm(x, values, config=skinny_gemm.choose_config(x.shape[0], *values.shape),
+                                       out_dtype=jnp.float32, interpret=interpret, **quant)
     return _xla_product(x, w) if _quantized(w) else reference.logits(x, w)
+
+
+def _fp8_logits_rows(x, w) -> bool:
+    """Whether the lm_head's rows take the skinny kernel: fp8 weights, 2 to FP8_W8A8_ROWS - 1 sampled rows (more
+    are W8A8). XLA's converted product there is fused into its Triton GEMM (a byte a weight) only in steps that
+    keep the fusions, and a prompt step of FP8_W8A8_ROWS token rows or more does not (runner/compiler_options.py):
+    there it would write and read a bf16 copy of the matrix first (Qwen3-4B: 1.6 GB, ~0.5 ms on an H100). The kernel
+    converts its tiles in registers in every step."""
+    rows = tables.FP8_W8A8_ROWS
+    return (rows is not None and _quantized(w) and weight(w).dtype == jnp.float8_e4m3fn
+            and MAX_T < x.shape[0] < rows and x.shape[0] <= skinny_gemm.MAX_T)
 
 
 def qkv_rope_write(qkv, cos_sin, q_norm, k_norm, eps, k_cache, v_cache, layer, slot_mapping, num_heads,

@@ -214,7 +214,8 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
     8-bit w (int8, float8_e4m3fn) comes with w_scale, read at `layer` like w: float32 [L, N] per output channel, or
     [L, ceil(N / bo), ceil(K / bi)] with w_block = (bo, bi) (block_k is then cut to divide bi).
     W8A8: x_scale float32 [M], x in w's 8-bit dtype (per-channel w_scale only), out_dtype the activations' dtype
-    (the output's and the residual's; default x.dtype otherwise)."""
+    (the output's and the residual's; default x.dtype otherwise). out_dtype float32 without x_scale: the sums (and
+    scales) unrounded, as a lm_head's logits."""
     if x_scale is not None:
         if x.dtype != w.dtype or w.dtype.itemsize != 1 or w_scale is None or w_block is not None:
             raise ValueError(f"skinny_gemm: x_scale (W8A8) takes x in w's 8-bit dtype and per-channel w_scale, not x "
@@ -222,8 +223,9 @@ def skinny_gemm(x: jax.Array, w: jax.Array, layer: jax.Array | int = 0, *, b: ja
         if x_scale.shape != (x.shape[0],) or x_scale.dtype != f32 or out_dtype is None:
             raise ValueError(f"skinny_gemm: x_scale {x_scale.dtype} {x_scale.shape} should be float32 [{x.shape[0]}], "
                              "with out_dtype given")
-    elif out_dtype is not None and jnp.dtype(out_dtype) != x.dtype:
-        raise ValueError(f"skinny_gemm: out_dtype {out_dtype} differs from x's {x.dtype} only with x_scale (W8A8)")
+    elif out_dtype is not None and jnp.dtype(out_dtype) not in (x.dtype, jnp.dtype(f32)):
+        raise ValueError(f"skinny_gemm: out_dtype {out_dtype}: x's {x.dtype} or float32 (the sums unrounded), or "
+                         "another only with x_scale (W8A8)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if w.ndim == 2:
         w = w[None]
