@@ -104,3 +104,21 @@ def record_steps(runner, what=lambda variant, batch: variant.name) -> list:
     call = runner._call
     runner._call = lambda variant, batch: (ran.append(what(variant, batch)), call(variant, batch))[1]
     return ran
+
+
+def moe_block(T: int, D: int, I: int, E: int, top_k: int, seed: int):
+    """A mixture-of-experts block's operands in bf16: x [T, D], the router [E, D], two layers of gate/up [2, E, 2I, D]
+    and down [2, E, D, I] stacks read at layer 1 (LayerWeights, a layer of a deeper stack read in place), and the
+    reference block's float32 output on them (the residual added)."""
+    from jaxinfer.ops import LayerWeight, reference
+
+    bf16 = jnp.bfloat16
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(bf16)
+    router = (jax.random.normal(ks[1], (E, D)) / np.sqrt(D)).astype(bf16)
+    w_gu = (jax.random.normal(ks[2], (2, E, 2 * I, D)) / np.sqrt(D)).astype(bf16)
+    w_dn = (jax.random.normal(ks[3], (2, E, D, I)) / np.sqrt(I)).astype(bf16)
+    layer = jnp.int32(1)
+    want = np.asarray(reference.moe_mlp(x, router, w_gu[1], w_dn[1], top_k, True, residual=x), np.float32)
+    return (x, LayerWeight(router[None], jnp.int32(0)), LayerWeight(w_gu, layer), LayerWeight(w_dn, layer), want,
+            (router, w_gu, w_dn, layer))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import moe_block
 from jaxinfer.ops import LayerWeight, get_ops, reference, twins
 from jaxinfer.pallas import expert_tiles as et
 from jaxinfer.pallas import hopper_gemm, tables
@@ -105,14 +106,7 @@ def test_moe_mlp_takes_the_grouped_kernel_where_the_table_has_both_products(monk
     products), a layer of a deeper stack read in place: the reference's outputs; without the down's row, or at
     another row count, the Triton grouped GEMM."""
     T, D, I, E, top_k = 40, 64, 64, 4, 2
-    ks = jax.random.split(jax.random.PRNGKey(3), 4)
-    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(bf16)
-    router = (jax.random.normal(ks[1], (E, D)) / np.sqrt(D)).astype(bf16)
-    w_gu = (jax.random.normal(ks[2], (2, E, 2 * I, D)) / np.sqrt(D)).astype(bf16)
-    w_dn = (jax.random.normal(ks[3], (2, E, D, I)) / np.sqrt(I)).astype(bf16)
-    layer = jnp.int32(1)
-    gu, dn, r = LayerWeight(w_gu, layer), LayerWeight(w_dn, layer), LayerWeight(router[None], jnp.int32(0))
-    want = np.asarray(reference.moe_mlp(x, router, w_gu[1], w_dn[1], top_k, True, residual=x), np.float32)
+    x, r, gu, dn, want, (router, w_gu, w_dn, layer) = moe_block(T, D, I, E, top_k, seed=3)
 
     calls = []
     real = hopper_gemm.hopper_gemm

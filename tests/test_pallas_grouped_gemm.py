@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import rel_err
+from conftest import moe_block, rel_err
 from jaxinfer.ops import LayerWeight, reference
 from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, grouped_gemm, max_items, row_items, sorted_items
 
@@ -149,15 +149,7 @@ def test_moe_mlp_takes_the_table_configs_where_both_products_have_a_row(monkeypa
     from jaxinfer.pallas.grouped_gemm import choose_config
 
     T, D, I, E, top_k = 20, 64, 64, 4, 2
-    ks = jax.random.split(jax.random.PRNGKey(5), 4)
-    bf16 = jnp.bfloat16
-    x = jax.random.normal(ks[0], (T, D), jnp.float32).astype(bf16)
-    router = (jax.random.normal(ks[1], (E, D)) / np.sqrt(D)).astype(bf16)
-    w_gu = (jax.random.normal(ks[2], (2, E, 2 * I, D)) / np.sqrt(D)).astype(bf16)
-    w_dn = (jax.random.normal(ks[3], (2, E, D, I)) / np.sqrt(I)).astype(bf16)
-    layer = jnp.int32(1)
-    gu, dn, r = LayerWeight(w_gu, layer), LayerWeight(w_dn, layer), LayerWeight(router[None], jnp.int32(0))
-    want = np.asarray(reference.moe_mlp(x, router, w_gu[1], w_dn[1], top_k, True, residual=x), np.float32)
+    x, r, gu, dn, want, _ = moe_block(T, D, I, E, top_k, seed=5)
 
     configs = []
     real = pallas_ops.grouped_gemm
