@@ -3,7 +3,8 @@ jaxinfer/pallas/tables.py.
 
     PYTHONPATH=. python3 experiments/with_tables.py 'GEMV_ROWS[(5120, 2048)] = 4' ... -- bench/decode.py ARGS...
 
-Each assignment is executed in tables' namespace before the script runs (as __main__).
+Each assignment is executed in tables' namespace before the script runs (as __main__); a statement that imports a
+module and replaces one of its functions patches that too (gpu_round_next.sh part 42).
 """
 
 import runpy
