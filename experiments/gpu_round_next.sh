@@ -48,6 +48,7 @@
 #   part 39 (issue 43): both MoE shapes' batch 32 / 64 device step with a different token a row
 #   part 40 / 41 (issue 43): tables.GROUPED_GEMM against choose_config's rule, batch 64, Qwen3-30B-A3B@24 / Mixtral
 #   part 42 (issue 39): an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values, fp8 batch 64
+#   part 43 (issue 43): Qwen3-30B-A3B@24 batch 64 traced
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -351,6 +352,11 @@ case "${1:-1}" in
     TAIL=6 step fp8_b64_logits_xla 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 experiments/with_tables.py \
          "import jaxinfer.ops.pallas as p; p._fp8_logits_rows = lambda x, w: False" -- $T
     TAIL=6 step fp8_b64_logits_skinny 200 env XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 $T
+    ;;
+  43)  # Qwen3-30B-A3B@24 batch 64 at 1k traced (the step's kernels, us a step): where it goes beyond the grouped
+       # GEMMs, whose measured configs (tables.GROUPED_GEMM) moved it only 2% where the kernels said 10-16%
+    TAIL=60 step moe_b64_traced 280 python3 bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
+         --context 1024 --steps 32 --decode-only --lazy-compile --profile 64 --out "$OUT"
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
