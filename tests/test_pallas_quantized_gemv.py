@@ -306,8 +306,9 @@ def test_w8a8_arguments_are_checked():
         skinny_gemm(xq, qw.values, layer, x_scale=xs[:3], out_dtype=bf16, **kw)
     with pytest.raises(ValueError, match="out_dtype"):   # the output's dtype must be said
         skinny_gemm(xq, qw.values, layer, x_scale=xs, **kw)
-    with pytest.raises(ValueError, match="out_dtype"):   # and differs from x's only in W8A8
-        skinny_gemm(x, qw.values, layer, out_dtype=f32, **kw)
+    with pytest.raises(ValueError, match="out_dtype"):   # and is x's or float32 (unrounded sums) but in W8A8
+        skinny_gemm(x, qw.values, layer, out_dtype=jnp.float16, **kw)
+    assert skinny_gemm(x, qw.values, layer, out_dtype=f32, **kw).dtype == f32
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
