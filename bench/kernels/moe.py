@@ -15,7 +15,9 @@ Per shape and token count T, random bf16 weights ([2, E, N, K] stacks, layer 1 r
 - T > 1: each grouped GEMM config of CONFIGS for the gate/up (SwiGLU) and the down product alone on the same
   expert-sorted rows, against XLA's ragged_dot on them (TFLOP/s of the routed rows' work); on Hopper with bf16
   experts also the grouped Mosaic GPU GEMM at each config of MOSAIC (hopper_gemm's row_tile_group, the rows in
-  pallas/expert_tiles.py's padded layout; its TFLOP/s count the routed rows, not the padding).
+  pallas/expert_tiles.py's padded layout; its TFLOP/s count the routed rows, not the padding). Then, bf16 experts,
+  the whole op at each block_m's fastest pair of those configs (no split K) forced through tables.GROUPED_GEMM
+  against choose_config's pair ("moe_mlp, table"): the rows a table should be built from.
 --format int8 / fp8: the experts' stacks 8-bit (quantize(): one scale an expert's row), the kernels reading their
 values and scales, the bytes counted at one a weight.
 Prints a table as it goes; writes moe.json. --interpret: the CPU smoke run (tiny shape, interpret mode).
@@ -93,8 +95,9 @@ def main() -> None:
                                                               k, True))
 
             ours, ms = _timed(op(pallas), (x, router, gate_up, down), interpret)
-            ref, xla_ms = _timed(op(reference), (x, router, gate_up, down), interpret)
-            row = dict(shape=shape, T=T, what="moe_mlp", config="-", ms=ms, xla_ms=xla_ms, rel_err=rel_err(ours, ref))
+            op_ref, op_xla_ms = _timed(op(reference), (x, router, gate_up, down), interpret)
+            row = dict(shape=shape, T=T, what="moe_mlp", config="-", ms=ms, xla_ms=op_xla_ms,
+                       rel_err=rel_err(ours, op_ref))
             if T == 1:   # the bytes the op must read: the router and the active experts
                 row["gb_s"] = (E * D * 2 + k * 3 * D * I * wb) / (ms * 1e-3) / 1e9
                 row["share"] = row["gb_s"] * 1e9 / bw
@@ -108,6 +111,7 @@ def main() -> None:
             order, group_sizes = reference.sort_by_expert(experts, E)
             xs = h[order // k]
             hs = jax.random.normal(keys[3], (T * k, I), bf)
+            best = {"gate_up": {}, "down": {}}   # product -> block_m -> (ms, config): the block rows' candidates
             for name, w, a, n_out in (("gate_up", gate_up, xs, 2 * I), ("down", down, hs, D)):
                 ep = "swiglu" if name == "gate_up" else "none"
                 xla = jax.jit(lambda a, w, gs: reference.grouped_linear(a, w[1], gs))
@@ -123,6 +127,8 @@ def main() -> None:
                         y, ms = _timed(f, (a, w, group_sizes), interpret)
                         row = dict(shape=shape, T=T, what=name, config=_name(cfg), ms=ms, xla_ms=xla_ms,
                                    tflops=flops / (ms * 1e-3) / 1e12, rel_err=rel_err(y, ref))
+                        if cfg.split_k == 1 and ms < best[name].get(cfg.block_m, (float("inf"),))[0]:
+                            best[name][cfg.block_m] = (ms, cfg)
                     except Exception as e:   # a config that fails to compile is reported, not fatal
                         row = dict(shape=shape, T=T, what=name, config=_name(cfg),
                                    error=f"{type(e).__name__}: {e}"[:200])
@@ -130,6 +136,9 @@ def main() -> None:
                     _print(row)
                 if args.format == "bf16" and not interpret and hopper_gemm.available():
                     rows += sweep_mosaic(shape, name, a, w, experts, order, ep, ref, xla_ms, flops)
+            if args.format == "bf16":
+                rows += sweep_blocks(shape, T, k, lambda: op(pallas), (x, router, gate_up, down), best, op_ref,
+                                     op_xla_ms, interpret)
             (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
                                                                      rows=rows), indent=1))
     (Path(args.out) / "moe.json").write_text(json.dumps(dict(bandwidth=bw, device=jax.devices()[0].device_kind,
@@ -163,6 +172,39 @@ def sweep_mosaic(shape, name, a, w, experts, order, epilogue, ref, xla_ms, flops
             row["error"] = f"{type(e).__name__}: {e}"[:200]
         out.append(row)
         _print(row)
+    return out
+
+
+def sweep_blocks(shape, T, k, make_op, args, best, ref, xla_ms, interpret) -> list[dict]:
+    """The whole op (routing, the sort, both products, the weighted sum) at each block_m's fastest gate/up and down
+    without split K, forced through tables.GROUPED_GEMM (the grouped Mosaic GEMM's table emptied; one jit each): the
+    products' rows above time each kernel alone, a split-K config's partial sums as an XLA kernel of their own, where
+    a step's XLA may fuse them into what follows (2026-12-06: Qwen3-30B-A3B's batch 64 moved 2% where those rows said
+    10-16%). The first row is choose_config's pair through the same path."""
+    from jaxinfer.pallas import tables
+
+    E, two_i, D = args[2].shape[1:]
+    A = T * k
+    pairs = [(None, None)] + [(best["gate_up"][bm][1], best["down"][bm][1])
+                              for bm in sorted(set(best["gate_up"]) & set(best["down"]))]
+    saved = tables.GROUPED_GEMM, tables.HOPPER_GROUPED_GEMM
+    out = []
+    try:
+        tables.HOPPER_GROUPED_GEMM = {}
+        for up, down in pairs:
+            tables.GROUPED_GEMM = {} if up is None else {(E, two_i, D, "swiglu"): ((A, A, up),),
+                                                         (E, D, two_i // 2, "none"): ((A, A, down),)}
+            config = "rule" if up is None else f"block_m {up.block_m}: {_name(up)} + {_name(down)}"
+            row = dict(shape=shape, T=T, what="moe_mlp, table", config=config)
+            try:
+                y, ms = _timed(make_op(), args, interpret)   # a new jit: traced with this table
+                row.update(ms=ms, xla_ms=xla_ms, rel_err=rel_err(y, ref))
+            except Exception as e:   # a config that fails to compile is reported, not fatal
+                row["error"] = f"{type(e).__name__}: {e}"[:200]
+            out.append(row)
+            _print(row)
+    finally:
+        tables.GROUPED_GEMM, tables.HOPPER_GROUPED_GEMM = saved
     return out
 
 
