@@ -181,3 +181,22 @@ def test_rope_kv_write_lowers_with_padded_columns(hd):
     text = _lower(write, sd((T, (H + 2 * K) * hd), jnp.bfloat16), sd((T, hd), jnp.bfloat16), sd((2, hd), jnp.bfloat16),
                   cache, cache, sd((T,), jnp.int32))
     assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("rows", [2, 17, 63])
+def test_fp8_lm_head_rows_lower_on_the_skinny_kernel(monkeypatch, rows):
+    """An fp8 lm_head at Qwen3-4B's vocabulary at 2-63 rows (ops.pallas.logits: the skinny kernel with float32
+    outputs, per-channel scales) lowers to one Triton call and no XLA dot."""
+    from jaxinfer.ops.quantized import QuantizedWeight
+    from jaxinfer.pallas import tables
+
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 64)
+    V, D = QWEN3_4B["vocab_size"], QWEN3_4B["hidden_size"]
+    sd = jax.ShapeDtypeStruct
+    ops = get_ops("pallas")
+
+    def logits(x, values, scale):
+        return ops.logits(x, QuantizedWeight(values, scale))
+
+    text = _lower(logits, sd((rows, D), jnp.bfloat16), sd((V, D), jnp.float8_e4m3fn), sd((V,), jnp.float32))
+    assert text.count(TRITON_CALL) == 1 and "stablehlo.dot_general" not in text
