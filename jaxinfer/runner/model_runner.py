@@ -26,7 +26,6 @@ from jaxinfer.errors import DeviceMemoryError
 from jaxinfer.model.config import ModelConfig
 from jaxinfer.model.kv_cache import SCRATCH_PAGE
 from jaxinfer.model.tensor_parallel import allocate_kv
-from jaxinfer.pallas import tables
 from jaxinfer.runner.batch import DecodeBatch, SamplerState, StepBatch, VerifyBatch
 from jaxinfer.runner.compiler_options import step_compiler_options, step_jit
 from jaxinfer.runner.executable_cache import ExecutableCache
@@ -133,10 +132,10 @@ class ModelRunner:
                                    donate_argnums=(1,))
         self._masked_samples: dict[str, Any] = {}
         self._init_row = jax.jit(init_row, donate_argnums=(0,))
-        # What the steps are built from besides their arguments: the executable cache's key.
+        # What the steps are built from besides their arguments and the kernel tables (FP8_W8A8_ROWS, which picks
+        # the steps the options apply to, among them): the executable cache's key.
         self._settings = repr((cfg, getattr(ops, "name", getattr(ops, "__name__", None)), unroll, n_top,
-                               t.plain_sampling_step, t.prompt_step_head_layers, self.compiler_options,
-                               tables.FP8_W8A8_ROWS if self.compiler_options else None))
+                               t.plain_sampling_step, t.prompt_step_head_layers, self.compiler_options))
         self.executable_cache = executable_cache
         self._executables: dict[StepKey, Any] = {}   # loaded or compiled, by variant, bucket and part
         self._called: set[tuple[StepVariant, int]] = set()
