@@ -49,6 +49,8 @@
 #   part 40 / 41 (issue 43): tables.GROUPED_GEMM against choose_config's rule, batch 64, Qwen3-30B-A3B@24 / Mixtral
 #   part 42 (issue 39): an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values, fp8 batch 64
 #   part 43 (issue 43): Qwen3-30B-A3B@24 batch 64 traced
+#   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
+#     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
 #   part 10 (issue 39): int8 W8A8 (tables.INT8_W8A8_ROWS, ops.pallas.int8_w8a8_product): Qwen3-4B 1k / 8k prefill and
 #          batch 64 at 1k with int8 weights, the converted values (off) against W8A8 from 64 rows on, one process each
@@ -359,6 +361,17 @@ case "${1:-1}" in
        # GEMMs, whose measured configs (tables.GROUPED_GEMM) moved it only 2% where the kernels said 10-16%
     TAIL=60 step moe_b64_traced 280 python3 bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 64 \
          --context 1024 --steps 32 --decode-only --lazy-compile --profile 64 --out "$OUT"
+    ;;
+  44)  # both MoE shapes on the current defaults: batch 1 after 1k (RESULTS' H200 row is from c020908, before the QKV
+       # GEMV's 128 columns) and the batch 32 / 64 device steps with a token a row; one model written a shape
+    for S in qwen3-30b-a3b@24 mixtral-8x7b@8; do
+      mkdir -p "$OUT/${S%%@*}"
+      TAIL=4 step "moe_b1_defaults_${S%%@*}" 240 python3 bench/decode.py --shapes $S --long --paths pallas \
+           --prompt 1024 --new 64 --out "$OUT/${S%%@*}"
+      TAIL=6 step "moe_b32_b64_defaults_${S%%@*}" 200 python3 bench/throughput.py --shape $S --ops pallas \
+           --batches 32 64 --context 1024 --steps 32 --decode-only --lazy-compile --out "$OUT/${S%%@*}"
+      rm -rf "/tmp/jaxinfer-bench-models/$S"
+    done
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
