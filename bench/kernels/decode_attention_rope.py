@@ -2,6 +2,7 @@
 split configuration, at the batches and contexts of a batched decode step.
 
     PYTHONPATH=. python3 bench/kernels/decode_attention_rope.py [--points 1:1024 8:1024 ...] [--budget 300]
+                                                               [--splits 32 48 64] [--block-k 64 128]
 
 bench/kernels/decode_attention.py sweeps the plain split kernel, which the engine no longer runs in a decode
 step (batch 8's best plain config did not move the step). This sweeps the kernel the step
@@ -145,11 +146,15 @@ def time_config(compiled, p: Problem, n: int, target_s: float) -> tuple[float, j
     return best, first
 
 
+SPLITS = (1, 2, 4, 8, 16, 32, 64)   # --splits
+BLOCK_KS = (32, 64, 128)          # --block-k
+
+
 def candidates(p: Problem) -> list[DA.SplitConfig]:
     cfgs = []
-    for bk in (32, 64, 128):
+    for bk in BLOCK_KS:
         blocks = -(-p.ctx // bk)
-        for s in (1, 2, 4, 8, 16, 32, 64):
+        for s in SPLITS:
             if s <= blocks:
                 cfgs.append(DA.SplitConfig(num_splits=s, block_k=bk))
     return cfgs
@@ -186,15 +191,19 @@ def run(p: Problem, cfgs, ref, n: int, pool, interpret: bool, target_s: float) -
 
 
 def main() -> None:
+    global INT8, INT8_CONVERT, VECTOR_BYTES, SPLITS, BLOCK_KS
     ap = argparse.ArgumentParser()
     ap.add_argument("--points", nargs="*", default=POINTS, help="B:ctx (ctx counts the new token)")
     ap.add_argument("--budget", type=float, default=400, help="seconds; points past it are skipped")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run (tiny: one point, few configs)")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--int8-convert", default=None, choices=INT8_CONVERTS)
+    ap.add_argument("--splits", type=int, nargs="+", default=SPLITS,
+                    help="split counts to sweep (any count: B x KVH x splits programs can be sized to fill a wave)")
+    ap.add_argument("--block-k", type=int, nargs="+", default=BLOCK_KS, help="positions a block to sweep")
     args = ap.parse_args()
-    global INT8, INT8_CONVERT, VECTOR_BYTES
     INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert
+    SPLITS, BLOCK_KS = tuple(args.splits), tuple(args.block_k)
     VECTOR_BYTES = HD + 4 if INT8 else HD * 2
     t_start = time.time()
     ip = args.interpret
