@@ -49,6 +49,8 @@
 #   part 40 / 41 (issue 43): tables.GROUPED_GEMM against choose_config's rule, batch 64, Qwen3-30B-A3B@24 / Mixtral
 #   part 42 (issue 39): an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values, fp8 batch 64
 #   part 43 (issue 43): Qwen3-30B-A3B@24 batch 64 traced
+#   part 45 (issue 39): the int8 decode attention at 32k over split counts that fill a wave (any count since the merge
+#     pads its tile), then the 32k step on the sweep's winner; part 46 the same for bf16 pages
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
 #     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
@@ -372,6 +374,22 @@ case "${1:-1}" in
            --batches 32 64 --context 1024 --steps 32 --decode-only --lazy-compile --out "$OUT/${S%%@*}"
       rm -rf "/tmp/jaxinfer-bench-models/$S"
     done
+    ;;
+  45)  # batch 1 at 32k: 8 KV heads x 32 splits = 256 programs where the SMs hold 3 (ncu, 2026-12-05: 0.65 waves,
+       # 12% achieved occupancy); counts that fill a wave (40-48 at 128 positions, 80-96 at 64), then the step
+    TAIL=6 step attn_int8_splits_sweep 240 python3 bench/kernels/decode_attention_rope.py --points 1:32768 \
+         --kv-cache-dtype int8 --int8-convert prmt --budget 150 --splits 32 40 48 64 80 96 --block-k 64 128
+    A=$(python3 experiments/attention_table_from_sweep.py "$OUT/decode_attention_rope.json") && echo "# $A" && \
+      TAIL=8 step attn_int8_splits_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes \
+           --long qwen3-4b:32768 --paths pallas --quantization int8 --kv int8 --new 64 --out "$OUT"
+    ;;
+  46)  # part 45 for bf16 pages: 64 splits x 8 = 512 programs at 5 an SM (0.78 waves), then the step on the winner
+    TAIL=6 step attn_bf16_splits_sweep 240 python3 bench/kernels/decode_attention_rope.py --points 1:32768 \
+         --budget 150 --splits 64 80 96 128 --block-k 64 128
+    A=$(python3 experiments/attention_table_from_sweep.py "$OUT/decode_attention_rope.json" --table \
+        DECODE_ATTENTION) && echo "# $A" && \
+      TAIL=8 step attn_bf16_splits_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes \
+           --long qwen3-4b:32768 --paths pallas --new 64 --out "$OUT"
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
