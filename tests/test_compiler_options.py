@@ -89,3 +89,16 @@ def test_an_fp8_engine_generates_with_the_options_on_the_cpu(monkeypatch):
     assert options == NO_TRITON_GEMM
     monkeypatch.setattr(compiler_options, "NO_TRITON_GEMM", {})
     assert tokens() == ({}, with_options)
+
+
+def test_an_fp8_engine_with_a_split_prompt_step_compiles_it_at_start(monkeypatch):
+    """compile_all_at_start with a SplitStep (the GPU's defaults): its tail's input shape is read from the head's own
+    trace, since a step with compiler options may only be traced at the top level (jax.eval_shape of it raised:
+    bench/prefill.py's fp8 rows on an H100, 2026-12-06). The prompt then runs on the compiled parts."""
+    monkeypatch.setattr(tables, "FP8_W8A8_ROWS", 32)
+    llm = LLM(STORIES, ops="pallas-interpret", quantization="fp8", max_num_seqs=1, max_num_batched_tokens=64,
+              token_buckets=[64], progress=False, executable_cache=False, compile_all_at_start=True, **SPLIT)
+    assert llm.engine.runner.compiler_options == NO_TRITON_GEMM
+    assert any(isinstance(s, SplitStep) for s in llm.engine.runner.steps.values())
+    long = "once upon a time there was a little girl who liked to play in the park with her dog and her cat"
+    assert len(llm.generate([long], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0].token_ids) == 2

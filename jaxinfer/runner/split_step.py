@@ -52,7 +52,9 @@ class SplitStep:
     def parts(self, params: dict, kv: KVCache, state: SamplerState, batch) -> list[tuple[str, Any, tuple]]:
         """(part name, jitted function, its arguments) of each part, for compiling them apart."""
         head, tail = self.split_params(params)
-        x = jax.eval_shape(self.head, head, kv, state, batch)[1]
+        # the head's trace, not jax.eval_shape: a step with compiler options (runner/compiler_options.RowsJit) may
+        # only be traced at the top level
+        x = self.head.trace(head, kv, state, batch).out_info[1]
         return [(self.PARTS[0], self.head, (head, kv, state, batch)),
                 (self.PARTS[1], self.tail, (tail, kv, state, batch, x))]
 
