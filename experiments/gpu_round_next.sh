@@ -51,6 +51,7 @@
 #   part 43 (issue 43): Qwen3-30B-A3B@24 batch 64 traced
 #   part 45 (issue 39): the int8 decode attention at 32k over split counts that fill a wave (any count since the merge
 #     pads its tile), then the 32k step on the sweep's winner; part 46 the same for bf16 pages
+#   part 47 (issue 39): fp8 prefill on the defaults (part 25's second half) since 87f5405 (its engine failed to start)
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
 #     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
@@ -390,6 +391,11 @@ case "${1:-1}" in
         DECODE_ATTENTION) && echo "# $A" && \
       TAIL=8 step attn_bf16_splits_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes \
            --long qwen3-4b:32768 --paths pallas --new 64 --out "$OUT"
+    ;;
+  47)  # fp8 prefill on the defaults: part 25's rows failed at 3406908..ce9a368 (the split prompt step's eval_shape of a
+       # step with compiler options; fixed in 87f5405)
+    TAIL=6 step fp8_prefill_defaults 280 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
+         --quantization fp8 --out "$OUT"
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
