@@ -392,7 +392,7 @@ case "${1:-1}" in
       TAIL=8 step attn_bf16_splits_step32k 300 python3 experiments/with_tables.py "$A" -- bench/decode.py --shapes \
            --long qwen3-4b:32768 --paths pallas --new 64 --out "$OUT"
     ;;
-  47)  # fp8 prefill on the defaults: part 25's rows failed at 3406908..ce9a368 (the split prompt step's eval_shape of a
+  47)  # fp8 prefill on the defaults: part 25's rows failed from a4b28c9 (RowsJit) to 87f5405 (the split prompt step's eval_shape of a
        # step with compiler options; fixed in 87f5405)
     TAIL=6 step fp8_prefill_defaults 280 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
          --quantization fp8 --out "$OUT"
