@@ -52,6 +52,7 @@
 #   part 45 (issue 39): the int8 decode attention at 32k over split counts that fill a wave (any count since the merge
 #     pads its tile), then the 32k step on the sweep's winner; part 46 the same for bf16 pages
 #   part 47 (issue 39): fp8 prefill on the defaults (part 25's second half) since 87f5405 (its engine failed to start)
+#   part 48 (issue 39): part 45's 40 and 48 splits at 128 positions with 3-4 stages (its first pass ran them at 2 only)
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
 #     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
@@ -396,6 +397,11 @@ case "${1:-1}" in
        # step with compiler options; fixed in 87f5405)
     TAIL=6 step fp8_prefill_defaults 280 python3 bench/prefill.py --shapes qwen3-4b --prompts 1024 8192 --paths pallas \
          --quantization fp8 --out "$OUT"
+    ;;
+  48)  # part 45's first pass ran every count at 2 stages, and its second pass deepened only the three best (32 and 64
+       # splits): 40 and 48 at 128 positions beside 32, three candidates, so that each gets 3 and 4 stages
+    TAIL=6 step attn_int8_splits_s3 120 python3 bench/kernels/decode_attention_rope.py --points 1:32768 \
+         --kv-cache-dtype int8 --int8-convert prmt --budget 60 --splits 32 40 48 --block-k 128
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
