@@ -59,8 +59,6 @@ CASES = [
     (1, 16, 2, 64, 16, [300], 16, 16),              # 19 blocks over 16 splits: some splits empty
     (3, 8, 4, 8, 16, [5, 1, 20], 8, 16),            # more splits than blocks
     (3, 16, 2, 128, 16, [130, 64, 1], 1, 32),       # one split: kernel 1 writes the output
-    (2, 8, 4, 64, 16, [300, 45], 6, 16),            # splits not a power of two (19 blocks: 4 a split, one empty)
-    (1, 16, 2, 128, 16, [1000], 3, 64),             # 3 splits of 6, 5 and 5 blocks
 ]
 IDS = [f"B{c[0]}-H{c[1]}-KV{c[2]}-hd{c[3]}-ps{c[4]}-S{c[6]}-bk{c[7]}" for c in CASES]
 
@@ -140,7 +138,7 @@ def test_choose_config_shapes():
 def test_rejects_bad_configs():
     q, k, v, pt, cl = _problem(0, 1, 4, 2, 16, 16, [5], jnp.float32)
     with pytest.raises(ValueError):
-        DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.25, config=DA.SplitConfig(num_splits=0),
+        DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.25, config=DA.SplitConfig(num_splits=3),
                                   interpret=True)
     with pytest.raises(ValueError):
         DA.paged_decode_attention(q, k, v, 0, pt, cl, 16, 0.25, config=DA.SplitConfig(block_k=8),
@@ -149,14 +147,13 @@ def test_rejects_bad_configs():
         DA.paged_decode_attention(q[:, :3], k, v, 0, pt, cl, 16, 0.25, interpret=True)
 
 
-@pytest.mark.parametrize("S", [16, 12])   # 12: the merge's tile padded to 16 lanes, the padding never read
 @pytest.mark.parametrize("cached_offset", [0, 1], ids=["plain", "rope"])
-def test_merge_reads_only_the_splits_that_had_positions(cached_offset, S):
+def test_merge_reads_only_the_splits_that_had_positions(cached_offset):
     """The merge kernel skips the splits its sequence's context left empty (split 0 always read). Empty splits'
     memory is poisoned with NaN: read, it would spoil the output; skipped, the output equals the merge of clean
     partials (empty splits as kernel 1 writes them: o = 0, lse = NEG) bit for bit."""
     rng = np.random.default_rng(7)
-    B, H, hd, bk, max_ctx = 4, 4, 64, 16, 16 * 16 * 4
+    B, H, S, hd, bk, max_ctx = 4, 4, 16, 64, 16, 16 * 16 * 4
     ctx = np.array([1, 17, 100, max_ctx], np.int32)    # counting the RoPE kernel's new token where cached_offset = 1
     n_blocks = -(-(ctx - cached_offset) // bk)
     per = -(-n_blocks // S)
@@ -193,8 +190,8 @@ def _int8_problem(seed, B, H, KVH, hd, page_size, lens, dtype, poison_scales=Fal
 
 
 # (B, H, KVH, hd, page_size, context lens, num_splits, block_k)
-INT8_CASES = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7], CASES[8]]
-INT8_IDS = [IDS[0], IDS[1], IDS[2], IDS[5], IDS[7], IDS[8]]
+INT8_CASES = [CASES[0], CASES[1], CASES[2], CASES[5], CASES[7]]
+INT8_IDS = [IDS[0], IDS[1], IDS[2], IDS[5], IDS[7]]
 
 
 @pytest.mark.parametrize("case, convert", [(c, ["cvt", "bits"][i % 2]) for i, c in enumerate(INT8_CASES)],

@@ -122,29 +122,6 @@ def test_decode_attention_kernels_lower_at_real_shapes(shape, batch, context, kv
     assert TRITON_CALL in _lower(plain, sd((batch, H, hd), jnp.bfloat16), cache, cache, i32, pt, rows)
 
 
-@pytest.mark.parametrize("splits, block_k", [(48, 128), (80, 64), (3, 64)])
-def test_decode_attention_lowers_with_splits_not_a_power_of_two(splits, block_k):
-    """Split counts sized to fill a wave (B x KVH x splits programs): kernel 1's grid takes any count and the merge
-    pads its [splits, hd] tile to a power of two. Batch 1 at 32k, Qwen3-4B's heads, bf16 and int8 pages."""
-    H, K, hd, ps, L, context = 32, 8, 128, 16, 2, 32768
-    P = context // ps
-    sd = jax.ShapeDtypeStruct
-    rows, pt, i32 = sd((1,), jnp.int32), sd((1, P), jnp.int32), sd((), jnp.int32)
-    config = DA.SplitConfig(splits, block_k, num_stages=3)
-    for values in (sd((L, K, (P + 1) * ps, hd), jnp.bfloat16), sd((L, K, (P + 1) * ps, hd), jnp.int8)):
-        scales = sd(values.shape[:-1], jnp.float32) if values.dtype == jnp.int8 else None
-
-        def fused(qkv, cs, qn, kc, vc, ks, vs, layer, slots, pt, cl):
-            return decode_attention_rope_write(qkv, cs, cs, qn, qn, kc, vc, layer, slots, pt, cl, page_size=ps,
-                                               scale=hd ** -0.5, num_heads=H, num_kv_heads=K, config=config,
-                                               k_scale=ks, v_scale=vs)
-
-        text = _lower(fused, sd((1, (H + 2 * K) * hd), jnp.bfloat16), sd((1, hd), jnp.bfloat16),
-                      sd((L, hd), jnp.bfloat16), values, values, scales, scales, i32, rows, pt, rows)
-        assert text.count(TRITON_CALL) == 2   # the split kernel and the merge
-        assert f"grid_z = {splits}" in text
-
-
 @pytest.mark.parametrize("rows", [2, 4])
 def test_fused_gemv_with_several_rows_per_program_lowers_at_real_shapes(rows):
     """The decode GEMV with `rows` output rows per program (tables.GEMV_ROWS), at each Qwen3-4B projection."""

@@ -199,7 +199,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"])
     ap.add_argument("--int8-convert", default=None, choices=INT8_CONVERTS)
     ap.add_argument("--splits", type=int, nargs="+", default=SPLITS,
-                    help="split counts to sweep (any count: B x KVH x splits programs can be sized to fill a wave)")
+                    help="split counts to sweep (powers of two: the merge's tile)")
     ap.add_argument("--block-k", type=int, nargs="+", default=BLOCK_KS, help="positions a block to sweep")
     args = ap.parse_args()
     INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert

@@ -13,8 +13,7 @@ then K and V rows are read in place from the cache through those slots (no gathe
 [G, block_k] = q k^T on the tensor cores, online softmax in float32 (base 2, the scale folded in),
 acc [G, hd] += p v. It writes its normalised partial output and its log2-sum-exp per query head.
 
-Kernel 2, grid (B, H): merges the splits of one query head, [num_splits, hd] in one load (the tile padded to a
-power of two: num_splits need not be one, so that B x KVH x num_splits can fill a wave of programs), weights
+Kernel 2, grid (B, H): merges the splits of one query head, [num_splits, hd] in one load, weights
 2^(lse_s - max lse). With one split, kernel 1 writes the final output itself and there is no kernel 2.
 
 Splits are sized at run time from each sequence's own context length: a sequence of n blocks gives
@@ -197,19 +196,18 @@ def _merge_kernel(cl_ref, *refs, hd, D, num_splits, block_k, max_ctx, cached_off
     b = pl.program_id(0)
     hq = pl.program_id(1)
     cols = jnp.arange(D, dtype=jnp.int32)
-    splits = jnp.arange(pow2_at_least(num_splits), dtype=jnp.int32)   # a tile's dims are powers of two
+    splits = jnp.arange(num_splits, dtype=jnp.int32)
     # Only the splits that had positions are read (split 0 always: the RoPE kernel's new token lives there). An
     # empty split wrote o = 0 and lse = NEG, exactly the masked loads' `other`, so the tile and its sums are
     # the same as reading everything: at a 1k context in a 40k page table 16 of 64 splits hold positions.
     ctx = jnp.minimum(plgpu.load(cl_ref.at[b]), max_ctx) - cached_offset
     start, stop = window_split_range(ctx, plgpu.load(ws_ref.at[b]) if windowed else None, block_k, splits,
                                      num_splits)
-    live = ((start < stop) | (splits == 0)) & (splits < num_splits)
+    live = (start < stop) | (splits == 0)
     col_mask = cols < hd
-    split = jnp.minimum(splits, num_splits - 1)   # the padding lanes' addresses stay inside the array
-    o = plgpu.load(o_part_ref.at[b, hq, split[:, None], cols[None, :]], mask=live[:, None] & col_mask[None, :],
+    o = plgpu.load(o_part_ref.at[b, hq, splits[:, None], cols[None, :]], mask=live[:, None] & col_mask[None, :],
                    other=0)
-    lse = plgpu.load(lse_ref.at[b, hq, split], mask=live, other=NEG)                 # [S]
+    lse = plgpu.load(lse_ref.at[b, hq, splits], mask=live, other=NEG)                # [S]
     w = jnp.exp2(lse - jnp.max(lse))
     out = jnp.sum(o * w[:, None], axis=0) / jnp.sum(w)
     if D != hd:
@@ -275,8 +273,8 @@ def paged_decode_attention_split(q, k_cache, v_cache, layer, page_table, context
     if page_table.shape[0] != B or context_lens.shape != (B,):
         raise ValueError(f"paged_decode_attention: page_table {page_table.shape}, "
                          f"context_lens {context_lens.shape}, batch {B}")
-    if num_splits < 1 or not (is_pow2(block_k) and block_k >= 16):
-        raise ValueError(f"num_splits={num_splits} must be >= 1 and block_k={block_k} a power of two >= 16")
+    if not (is_pow2(num_splits) and is_pow2(block_k) and block_k >= 16):
+        raise ValueError(f"num_splits={num_splits} and block_k={block_k} must be powers of two (block_k >= 16)")
     if merge not in ("pallas", "jnp"):
         raise ValueError(f"merge={merge!r}")
     group = H // KVH
@@ -327,7 +325,7 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, hd: int, merge: str =
                           cached_offset=cached_offset, windowed=kv_start is not None),
         out_shape=jax.ShapeDtypeStruct((B, H, hd), dtype), grid=(B, H), interpret=interpret,
         name="decode_attention_merge",
-        compiler_params=plgpu.CompilerParams(num_warps=4 if pow2_at_least(num_splits) * D >= 4096 else 2,
+        compiler_params=plgpu.CompilerParams(num_warps=4 if num_splits * D >= 4096 else 2,
                                              num_stages=1),
     )(context_lens.astype(jnp.int32), *(() if kv_start is None else (kv_start.astype(jnp.int32),)), o_part, lse)
 

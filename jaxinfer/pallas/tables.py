@@ -18,7 +18,7 @@ _BIG = 1 << 62
 
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
-    num_splits: int = 1   # programs per (sequence, KV head); any count >= 1
+    num_splits: int = 1   # programs per (sequence, KV head); power of two
     block_k: int = 64     # positions per inner step; power of two >= 16
     num_warps: int = 4
     num_stages: int = 2   # Triton software pipelining of the block loop
