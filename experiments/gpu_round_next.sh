@@ -50,7 +50,8 @@
 #   part 42 (issue 39): an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values, fp8 batch 64
 #   part 43 (issue 43): Qwen3-30B-A3B@24 batch 64 traced
 #   part 45 (issue 39): the int8 decode attention at 32k over split counts that fill a wave (any count since the merge
-#     pads its tile), then the 32k step on the sweep's winner; part 46 the same for bf16 pages
+#     pads its tile), then the 32k step on the sweep's winner; part 46 the same for bf16 pages (45 and 48 ran at
+#     384223d..be1b34d; the any-count splits lost and were reverted in c841da8: their counts no longer run)
 #   part 47 (issue 39): fp8 prefill on the defaults (part 25's second half) since 87f5405 (its engine failed to start)
 #   part 48 (issue 39): part 45's 40 and 48 splits at 128 positions with 3-4 stages (its first pass ran them at 2 only)
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
