@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/prefill.py [--shapes qwen3-4b llama3-8b] [--prompts 128 1024 8192 32768]
                                           [--paths pallas reference hf] [--chunk 8192] [--out DIR]
-                                          [--quantization fp8 int8] [--tensor-parallel-size N]
+                                          [--quantization fp8 int8] [--tensor-parallel-size N] [--sequences N]
 
 A request of max_tokens=1 after a random prompt; TTFT is the wall time from submitting it to its
 first token (prompts longer than --chunk are prefilled chunk by chunk). FLOPs counted: the
@@ -20,6 +20,9 @@ rate (the measured one device's rate x N), TFLOP/s the aggregate. The hf paths a
 runs on one device); 8-bit weights are split as the bf16 ones (docs/tensor_parallel.md); a
 tensor-parallel engine runs the prompt step as one executable, so pallas-split6 is then pallas-one-step. Each row's
 JSON holds the prompt's first greedy token, to compare across TP sizes.
+--sequences N: each prompt's tokens as N prompts of 1/N of them, submitted together (one prompt step of N sequences
+when the chunk holds them all); TTFT is until the last one's first token, and the lm_head runs on N rows (FLOPs counted
+so: N causal attentions of T/N tokens, N lm_head rows).
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ from bench.random_model import bench_model
 from jaxinfer.sampling import SamplingParams
 
 
-def prefill_flops(cfg, T: int) -> float:
+def prefill_flops(cfg, T: int, sequences: int = 1) -> float:
     body = cfg.active_params() - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
-    attention = 4 * cfg.num_layers * cfg.q_size * T * (T + 1) / 2
-    return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size + attention
+    t = T // sequences
+    attention = 4 * cfg.num_layers * cfg.q_size * sequences * t * (t + 1) / 2
+    return 2 * body * T + 2 * cfg.vocab_size * cfg.hidden_size * sequences + attention
 
 
 # Paths besides ops names: engine settings to compare side by side
@@ -61,28 +65,32 @@ PATH_OPTIONS = {"pallas-paged": ("pallas", {"fresh_prompt_attention": False}),  
 
 
 def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, repeats: int = 3,
-                  profile_dir: str | None = None, tensor_parallel_size: int = 1) -> tuple[float, int, float]:
+                  profile_dir: str | None = None, tensor_parallel_size: int = 1,
+                  sequences: int = 1) -> tuple[float, int, float]:
     """The best TTFT in seconds over `repeats` runs after a warm-up, the first (greedy) token, and the seconds from
-    the engine's construction to the end of the warm-up (load, quantization, compiles, XLA's autotuning)."""
+    the engine's construction to the end of the warm-up (load, quantization, compiles, XLA's autotuning). sequences:
+    the prompt as that many prompts of equal length, submitted together; TTFT until the last one's first token."""
     chunk = min(chunk, len(prompt))
+    n = len(prompt) // sequences
+    prompts = [prompt[i * n:(i + 1) * n] for i in range(sequences)]
     path, _, quantization = path.partition("+")
     ops, options = PATH_OPTIONS.get(path, (path, {}))
     if quantization:
         options = {**options, "quantization": quantization}
     t_start = time.perf_counter()
-    engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=1, max_model_len=len(prompt) + 16,
+    engine = Engine(model_dir, dtype="bfloat16", ops=ops, **options, max_num_seqs=sequences, max_model_len=n + 16,
                     compile_all_at_start=True,
                     max_num_batched_tokens=chunk, token_buckets=[chunk], progress=False, skip_tokenizer_init=True, max_logprobs=0,
-                    enable_prefix_caching=False, num_pages=-(-(len(prompt) + 16) // 16) + 1,
+                    enable_prefix_caching=False, num_pages=sequences * -(-(n + 16) // 16) + 1,
                     tensor_parallel_size=tensor_parallel_size)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = float("inf")
     for i in range(repeats + 1):     # the first run is a warm-up
         t0 = time.perf_counter()
-        rid = engine.add_request(prompt, params)
+        rids = [engine.add_request(p, params) for p in prompts]
         while engine.has_unfinished():
             engine.step()
-        token = engine.take_finished(rid).outputs[0].token_ids[0]
+        token = [engine.take_finished(r).outputs[0].token_ids[0] for r in rids][0]
         best = min(best, time.perf_counter() - t0)
         if i == 0:
             start_s = time.perf_counter() - t_start
@@ -90,10 +98,11 @@ def ttft_jaxinfer(model_dir: Path, path: str, prompt: list[int], chunk: int, rep
         from bench.trace_kernels import kernel_trace, print_summary, summarize
 
         with kernel_trace(profile_dir):
-            rid = engine.add_request(prompt, params)
+            rids = [engine.add_request(p, params) for p in prompts]
             while engine.has_unfinished():
                 engine.step()
-            engine.take_finished(rid)
+            for r in rids:
+                engine.take_finished(r)
         print_summary(summarize(profile_dir, steps=1))
     del engine
     gc.collect()
@@ -141,7 +150,12 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="our paths over this many devices; the share is of N devices' GEMM rate (one device's x N); "
                          "hf paths are skipped")
+    ap.add_argument("--sequences", type=int, default=1,
+                    help="each prompt as this many prompts of equal length submitted together (our paths only)")
     args = ap.parse_args()
+    if args.sequences > 1 and any(p.startswith("hf") for p in args.paths):
+        print(f"# --sequences {args.sequences}: skipping the transformers path(s) (one prompt)", flush=True)
+        args.paths = [p for p in args.paths if not p.startswith("hf")]
     tp = args.tensor_parallel_size
     if tp > 1 and any(p.startswith("hf") for p in args.paths):
         print(f"# tensor parallel size {tp}: skipping the transformers path(s) "
@@ -179,13 +193,13 @@ def main() -> None:
                     s, token, start_s = ttft_hf(model_dir, prompt) if path == "hf" else ttft_jaxinfer(
                         model_dir, path, prompt, args.chunk,
                         profile_dir=f"/tmp/trace-prefill-{shape}-{T}-{path}" if f"{path}:{T}" in args.profile else None,
-                        tensor_parallel_size=tp)
+                        tensor_parallel_size=tp, sequences=args.sequences)
                 except Exception as e:   # reported, not fatal to the table (e.g. out of memory)
                     print(f"| {shape} | {T} | {path} | failed: {type(e).__name__}: {str(e)[:80]} | | | | | |", flush=True)
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
                     continue
-                flops = prefill_flops(cfg, T)
-                row = dict(shape=shape, prompt=T, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
+                flops = prefill_flops(cfg, T, args.sequences)
+                row = dict(shape=shape, prompt=T, sequences=args.sequences, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
                            share=flops / s / (gemm * tp), first_token=token, start_s=start_s)
                 base = [r for r in rows if (r["shape"], r["prompt"], r["path"]) == (shape, T, path.partition("+")[0])
                         and "ttft_ms" in r] if "+" in path else []

@@ -54,6 +54,7 @@
 #     384223d..be1b34d; the any-count splits lost and were reverted in c841da8: their counts no longer run)
 #   part 47 (issue 39): fp8 prefill on the defaults (part 25's second half) since 87f5405 (its engine failed to start)
 #   part 48 (issue 39): part 45's 40 and 48 splits at 128 positions with 3-4 stages (its first pass ran them at 2 only)
+#   part 49 (issue 39): part 42 where its rows are sampled: a 1k prompt step of 8 sequences (bench/prefill.py --sequences)
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
 #     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
 #   part 32 (issue 43): the grouped Mosaic GEMM's configs at 1k tokens (bench/kernels/moe.py), both MoE shapes
@@ -403,6 +404,13 @@ case "${1:-1}" in
        # splits): 40 and 48 at 128 positions beside 32, three candidates, so that each gets 3 and 4 stages
     TAIL=6 step attn_int8_splits_s3 120 python3 bench/kernels/decode_attention_rope.py --points 1:32768 \
          --kv-cache-dtype int8 --int8-convert prmt --budget 60 --splits 32 40 48 --block-k 128
+    ;;
+  49)  # an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values where they are sampled: a prompt
+       # step of 1,024 token rows (compiled without XLA's GEMM fusions) ending 8 prompts of 128; one process each
+    P="bench/prefill.py --shapes qwen3-4b --prompts 1024 --sequences 8 --paths pallas --quantization fp8 --out $OUT"
+    TAIL=3 step fp8_8seq_logits_xla 130 env HOME=$OUT/home_patched python3 experiments/with_tables.py \
+         "import jaxinfer.ops.pallas as p; p._fp8_logits_rows = lambda x, w: False" -- $P
+    TAIL=3 step fp8_8seq_logits_skinny 130 python3 $P
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
