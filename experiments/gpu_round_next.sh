@@ -407,10 +407,10 @@ case "${1:-1}" in
     ;;
   49)  # an fp8 lm_head's 2-63 rows on the skinny kernel against XLA's converted values where they are sampled: a prompt
        # step of 1,024 token rows (compiled without XLA's GEMM fusions) ending 8 prompts of 128; one process each
-    P="bench/prefill.py --shapes qwen3-4b --prompts 1024 --sequences 8 --paths pallas --quantization fp8 --out $OUT"
-    TAIL=3 step fp8_8seq_logits_xla 130 env HOME=$OUT/home_patched python3 experiments/with_tables.py \
+    P="bench/prefill.py --shapes qwen3-4b --prompts 1024 --sequences 8 --paths pallas+fp8 --out $OUT"
+    TAIL=3 step fp8_8seq_logits_xla 280 env HOME=$OUT/home_patched python3 experiments/with_tables.py \
          "import jaxinfer.ops.pallas as p; p._fp8_logits_rows = lambda x, w: False" -- $P
-    TAIL=3 step fp8_8seq_logits_skinny 130 python3 $P
+    TAIL=3 step fp8_8seq_logits_skinny 280 python3 $P
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
