@@ -2,7 +2,7 @@
 
 How often a router folded into o_proj (logits = inv_rms(h) * (r.(s*Wr) + a.W'), float32) picks other top-k experts
 than the reference's bf16 router (o rounded, h rounded, normed row rounded, logits rounded), Qwen3-30B-A3B's shapes,
-random bf16 weights at the scales of bench.random_model."""
+random bf16 weights N(0, 0.02) as bench.random_model writes them, norm scales 1 + N(0, 0.1)."""
 import jax, jax.numpy as jnp, numpy as np
 bf, f32 = jnp.bfloat16, jnp.float32
 D, A, E, K, N = 2048, 4096, 128, 8, 4096
