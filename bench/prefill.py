@@ -153,13 +153,14 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=1,
                     help="each prompt as this many prompts of equal length submitted together (our paths only)")
     args = ap.parse_args()
-    if args.sequences > 1 and any(p.startswith("hf") for p in args.paths):
-        print(f"# --sequences {args.sequences}: skipping the transformers path(s) (one prompt)", flush=True)
-        args.paths = [p for p in args.paths if not p.startswith("hf")]
+    if args.sequences < 1 or any(T % args.sequences for T in args.prompts):
+        ap.error(f"--sequences {args.sequences} must divide every --prompts length {args.prompts}")
     tp = args.tensor_parallel_size
-    if tp > 1 and any(p.startswith("hf") for p in args.paths):
-        print(f"# tensor parallel size {tp}: skipping the transformers path(s) "
-              f"{' '.join(p for p in args.paths if p.startswith('hf'))} (one device; ours only)", flush=True)
+    hf_out = [why for why, on in ((f"tensor parallel size {tp} (one device; ours only)", tp > 1),
+                                  (f"--sequences {args.sequences} (one prompt; ours only)", args.sequences > 1)) if on]
+    if hf_out and any(p.startswith("hf") for p in args.paths):
+        print(f"# {'; '.join(hf_out)}: skipping the transformers path(s) "
+              f"{' '.join(p for p in args.paths if p.startswith('hf'))}", flush=True)
         args.paths = [p for p in args.paths if not p.startswith("hf")]
     if args.fp8_tables:
         from bench.kernels.fp8_rows import apply_tables
@@ -199,8 +200,8 @@ def main() -> None:
                     rows.append(dict(shape=shape, prompt=T, path=path, error=str(e)[:300]))
                     continue
                 flops = prefill_flops(cfg, T, args.sequences)
-                row = dict(shape=shape, prompt=T, sequences=args.sequences, path=path, ttft_ms=1e3 * s, tok_s=T / s, tflops=flops / s / 1e12,
-                           share=flops / s / (gemm * tp), first_token=token, start_s=start_s)
+                row = dict(shape=shape, prompt=T, sequences=args.sequences, path=path, ttft_ms=1e3 * s, tok_s=T / s,
+                           tflops=flops / s / 1e12, share=flops / s / (gemm * tp), first_token=token, start_s=start_s)
                 base = [r for r in rows if (r["shape"], r["prompt"], r["path"]) == (shape, T, path.partition("+")[0])
                         and "ttft_ms" in r] if "+" in path else []
                 if base:
