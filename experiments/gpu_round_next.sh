@@ -54,6 +54,7 @@
 #     384223d..be1b34d; the any-count splits lost and were reverted in c841da8: their counts no longer run)
 #   part 47 (issue 39): fp8 prefill on the defaults (part 25's second half) since 87f5405 (its engine failed to start)
 #   part 48 (issue 39): part 45's 40 and 48 splits at 128 positions with 3-4 stages (its first pass ran them at 2 only)
+#   part 50 (issue 43): the expert layouts' searchsorted without its loop, Qwen3-30B-A3B@24 batch 32 / 64 and 1k prefill
 #   part 49 (issue 39): part 42 where its rows are sampled: a 1k prompt step of 8 sequences (bench/prefill.py --sequences)
 #   part 44 (issue 43): both MoE shapes on the current defaults, batch 1 after 1k (the issue's table) and batch 32 / 64,
 #     one model written a shape (the first's removed before the second: the disk holds one MoE shape beside qwen3-4b)
@@ -411,6 +412,17 @@ case "${1:-1}" in
     TAIL=3 step fp8_8seq_logits_xla 280 env HOME=$OUT/home_patched python3 experiments/with_tables.py \
          "import jaxinfer.ops.pallas as p; p._fp8_logits_rows = lambda x, w: False" -- $P
     TAIL=3 step fp8_8seq_logits_skinny 280 python3 $P
+    ;;
+  50)  # the expert layouts without a loop (jnp.searchsorted's compare_all): Qwen3-30B-A3B@24 batch 32 / 64 and 1k prefill,
+       # the default method's loop patched back in against the package, one process each, on one machine start
+    SCAN="import jax.numpy as jnp; _s = jnp.searchsorted; jnp.searchsorted = lambda *a, method=None, **k: _s(*a, method='scan', **k)"
+    S=qwen3-30b-a3b@24
+    T="bench/throughput.py --shape $S --ops pallas --batches 32 64 --context 1024 --steps 32 --decode-only --lazy-compile"
+    TAIL=4 step moe_b64_scan 170 env HOME=$OUT/home_scan python3 experiments/with_tables.py "$SCAN" -- $T --out $OUT/scan
+    TAIL=4 step moe_b64_compare_all 170 python3 $T --out $OUT/compare_all
+    P="bench/prefill.py --shapes $S --prompts 1024 --paths pallas"
+    TAIL=3 step moe_prefill_scan 100 env HOME=$OUT/home_scan python3 experiments/with_tables.py "$SCAN" -- $P --out $OUT/scan
+    TAIL=3 step moe_prefill_compare_all 100 python3 $P --out $OUT/compare_all
     ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do

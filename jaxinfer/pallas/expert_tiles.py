@@ -41,7 +41,8 @@ def expert_tiles(order: jax.Array, group_sizes: jax.Array, tile: int) -> ExpertT
     position = jnp.zeros(A, jnp.int32).at[order].set(start[sorted_experts] + rank)
     source = jnp.full(P, A, jnp.int32).at[position].set(jnp.arange(A, dtype=jnp.int32))
     tile_first = jnp.arange(P // tile, dtype=jnp.int32) * tile
-    owner = jnp.searchsorted(jnp.cumsum(padded), tile_first, side="right").astype(jnp.int32)
+    # compare_all: one fusion, not the default method's loop (see grouped_gemm.sorted_items)
+    owner = jnp.searchsorted(jnp.cumsum(padded), tile_first, side="right", method="compare_all").astype(jnp.int32)
     tile_expert = jnp.where(tile_first < jnp.sum(padded), owner, -1)
     return ExpertTiles(source, position, tile_expert)
 
