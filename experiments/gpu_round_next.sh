@@ -424,12 +424,6 @@ case "${1:-1}" in
     TAIL=3 step moe_prefill_scan 100 env HOME=$OUT/home_scan python3 experiments/with_tables.py "$SCAN" -- $P --out $OUT/scan
     TAIL=3 step moe_prefill_compare_all 100 python3 $P --out $OUT/compare_all
     ;;
-  51)  # part 50's batch 32 / 64 pair alone (for a call with ~4 minutes of device time left)
-    SCAN="import jax.numpy as jnp; _s = jnp.searchsorted; jnp.searchsorted = lambda *a, method=None, **k: _s(*a, method='scan', **k)"
-    T="bench/throughput.py --shape qwen3-30b-a3b@24 --ops pallas --batches 32 64 --context 1024 --steps 32 --decode-only --lazy-compile"
-    TAIL=4 step moe_b64_scan 130 env HOME=$OUT/home_scan python3 experiments/with_tables.py "$SCAN" -- $T --out $OUT/scan
-    TAIL=4 step moe_b64_compare_all 100 python3 $T --out $OUT/compare_all
-    ;;
   33)  # the grouped Mosaic GEMM (the default) beside transformers, one process a shape: 1k prefill
     for S in mixtral-8x7b@8 qwen3-30b-a3b@8; do
       mkdir -p "$OUT/${S%%@*}"

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import moe_block, rel_err
 from jaxinfer.ops import LayerWeight, reference
+from jaxinfer.pallas import expert_tiles as et
 from jaxinfer.pallas.grouped_gemm import GroupedGemmConfig, grouped_gemm, max_items, row_items, sorted_items
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -179,7 +180,6 @@ def test_the_expert_layouts_lower_without_a_loop():
     """Routing's row layouts (sorted_items for the Triton grouped GEMM, expert_tiles for the Mosaic one) are straight
     XLA ops: a loop in them (jnp.searchsorted's default method) runs on the GPU with the host checking each
     iteration, ~6 us an iteration, eight a layer at 128 experts."""
-    from jaxinfer.pallas import expert_tiles as et
     experts = jnp.zeros((64, 8), jnp.int32)
 
     def layouts(experts):

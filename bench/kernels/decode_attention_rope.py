@@ -202,6 +202,8 @@ def main() -> None:
                     help="split counts to sweep (powers of two: the merge's tile)")
     ap.add_argument("--block-k", type=int, nargs="+", default=BLOCK_KS, help="positions a block to sweep")
     args = ap.parse_args()
+    if any(n < 1 or n & (n - 1) for n in [*args.splits, *args.block_k]):
+        ap.error(f"--splits {args.splits} and --block-k {args.block_k} must be powers of two")
     INT8, INT8_CONVERT = args.kv_cache_dtype == "int8", args.int8_convert
     SPLITS, BLOCK_KS = tuple(args.splits), tuple(args.block_k)
     VECTOR_BYTES = HD + 4 if INT8 else HD * 2
